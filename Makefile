@@ -1,0 +1,43 @@
+# modality-gateway: `make serve` runs the gateway on routing.yaml; `make test` runs every test.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONFIG ?= routing.yaml
+
+.DEFAULT_GOAL := help
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(STAMP) ## create .venv and install the gateway with its dev tools
+
+serve: $(STAMP) ## run the gateway on $(CONFIG) (default routing.yaml)
+	$(VENV)/bin/modality-gateway serve --config $(CONFIG)
+
+demo: $(STAMP) ## run the gateway plus stand-in upstreams on :8000 (vLLM) and :30000 (SGLang)
+	@trap 'kill 0' EXIT INT TERM; \
+	$(PY) -m tools.standin --port 8000 --name vllm & \
+	$(PY) -m tools.standin --port 30000 --name sglang & \
+	$(VENV)/bin/modality-gateway serve --config $(CONFIG)
+
+test: $(STAMP) ## run every test
+	$(PY) -m pytest
+
+check: $(STAMP) ## formatting, lint, and mypy --strict on gateway/
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy --strict gateway/
+
+fmt: $(STAMP) ## format and fix what ruff can
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+.PHONY: help install serve demo test check fmt

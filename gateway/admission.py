@@ -1,0 +1,198 @@
+"""The admission decision: what happens to a chat request, decided before any upstream is touched.
+
+:func:`admit` turns a parsed request body into a :class:`RoutePlan` or raises a
+:class:`~gateway.errors.GatewayError`. The rules, applied to the modalities the request carries:
+
+1. **Redirect.** If the model does not accept a modality whose policy is ``{redirect: M}``, the whole
+   request goes to ``M``, which applies its own table (step 1 again). When several modalities
+   redirect, the first target (in text, image, video, audio order) that accepts every modality of
+   the request wins, else the first target. routing.yaml validation forbids redirect cycles.
+2. **Reject.** Any remaining modality the model does not accept with policy ``reject`` (the default)
+   fails with 400 ``unsupported_modality`` at the first offending part.
+3. **Strip.** Parts of a modality with policy ``strip`` are removed; a message left with no parts
+   gets ``""`` as content. A video that carries its audio track (``use_audio_in_video``) stays when
+   only audio is stripped: the flag is turned off instead.
+4. **Limits** of the serving model apply to what is left (400 ``too_many_items``).
+
+:func:`rewrite` applies a plan to the body; it is needed only when the plan changes something.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .config import GatewayConfig, ModelConfig
+from .errors import (
+    GatewayError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    Rejection,
+    TooManyItemsError,
+    UnsupportedModalityError,
+)
+from .modality import Classification, Modality, Part, classify
+
+
+@dataclass(frozen=True, slots=True)
+class Redirect:
+    source: str
+    modality: Modality
+    target: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    requested: str
+    model: ModelConfig  # the model that serves the request
+    classification: Classification
+    redirects: tuple[Redirect, ...] = ()
+    stripped: frozenset[Modality] = frozenset()
+
+    @property
+    def route(self) -> str:
+        """The X-Gateway-Route header value."""
+        actions = [a for a, on in (("redirect", self.redirects), ("strip", self.stripped_parts)) if on]
+        return ", ".join(actions) or "direct"
+
+    @property
+    def stripped_parts(self) -> tuple[Part, ...]:
+        return tuple(p for p in self.classification.parts if p.modality in self.stripped)
+
+    @property
+    def mutes_audio_in_video(self) -> bool:
+        return Modality.AUDIO in self.stripped and self.classification.audio_in_video
+
+    def needs_rewrite(self, body: Mapping[str, Any]) -> bool:
+        return (
+            body.get("model") != self.model.upstream_name
+            or bool(self.stripped_parts)
+            or (self.mutes_audio_in_video and bool(self.classification.parts_with(Modality.VIDEO)))
+        )
+
+    def action(self, part: Part) -> str:
+        return "strip" if part.modality in self.stripped else "accept"
+
+    def explain(self) -> dict[str, Any]:
+        """The decision as JSON, for `modality-gateway explain` and debugging."""
+        return {
+            "decision": "accept",
+            "requested_model": self.requested,
+            "model": self.model.name,
+            "upstream_model": self.model.upstream_name,
+            "upstreams": list(self.model.upstreams),
+            "route": self.route,
+            "redirects": [{"from": r.source, "modality": r.modality.value, "to": r.target} for r in self.redirects],
+            "counts": {m.value: n for m, n in self.classification.counts.items()},
+            "parts": [
+                {
+                    "location": p.location,
+                    "type": p.type,
+                    "modalities": [m.value for m in p.modalities],
+                    "action": self.action(p),
+                }
+                for p in self.classification.parts
+            ],
+        }
+
+
+def lookup(config: GatewayConfig, body: Mapping[str, Any]) -> ModelConfig:
+    """The model a request names; 400 when it names none, 404 when the table lacks it."""
+    name = body.get("model")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError("'model' is required and must be a non-empty string", param="model")
+    model = config.model(name)
+    if model is None:
+        known = ", ".join(m.name for m in config.models)
+        raise ModelNotFoundError(f"The model '{name}' does not exist (models: {known})", param="model")
+    return model
+
+
+def admit(config: GatewayConfig, body: Mapping[str, Any]) -> RoutePlan:
+    requested = lookup(config, body)
+    classification = classify(body, model=requested.name)
+    present = classification.present
+    model = requested
+    redirects: list[Redirect] = []
+    while True:
+        redirect = _choose_redirect(config, model, present)
+        if redirect is None:
+            break
+        if any(r.source == redirect.target for r in redirects) or redirect.target == requested.name:
+            # validation forbids cycles; this guards a config built in code without it
+            raise GatewayError(f"redirect loop at model '{model.name}'")
+        redirects.append(redirect)
+        target = config.model(redirect.target)
+        assert target is not None, "validated: redirect targets exist"
+        model = target
+    unsupported = [m for m in present if m not in model.accepts]
+    _reject_unsupported(model, classification, unsupported, redirects)
+    stripped = frozenset(m for m in unsupported if model.policy(m).action == "strip")
+    _enforce_limits(model, classification, stripped)
+    return RoutePlan(requested.name, model, classification, tuple(redirects), stripped)
+
+
+def _choose_redirect(config: GatewayConfig, model: ModelConfig, present: tuple[Modality, ...]) -> Redirect | None:
+    candidates = [
+        Redirect(model.name, m, policy.target)
+        for m in present
+        if m not in model.accepts and (policy := model.policy(m)).action == "redirect" and policy.target
+    ]
+    for candidate in candidates:
+        target = config.model(candidate.target)
+        if target is not None and all(m in target.accepts for m in present):
+            return candidate
+    return candidates[0] if candidates else None
+
+
+def _reject_unsupported(
+    model: ModelConfig, classification: Classification, unsupported: list[Modality], redirects: list[Redirect]
+) -> None:
+    rejected = [m for m in unsupported if model.policy(m).action == "reject"]
+    if not rejected:
+        return
+    part = next(p for p in classification.parts if any(m in rejected for m in p.modalities))
+    modality = next(m for m in part.modalities if m in rejected)
+    via = ""
+    if redirects:
+        r = redirects[-1]
+        via = f" (redirected from '{redirects[0].source}' for {r.modality} input)"
+    carried = "" if part.modality is modality else f" ({part.type} with use_audio_in_video)"
+    raise UnsupportedModalityError(
+        f"Model '{model.name}'{via} does not accept {modality} input: {part.location} is "
+        f"'{part.type}'{carried}. It accepts: {model.accepts_text()}.",
+        param=part.location,
+        rejection=Rejection(model.name, modality.value, "unsupported"),
+    )
+
+
+def _enforce_limits(model: ModelConfig, classification: Classification, stripped: frozenset[Modality]) -> None:
+    for modality, limit in model.limits.items():
+        parts = [p for p in classification.parts_with(modality) if p.modality not in stripped]
+        if len(parts) > limit:
+            raise TooManyItemsError(
+                f"Model '{model.name}' accepts at most {limit} {modality} item(s) per request; "
+                f"this request has {len(parts)} (the first over the limit is {parts[limit].location}).",
+                param=parts[limit].location,
+                rejection=Rejection(model.name, modality.value, "too_many_items"),
+            )
+
+
+def rewrite(plan: RoutePlan, body: dict[str, Any]) -> bytes:
+    """Apply the plan to ``body`` (in place) and serialize it."""
+    body["model"] = plan.model.upstream_name
+    messages = body["messages"]
+    for part in reversed(plan.stripped_parts):  # reversed keeps earlier indices valid
+        content = messages[part.message]["content"]
+        if part.index is None:
+            messages[part.message]["content"] = ""
+        else:
+            del content[part.index]
+            if not content:
+                messages[part.message]["content"] = ""
+    if plan.mutes_audio_in_video:
+        body["mm_processor_kwargs"] = {**body["mm_processor_kwargs"], "use_audio_in_video": False}
+    return orjson.dumps(body)

@@ -1,0 +1,77 @@
+"""The application factory: wiring only."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from . import handlers
+from .config import GatewayConfig
+from .metrics import GatewayMetrics
+from .middlewares import error_middleware, metrics_middleware, request_id_middleware
+from .reload import ConfigStore
+from .state import SERVICES_KEY, Services
+from .upstream import Replicas, UpstreamClient
+
+
+def create_app(
+    config: GatewayConfig,
+    *,
+    registry: CollectorRegistry | None = None,
+    config_path: str | None = None,
+    watch: bool = True,
+) -> web.Application:
+    """Build the gateway. ``config_path`` enables reloads (``watch`` also polls the file for edits)."""
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    store = ConfigStore(config, metrics=metrics, path=config_path)
+    replicas = Replicas(cooldown_s=config.server.upstream_cooldown_s)
+    store.subscribe(replicas.update)
+    services = Services(store, metrics, UpstreamClient(replicas, metrics), config.server.max_body_bytes)
+
+    app = web.Application(
+        client_max_size=config.server.max_body_bytes,
+        middlewares=[request_id_middleware, metrics_middleware, error_middleware],
+    )
+    app[SERVICES_KEY] = services
+    app.cleanup_ctx.append(_upstream_client)
+    if config_path is not None and watch:
+        app.cleanup_ctx.append(_config_watcher)
+
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", handlers.list_models)
+    app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_get("/readyz", handlers.readyz)
+    app.router.add_post("/admin/reload", handlers.admin_reload)
+    app.router.add_get("/metrics", _metrics_handler(registry))
+    return app
+
+
+async def _upstream_client(app: web.Application) -> AsyncIterator[None]:
+    services = app[SERVICES_KEY]
+    await services.upstream.start(services.store.current)
+    yield
+    await services.upstream.close()
+
+
+async def _config_watcher(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[SERVICES_KEY].store.watch(), name="routing.yaml watcher")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _metrics_handler(registry: CollectorRegistry) -> handlers.Handler:
+    async def metrics(request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    return metrics

@@ -1,0 +1,648 @@
+"""routing.yaml -> a frozen, validated :class:`GatewayConfig`.
+
+Loading has three steps: YAML is composed into nodes (so every value keeps its line and column),
+the nodes are parsed section by section into frozen dataclasses, and :func:`_validate` checks what
+spans sections (redirect targets, loops, encoders). Every problem found is collected, and all of
+them are raised together as one :class:`~gateway.errors.ConfigError`, each rendered as
+``FILE:LINE:COL: dotted.path: message``. The schema is documented in ``docs/routing.md`` and,
+for editors, ``docs/routing.schema.json``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+
+from .errors import ConfigError, ConfigProblem
+from .modality import MODALITY_NAMES, Modality
+
+SUPPORTED_VERSION = 1
+ENCODABLE = (Modality.IMAGE,)
+
+# Keys per section: the parser and docs/routing.schema.json must agree (tests/test_schema.py).
+TOP_KEYS = ("version", "server", "media", "encoders", "models")
+SERVER_KEYS = (
+    "host",
+    "port",
+    "max_body_bytes",
+    "admin_token_env",
+    "reload_interval_s",
+    "upstream_connect_timeout_s",
+    "upstream_read_timeout_s",
+    "upstream_cooldown_s",
+)
+MEDIA_KEYS = ("allow_domains", "allow_private_networks", "fetch_timeout_s", "max_image_bytes")
+ENCODER_KEYS = {
+    "local": ("kind", "model", "device", "max_batch_size", "max_batch_delay_ms", "timeout_s"),
+    "http": ("kind", "urls", "timeout_s"),
+}
+MODEL_KEYS = ("name", "upstreams", "upstream_model", "accepts", "limits", "encode", "on_unsupported")
+POLICY_ACTIONS = ("reject", "strip")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 32 * 1024 * 1024
+    admin_token_env: str = "GATEWAY_ADMIN_TOKEN"
+    reload_interval_s: float = 2.0  # 0 turns off watching routing.yaml
+    upstream_connect_timeout_s: float = 5.0
+    upstream_read_timeout_s: float = 600.0  # longest silence between two bytes of a response
+    upstream_cooldown_s: float = 5.0  # how long a replica that refused a connection is skipped
+
+
+@dataclass(frozen=True, slots=True)
+class MediaConfig:
+    allow_domains: tuple[str, ...] = ()
+    allow_private_networks: bool = False
+    fetch_timeout_s: float = 5.0
+    max_image_bytes: int = 20 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderConfig:
+    name: str
+    kind: Literal["local", "http"]
+    model: str = "builtin:vit-small"
+    device: str = "auto"
+    max_batch_size: int = 32
+    max_batch_delay_ms: float = 0.0
+    timeout_s: float = 30.0
+    urls: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """What to do with a modality a model does not accept."""
+
+    action: Literal["reject", "strip", "redirect"]
+    target: str | None = None  # the model to redirect to
+
+    def __str__(self) -> str:
+        return f"redirect to '{self.target}'" if self.action == "redirect" else self.action
+
+
+REJECT = Policy("reject")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    upstreams: tuple[str, ...]
+    accepts: tuple[Modality, ...]  # in Modality order
+    upstream_model: str | None = None
+    limits: Mapping[Modality, int] = field(default_factory=lambda: MappingProxyType({}))
+    encode: Mapping[Modality, str] = field(default_factory=lambda: MappingProxyType({}))
+    on_unsupported: Mapping[Modality, Policy] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def upstream_name(self) -> str:
+        return self.upstream_model or self.name
+
+    def policy(self, modality: Modality) -> Policy:
+        return self.on_unsupported.get(modality, REJECT)
+
+    def accepts_text(self) -> str:
+        return ", ".join(self.accepts)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    models: tuple[ModelConfig, ...]
+    server: ServerConfig = ServerConfig()
+    media: MediaConfig = MediaConfig()
+    encoders: Mapping[str, EncoderConfig] = field(default_factory=lambda: MappingProxyType({}))
+    version: int = SUPPORTED_VERSION
+    source: str = "<memory>"
+    _by_name: Mapping[str, ModelConfig] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", MappingProxyType({m.name: m for m in self.models}))
+
+    def model(self, name: str) -> ModelConfig | None:
+        return self._by_name.get(name)
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate a routing.yaml; raise ConfigError listing every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([ConfigProblem(str(path), 0, 0, "", f"cannot read file: {exc}")]) from None
+    return parse_config(text, filename=str(path))
+
+
+def parse_config(text: str, *, filename: str = "routing.yaml") -> GatewayConfig:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (0, 0)
+        message = f"invalid YAML: {exc.problem or exc.context}"
+        raise ConfigError([ConfigProblem(filename, line, col, "", message)]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([ConfigProblem(filename, 0, 0, "", f"invalid YAML: {exc}")]) from None
+    parser = _Parser(filename)
+    if node is None:
+        parser.problem("", "the file is empty (expected a mapping with 'version' and 'models')")
+        raise ConfigError(parser.problems)
+    document = parser.to_python(node, "")
+    config = parser.config(document, source=filename)
+    if config is not None and not parser.problems:
+        _validate(config, parser)
+    if parser.problems:
+        raise ConfigError(sorted(parser.problems, key=lambda p: (p.line, p.column)))
+    assert config is not None
+    return config
+
+
+class _Missing:
+    pass
+
+
+MISSING: Any = _Missing()
+
+
+class _Parser:
+    """Turns YAML nodes into config objects, collecting problems with their locations."""
+
+    def __init__(self, filename: str) -> None:
+        self.filename = filename
+        self.problems: list[ConfigProblem] = []
+        self.value_marks: dict[str, yaml.Mark] = {}
+        self.key_marks: dict[str, yaml.Mark] = {}
+        self._scalars = yaml.SafeLoader("")
+
+    # --- locations -------------------------------------------------------------------------
+
+    def problem(self, path: str, message: str, *, at_key: bool = False, mark: yaml.Mark | None = None) -> None:
+        mark = mark or (self.key_marks.get(path) if at_key else None) or self._nearest_mark(path)
+        line, col = (mark.line + 1, mark.column + 1) if mark else (0, 0)
+        self.problems.append(ConfigProblem(self.filename, line, col, path, message))
+
+    def _nearest_mark(self, path: str) -> yaml.Mark | None:
+        while True:
+            if path in self.value_marks:
+                return self.value_marks[path]
+            if not path:
+                return None
+            cut = max(path.rfind("."), path.rfind("["))
+            path = path[: max(cut, 0)]
+
+    def to_python(self, node: yaml.Node, path: str) -> Any:
+        self.value_marks[path] = node.start_mark
+        if isinstance(node, yaml.SequenceNode):
+            return [self.to_python(child, f"{path}[{i}]") for i, child in enumerate(node.value)]
+        if isinstance(node, yaml.MappingNode):
+            result: dict[str, Any] = {}
+            first_seen: dict[str, yaml.Mark] = {}
+            for key_node, value_node in node.value:
+                key = self._scalars.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else None
+                if not isinstance(key, str):
+                    self.problem(path, "mapping keys must be strings", mark=key_node.start_mark)
+                    continue
+                child = f"{path}.{key}" if path else key
+                self.key_marks.setdefault(child, key_node.start_mark)
+                if key in first_seen:
+                    line = first_seen[key].line + 1
+                    self.problem(child, f"duplicate key '{key}' (first at line {line})", mark=key_node.start_mark)
+                    continue
+                first_seen[key] = key_node.start_mark
+                result[key] = self.to_python(value_node, child)
+            return result
+        return self._scalars.construct_object(node)
+
+    # --- typed readers ---------------------------------------------------------------------
+
+    def mapping(self, value: Any, path: str, allowed: tuple[str, ...], *, what: str) -> dict[str, Any] | None:
+        if not isinstance(value, dict):
+            self.problem(path, f"{what} must be a mapping, not {_kind(value)}")
+            return None
+        for key in value:
+            if key not in allowed:
+                self.problem(_join(path, key), _unknown(key, allowed, "key"), at_key=True)
+        return value
+
+    def string(self, value: Any, path: str, default: Any = MISSING) -> Any:
+        if value is MISSING:
+            return self._required(path, default)
+        if not isinstance(value, str) or not value.strip():
+            self.problem(path, f"must be a non-empty string, not {_kind(value)}")
+            return default if default is not MISSING else None
+        return value
+
+    def integer(self, value: Any, path: str, default: int, *, minimum: int, maximum: int | None = None) -> int:
+        if value is MISSING:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.problem(path, f"must be an integer, not {_kind(value)}")
+            return default
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+            self.problem(path, f"must be {bound}, not {value}")
+            return default
+        return value
+
+    def number(self, value: Any, path: str, default: float, *, positive: bool = True) -> float:
+        if value is MISSING:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            self.problem(path, f"must be a number, not {_kind(value)}")
+            return default
+        if value < 0 or (positive and value == 0):
+            self.problem(path, f"must be {'greater than 0' if positive else 'at least 0'}, not {value}")
+            return default
+        return float(value)
+
+    def boolean(self, value: Any, path: str, default: bool) -> bool:
+        if value is MISSING:
+            return default
+        if not isinstance(value, bool):
+            self.problem(path, f"must be true or false, not {_kind(value)}")
+            return default
+        return value
+
+    def string_list(self, value: Any, path: str) -> list[tuple[str, str]]:
+        """[(item, item_path)] of the string items; problems for the others."""
+        if not isinstance(value, list):
+            self.problem(path, f"must be a list, not {_kind(value)}")
+            return []
+        items = []
+        for i, item in enumerate(value):
+            if isinstance(item, str) and item.strip():
+                items.append((item, f"{path}[{i}]"))
+            else:
+                self.problem(f"{path}[{i}]", f"must be a non-empty string, not {_kind(item)}")
+        return items
+
+    def url(self, value: str, path: str) -> str | None:
+        parts = urlsplit(value)
+        problem = None
+        if parts.scheme not in ("http", "https"):
+            problem = "must be an http:// or https:// URL"
+        elif not parts.hostname:
+            problem = "has no host"
+        elif parts.query or parts.fragment:
+            problem = "must not have a query or fragment (the request path is appended to it)"
+        elif parts.username or parts.password:
+            problem = "must not carry credentials"
+        else:
+            try:
+                parts.port  # noqa: B018 - raises ValueError for a bad port
+            except ValueError:
+                problem = "has an invalid port"
+        if problem:
+            self.problem(path, f"bad URL '{value}': {problem}")
+            return None
+        return value.rstrip("/")
+
+    def modality(self, value: Any, path: str, *, at_key: bool = False) -> Modality | None:
+        if isinstance(value, str) and value in MODALITY_NAMES:
+            return Modality(value)
+        self.problem(path, _unknown(value, MODALITY_NAMES, "modality"), at_key=at_key)
+        return None
+
+    def _required(self, path: str, default: Any) -> Any:
+        if default is MISSING:
+            self.problem(path, "is required")
+            return None
+        return default
+
+    # --- sections --------------------------------------------------------------------------
+
+    def config(self, doc: Any, *, source: str) -> GatewayConfig | None:
+        top = self.mapping(doc, "", TOP_KEYS, what="the document")
+        if top is None:
+            return None
+        version = top.get("version", MISSING)
+        if version is MISSING:
+            self.problem("version", "is required (the only version is 1)")
+        elif version != SUPPORTED_VERSION or isinstance(version, bool):
+            self.problem("version", f"unsupported version {version!r} (the only version is 1)")
+        server = self.server(top.get("server", {}))
+        media = self.media(top.get("media", {}))
+        encoders = self.encoders(top.get("encoders", {}))
+        models = self.models(top.get("models", MISSING))
+        return GatewayConfig(
+            models=tuple(models),
+            server=server,
+            media=media,
+            encoders=MappingProxyType(encoders),
+            source=source,
+        )
+
+    def server(self, value: Any) -> ServerConfig:
+        d = ServerConfig()
+        raw = self.mapping(value, "server", SERVER_KEYS, what="server")
+        if raw is None:
+            return d
+
+        def get(key: str) -> tuple[Any, str, Any]:
+            return raw.get(key, MISSING), f"server.{key}", getattr(d, key)
+
+        return ServerConfig(
+            host=self.string(*get("host")),
+            port=self.integer(*get("port"), minimum=0, maximum=65535),
+            max_body_bytes=self.integer(*get("max_body_bytes"), minimum=1024),
+            admin_token_env=self.string(*get("admin_token_env")),
+            reload_interval_s=self.number(*get("reload_interval_s"), positive=False),
+            upstream_connect_timeout_s=self.number(*get("upstream_connect_timeout_s")),
+            upstream_read_timeout_s=self.number(*get("upstream_read_timeout_s")),
+            upstream_cooldown_s=self.number(*get("upstream_cooldown_s"), positive=False),
+        )
+
+    def media(self, value: Any) -> MediaConfig:
+        d = MediaConfig()
+        raw = self.mapping(value, "media", MEDIA_KEYS, what="media")
+        if raw is None:
+            return d
+
+        def get(key: str) -> tuple[Any, str, Any]:
+            return raw.get(key, MISSING), f"media.{key}", getattr(d, key)
+
+        domains = self.string_list(raw.get("allow_domains", []), "media.allow_domains")
+        return MediaConfig(
+            allow_domains=tuple(s.lower() for s, _ in domains),
+            allow_private_networks=self.boolean(*get("allow_private_networks")),
+            fetch_timeout_s=self.number(*get("fetch_timeout_s")),
+            max_image_bytes=self.integer(*get("max_image_bytes"), minimum=1),
+        )
+
+    def encoders(self, value: Any) -> dict[str, EncoderConfig]:
+        if not isinstance(value, dict):
+            self.problem("encoders", f"encoders must be a mapping of name to encoder, not {_kind(value)}")
+            return {}
+        result = {}
+        for name, raw in value.items():
+            encoder = self.encoder(name, raw, f"encoders.{name}")
+            if encoder is not None:
+                result[name] = encoder
+        return result
+
+    def encoder(self, name: str, value: Any, path: str) -> EncoderConfig | None:
+        if not isinstance(value, dict):
+            self.problem(path, f"an encoder must be a mapping, not {_kind(value)}")
+            return None
+        kind = value.get("kind", MISSING)
+        if kind is MISSING:
+            self.problem(path, "'kind' is required (local or http)")
+            return None
+        if kind not in ENCODER_KEYS:
+            self.problem(f"{path}.kind", _unknown(kind, tuple(ENCODER_KEYS), "encoder kind"))
+            return None
+        raw = self.mapping(value, path, ENCODER_KEYS[kind], what="an encoder")
+        assert raw is not None
+        d = EncoderConfig(name, kind)
+        timeout = self.number(raw.get("timeout_s", MISSING), f"{path}.timeout_s", d.timeout_s)
+        if kind == "http":
+            urls = []
+            if "urls" not in raw:
+                self.problem(path, "'urls' is required for an http encoder")
+            for item, item_path in self.string_list(raw.get("urls", []), f"{path}.urls"):
+                url = self.url(item, item_path)
+                if url:
+                    urls.append(url)
+            if "urls" in raw and isinstance(raw["urls"], list) and not raw["urls"]:
+                self.problem(f"{path}.urls", "must list at least one URL")
+            return EncoderConfig(name, "http", timeout_s=timeout, urls=tuple(urls))
+
+        def get(key: str) -> tuple[Any, str, Any]:
+            return raw.get(key, MISSING), f"{path}.{key}", getattr(d, key)
+
+        return EncoderConfig(
+            name,
+            "local",
+            model=self.string(*get("model")),
+            device=self.device(raw.get("device", MISSING), f"{path}.device"),
+            max_batch_size=self.integer(*get("max_batch_size"), minimum=1),
+            max_batch_delay_ms=self.number(*get("max_batch_delay_ms"), positive=False),
+            timeout_s=timeout,
+        )
+
+    def device(self, value: Any, path: str) -> str:
+        if value is MISSING:
+            return "auto"
+        if isinstance(value, str) and (
+            value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+        ):
+            return value
+        self.problem(path, f"unknown device {value!r} (expected auto, cpu, cuda or cuda:N)")
+        return "auto"
+
+    def models(self, value: Any) -> list[ModelConfig]:
+        if value is MISSING:
+            self.problem("models", "is required: list at least one model")
+            return []
+        if not isinstance(value, list) or not value:
+            self.problem("models", f"must be a non-empty list of models, not {_kind(value)}")
+            return []
+        return [m for i, raw in enumerate(value) if (m := self.model(raw, f"models[{i}]")) is not None]
+
+    def model(self, value: Any, path: str) -> ModelConfig | None:
+        raw = self.mapping(value, path, MODEL_KEYS, what="a model")
+        if raw is None:
+            return None
+        name = self.string(raw.get("name", MISSING), f"{path}.name")
+        upstreams = self.upstreams(raw.get("upstreams", MISSING), f"{path}.upstreams")
+        accepts = self.accepts(raw.get("accepts", MISSING), f"{path}.accepts")
+        upstream_model = raw.get("upstream_model", MISSING)
+        upstream_model = None if upstream_model is MISSING else self.string(upstream_model, f"{path}.upstream_model")
+        limits = self.modality_map(raw.get("limits", {}), f"{path}.limits", self.limit)
+        encode = self.modality_map(raw.get("encode", {}), f"{path}.encode", self.string)
+        policies = self.modality_map(raw.get("on_unsupported", {}), f"{path}.on_unsupported", self.policy)
+        if name is None or accepts is None:
+            return None
+        return ModelConfig(
+            name=name,
+            upstreams=tuple(upstreams),
+            accepts=accepts,
+            upstream_model=upstream_model,
+            limits=MappingProxyType(limits),
+            encode=MappingProxyType(encode),
+            on_unsupported=MappingProxyType(policies),
+        )
+
+    def upstreams(self, value: Any, path: str) -> list[str]:
+        if value is MISSING:
+            self.problem(path, "is required: list the model's OpenAI-compatible servers")
+            return []
+        items = self.string_list(value, path)
+        if isinstance(value, list) and not value:
+            self.problem(path, "must list at least one upstream URL")
+        urls: list[str] = []
+        for item, item_path in items:
+            url = self.url(item, item_path)
+            if url is None:
+                continue
+            if url in urls:
+                self.problem(item_path, f"duplicate upstream '{item}'")
+            else:
+                urls.append(url)
+        return urls
+
+    def accepts(self, value: Any, path: str) -> tuple[Modality, ...] | None:
+        if value is MISSING:
+            self.problem(path, f"is required: list the modalities the model takes ({', '.join(MODALITY_NAMES)})")
+            return None
+        if not isinstance(value, list) or not value:
+            self.problem(path, f"must be a non-empty list of modalities, not {_kind(value)}")
+            return None
+        seen: list[Modality] = []
+        for i, item in enumerate(value):
+            m = self.modality(item, f"{path}[{i}]")
+            if m is None:
+                continue
+            if m in seen:
+                self.problem(f"{path}[{i}]", f"modality '{m}' is listed twice")
+            seen.append(m)
+        if seen and Modality.TEXT not in seen:
+            self.problem(path, "must include 'text' (every chat request carries text)")
+        return tuple(m for m in Modality if m in seen)
+
+    def modality_map(self, value: Any, path: str, read: Any) -> dict[Modality, Any]:
+        if not isinstance(value, dict):
+            self.problem(path, f"must be a mapping of modality to value, not {_kind(value)}")
+            return {}
+        result = {}
+        for key, item in value.items():
+            m = self.modality(key, _join(path, key), at_key=True)
+            parsed = read(item, _join(path, key))
+            if m is not None and parsed is not None:
+                result[m] = parsed
+        return result
+
+    def limit(self, value: Any, path: str) -> int | None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            self.problem(path, f"must be a whole number of items (0 or more), not {value!r}")
+            return None
+        return value
+
+    def policy(self, value: Any, path: str) -> Policy | None:
+        if isinstance(value, str) and value in POLICY_ACTIONS:
+            return Policy(value)  # type: ignore[arg-type]
+        if isinstance(value, dict) and set(value) == {"redirect"}:
+            target = self.string(value["redirect"], f"{path}.redirect")
+            return Policy("redirect", target) if target else None
+        if isinstance(value, dict):
+            for key in value:
+                if key != "redirect":
+                    self.problem(_join(path, key), _unknown(key, ("redirect",), "key"), at_key=True)
+            return None
+        self.problem(path, f"unknown policy {value!r} (expected reject, strip, or {{redirect: MODEL}})")
+        return None
+
+
+def _validate(config: GatewayConfig, p: _Parser) -> None:
+    """Checks that span sections: names, redirects, encoders, limits."""
+    first: dict[str, int] = {}
+    for i, model in enumerate(config.models):
+        path = f"models[{i}]"
+        if model.name in first:
+            line = p.value_marks[f"models[{first[model.name]}].name"].line + 1
+            p.problem(f"{path}.name", f"duplicate model name '{model.name}' (first defined at line {line})")
+        else:
+            first[model.name] = i
+        for m in model.limits:
+            if m not in model.accepts:
+                p.problem(f"{path}.limits.{m}", f"a limit for '{m}', which the model does not accept", at_key=True)
+        for m, encoder in model.encode.items():
+            where = f"{path}.encode.{m}"
+            if m not in ENCODABLE:
+                p.problem(where, f"only {', '.join(ENCODABLE)} parts can be encoded, not '{m}'", at_key=True)
+            elif m not in model.accepts:
+                p.problem(where, f"encodes '{m}', which the model does not accept", at_key=True)
+            if encoder not in config.encoders:
+                known = ", ".join(config.encoders) or "none defined"
+                p.problem(where, f"unknown encoder '{encoder}' (encoders: {known})")
+        for m, policy in model.on_unsupported.items():
+            where = f"{path}.on_unsupported.{m}"
+            if m in model.accepts:
+                p.problem(where, f"'{m}' is accepted by this model, so this policy would never apply", at_key=True)
+                continue
+            if policy.action != "redirect":
+                continue
+            target = config.model(policy.target or "")
+            if policy.target == model.name:
+                p.problem(f"{where}.redirect", f"model '{model.name}' redirects to itself")
+            elif target is None:
+                names = ", ".join(mm.name for mm in config.models)
+                p.problem(f"{where}.redirect", f"redirect target '{policy.target}' is not a model here ({names})")
+            elif m not in target.accepts:
+                p.problem(
+                    f"{where}.redirect",
+                    f"redirect target '{target.name}' does not accept '{m}' (it accepts: {target.accepts_text()})",
+                )
+    if not p.problems:
+        _check_redirect_loops(config, p)
+
+
+def _check_redirect_loops(config: GatewayConfig, p: _Parser) -> None:
+    """A request carrying several modalities may follow redirects of different modalities, so any
+    cycle in the redirect graph can loop."""
+    index = {m.name: i for i, m in enumerate(config.models)}
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    reported: set[frozenset[str]] = set()
+
+    def edges(model: ModelConfig) -> Iterator[tuple[Modality, str]]:
+        for m, policy in model.on_unsupported.items():
+            if policy.action == "redirect" and policy.target:
+                yield m, policy.target
+
+    def visit(name: str, trail: list[tuple[str, Modality]]) -> None:
+        state[name] = 1
+        model = config.models[index[name]]
+        for m, target in edges(model):
+            if state.get(target) == 1:
+                start = next(k for k, (n, _) in enumerate([*trail, (name, m)]) if n == target)
+                cycle = [*trail, (name, m)][start:]
+                key = frozenset(n for n, _ in cycle)
+                if key not in reported:
+                    reported.add(key)
+                    route = " ".join(f"'{n}' -({mm})->" for n, mm in cycle) + f" '{target}'"
+                    first_name, first_modality = cycle[0]
+                    path = f"models[{index[first_name]}].on_unsupported.{first_modality}.redirect"
+                    p.problem(path, f"redirect loop: {route}")
+            elif target not in state:
+                visit(target, [*trail, (name, m)])
+        state[name] = 2
+
+    for model in config.models:
+        if model.name not in state:
+            visit(model.name, [])
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean {str(value).lower()}"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _unknown(value: Any, allowed: tuple[str, ...], what: str) -> str:
+    message = f"unknown {what} {value!r} (expected one of: {', '.join(allowed)})"
+    if isinstance(value, str):
+        close = difflib.get_close_matches(value, allowed, n=1)
+        if close:
+            message += f"; did you mean '{close[0]}'?"
+    return message

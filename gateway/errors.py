@@ -1,0 +1,184 @@
+"""Every error the gateway can answer with, and its one JSON rendering.
+
+The tree (status, OpenAI ``type``, stable ``code``)::
+
+    GatewayError                          500 server_error          internal_error
+    ├── InvalidRequestError               400 invalid_request_error invalid_request
+    │   ├── UnsupportedModalityError      400                       unsupported_modality
+    │   ├── TooManyItemsError             400                       too_many_items
+    │   ├── InvalidContentPartError       400                       invalid_content_part
+    │   ├── InvalidImageError             400                       invalid_image
+    │   └── MediaRefusedError             400                       media_refused
+    ├── AuthenticationError               401 authentication_error  invalid_admin_token
+    ├── PermissionDeniedError             403 permission_error      admin_disabled
+    ├── NotFoundError                     404 invalid_request_error not_found
+    │   └── ModelNotFoundError            404                       model_not_found
+    ├── MethodNotAllowedError             405 invalid_request_error method_not_allowed
+    ├── PayloadTooLargeError              413 invalid_request_error payload_too_large
+    ├── InvalidConfigError                422 invalid_request_error invalid_config
+    ├── UpstreamError                     502 server_error          upstream_error
+    │   ├── UpstreamConnectError          502                       upstream_unreachable
+    │   ├── UpstreamTimeoutError          504                       upstream_timeout
+    │   └── NoHealthyUpstreamError        503                       no_healthy_upstream
+    └── EncoderError                      503 server_error          encoder_unavailable
+
+Errors are raised anywhere and rendered only by ``middlewares.error_middleware`` through
+:meth:`GatewayError.to_dict`. An error that rejects part of a request's content carries a
+:class:`Rejection`, which the middleware counts in ``gateway_modality_rejections_total``.
+
+``ConfigError`` stands apart: it describes a bad routing.yaml and never reaches HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """What a rejection counts as: ``reason`` is one of unsupported, too_many_items,
+    invalid_content, media_refused."""
+
+    model: str
+    modality: str
+    reason: str
+
+
+class GatewayError(Exception):
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str] = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        rejection: Rejection | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers: Mapping[str, str] = headers or {}
+        self.rejection = rejection
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequestError(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class UnsupportedModalityError(InvalidRequestError):
+    code = "unsupported_modality"
+
+
+class TooManyItemsError(InvalidRequestError):
+    code = "too_many_items"
+
+
+class InvalidContentPartError(InvalidRequestError):
+    code = "invalid_content_part"
+
+
+class InvalidImageError(InvalidRequestError):
+    code = "invalid_image"
+
+
+class MediaRefusedError(InvalidRequestError):
+    code = "media_refused"
+
+
+class AuthenticationError(GatewayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_admin_token"
+
+
+class PermissionDeniedError(GatewayError):
+    status = 403
+    type = "permission_error"
+    code = "admin_disabled"
+
+
+class NotFoundError(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFoundError(NotFoundError):
+    code = "model_not_found"
+
+
+class MethodNotAllowedError(GatewayError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLargeError(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class InvalidConfigError(GatewayError):
+    """POST /admin/reload found routing.yaml invalid; the running config stays."""
+
+    status = 422
+    type = "invalid_request_error"
+    code = "invalid_config"
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    code = "upstream_error"
+
+
+class UpstreamConnectError(UpstreamError):
+    code = "upstream_unreachable"
+
+
+class UpstreamTimeoutError(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+
+
+class NoHealthyUpstreamError(UpstreamError):
+    status = 503
+    code = "no_healthy_upstream"
+
+
+class EncoderError(GatewayError):
+    status = 503
+    code = "encoder_unavailable"
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigProblem:
+    """One problem in a routing.yaml, located as precisely as the YAML allows."""
+
+    file: str
+    line: int  # 1-based; 0 when unknown
+    column: int  # 1-based; 0 when unknown
+    path: str  # dotted path, e.g. models[2].accepts[1]; "" for the document itself
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}:{self.column}" if self.line else self.file
+        return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
+
+
+class ConfigError(Exception):
+    """A routing.yaml that cannot be used; ``problems`` lists every problem found, in file order."""
+
+    def __init__(self, problems: Sequence[ConfigProblem]) -> None:
+        self.problems = tuple(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))

@@ -1,0 +1,144 @@
+"""HTTP handlers: thin, each a straight line from the parsed request to a response."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .admission import RoutePlan, admit, lookup, rewrite
+from .config import GatewayConfig, ModelConfig
+from .errors import (
+    AuthenticationError,
+    ConfigError,
+    InvalidConfigError,
+    InvalidRequestError,
+    PermissionDeniedError,
+)
+from .metrics import UNKNOWN_MODEL
+from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
+
+JSON = "application/json"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    services = request.app[SERVICES_KEY]
+    config = services.store.current
+    raw, body = await _read_json(request)
+    request[MODEL_LABEL_KEY] = _model_label(services, body)
+    plan = admit(config, body)
+    _count_plan(services, plan)
+    data = rewrite(plan, body) if plan.needs_rewrite(body) else raw
+    return await _forward(request, services, config, plan.model, data, plan.route)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """Text-only /v1/completions: the model must exist; the body passes through."""
+    services = request.app[SERVICES_KEY]
+    config = services.store.current
+    raw, body = await _read_json(request)
+    request[MODEL_LABEL_KEY] = _model_label(services, body)
+    model = lookup(config, body)
+    if body["model"] != model.upstream_name:
+        body["model"] = model.upstream_name
+        raw = orjson.dumps(body)
+    return await _forward(request, services, config, model, raw, "direct")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    store = request.app[SERVICES_KEY].store
+    created = int(store.loaded_at)
+    data = [
+        {
+            "id": m.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "modality-gateway",
+            "input_modalities": [str(x) for x in m.accepts],
+        }
+        for m in store.current.models
+    ]
+    return _json({"object": "list", "data": data})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    services = request.app[SERVICES_KEY]
+    return _json(
+        {
+            "status": "ready",
+            "config_generation": services.store.generation,
+            "models": [m.name for m in services.store.current.models],
+            "upstreams": services.upstream.replicas.snapshot(),
+        }
+    )
+
+
+async def admin_reload(request: web.Request) -> web.Response:
+    services = request.app[SERVICES_KEY]
+    env = services.store.current.server.admin_token_env
+    token = os.environ.get(env, "")
+    if not token:
+        raise PermissionDeniedError(f"Admin endpoints are disabled: set the {env} environment variable to enable them")
+    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise AuthenticationError("Missing or wrong admin token (send 'Authorization: Bearer <token>')")
+    if services.store.path is None:
+        raise InvalidRequestError("This gateway was started without a config file; there is nothing to reload")
+    try:
+        config = await services.store.reload()
+    except ConfigError as exc:
+        raise InvalidConfigError(f"routing.yaml is invalid; the running config is unchanged:\n{exc}") from None
+    return _json({"status": "reloaded", "config_generation": services.store.generation, "models": len(config.models)})
+
+
+async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"Request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("Request body must be a JSON object")
+    return raw, body
+
+
+def _model_label(services: Services, body: dict[str, Any]) -> str:
+    name = body.get("model")
+    return name if isinstance(name, str) and services.store.current.model(name) else UNKNOWN_MODEL
+
+
+def _count_plan(services: Services, plan: RoutePlan) -> None:
+    for r in plan.redirects:
+        services.metrics.redirects.labels(r.source, r.modality.value, r.target).inc()
+    for part in plan.stripped_parts:
+        services.metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
+
+
+async def _forward(
+    request: web.Request,
+    services: Services,
+    config: GatewayConfig,
+    model: ModelConfig,
+    data: bytes,
+    route: str,
+) -> web.StreamResponse:
+    headers = {
+        "X-Request-Id": request[REQUEST_ID_KEY],
+        "X-Gateway-Model": model.name,
+        "X-Gateway-Route": route,
+    }
+    timeouts = (config.server.upstream_connect_timeout_s, config.server.upstream_read_timeout_s)
+    return await services.upstream.forward(request, model, data, timeouts=timeouts, gateway_headers=headers)
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type=JSON)

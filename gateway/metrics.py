@@ -1,0 +1,94 @@
+"""Every metric the gateway exports, declared once on an injected CollectorRegistry.
+
+Label values are bounded: model and upstream names come from routing.yaml, modalities from
+:class:`~gateway.modality.Modality` (plus ``unknown`` for a part of no known type), codes are
+HTTP status codes. Never a URL from a request or a request id.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .config import GatewayConfig
+from .modality import MODALITY_NAMES
+
+REJECTION_REASONS = ("unsupported", "too_many_items", "invalid_content", "media_refused")
+UNKNOWN_MODEL = "_unknown"  # the model label of requests that name no configured model
+
+# LLM requests run from milliseconds (rejections) to minutes (long generations).
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "gateway_requests",
+            "Requests answered, by the model the client asked for and the HTTP status sent.",
+            ["model", "code"],
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            "gateway_request_duration_seconds",
+            "Time from the request's arrival to the last byte of the response.",
+            ["model"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.in_flight = Gauge("gateway_requests_in_flight", "Requests being handled now.", registry=registry)
+        self.rejections = Counter(
+            "gateway_modality_rejections",
+            "Requests refused at admission for their content.",
+            ["model", "modality", "reason"],
+            registry=registry,
+        )
+        self.redirects = Counter(
+            "gateway_modality_redirects",
+            "Requests sent to another model because of a modality the requested model does not accept.",
+            ["model", "modality", "target"],
+            registry=registry,
+        )
+        self.stripped_parts = Counter(
+            "gateway_modality_stripped_parts",
+            "Content parts removed from requests under an on_unsupported: strip policy.",
+            ["model", "modality"],
+            registry=registry,
+        )
+        self.upstream_requests = Counter(
+            "gateway_upstream_requests",
+            "Requests sent to upstream replicas, by outcome: ok, http_4xx, http_5xx, connect_error, timeout, aborted.",
+            ["model", "upstream", "outcome"],
+            registry=registry,
+        )
+        self.upstream_duration = Histogram(
+            "gateway_upstream_response_seconds",
+            "Time from sending a request upstream to the response headers.",
+            ["model", "upstream"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.config_reloads = Counter(
+            "gateway_config_reloads",
+            "routing.yaml reloads, by result: success or failure.",
+            ["result"],
+            registry=registry,
+        )
+        self.config_generation = Gauge(
+            "gateway_config_generation",
+            "How many times a new routing.yaml took effect since start (1 for the first).",
+            registry=registry,
+        )
+        self.config_reloads.labels("success")
+        self.config_reloads.labels("failure")
+
+    def declare(self, config: GatewayConfig) -> None:
+        """Create the series a config can produce at 0, so rate() and alerts see them from the start."""
+        for model in config.models:
+            for modality in MODALITY_NAMES:
+                for reason in REJECTION_REASONS:
+                    self.rejections.labels(model.name, modality, reason)
+            for modality, policy in model.on_unsupported.items():
+                if policy.action == "redirect" and policy.target:
+                    self.redirects.labels(model.name, modality.value, policy.target)
+                elif policy.action == "strip":
+                    self.stripped_parts.labels(model.name, modality.value)

@@ -1,0 +1,117 @@
+"""Request id, metrics, and the one place where errors become HTTP responses.
+
+Order (outermost first): ``request_id_middleware`` → ``metrics_middleware`` → ``error_middleware``.
+The metrics middleware therefore sees the rendered status of every error, and every response,
+errors included, carries ``X-Request-Id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from .errors import GatewayError, MethodNotAllowedError, NotFoundError, PayloadTooLargeError
+from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY
+from .upstream import RelayResponse
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID = "X-Request-Id"
+CLIENT_CLOSED = 499  # nginx's code for "the client went away first"
+
+
+def _request_id(request: web.Request) -> str:
+    given = request.headers.get(REQUEST_ID, "")
+    if 0 < len(given) <= 200 and given.isascii() and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    rid = request[REQUEST_ID_KEY] = _request_id(request)
+    response = await handler(request)
+    if not response.prepared:
+        response.headers[REQUEST_ID] = rid
+    return response
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    metrics = request.app[SERVICES_KEY].metrics
+    started = time.perf_counter()
+    code = 500
+    metrics.in_flight.inc()
+    try:
+        response = await handler(request)
+        gone = isinstance(response, RelayResponse) and response.client_gone
+        code = CLIENT_CLOSED if gone else response.status
+        return response
+    except asyncio.CancelledError:
+        code = CLIENT_CLOSED
+        raise
+    finally:
+        metrics.in_flight.dec()
+        model = request.get(MODEL_LABEL_KEY)
+        if model is not None:  # only requests to a model endpoint are counted
+            metrics.requests.labels(model, str(code)).inc()
+            metrics.request_duration.labels(model).observe(time.perf_counter() - started)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except GatewayError as exc:
+        if exc.rejection is not None:
+            r = exc.rejection
+            request.app[SERVICES_KEY].metrics.rejections.labels(r.model, r.modality, r.reason).inc()
+        return render(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return render(_from_http_exception(request, exc))
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        rid = request.get(REQUEST_ID_KEY, "-")
+        log.exception("unhandled error in %s %s (request id %s)", request.method, request.path, rid)
+        return render(GatewayError(f"Internal error in the gateway (request id {rid})"))
+
+
+def render(error: GatewayError) -> web.Response:
+    """The only place a GatewayError becomes a response."""
+    response = web.Response(status=error.status, body=orjson.dumps(error.to_dict()), content_type="application/json")
+    response.headers.update(error.headers)
+    return response
+
+
+def _from_http_exception(request: web.Request, exc: web.HTTPException) -> GatewayError:
+    if isinstance(exc, web.HTTPNotFound):
+        return NotFoundError(f"Unknown endpoint: {request.method} {request.path}")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return MethodNotAllowedError(
+            f"Method {request.method} is not allowed on {request.path} (allowed: {allowed})",
+            headers={"Allow": allowed},
+        )
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        limit = request.app[SERVICES_KEY].max_body_bytes
+        return PayloadTooLargeError(f"Request body is larger than the limit of {limit} bytes (server.max_body_bytes)")
+    return _HTTPStatusError(exc.status, exc.reason)
+
+
+class _HTTPStatusError(GatewayError):
+    """Any other status aiohttp raised itself, in the OpenAI shape."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status  # type: ignore[misc]
+        self.type = "invalid_request_error" if status < 500 else "server_error"  # type: ignore[misc]
+        self.code = f"http_{status}"  # type: ignore[misc]

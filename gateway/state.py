@@ -1,0 +1,25 @@
+"""What handlers and middlewares share, injected through the application (no globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from .metrics import GatewayMetrics
+from .reload import ConfigStore
+from .upstream import UpstreamClient
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    store: ConfigStore
+    metrics: GatewayMetrics
+    upstream: UpstreamClient
+    max_body_bytes: int  # fixed at start: aiohttp reads it once
+
+
+SERVICES_KEY = web.AppKey("services", Services)
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
+# The model label of gateway_requests_total; set by handlers that serve a model.
+MODEL_LABEL_KEY = web.RequestKey("model_label", str)

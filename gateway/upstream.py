@@ -1,0 +1,249 @@
+"""Upstream replicas, and the faithful relay of a request to one of them.
+
+Replica choice is least-in-flight with round-robin tie-break: LLM requests vary by orders of
+magnitude in length, so counting outstanding requests spreads load better than turns alone. A
+replica that refuses a connection is skipped for ``server.upstream_cooldown_s`` (unless every
+replica of the model is cooling down) and the request moves on to the next one; that retry is safe
+because nothing reached the engine. Once bytes were sent, nothing is retried.
+
+aiohttp's client errors are mapped to :mod:`gateway.errors` here and nowhere else. Bodies are
+relayed as they arrive (``iter_any``), so SSE streams reach the client chunk by chunk; compressed
+bodies pass through untouched (``auto_decompress=False``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+from aiohttp import hdrs, web
+from multidict import CIMultiDict
+
+from .config import GatewayConfig, ModelConfig
+from .errors import NoHealthyUpstreamError, UpstreamConnectError, UpstreamError, UpstreamTimeoutError
+from .metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+    )
+)
+# Request headers the gateway sets itself (or aiohttp computes).
+_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect"}
+# Response headers the gateway's own server sets.
+_NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length", "server", "date"}
+
+# vLLM and SGLang (uvicorn) close idle keep-alive connections after 5 s; reusing one at that moment
+# fails a POST that cannot be retried, so the client pool lets connections go first.
+KEEPALIVE_TIMEOUT_S = 4.0
+
+
+@dataclass(slots=True)
+class Replica:
+    url: str
+    in_flight: int = 0
+    down_until: float = 0.0
+    last_error: str = ""
+
+
+class Replicas:
+    """Health and load of every upstream URL in the config; state survives reloads by URL."""
+
+    def __init__(self, *, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._by_url: dict[str, Replica] = {}
+        self._turn = itertools.count()
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+
+    def update(self, config: GatewayConfig) -> None:
+        urls = {u for m in config.models for u in m.upstreams}
+        self._by_url = {u: self._by_url.get(u) or Replica(u) for u in sorted(urls)}
+        self.cooldown_s = config.server.upstream_cooldown_s
+
+    def choose(self, urls: Iterable[str], tried: set[str]) -> Replica | None:
+        candidates = [self._by_url[u] for u in urls if u not in tried and u in self._by_url]
+        if not candidates:
+            return None
+        now = self._clock()
+        healthy = [r for r in candidates if r.down_until <= now] or candidates
+        least = min(r.in_flight for r in healthy)
+        best = [r for r in healthy if r.in_flight == least]
+        return best[next(self._turn) % len(best)]
+
+    def all_down(self, urls: Iterable[str]) -> bool:
+        now = self._clock()
+        return all(self._by_url[u].down_until > now for u in urls if u in self._by_url)
+
+    def mark_down(self, replica: Replica, error: str) -> None:
+        replica.down_until = self._clock() + self.cooldown_s
+        replica.last_error = error
+
+    def mark_up(self, replica: Replica) -> None:
+        replica.down_until = 0.0
+        replica.last_error = ""
+
+    def snapshot(self) -> list[dict[str, object]]:
+        now = self._clock()
+        return [
+            {"url": r.url, "in_flight": r.in_flight, "healthy": r.down_until <= now, "last_error": r.last_error}
+            for r in self._by_url.values()
+        ]
+
+
+class RelayResponse(web.StreamResponse):
+    """A relayed response; ``client_gone`` tells the metrics the client left before the end."""
+
+    client_gone = False
+
+
+class UpstreamClient:
+    """Sends requests to a model's replicas over one shared ClientSession."""
+
+    def __init__(self, replicas: Replicas, metrics: GatewayMetrics) -> None:
+        self.replicas = replicas
+        self._metrics = metrics
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self, config: GatewayConfig) -> None:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Content-Type"),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        self.replicas.update(config)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def forward(
+        self,
+        request: web.Request,
+        model: ModelConfig,
+        body: bytes,
+        *,
+        timeouts: tuple[float, float],
+        gateway_headers: Mapping[str, str],
+    ) -> RelayResponse:
+        """POST ``body`` to one of the model's replicas at the request's path; relay the answer."""
+        assert self._session is not None, "UpstreamClient.start() was not called"
+        headers = _upstream_headers(request, gateway_headers)
+        timeout = aiohttp.ClientTimeout(total=None, connect=timeouts[0], sock_read=timeouts[1])
+        tried: set[str] = set()
+        last_error = ""
+        known_down = self.replicas.all_down(model.upstreams)
+        while (replica := self.replicas.choose(model.upstreams, tried)) is not None:
+            tried.add(replica.url)
+            url = replica.url + request.rel_url.path
+            replica.in_flight += 1
+            started = time.perf_counter()
+            try:
+                upstream = await self._session.post(url, data=body, headers=headers, timeout=timeout)
+            except aiohttp.ClientConnectorError as exc:
+                last_error = f"{type(exc).__name__}: {exc}"
+                self.replicas.mark_down(replica, last_error)
+                self._count(model, replica, "connect_error")
+                replica.in_flight -= 1
+                continue
+            except (TimeoutError, aiohttp.ServerTimeoutError):
+                replica.in_flight -= 1
+                self._count(model, replica, "timeout")
+                raise UpstreamTimeoutError(
+                    f"Upstream of model '{model.name}' sent no response within {timeouts[1]:g}s"
+                ) from None
+            except aiohttp.ClientError as exc:
+                replica.in_flight -= 1
+                self._count(model, replica, "connect_error")
+                raise UpstreamError(
+                    f"Upstream of model '{model.name}' failed before responding: {type(exc).__name__}"
+                ) from None
+            self.replicas.mark_up(replica)
+            self._metrics.upstream_duration.labels(model.name, replica.url).observe(time.perf_counter() - started)
+            try:
+                async with upstream:
+                    return await self._relay(request, model, replica, upstream, gateway_headers)
+            finally:
+                replica.in_flight -= 1
+        if known_down:
+            raise NoHealthyUpstreamError(
+                f"Every upstream of model '{model.name}' is failing ({len(tried)} tried; last: {last_error})",
+                headers={"Retry-After": str(max(1, round(self.replicas.cooldown_s)))},
+            )
+        raise UpstreamConnectError(
+            f"Could not connect to any upstream of model '{model.name}' ({len(tried)} tried; last: {last_error})"
+        )
+
+    async def _relay(
+        self,
+        request: web.Request,
+        model: ModelConfig,
+        replica: Replica,
+        upstream: aiohttp.ClientResponse,
+        gateway_headers: Mapping[str, str],
+    ) -> RelayResponse:
+        status = upstream.status
+        outcome = "ok" if status < 400 else "http_4xx" if status < 500 else "http_5xx"
+        response = RelayResponse(status=status, reason=upstream.reason, headers=_client_headers(upstream))
+        response.headers.update(gateway_headers)
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        is_sse = upstream.content_type == "text/event-stream"
+        await response.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+        except ConnectionResetError:  # the client left: stop the engine's work by closing upstream
+            upstream.close()
+            response.client_gone = True
+            outcome = "aborted"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            outcome = "aborted"
+            log.warning("upstream %s of %s broke off mid-response: %r", replica.url, model.name, exc)
+            if is_sse:
+                error = UpstreamError(f"Upstream of model '{model.name}' broke off the stream")
+                await _write_quietly(response, b"data: " + orjson.dumps(error.to_dict()) + b"\n\n")
+            elif request.transport is not None:
+                request.transport.close()  # a truncated body must not look complete
+        self._count(model, replica, outcome)
+        return response
+
+    def _count(self, model: ModelConfig, replica: Replica, outcome: str) -> None:
+        self._metrics.upstream_requests.labels(model.name, replica.url, outcome).inc()
+
+
+async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except ConnectionResetError:
+        pass
+
+
+def _upstream_headers(request: web.Request, extra: Mapping[str, str]) -> CIMultiDict[str]:
+    headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED_UP)
+    headers.update(extra)
+    if request.remote:
+        forwarded = request.headers.get("X-Forwarded-For")
+        headers["X-Forwarded-For"] = f"{forwarded}, {request.remote}" if forwarded else request.remote
+    headers[hdrs.CONTENT_TYPE] = "application/json"
+    return headers
+
+
+def _client_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _NOT_RELAYED_DOWN)

@@ -1,0 +1,196 @@
+"""A stand-in OpenAI-compatible upstream (what vLLM or SGLang would be) for tests, demos and benchmarks.
+
+It speaks the chat completions and completions protocol exactly, SSE streaming included, records
+every request it receives, and answers deterministically: the reply names the model it was asked
+for and counts the content parts by type. Knobs, sent as request headers (the gateway forwards them):
+
+    X-Standin-Status: 503        answer with this status and an OpenAI error body
+    X-Standin-Delay-Ms: 200      wait before the response headers
+    X-Standin-Chunk-Delay-Ms: 5  wait between streamed chunks
+    X-Standin-Break-After: 2     stream this many content chunks, then drop the connection
+
+Run one: ``python -m tools.standin --port 8000 --name vllm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+CREATED = 1_700_000_000  # fixed, so replies are byte-for-byte repeatable
+
+
+@dataclass
+class Received:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+@dataclass
+class StandIn:
+    name: str = "standin"
+    received: list[Received] = field(default_factory=list)
+    served: int = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        return app
+
+    async def _record(self, request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
+        body = await request.read()
+        self.received.append(Received(request.method, request.path_qs, dict(request.headers), body))
+        delay = int(request.headers.get("X-Standin-Delay-Ms", "0"))
+        if delay:
+            await asyncio.sleep(delay / 1000)
+        status = int(request.headers.get("X-Standin-Status", "200"))
+        if status != 200:
+            error = {
+                "error": {
+                    "message": f"stand-in {self.name} says {status}",
+                    "type": "BadRequestError" if status < 500 else "InternalServerError",
+                    "param": None,
+                    "code": status,
+                }
+            }
+            return {}, web.json_response(error, status=status, dumps=lambda o: orjson.dumps(o).decode())
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return {}, web.json_response(
+                {"error": {"message": "bad json", "type": "BadRequestError", "param": None, "code": 400}}, status=400
+            )
+        return payload, None
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        payload, error = await self._record(request)
+        if error is not None:
+            return error
+        text = f"[{self.name}] model={payload.get('model')} " + describe(payload.get("messages", []))
+        return await self._answer(request, payload, text, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        payload, error = await self._record(request)
+        if error is not None:
+            return error
+        text = f"[{self.name}] model={payload.get('model')} prompt={payload.get('prompt')!r}"
+        return await self._answer(request, payload, text, chat=False)
+
+    async def _answer(
+        self, request: web.Request, payload: dict[str, Any], text: str, *, chat: bool
+    ) -> web.StreamResponse:
+        self.served += 1
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{self.served}"
+        model = payload.get("model")
+        usage = {"prompt_tokens": 10, "completion_tokens": len(text.split()), "total_tokens": 10 + len(text.split())}
+        if not payload.get("stream"):
+            if chat:
+                choice = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                }
+            else:
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
+            body = {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": CREATED,
+                "model": model,
+                "choices": [choice],
+                "usage": usage,
+            }
+            return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        break_after = int(request.headers.get("X-Standin-Break-After", "-1"))
+        chunk_delay = int(request.headers.get("X-Standin-Chunk-Delay-Ms", "0")) / 1000
+
+        async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
+            event = {"id": rid, "object": obj, "created": CREATED, "model": model, "choices": choices, **extra}
+            await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
+
+        if chat:
+            await send(
+                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            )
+        words = text.split(" ")
+        for i, word in enumerate(words):
+            if i == break_after:
+                assert request.transport is not None
+                request.transport.close()
+                return response
+            piece = word if i == 0 else " " + word
+            delta = (
+                {"index": 0, "delta": {"content": piece}, "logprobs": None, "finish_reason": None}
+                if chat
+                else {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
+            )
+            await send([delta])
+            if chunk_delay:
+                await asyncio.sleep(chunk_delay)
+        last = (
+            {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+            if chat
+            else {"index": 0, "text": "", "logprobs": None, "finish_reason": "stop"}
+        )
+        await send([last])
+        options = payload.get("stream_options") or {}
+        if options.get("include_usage"):
+            await send([], usage=usage)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = [{"id": self.name, "object": "model", "created": CREATED, "owned_by": "standin"}]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+
+def describe(messages: list[Any]) -> str:
+    """'messages=2 text=1 image_url=1': the part types received, in a stable order."""
+    counts: Counter[str] = Counter()
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            counts["text"] += 1
+        elif isinstance(content, list):
+            for part in content:
+                kind = part.get("type", "untyped") if isinstance(part, dict) else "text"
+                counts[kind] += 1
+    return " ".join([f"messages={len(messages)}", *(f"{k}={v}" for k, v in sorted(counts.items()))])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--name", default="standin")
+    args = parser.parse_args()
+    print(f"stand-in upstream '{args.name}' on http://{args.host}:{args.port} ({time.strftime('%X')})", flush=True)
+    web.run_app(StandIn(args.name).app(), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()
