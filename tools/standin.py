@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 CREATED = 1_700_000_000  # fixed, so replies are byte-for-byte repeatable
 
@@ -31,7 +32,7 @@ CREATED = 1_700_000_000  # fixed, so replies are byte-for-byte repeatable
 class Received:
     method: str
     path: str
-    headers: dict[str, str]
+    headers: CIMultiDict[str]
     body: bytes
 
     def json(self) -> Any:
@@ -54,7 +55,7 @@ class StandIn:
 
     async def _record(self, request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
         body = await request.read()
-        self.received.append(Received(request.method, request.path_qs, dict(request.headers), body))
+        self.received.append(Received(request.method, request.path_qs, CIMultiDict(request.headers), body))
         delay = int(request.headers.get("X-Standin-Delay-Ms", "0"))
         if delay:
             await asyncio.sleep(delay / 1000)

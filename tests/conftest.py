@@ -1,0 +1,104 @@
+"""Shared fixtures: real servers on 127.0.0.1 (stand-in upstreams, the gateway) and the real openai SDK."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig, parse_config
+from gateway.state import SERVICES_KEY
+from tools.standin import StandIn
+
+
+@dataclass
+class Upstream:
+    standin: StandIn
+    server: TestServer
+    url: str
+
+    @property
+    def received(self) -> list[Any]:
+        return self.standin.received
+
+
+@dataclass
+class Gateway:
+    app: web.Application
+    server: TestServer
+    url: str
+    registry: CollectorRegistry
+
+    @property
+    def config(self) -> GatewayConfig:
+        return self.app[SERVICES_KEY].store.current
+
+    def sample(self, name: str, **labels: str) -> float:
+        """A metric's value (0 when the series does not exist)."""
+        return self.registry.get_sample_value(name, labels) or 0.0
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="sk-test", max_retries=0)
+
+
+async def _start(app: web.Application) -> TestServer:
+    server = TestServer(app, host="127.0.0.1", port=0, handler_cancellation=True)
+    await server.start_server()
+    return server
+
+
+@pytest.fixture
+async def upstream_factory() -> AsyncIterator[Callable[..., Awaitable[Upstream]]]:
+    servers: list[TestServer] = []
+
+    async def make(name: str = "standin", app: web.Application | None = None) -> Upstream:
+        standin = StandIn(name)
+        server = await _start(app if app is not None else standin.app())
+        servers.append(server)
+        return Upstream(standin, server, str(server.make_url("")).rstrip("/"))
+
+    yield make
+    for server in servers:
+        await server.close()
+
+
+@pytest.fixture
+async def upstream(upstream_factory: Callable[..., Awaitable[Upstream]]) -> Upstream:
+    return await upstream_factory("up")
+
+
+@pytest.fixture
+async def gateway_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
+    servers: list[TestServer] = []
+
+    async def make(yaml_text: str, *, write_file: bool = False, watch: bool = False) -> Gateway:
+        path = None
+        if write_file:
+            path = tmp_path / "routing.yaml"
+            path.write_text(yaml_text)
+        config = parse_config(yaml_text, filename=str(path or "routing.yaml"))
+        registry = CollectorRegistry()
+        app = create_app(config, registry=registry, config_path=str(path) if path else None, watch=watch)
+        server = await _start(app)
+        servers.append(server)
+        return Gateway(app, server, str(server.make_url("")).rstrip("/"), registry)
+
+    yield make
+    for server in servers:
+        await server.close()
+
+
+def routing(*models: str, server: str = "", extra: str = "") -> str:
+    """A routing.yaml from model blocks (each a YAML list item, indented by two spaces)."""
+    head = "version: 1\n"
+    if server:
+        head += f"server: {server}\n"
+    return head + extra + "models:\n" + "\n".join(models)

@@ -1,0 +1,107 @@
+"""routing.yaml edits take effect without a restart: file watching, POST /admin/reload, SIGHUP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from tests.conftest import Gateway, routing
+
+TOKEN_ENV = "MODALITY_GATEWAY_TEST_ADMIN_TOKEN"
+
+
+def one_model(url: str, name: str = "m", accepts: str = "[text]", interval: float = 0) -> str:
+    return routing(
+        f"  - {{name: {name}, upstreams: [{url}], accepts: {accepts}}}",
+        server=f"{{admin_token_env: {TOKEN_ENV}, reload_interval_s: {interval}}}",
+    )
+
+
+async def post_reload(gw: Gateway, token: str | None) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{gw.url}/admin/reload", headers=headers) as resp:
+            return resp.status, await resp.json()
+
+
+async def models(gw: Gateway) -> list[str]:
+    async with gw.client() as client:
+        return [m.id for m in (await client.models.list()).data]
+
+
+async def test_admin_reload_is_disabled_without_a_token(gateway_factory, upstream, monkeypatch) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    gw = await gateway_factory(one_model(upstream.url), write_file=True)
+    status, body = await post_reload(gw, "anything")
+    assert status == 403
+    assert body["error"]["code"] == "admin_disabled" and TOKEN_ENV in body["error"]["message"]
+
+
+async def test_admin_reload_needs_the_right_token(gateway_factory, upstream, monkeypatch) -> None:
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    gw = await gateway_factory(one_model(upstream.url), write_file=True)
+    assert (await post_reload(gw, None))[0] == 401
+    status, body = await post_reload(gw, "wrong")
+    assert status == 401 and body["error"]["code"] == "invalid_admin_token"
+
+
+async def test_admin_reload_swaps_in_the_new_table(gateway_factory, upstream, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    gw = await gateway_factory(one_model(upstream.url), write_file=True)
+    (tmp_path / "routing.yaml").write_text(one_model(upstream.url, name="n", accepts="[text, image]"))
+    status, body = await post_reload(gw, "s3cret")
+    assert (status, body) == (200, {"status": "reloaded", "config_generation": 2, "models": 1})
+    assert await models(gw) == ["n"]
+    assert gw.sample("gateway_config_reloads_total", result="success") == 1
+    assert gw.sample("gateway_config_generation") == 2
+
+
+async def test_an_invalid_edit_keeps_the_running_table(gateway_factory, upstream, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    gw = await gateway_factory(one_model(upstream.url), write_file=True)
+    (tmp_path / "routing.yaml").write_text(one_model(upstream.url, accepts="[text, vidoe]"))
+    status, body = await post_reload(gw, "s3cret")
+    assert status == 422
+    assert body["error"]["code"] == "invalid_config"
+    assert "models[0].accepts[1]: unknown modality 'vidoe'" in body["error"]["message"]
+    assert await models(gw) == ["m"]
+    assert gw.sample("gateway_config_reloads_total", result="failure") == 1
+    async with gw.client() as client:  # still serving on the old table
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+
+
+async def test_an_edited_file_is_picked_up_by_the_watcher(gateway_factory, upstream, tmp_path) -> None:
+    gw = await gateway_factory(one_model(upstream.url, interval=0.05), write_file=True, watch=True)
+    (tmp_path / "routing.yaml").write_text(one_model(upstream.url, name="fresh", interval=0.05))
+    for _ in range(400):  # bounded: 4 s at most
+        if gw.config.model("fresh"):
+            break
+        await asyncio.sleep(0.01)
+    assert await models(gw) == ["fresh"]
+    assert gw.sample("gateway_config_generation") == 2
+
+
+async def test_the_watcher_skips_a_broken_edit_and_takes_the_next(gateway_factory, upstream, tmp_path) -> None:
+    gw = await gateway_factory(one_model(upstream.url, interval=0.05), write_file=True, watch=True)
+    path = tmp_path / "routing.yaml"
+    path.write_text("version: 1\nmodels: [")
+    for _ in range(400):
+        if gw.sample("gateway_config_reloads_total", result="failure"):
+            break
+        await asyncio.sleep(0.01)
+    assert gw.sample("gateway_config_reloads_total", result="failure") == 1
+    assert gw.config.model("m") is not None
+    path.write_text(one_model(upstream.url, name="fixed", interval=0.05))
+    for _ in range(400):
+        if gw.config.model("fixed"):
+            break
+        await asyncio.sleep(0.01)
+    assert gw.config.model("fixed") is not None
+
+
+async def test_reload_without_a_file_is_a_clear_400(gateway_factory, upstream, monkeypatch) -> None:
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    gw = await gateway_factory(one_model(upstream.url))
+    status, body = await post_reload(gw, "s3cret")
+    assert status == 400 and "without a config file" in body["error"]["message"]

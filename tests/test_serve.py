@@ -1,0 +1,88 @@
+"""`modality-gateway serve` as a real process: start, serve, reload on SIGHUP, stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from tests.conftest import Upstream, routing
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_healthy(url: str, process: asyncio.subprocess.Process) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(300):  # bounded: about 15 s
+            assert process.returncode is None, "the gateway exited during start-up"
+            try:
+                async with session.get(f"{url}/healthz") as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError("the gateway did not become healthy")
+
+
+async def test_serve_reloads_on_sighup_and_stops_on_sigterm(upstream: Upstream, tmp_path: Path) -> None:
+    config = tmp_path / "routing.yaml"
+    config.write_text(
+        routing(f"  - {{name: first, upstreams: [{upstream.url}], accepts: [text]}}", server="{reload_interval_s: 0}")
+    )
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        await wait_healthy(url, process)
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "first", "messages": [{"role": "user", "content": "hi"}]}
+            async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["choices"][0]["message"]["content"].startswith("[up] model=first")
+            config.write_text(
+                routing(
+                    f"  - {{name: second, upstreams: [{upstream.url}], accepts: [text]}}",
+                    server="{reload_interval_s: 0}",
+                )
+            )
+            process.send_signal(signal.SIGHUP)
+            for _ in range(200):
+                async with session.get(f"{url}/v1/models") as resp:
+                    ids = [m["id"] for m in (await resp.json())["data"]]
+                if ids == ["second"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert ids == ["second"]
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), timeout=15) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    output = (await process.stdout.read()).decode()
+    assert "serving 1 models" in output
+    assert "generation 2 in effect" in output
+
+
+async def test_serve_refuses_an_invalid_config_with_exit_2(tmp_path: Path) -> None:
+    config = tmp_path / "routing.yaml"
+    config.write_text("version: 1\nmodels:\n  - name: m\n    upstreams: [http://127.0.0.1:1]\n    accepts: [txt]\n")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", "--config", str(config),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
+    assert process.returncode == 2
+    assert f"{config}:5:15: models[0].accepts[0]: unknown modality 'txt'" in stderr.decode()
