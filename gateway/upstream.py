@@ -43,8 +43,9 @@ HOP_BY_HOP = frozenset(
         "Upgrade",
     )
 )
-# Request headers the gateway sets itself (or aiohttp computes).
-_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect"}
+# Request headers the gateway sets itself (or aiohttp computes). aiohttp's server has already
+# decompressed the body, so the client's Content-Encoding no longer describes it.
+_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding"}
 # Response headers the gateway's own server sets.
 _NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length", "server", "date"}
 

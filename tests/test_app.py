@@ -7,7 +7,6 @@ from typing import Any
 
 import aiohttp
 import openai
-import orjson
 import pytest
 from aiohttp import web
 
@@ -344,5 +343,14 @@ async def test_health_ready_and_metrics_endpoints(gw: Gateway, two) -> None:
     assert 'gateway_modality_rejections_total{modality="video",model="omni",reason="unsupported"} 0.0' in text
 
 
-def _body(**extra: Any) -> bytes:
-    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra})
+async def test_a_compressed_request_body_reaches_the_upstream_decoded(gw: Gateway, two) -> None:
+    import gzip
+
+    body = b'{"model": "texty", "messages": [{"role": "user", "content": "hi"}]}'
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{gw.url}/v1/chat/completions", data=gzip.compress(body), headers=headers) as resp:
+            assert resp.status == 200
+    received = two[0].received[0]
+    assert received.body == body
+    assert "Content-Encoding" not in received.headers
