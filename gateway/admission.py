@@ -55,7 +55,8 @@ class RoutePlan:
     @property
     def route(self) -> str:
         """The X-Gateway-Route header value."""
-        actions = [a for a, on in (("redirect", self.redirects), ("strip", self.stripped_parts)) if on]
+        stripped = bool(self.stripped_parts) or self.mutes_audio_in_video
+        actions = [a for a, on in (("redirect", bool(self.redirects)), ("strip", stripped)) if on]
         return ", ".join(actions) or "direct"
 
     @property
@@ -64,14 +65,16 @@ class RoutePlan:
 
     @property
     def mutes_audio_in_video(self) -> bool:
-        return Modality.AUDIO in self.stripped and self.classification.audio_in_video
+        """Audio is stripped while kept videos carry their audio track: the flag must go off."""
+        return (
+            Modality.AUDIO in self.stripped
+            and self.classification.audio_in_video
+            and Modality.VIDEO not in self.stripped
+            and Modality.VIDEO in self.classification.counts
+        )
 
     def needs_rewrite(self, body: Mapping[str, Any]) -> bool:
-        return (
-            body.get("model") != self.model.upstream_name
-            or bool(self.stripped_parts)
-            or (self.mutes_audio_in_video and bool(self.classification.parts_with(Modality.VIDEO)))
-        )
+        return body.get("model") != self.model.upstream_name or bool(self.stripped_parts) or self.mutes_audio_in_video
 
     def action(self, part: Part) -> str:
         return "strip" if part.modality in self.stripped else "accept"
@@ -126,11 +129,12 @@ def admit(config: GatewayConfig, body: Mapping[str, Any]) -> RoutePlan:
             raise GatewayError(f"redirect loop at model '{model.name}'")
         redirects.append(redirect)
         target = config.model(redirect.target)
-        assert target is not None, "validated: redirect targets exist"
+        if target is None:  # validation forbids this too
+            raise GatewayError(f"model '{model.name}' redirects to '{redirect.target}', which does not exist")
         model = target
     unsupported = [m for m in present if m not in model.accepts]
-    _reject_unsupported(model, classification, unsupported, redirects)
     stripped = frozenset(m for m in unsupported if model.policy(m).action == "strip")
+    _reject_unsupported(model, classification, unsupported, stripped, redirects)
     _enforce_limits(model, classification, stripped)
     return RoutePlan(requested.name, model, classification, tuple(redirects), stripped)
 
@@ -149,17 +153,24 @@ def _choose_redirect(config: GatewayConfig, model: ModelConfig, present: tuple[M
 
 
 def _reject_unsupported(
-    model: ModelConfig, classification: Classification, unsupported: list[Modality], redirects: list[Redirect]
+    model: ModelConfig,
+    classification: Classification,
+    unsupported: list[Modality],
+    stripped: frozenset[Modality],
+    redirects: list[Redirect],
 ) -> None:
     rejected = [m for m in unsupported if model.policy(m).action == "reject"]
-    if not rejected:
+    # a stripped part takes what it carries with it (a video's audio track, say)
+    offending = [
+        p for p in classification.parts if p.modality not in stripped and any(m in rejected for m in p.modalities)
+    ]
+    if not offending:
         return
-    part = next(p for p in classification.parts if any(m in rejected for m in p.modalities))
+    part = offending[0]
     modality = next(m for m in part.modalities if m in rejected)
     via = ""
     if redirects:
-        r = redirects[-1]
-        via = f" (redirected from '{redirects[0].source}' for {r.modality} input)"
+        via = " (redirected " + ", then ".join(f"from '{r.source}' for {r.modality} input" for r in redirects) + ")"
     carried = "" if part.modality is modality else f" ({part.type} with use_audio_in_video)"
     raise UnsupportedModalityError(
         f"Model '{model.name}'{via} does not accept {modality} input: {part.location} is "

@@ -161,7 +161,10 @@ def parse_config(text: str, *, filename: str = "routing.yaml") -> GatewayConfig:
     if config is not None and not parser.problems:
         _validate(config, parser)
     if parser.problems:
-        raise ConfigError(sorted(parser.problems, key=lambda p: (p.line, p.column)))
+        # one problem per place: the first found says most (an unreadable value is also a wrong one)
+        first = {(p.path, p.line, p.column): p for p in reversed(parser.problems)}
+        kept = [p for p in parser.problems if first[(p.path, p.line, p.column)] is p]
+        raise ConfigError(sorted(kept, key=lambda p: (p.line, p.column)))
     assert config is not None
     return config
 
@@ -204,23 +207,56 @@ class _Parser:
         if isinstance(node, yaml.SequenceNode):
             return [self.to_python(child, f"{path}[{i}]") for i, child in enumerate(node.value)]
         if isinstance(node, yaml.MappingNode):
+            explicit, merged = self._pairs(node, path)
             result: dict[str, Any] = {}
             first_seen: dict[str, yaml.Mark] = {}
-            for key_node, value_node in node.value:
-                key = self._scalars.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else None
+            for key_node, value_node, is_merged in [(k, v, False) for k, v in explicit] + [
+                (k, v, True) for k, v in merged
+            ]:
+                key = self._construct_scalar(key_node, path) if isinstance(key_node, yaml.ScalarNode) else None
                 if not isinstance(key, str):
                     self.problem(path, "mapping keys must be strings", mark=key_node.start_mark)
                     continue
-                child = f"{path}.{key}" if path else key
-                self.key_marks.setdefault(child, key_node.start_mark)
                 if key in first_seen:
-                    line = first_seen[key].line + 1
-                    self.problem(child, f"duplicate key '{key}' (first at line {line})", mark=key_node.start_mark)
+                    if not is_merged:  # an explicit key overrides a merged one, as YAML says
+                        line = first_seen[key].line + 1
+                        self.problem(
+                            _join(path, key), f"duplicate key '{key}' (first at line {line})", mark=key_node.start_mark
+                        )
                     continue
+                child = _join(path, key)
+                self.key_marks.setdefault(child, key_node.start_mark)
                 first_seen[key] = key_node.start_mark
                 result[key] = self.to_python(value_node, child)
             return result
-        return self._scalars.construct_object(node)
+        return self._construct_scalar(node, path)
+
+    def _pairs(
+        self, node: yaml.MappingNode, path: str
+    ) -> tuple[list[tuple[yaml.Node, yaml.Node]], list[tuple[yaml.Node, yaml.Node]]]:
+        """A mapping's own key/value pairs, and those it merges in with ``<<`` (YAML merge keys)."""
+        explicit: list[tuple[yaml.Node, yaml.Node]] = []
+        merged: list[tuple[yaml.Node, yaml.Node]] = []
+        for key_node, value_node in node.value:
+            if key_node.tag != "tag:yaml.org,2002:merge":
+                explicit.append((key_node, value_node))
+                continue
+            sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            for source in sources:
+                if not isinstance(source, yaml.MappingNode):
+                    self.problem(path, "'<<' merges a mapping or a list of mappings", mark=source.start_mark)
+                    continue
+                own, inherited = self._pairs(source, path)
+                merged.extend(own + inherited)
+        return explicit, merged
+
+    def _construct_scalar(self, node: yaml.Node, path: str) -> Any:
+        try:
+            return self._scalars.construct_object(node)
+        except yaml.YAMLError as exc:  # an unknown tag, a malformed timestamp, ...
+            problem = getattr(exc, "problem", None) or str(exc)
+            self.problem(path, f"cannot read this value: {problem}", mark=node.start_mark)
+            return None
 
     # --- typed readers ---------------------------------------------------------------------
 
@@ -256,7 +292,7 @@ class _Parser:
     def number(self, value: Any, path: str, default: float, *, positive: bool = True) -> float:
         if value is MISSING:
             return default
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
             self.problem(path, f"must be a number, not {_kind(value)}")
             return default
         if value < 0 or (positive and value == 0):
@@ -286,7 +322,11 @@ class _Parser:
         return items
 
     def url(self, value: str, path: str) -> str | None:
-        parts = urlsplit(value)
+        try:
+            parts = urlsplit(value)
+        except ValueError as exc:  # e.g. a malformed IPv6 host
+            self.problem(path, f"bad URL '{value}': {exc}")
+            return None
         problem = None
         if parts.scheme not in ("http", "https"):
             problem = "must be an http:// or https:// URL"
@@ -397,23 +437,21 @@ class _Parser:
         if kind is MISSING:
             self.problem(path, "'kind' is required (local or http)")
             return None
-        if kind not in ENCODER_KEYS:
+        if not isinstance(kind, str) or kind not in ENCODER_KEYS:
             self.problem(f"{path}.kind", _unknown(kind, tuple(ENCODER_KEYS), "encoder kind"))
             return None
         raw = self.mapping(value, path, ENCODER_KEYS[kind], what="an encoder")
         assert raw is not None
-        d = EncoderConfig(name, kind)
+        d = EncoderConfig(name, "local")
         timeout = self.number(raw.get("timeout_s", MISSING), f"{path}.timeout_s", d.timeout_s)
         if kind == "http":
-            urls = []
-            if "urls" not in raw:
-                self.problem(path, "'urls' is required for an http encoder")
-            for item, item_path in self.string_list(raw.get("urls", []), f"{path}.urls"):
-                url = self.url(item, item_path)
-                if url:
-                    urls.append(url)
-            if "urls" in raw and isinstance(raw["urls"], list) and not raw["urls"]:
-                self.problem(f"{path}.urls", "must list at least one URL")
+            urls = self.url_list(
+                raw.get("urls", MISSING),
+                f"{path}.urls",
+                missing=(path, "'urls' is required for an http encoder"),
+                empty="must list at least one URL",
+                what="encoder URL",
+            )
             return EncoderConfig(name, "http", timeout_s=timeout, urls=tuple(urls))
 
         def get(key: str) -> tuple[Any, str, Any]:
@@ -473,19 +511,28 @@ class _Parser:
         )
 
     def upstreams(self, value: Any, path: str) -> list[str]:
+        return self.url_list(
+            value,
+            path,
+            missing=(path, "is required: list the model's OpenAI-compatible servers"),
+            empty="must list at least one upstream URL",
+            what="upstream",
+        )
+
+    def url_list(self, value: Any, path: str, *, missing: tuple[str, str], empty: str, what: str) -> list[str]:
         if value is MISSING:
-            self.problem(path, "is required: list the model's OpenAI-compatible servers")
+            self.problem(*missing)
             return []
         items = self.string_list(value, path)
         if isinstance(value, list) and not value:
-            self.problem(path, "must list at least one upstream URL")
+            self.problem(path, empty)
         urls: list[str] = []
         for item, item_path in items:
             url = self.url(item, item_path)
             if url is None:
                 continue
             if url in urls:
-                self.problem(item_path, f"duplicate upstream '{item}'")
+                self.problem(item_path, f"duplicate {what} '{item}'")
             else:
                 urls.append(url)
         return urls
@@ -533,7 +580,7 @@ class _Parser:
         if isinstance(value, dict) and set(value) == {"redirect"}:
             target = self.string(value["redirect"], f"{path}.redirect")
             return Policy("redirect", target) if target else None
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:
             for key in value:
                 if key != "redirect":
                     self.problem(_join(path, key), _unknown(key, ("redirect",), "key"), at_key=True)
@@ -619,6 +666,13 @@ def _check_redirect_loops(config: GatewayConfig, p: _Parser) -> None:
     for model in config.models:
         if model.name not in state:
             visit(model.name, [])
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _join(path: str, key: str) -> str:

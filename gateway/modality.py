@@ -83,11 +83,17 @@ def _str_field(key: str) -> Callable[[Mapping[str, Any]], str | None]:
     return check
 
 
+def _cached(value: object, part: Mapping[str, Any]) -> bool:
+    """Media may be null when the part names media the engine has cached under a uuid."""
+    uuid = part.get("uuid")
+    return value is None and isinstance(uuid, str) and bool(uuid)
+
+
 def _url_field(key: str) -> Callable[[Mapping[str, Any]], str | None]:
     def check(part: Mapping[str, Any]) -> str | None:
         value = part.get(key)
-        if value is None and part.get("uuid") is not None:
-            return None  # a reference to media the engine has cached under this uuid
+        if _cached(value, part):
+            return None
         if isinstance(value, dict):
             value = value.get("url")
         if not isinstance(value, str) or not value:
@@ -100,7 +106,7 @@ def _url_field(key: str) -> Callable[[Mapping[str, Any]], str | None]:
 def _embeds_field(key: str) -> Callable[[Mapping[str, Any]], str | None]:
     def check(part: Mapping[str, Any]) -> str | None:
         value = part.get(key)
-        if value is None and part.get("uuid") is not None:
+        if _cached(value, part):
             return None
         if isinstance(value, str) and value:
             return None
@@ -119,7 +125,7 @@ def _input_image(part: Mapping[str, Any]) -> str | None:
 
 def _input_audio(part: Mapping[str, Any]) -> str | None:
     value = part.get("input_audio")
-    if value is None and part.get("uuid") is not None:
+    if _cached(value, part):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("data"), str):
         return "'input_audio' must be an object with a base64 string 'data' and a 'format'"

@@ -148,7 +148,7 @@ class UpstreamClient:
         headers = _upstream_headers(request, gateway_headers)
         timeout = aiohttp.ClientTimeout(total=None, connect=timeouts[0], sock_read=timeouts[1])
         tried: set[str] = set()
-        last_error = ""
+        last_error = ""  # for the replica's health record (readyz)
         known_down = self.replicas.all_down(model.upstreams)
         while (replica := self.replicas.choose(model.upstreams, tried)) is not None:
             tried.add(replica.url)
@@ -158,7 +158,8 @@ class UpstreamClient:
             try:
                 upstream = await self._session.post(url, data=body, headers=headers, timeout=timeout)
             except aiohttp.ClientConnectorError as exc:
-                last_error = f"{type(exc).__name__}: {exc}"
+                last_error = _connect_failure(exc)
+                log.warning("upstream %s of model %s: %s", replica.url, model.name, last_error)
                 self.replicas.mark_down(replica, last_error)
                 self._count(model, replica, "connect_error")
                 replica.in_flight -= 1
@@ -182,14 +183,13 @@ class UpstreamClient:
                     return await self._relay(request, model, replica, upstream, gateway_headers)
             finally:
                 replica.in_flight -= 1
+        # Replica addresses and errors are logged, not told to clients.
         if known_down:
             raise NoHealthyUpstreamError(
-                f"Every upstream of model '{model.name}' is failing ({len(tried)} tried; last: {last_error})",
+                f"Every upstream of model '{model.name}' is failing ({len(tried)} tried); retry later",
                 headers={"Retry-After": str(max(1, round(self.replicas.cooldown_s)))},
             )
-        raise UpstreamConnectError(
-            f"Could not connect to any upstream of model '{model.name}' ({len(tried)} tried; last: {last_error})"
-        )
+        raise UpstreamConnectError(f"Could not connect to any upstream of model '{model.name}' ({len(tried)} tried)")
 
     async def _relay(
         self,
@@ -234,6 +234,13 @@ async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
         await response.write(data)
     except ConnectionResetError:
         pass
+
+
+def _connect_failure(exc: aiohttp.ClientConnectorError) -> str:
+    os_error = exc.os_error
+    if isinstance(os_error, ConnectionRefusedError):
+        return "connection refused"
+    return f"{type(os_error).__name__}: {os_error.strerror or os_error}"
 
 
 def _upstream_headers(request: web.Request, extra: Mapping[str, str]) -> CIMultiDict[str]:
