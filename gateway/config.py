@@ -367,8 +367,8 @@ class _Parser:
         version = top.get("version", MISSING)
         if version is MISSING:
             self.problem("version", "is required (the only version is 1)")
-        elif version != SUPPORTED_VERSION or isinstance(version, bool):
-            self.problem("version", f"unsupported version {version!r} (the only version is 1)")
+        elif version != SUPPORTED_VERSION or not isinstance(version, int) or isinstance(version, bool):
+            self.problem("version", f"unsupported version {_show(version)} (the only version is 1)")
         server = self.server(top.get("server", {}))
         media = self.media(top.get("media", {}))
         encoders = self.encoders(top.get("encoders", {}))
@@ -474,15 +474,18 @@ class _Parser:
             value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
         ):
             return value
-        self.problem(path, f"unknown device {value!r} (expected auto, cpu, cuda or cuda:N)")
+        self.problem(path, f"unknown device {_show(value)} (expected auto, cpu, cuda or cuda:N)")
         return "auto"
 
     def models(self, value: Any) -> list[ModelConfig]:
         if value is MISSING:
             self.problem("models", "is required: list at least one model")
             return []
-        if not isinstance(value, list) or not value:
-            self.problem("models", f"must be a non-empty list of models, not {_kind(value)}")
+        if value == []:
+            self.problem("models", "must list at least one model")
+            return []
+        if not isinstance(value, list):
+            self.problem("models", f"must be a list of models, not {_kind(value)}")
             return []
         return [m for i, raw in enumerate(value) if (m := self.model(raw, f"models[{i}]")) is not None]
 
@@ -541,8 +544,11 @@ class _Parser:
         if value is MISSING:
             self.problem(path, f"is required: list the modalities the model takes ({', '.join(MODALITY_NAMES)})")
             return None
-        if not isinstance(value, list) or not value:
-            self.problem(path, f"must be a non-empty list of modalities, not {_kind(value)}")
+        if value == []:
+            self.problem(path, "must list at least one modality")
+            return None
+        if not isinstance(value, list):
+            self.problem(path, f"must be a list of modalities, not {_kind(value)}")
             return None
         seen: list[Modality] = []
         for i, item in enumerate(value):
@@ -570,7 +576,7 @@ class _Parser:
 
     def limit(self, value: Any, path: str) -> int | None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            self.problem(path, f"must be a whole number of items (0 or more), not {value!r}")
+            self.problem(path, f"must be a whole number of items (0 or more), not {_show(value)}")
             return None
         return value
 
@@ -585,7 +591,7 @@ class _Parser:
                 if key != "redirect":
                     self.problem(_join(path, key), _unknown(key, ("redirect",), "key"), at_key=True)
             return None
-        self.problem(path, f"unknown policy {value!r} (expected reject, strip, or {{redirect: MODEL}})")
+        self.problem(path, f"unknown policy {_show(value)} (expected reject, strip, or {{redirect: MODEL}})")
         return None
 
 
@@ -693,8 +699,19 @@ def _kind(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
+def _show(value: Any) -> str:
+    """A value as YAML would write it, for messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict | list):
+        return ("{}" if isinstance(value, dict) else "[]") if not value else _kind(value)
+    return repr(value)
+
+
 def _unknown(value: Any, allowed: tuple[str, ...], what: str) -> str:
-    message = f"unknown {what} {value!r} (expected one of: {', '.join(allowed)})"
+    message = f"unknown {what} {_show(value)} (expected one of: {', '.join(allowed)})"
     if isinstance(value, str):
         close = difflib.get_close_matches(value, allowed, n=1)
         if close:
