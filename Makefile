@@ -28,8 +28,14 @@ demo: $(STAMP) ## run the gateway plus stand-in upstreams on :8000 (vLLM) and :3
 	$(PY) -m tools.standin --port 30000 --name sglang & \
 	$(VENV)/bin/modality-gateway serve --config $(CONFIG)
 
-test: $(STAMP) ## run every test
+test: $(STAMP) test-deps ## run every test
 	$(PY) -m pytest
+
+test-deps: ## system packages the tests use: Debian's prometheus (promtool and the server)
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
 check: $(STAMP) ## formatting, lint, and mypy --strict on gateway/
 	$(VENV)/bin/ruff format --check .
@@ -40,4 +46,4 @@ fmt: $(STAMP) ## format and fix what ruff can
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-.PHONY: help install serve demo test check fmt
+.PHONY: help install serve demo test test-deps check fmt
