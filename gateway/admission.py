@@ -36,6 +36,9 @@ from .errors import (
 )
 from .modality import Classification, Modality, Part, classify
 
+# Image parts the gateway can turn into embeddings (image_embeds parts already are).
+ENCODABLE_TYPES = frozenset({"image_url", "input_image"})
+
 
 @dataclass(frozen=True, slots=True)
 class Redirect:
@@ -76,8 +79,21 @@ class RoutePlan:
     def needs_rewrite(self, body: Mapping[str, Any]) -> bool:
         return body.get("model") != self.model.upstream_name or bool(self.stripped_parts) or self.mutes_audio_in_video
 
+    @property
+    def encoder(self) -> str | None:
+        """The encoder that turns this request's images into embeddings, if the model has one."""
+        return self.model.encode.get(Modality.IMAGE)
+
+    @property
+    def encode_parts(self) -> tuple[Part, ...]:
+        if self.encoder is None:
+            return ()
+        return tuple(p for p in self.classification.parts if p.type in ENCODABLE_TYPES)
+
     def action(self, part: Part) -> str:
-        return "strip" if part.modality in self.stripped else "accept"
+        if part.modality in self.stripped:
+            return "strip"
+        return "encode" if self.encoder is not None and part.type in ENCODABLE_TYPES else "accept"
 
     def explain(self) -> dict[str, Any]:
         """The decision as JSON, for `modality-gateway explain` and debugging."""
@@ -88,6 +104,7 @@ class RoutePlan:
             "upstream_model": self.model.upstream_name,
             "upstreams": list(self.model.upstreams),
             "route": self.route,
+            "encoder": self.encoder,
             "redirects": [{"from": r.source, "modality": r.modality.value, "to": r.target} for r in self.redirects],
             "counts": {m.value: n for m, n in self.classification.counts.items()},
             "parts": [
@@ -192,10 +209,15 @@ def _enforce_limits(model: ModelConfig, classification: Classification, stripped
             )
 
 
-def rewrite(plan: RoutePlan, body: dict[str, Any]) -> bytes:
-    """Apply the plan to ``body`` (in place) and serialize it."""
+def rewrite(
+    plan: RoutePlan, body: dict[str, Any], replacements: Mapping[tuple[int, int], dict[str, Any]] | None = None
+) -> bytes:
+    """Apply the plan to ``body`` (in place) and serialize it. ``replacements`` maps
+    (message, part) indices to new parts (encoded images)."""
     body["model"] = plan.model.upstream_name
     messages = body["messages"]
+    for (i, j), new_part in (replacements or {}).items():
+        messages[i]["content"][j] = new_part
     for part in reversed(plan.stripped_parts):  # reversed keeps earlier indices valid
         content = messages[part.message]["content"]
         if part.index is None:

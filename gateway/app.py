@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -12,10 +12,13 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from . import handlers
 from .config import GatewayConfig
+from .encoder import EncoderClient
+from .media import MediaFetcher
 from .metrics import GatewayMetrics
 from .middlewares import error_middleware, metrics_middleware, request_id_middleware
 from .reload import ConfigStore
 from .state import SERVICES_KEY, Services
+from .supervisor import Supervisor
 from .upstream import Replicas, UpstreamClient
 
 
@@ -25,21 +28,29 @@ def create_app(
     registry: CollectorRegistry | None = None,
     config_path: str | None = None,
     watch: bool = True,
+    encoder_command: Sequence[str] | None = None,
 ) -> web.Application:
-    """Build the gateway. ``config_path`` enables reloads (``watch`` also polls the file for edits)."""
+    """Build the gateway. ``config_path`` enables reloads (``watch`` also polls the file for edits);
+    ``encoder_command`` replaces the local encoder backend's command line (tests)."""
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry)
     store = ConfigStore(config, metrics=metrics, path=config_path)
     replicas = Replicas(cooldown_s=config.server.upstream_cooldown_s)
     store.subscribe(replicas.update)
-    services = Services(store, metrics, UpstreamClient(replicas, metrics), config.server.max_body_bytes)
+    supervisor = Supervisor(config, command=encoder_command)
+    encoder = EncoderClient(metrics, MediaFetcher(config.media), supervisor.url)
+    store.subscribe(encoder.update)
+    store.subscribe(supervisor.check_reload)
+    services = Services(
+        store, metrics, UpstreamClient(replicas, metrics), encoder, supervisor, config.server.max_body_bytes
+    )
 
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
         middlewares=[request_id_middleware, metrics_middleware, error_middleware],
     )
     app[SERVICES_KEY] = services
-    app.cleanup_ctx.append(_upstream_client)
+    app.cleanup_ctx.append(_clients)
     if config_path is not None and watch:
         app.cleanup_ctx.append(_config_watcher)
 
@@ -53,10 +64,15 @@ def create_app(
     return app
 
 
-async def _upstream_client(app: web.Application) -> AsyncIterator[None]:
+async def _clients(app: web.Application) -> AsyncIterator[None]:
     services = app[SERVICES_KEY]
-    await services.upstream.start(services.store.current)
+    config = services.store.current
+    await services.upstream.start(config)
+    await services.encoder.start(config)
+    await services.supervisor.start()
     yield
+    await services.supervisor.close()
+    await services.encoder.close()
     await services.upstream.close()
 
 

@@ -44,7 +44,17 @@ ENCODER_KEYS = {
     "local": ("kind", "model", "device", "max_batch_size", "max_batch_delay_ms", "timeout_s"),
     "http": ("kind", "urls", "timeout_s"),
 }
-MODEL_KEYS = ("name", "upstreams", "upstream_model", "accepts", "limits", "encode", "on_unsupported")
+MODEL_KEYS = (
+    "name",
+    "upstreams",
+    "upstream_model",
+    "accepts",
+    "limits",
+    "encode",
+    "on_encoder_error",
+    "on_unsupported",
+)
+ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
 POLICY_ACTIONS = ("reject", "strip")
 
 
@@ -103,6 +113,8 @@ class ModelConfig:
     limits: Mapping[Modality, int] = field(default_factory=lambda: MappingProxyType({}))
     encode: Mapping[Modality, str] = field(default_factory=lambda: MappingProxyType({}))
     on_unsupported: Mapping[Modality, Policy] = field(default_factory=lambda: MappingProxyType({}))
+    # when the encoder fails: 503 encoder_unavailable (fail), or send the original images (passthrough)
+    on_encoder_error: Literal["fail", "passthrough"] = "fail"
 
     @property
     def upstream_name(self) -> str:
@@ -501,6 +513,10 @@ class _Parser:
         limits = self.modality_map(raw.get("limits", {}), f"{path}.limits", self.limit)
         encode = self.modality_map(raw.get("encode", {}), f"{path}.encode", self.string)
         policies = self.modality_map(raw.get("on_unsupported", {}), f"{path}.on_unsupported", self.policy)
+        on_encoder_error = raw.get("on_encoder_error", "fail")
+        if on_encoder_error not in ENCODER_ERROR_ACTIONS:
+            self.problem(f"{path}.on_encoder_error", _unknown(on_encoder_error, ENCODER_ERROR_ACTIONS, "action"))
+            on_encoder_error = "fail"
         if name is None or accepts is None:
             return None
         return ModelConfig(
@@ -511,6 +527,7 @@ class _Parser:
             limits=MappingProxyType(limits),
             encode=MappingProxyType(encode),
             on_unsupported=MappingProxyType(policies),
+            on_encoder_error=on_encoder_error,
         )
 
     def upstreams(self, value: Any, path: str) -> list[str]:
@@ -617,6 +634,8 @@ def _validate(config: GatewayConfig, p: _Parser) -> None:
             if encoder not in config.encoders:
                 known = ", ".join(config.encoders) or "none defined"
                 p.problem(where, f"unknown encoder '{encoder}' (encoders: {known})")
+        if model.on_encoder_error != "fail" and not model.encode:
+            p.problem(f"{path}.on_encoder_error", "applies only to a model with 'encode'", at_key=True)
         for m, policy in model.on_unsupported.items():
             where = f"{path}.on_unsupported.{m}"
             if m in model.accepts:

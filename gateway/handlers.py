@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -12,9 +13,11 @@ from aiohttp import web
 
 from .admission import RoutePlan, admit, lookup, rewrite
 from .config import GatewayConfig, ModelConfig
+from .encoder import Replacements
 from .errors import (
     AuthenticationError,
     ConfigError,
+    EncoderError,
     InvalidConfigError,
     InvalidRequestError,
     PermissionDeniedError,
@@ -22,6 +25,7 @@ from .errors import (
 from .metrics import UNKNOWN_MODEL
 from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
 
+log = logging.getLogger(__name__)
 JSON = "application/json"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -33,8 +37,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     request[MODEL_LABEL_KEY] = _model_label(services, body)
     plan = admit(config, body)
     _count_plan(services, plan)
-    data = rewrite(plan, body) if plan.needs_rewrite(body) else raw
-    return await _forward(request, services, config, plan.model, data, plan.route)
+    headers = {}
+    replacements: Replacements = {}
+    if plan.encode_parts:
+        replacements = await _encode(request, services, plan, body)
+        headers["X-Gateway-Encoded"] = str(len(replacements))
+    data = rewrite(plan, body, replacements) if replacements or plan.needs_rewrite(body) else raw
+    return await _forward(request, services, config, plan.model, data, plan.route, headers)
+
+
+async def _encode(request: web.Request, services: Services, plan: RoutePlan, body: dict[str, Any]) -> Replacements:
+    try:
+        return await services.encoder.encode(plan, body, request_id=request[REQUEST_ID_KEY])
+    except EncoderError as exc:
+        if plan.model.on_encoder_error != "passthrough":
+            raise
+        log.warning("encoder failed for model %s, sending the original images: %s", plan.model.name, exc.message)
+        services.metrics.encoder_passthrough.labels(plan.model.name, plan.encoder or "").inc()
+        return {}
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -71,15 +91,23 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """Ready when every local encoder is (upstreams are reported, not required: they fail over)."""
     services = request.app[SERVICES_KEY]
-    return _json(
-        {
-            "status": "ready",
-            "config_generation": services.store.generation,
-            "models": [m.name for m in services.store.current.models],
-            "upstreams": services.upstream.replicas.snapshot(),
-        }
-    )
+    ready = services.supervisor.ready
+    encoders: dict[str, Any] = {
+        name: {"kind": "http", "urls": list(spec.urls)}
+        for name, spec in services.store.current.encoders.items()
+        if spec.kind == "http"
+    }
+    encoders.update({name: e.status() for name, e in services.supervisor.encoders.items()})
+    payload = {
+        "status": "ready" if ready else "starting",
+        "config_generation": services.store.generation,
+        "models": [m.name for m in services.store.current.models],
+        "encoders": encoders,
+        "upstreams": services.upstream.replicas.snapshot(),
+    }
+    return _json(payload, status=200 if ready else 503)
 
 
 async def admin_reload(request: web.Request) -> web.Response:
@@ -130,11 +158,13 @@ async def _forward(
     model: ModelConfig,
     data: bytes,
     route: str,
+    extra_headers: dict[str, str] | None = None,
 ) -> web.StreamResponse:
     headers = {
         "X-Request-Id": request[REQUEST_ID_KEY],
         "X-Gateway-Model": model.name,
         "X-Gateway-Route": route,
+        **(extra_headers or {}),
     }
     timeouts = (config.server.upstream_connect_timeout_s, config.server.upstream_read_timeout_s)
     return await services.upstream.forward(request, model, data, timeouts=timeouts, gateway_headers=headers)

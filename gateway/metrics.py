@@ -67,6 +67,26 @@ class GatewayMetrics:
             buckets=DURATION_BUCKETS,
             registry=registry,
         )
+        self.encoder_requests = Counter(
+            "gateway_encoder_requests",
+            "Images sent to encoder backends, by outcome: ok, cached, invalid, connect_error, timeout, "
+            "error, unavailable.",
+            ["encoder", "outcome"],
+            registry=registry,
+        )
+        self.encoder_seconds = Histogram(
+            "gateway_encoder_seconds",
+            "Time to encode one distinct image of a request, backend retries included.",
+            ["encoder"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.encoder_passthrough = Counter(
+            "gateway_encoder_passthrough",
+            "Requests whose images went upstream unencoded because the encoder failed (on_encoder_error: passthrough).",
+            ["model", "encoder"],
+            registry=registry,
+        )
         self.config_reloads = Counter(
             "gateway_config_reloads",
             "routing.yaml reloads, by result: success or failure.",

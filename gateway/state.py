@@ -6,8 +6,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from .encoder import EncoderClient
 from .metrics import GatewayMetrics
 from .reload import ConfigStore
+from .supervisor import Supervisor
 from .upstream import UpstreamClient
 
 
@@ -16,6 +18,8 @@ class Services:
     store: ConfigStore
     metrics: GatewayMetrics
     upstream: UpstreamClient
+    encoder: EncoderClient
+    supervisor: Supervisor
     max_body_bytes: int  # fixed at start: aiohttp reads it once
 
 

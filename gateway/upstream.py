@@ -13,6 +13,7 @@ bodies pass through untouched (``auto_decompress=False``).
 
 from __future__ import annotations
 
+import io
 import itertools
 import logging
 import time
@@ -72,9 +73,12 @@ class Replicas:
         self._clock = clock
 
     def update(self, config: GatewayConfig) -> None:
-        urls = {u for m in config.models for u in m.upstreams}
-        self._by_url = {u: self._by_url.get(u) or Replica(u) for u in sorted(urls)}
+        """Track every upstream of the config's models."""
         self.cooldown_s = config.server.upstream_cooldown_s
+        self.set_urls(u for m in config.models for u in m.upstreams)
+
+    def set_urls(self, urls: Iterable[str]) -> None:
+        self._by_url = {u: self._by_url.get(u) or Replica(u) for u in sorted(set(urls))}
 
     def choose(self, urls: Iterable[str], tried: set[str]) -> Replica | None:
         candidates = [self._by_url[u] for u in urls if u not in tried and u in self._by_url]
@@ -156,7 +160,8 @@ class UpstreamClient:
             replica.in_flight += 1
             started = time.perf_counter()
             try:
-                upstream = await self._session.post(url, data=body, headers=headers, timeout=timeout)
+                # BytesIO: aiohttp streams it rather than warning about a large bytes body
+                upstream = await self._session.post(url, data=io.BytesIO(body), headers=headers, timeout=timeout)
             except aiohttp.ClientConnectorError as exc:
                 last_error = _connect_failure(exc)
                 log.warning("upstream %s of model %s: %s", replica.url, model.name, last_error)

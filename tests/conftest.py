@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from gateway.app import create_app
 from gateway.config import GatewayConfig, parse_config
 from gateway.state import SERVICES_KEY
+from tests.backends.fixtures import backend_factory  # noqa: F401 - a fixture for every test module
 from tools.standin import StandIn
 
 

@@ -132,6 +132,7 @@ def test_explain_direct(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
         "upstream_model": "moonshotai/Kimi-K3",
         "upstreams": ["http://127.0.0.1:30000"],
         "route": "direct",
+        "encoder": None,
         "redirects": [],
         "counts": {"text": 1, "image": 1},
         "parts": [

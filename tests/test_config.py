@@ -24,7 +24,9 @@ SERVER_KEYS = (
     "(expected one of: host, port, max_body_bytes, admin_token_env, reload_interval_s, "
     "upstream_connect_timeout_s, upstream_read_timeout_s, upstream_cooldown_s)"
 )
-MODEL_KEYS = "(expected one of: name, upstreams, upstream_model, accepts, limits, encode, on_unsupported)"
+MODEL_KEYS = (
+    "(expected one of: name, upstreams, upstream_model, accepts, limits, encode, on_encoder_error, on_unsupported)"
+)
 # A valid models section on two lines, for documents that test the sections above it.
 MODELS = ("models:", "  - {name: a, upstreams: ['http://h:1'], accepts: [text]}")
 

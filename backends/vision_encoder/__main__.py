@@ -1,0 +1,63 @@
+"""python -m backends.vision_encoder serve --model SPEC [--host H] [--port P] [--device auto]"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from aiohttp import web
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backends.vision_encoder")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the encoder backend")
+    serve.add_argument("--model", default="builtin:vit-small", help="builtin:vit-small or a local model directory")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=9001)
+    serve.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: %(default)s)")
+    serve.add_argument("--max-batch-size", type=int, default=32)
+    serve.add_argument("--max-batch-tokens", type=int, default=65536)
+    serve.add_argument("--max-batch-delay-ms", type=float, default=0.0)
+    serve.add_argument("--max-queue", type=int, default=1024)
+    serve.add_argument("--cache-bytes", type=int, default=1 << 30)
+    serve.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
+    serve.add_argument("--max-pixels", type=int, default=50_000_000, help="refuse larger images (decompression bombs)")
+    serve.add_argument("--timeout-s", type=float, default=30.0)
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from .server import build
+    from .towers import TowerError
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        app = build(
+            args.model,
+            device=args.device,
+            max_batch_size=args.max_batch_size,
+            max_batch_tokens=args.max_batch_tokens,
+            max_batch_delay_ms=args.max_batch_delay_ms,
+            max_queue=args.max_queue,
+            cache_bytes=args.cache_bytes,
+            max_pixels=args.max_pixels,
+            max_image_bytes=args.max_image_bytes,
+            timeout_s=args.timeout_s,
+        )
+    except TowerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger("backends.vision_encoder").info(
+        "vision encoder %s on http://%s:%d", args.model, args.host, args.port
+    )
+    web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Image decoding and the resize rules of the image processors our towers mirror.
+
+Everything here runs on CPU worker threads, one image at a time, and ends with a uint8 tensor:
+normalization (mean/std) happens once per batch on the device, in the tower's ``forward``.
+Decoding refuses what it should: bytes that are not an image, and images over a pixel cap
+(decompression bombs) before their pixels are decoded.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from io import BytesIO
+
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+HALF = (0.5, 0.5, 0.5)
+
+RESAMPLE = {"bicubic": Image.Resampling.BICUBIC, "bilinear": Image.Resampling.BILINEAR}
+
+
+class ImageError(ValueError):
+    """The bytes are not an image this backend will decode (the reply is a 400)."""
+
+
+def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
+    """Bytes -> an RGB PIL image, upright per its EXIF orientation."""
+    if not data:
+        raise ImageError("empty image")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(BytesIO(data))
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ImageError(f"image is {width}x{height} = {width * height} pixels, over the cap of {max_pixels}")
+            image.load()
+            image = ImageOps.exif_transpose(image)
+    except ImageError:
+        raise
+    except UnidentifiedImageError:
+        raise ImageError("not a decodable image (unrecognized format)") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageError(f"not a decodable image: {exc}") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as exc:  # truncated or corrupt data
+        raise ImageError(f"corrupt image: {exc}") from None
+    if image.width < 1 or image.height < 1:
+        raise ImageError("image has no pixels")
+    return _to_rgb(image)
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """Transparency is composited onto white, as transformers' ``convert_to_rgb`` does."""
+    if image.mode == "RGB":
+        return image
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")
+
+
+def to_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB PIL image -> uint8 tensor (3, H, W)."""
+    data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    return data.view(image.height, image.width, 3).permute(2, 0, 1).contiguous()
+
+
+def resize_exact(image: Image.Image, height: int, width: int, resample: str = "bicubic") -> Image.Image:
+    """SigLIP's rule: straight to (height, width), aspect ratio not kept."""
+    if image.size == (width, height):
+        return image
+    return image.resize((width, height), resample=RESAMPLE[resample])
+
+
+def resize_shortest_edge(image: Image.Image, shortest_edge: int, resample: str = "bicubic") -> Image.Image:
+    """CLIP's rule: the short side becomes ``shortest_edge``, the long side keeps the ratio (truncated)."""
+    short, long = sorted(image.size)
+    new_short, new_long = shortest_edge, int(shortest_edge * long / short)
+    width, height = (new_short, new_long) if image.width <= image.height else (new_long, new_short)
+    return image.resize((width, height), resample=RESAMPLE[resample])
+
+
+def center_crop(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Crop (C, H, W) to the center (height, width), padding with zeros where the image is smaller."""
+    _, h, w = pixels.shape
+    if h < height or w < width:
+        padded = torch.zeros((pixels.shape[0], max(h, height), max(w, width)), dtype=pixels.dtype)
+        # transformers rounds the padding up on the top/left side (ceil), so the image sits low/right
+        top, left = -((h - max(h, height)) // 2), -((w - max(w, width)) // 2)
+        padded[:, top : top + h, left : left + w] = pixels
+        pixels, h, w = padded, padded.shape[1], padded.shape[2]
+    top, left = (h - height) // 2, (w - width) // 2
+    return pixels[:, top : top + height, left : left + width]
+
+
+def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's rule: both sides multiples of ``factor``, pixels within [min, max], ratio kept."""
+    if max(height, width) / min(height, width) > 200:
+        raise ImageError(f"aspect ratio over 200 ({width}x{height})")
+    # No floor at ``factor`` here, as in transformers' smart_resize: a side under factor / 2 rounds
+    # to 0 and the min_pixels branch below scales the whole image up instead.
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    if h_bar < factor or w_bar < factor:
+        raise ImageError(f"image too small to resize ({width}x{height})")
+    return h_bar, w_bar
+
+
+def normalize(
+    pixels: torch.Tensor, mean: Sequence[float], std: Sequence[float], *, channel_dim: int = 1
+) -> torch.Tensor:
+    """uint8 -> float32 in [0, 1] -> (x - mean) / std, per channel, for a whole batch at once."""
+    shape = [1] * pixels.dim()
+    shape[channel_dim] = 3
+    m = torch.tensor(mean, dtype=torch.float32, device=pixels.device).view(shape)
+    s = torch.tensor(std, dtype=torch.float32, device=pixels.device).view(shape)
+    return (pixels.to(torch.float32) * (1 / 255) - m) / s

@@ -1,0 +1,217 @@
+"""The encoder backend's HTTP face: POST /v1/encode, GET /health, GET /metrics.
+
+``POST /v1/encode``: the body is the image file's bytes (any Content-Type). The reply is JSON::
+
+    {"model": "<fingerprint>", "sha256": "<hex of the body>", "tokens": 196, "hidden": 384,
+     "dtype": "float32", "image_grid_thw": null | [t, h, w], "cached": false,
+     "image_embeds": "<base64 of torch.save(tensor (tokens, hidden))>" | {"image_embeds": ..., "image_grid_thw": ...}}
+
+Errors use the gateway's shape, ``{"error": {"message", "type", "param", "code"}}``: 400
+``invalid_image``, 413 ``payload_too_large``, 503 ``encoder_overloaded`` (with Retry-After),
+504 ``encoder_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from PIL import Image
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from .batching import BatchStats, DynamicBatcher, QueueFullError
+from .preprocess import ImageError
+from .service import EncoderService
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+RESULTS = ("ok", "cached", "invalid", "overloaded", "timeout", "error")
+
+
+class EncoderMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.images = Counter("vision_encoder_images", "Images answered, by result.", ["result"], registry=registry)
+        for result in RESULTS:
+            self.images.labels(result)
+        self.batch_size = Histogram(
+            "vision_encoder_batch_size", "Images per forward pass.", buckets=BATCH_BUCKETS, registry=registry
+        )
+        self.queue_seconds = Histogram(
+            "vision_encoder_queue_seconds", "Time an image waited for its batch.", buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )  # fmt: skip
+        self.forward_seconds = Histogram(
+            "vision_encoder_forward_seconds", "Time of one forward pass.", buckets=SECONDS_BUCKETS, registry=registry
+        )
+        self.cache_hits = Counter("vision_encoder_cache_hits", "Images answered from the cache.", registry=registry)
+        self.cache_misses = Counter("vision_encoder_cache_misses", "Images that needed encoding.", registry=registry)
+
+    def batch_stats(self) -> BatchStats:
+        def on_batch(size: int, seconds: float) -> None:
+            self.batch_size.observe(size)
+            self.forward_seconds.observe(seconds)
+
+        return BatchStats(on_batch=on_batch, on_queue_wait=self.queue_seconds.observe)
+
+
+SERVICE_KEY = web.AppKey("service", EncoderService)
+METRICS_KEY = web.AppKey("metrics", EncoderMetrics)
+
+
+def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _error(413, "payload_too_large", f"image is larger than the limit ({exc.text})")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, f"http_{exc.status}", exc.reason)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error(500, "internal_error", "internal error in the encoder")
+
+
+async def encode(request: web.Request) -> web.Response:
+    service, metrics = request.app[SERVICE_KEY], request.app[METRICS_KEY]
+    data = await request.read()
+    try:
+        reply, cached = await asyncio.wait_for(service.encode(data), service.timeout_s)
+    except ImageError as exc:
+        metrics.images.labels("invalid").inc()
+        return _error(400, "invalid_image", str(exc))
+    except QueueFullError as exc:
+        metrics.images.labels("overloaded").inc()
+        return _error(503, "encoder_overloaded", str(exc), headers={"Retry-After": "1"})
+    except TimeoutError:
+        metrics.images.labels("timeout").inc()
+        return _error(504, "encoder_timeout", f"encoding took longer than {service.timeout_s:g}s")
+    except Exception:
+        metrics.images.labels("error").inc()
+        raise
+    (metrics.cache_hits if cached else metrics.cache_misses).inc()
+    metrics.images.labels("cached" if cached else "ok").inc()
+    info = service.tower.info
+    return web.Response(
+        body=orjson.dumps(reply.to_json(model=info.fingerprint, dtype=service.dtype, cached=cached)),
+        content_type="application/json",
+    )
+
+
+def _probe_image() -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), (127, 127, 127)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+PROBE = _probe_image()
+
+
+async def health(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    info = service.tower.info
+    body: dict[str, Any] = {
+        "status": "ok",
+        "model": info.name,
+        "source": info.source,
+        "fingerprint": info.fingerprint,
+        "demo_weights": info.demo_weights,
+        "device": str(service.tower.device),
+        "dtype": service.dtype,
+        "hidden_size": info.hidden_size,
+        "queued": service.batcher.queued,
+        "cache": {"entries": len(service.cache), "bytes": service.cache.bytes, "max_bytes": service.cache.max_bytes},
+    }
+    if info.demo_weights:
+        body["note"] = "random demo weights: the embeddings mean nothing"
+    if service.batcher.busy:
+        body["check"] = "skipped: busy (the batcher is working, which shows it is alive)"
+        return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
+    started = time.perf_counter()
+    try:
+        reply = await asyncio.wait_for(service.encode_uncached(PROBE), service.timeout_s)
+    except Exception as exc:  # any failure of the real encode is unhealthy
+        log.error("health check encode failed: %r", exc)
+        return _error(503, "encoder_unhealthy", f"health check encode failed: {type(exc).__name__}: {exc}")
+    body["check"] = (
+        f"encoded a 32x32 image to {reply.tokens}x{reply.hidden} in {(time.perf_counter() - started) * 1000:.1f} ms"
+    )
+    return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
+
+
+def create_app(
+    service: EncoderService, *, registry: CollectorRegistry, metrics: EncoderMetrics, max_image_bytes: int
+) -> web.Application:
+    app = web.Application(client_max_size=max_image_bytes, middlewares=[_errors])
+    app[SERVICE_KEY] = service
+    app[METRICS_KEY] = metrics
+    app.router.add_post("/v1/encode", encode)
+    app.router.add_get("/health", health)
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    app.router.add_get("/metrics", metrics_handler)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        service.batcher.start()
+        yield
+        await service.batcher.stop()
+        service.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+def build(
+    model: str = "builtin:vit-small",
+    *,
+    device: str = "auto",
+    max_batch_size: int = 32,
+    max_batch_tokens: int = 65536,
+    max_batch_delay_ms: float = 0.0,
+    max_queue: int = 1024,
+    cache_bytes: int = 1 << 30,
+    max_pixels: int = 50_000_000,
+    max_image_bytes: int = 20 * 1024 * 1024,
+    timeout_s: float = 30.0,
+    registry: CollectorRegistry | None = None,
+) -> web.Application:
+    """Load the tower and wire the backend (used by the CLI and the tests)."""
+    from .towers import load_tower, resolve_device
+
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = EncoderMetrics(registry)
+    dev, dtype = resolve_device(device)
+    tower = load_tower(model, device=dev, dtype=dtype)
+    batcher = DynamicBatcher(
+        tower,
+        max_batch_size=max_batch_size,
+        max_batch_tokens=max_batch_tokens,
+        max_batch_delay_ms=max_batch_delay_ms,
+        max_queue=max_queue,
+        stats=metrics.batch_stats(),
+    )
+    service = EncoderService(tower, batcher, cache_bytes=cache_bytes, max_pixels=max_pixels, timeout_s=timeout_s)
+    return create_app(service, registry=registry, metrics=metrics, max_image_bytes=max_image_bytes)

@@ -1,0 +1,126 @@
+"""The encode pipeline: bytes -> sha256 -> cache -> decode/prepare (threads) -> batcher -> reply.
+
+The reply is what the gateway splices into the chat request unchanged: vLLM's ``image_embeds``
+value, base64 of ``torch.save(tensor)`` (or, for the Qwen2-VL family, vLLM's dict form with
+``image_grid_thw``). The backend has torch and the gateway must not, so the serialization vLLM
+needs happens here, once per distinct image; the gateway never decodes, unpickles or re-encodes
+embeddings. See docs/encoder.md for the API and the reasons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import io
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .batching import DynamicBatcher
+from .cache import EmbeddingCache
+from .preprocess import decode_image
+from .towers import Encoded, Prepared, VisionTower
+
+HASH_IN_THREAD_BYTES = 1 << 20  # hashing bigger bodies would hold the event loop for a millisecond or more
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One encoded image, ready to send (cached as is)."""
+
+    sha256: str
+    tokens: int
+    hidden: int
+    grid_thw: tuple[int, int, int] | None
+    image_embeds: str | dict[str, str]  # exactly vLLM's image_embeds value
+
+    @property
+    def nbytes(self) -> int:
+        value = self.image_embeds
+        return len(value) if isinstance(value, str) else sum(len(v) for v in value.values())
+
+    def to_json(self, *, model: str, dtype: str, cached: bool) -> dict[str, Any]:
+        return {
+            "model": model,
+            "sha256": self.sha256,
+            "tokens": self.tokens,
+            "hidden": self.hidden,
+            "dtype": dtype,
+            "image_grid_thw": list(self.grid_thw) if self.grid_thw else None,
+            "image_embeds": self.image_embeds,
+            "cached": cached,
+        }
+
+
+def serialize_tensor(tensor: torch.Tensor) -> str:
+    """base64 of torch.save(tensor), of the tensor's own elements only (never a larger storage)."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.storage_offset() != 0 or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def to_reply(sha: str, encoded: Encoded) -> Reply:
+    embeds = encoded.embeds
+    value: str | dict[str, str]
+    if encoded.grid_thw is None:
+        value = serialize_tensor(embeds)
+    else:
+        grid = torch.tensor([encoded.grid_thw], dtype=torch.int64)  # (1, 3), as vLLM's dict form expects
+        value = {"image_embeds": serialize_tensor(embeds), "image_grid_thw": serialize_tensor(grid)}
+    return Reply(sha, embeds.shape[0], embeds.shape[1], encoded.grid_thw, value)
+
+
+class EncoderService:
+    def __init__(
+        self,
+        tower: VisionTower,
+        batcher: DynamicBatcher,
+        *,
+        cache_bytes: int,
+        max_pixels: int,
+        timeout_s: float,
+        threads: int | None = None,
+    ) -> None:
+        self.tower = tower
+        self.batcher = batcher
+        self.cache: EmbeddingCache[Reply] = EmbeddingCache(cache_bytes, lambda r: r.nbytes)
+        self.max_pixels = max_pixels
+        self.timeout_s = timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1, thread_name_prefix="encoder-prep")
+        self.dtype = str(tower.dtype).removeprefix("torch.")
+
+    async def encode(self, data: bytes) -> tuple[Reply, bool]:
+        """(reply, cached). Raises ImageError, QueueFullError, TimeoutError."""
+        loop = asyncio.get_running_loop()
+        if len(data) > HASH_IN_THREAD_BYTES:
+            sha = await loop.run_in_executor(self.pool, _sha256, data)
+        else:
+            sha = _sha256(data)
+        key = f"{self.tower.info.fingerprint}/{sha}"
+        return await self.cache.get_or_compute(key, lambda: self._compute(sha, data))
+
+    async def encode_uncached(self, data: bytes) -> Reply:
+        return await self._compute(_sha256(data), data)
+
+    async def _compute(self, sha: str, data: bytes) -> Reply:
+        loop = asyncio.get_running_loop()
+        prepared = await loop.run_in_executor(self.pool, self._prepare, data)
+        encoded = await self.batcher.submit(prepared, timeout=self.timeout_s)
+        return await loop.run_in_executor(self.pool, to_reply, sha, encoded)
+
+    def _prepare(self, data: bytes) -> Prepared:
+        return self.tower.prepare(decode_image(data, max_pixels=self.max_pixels))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()

@@ -1,0 +1,241 @@
+"""Turning a request's images into embeddings with the encoder backends (Encode/Prefill/Decode).
+
+For a model with ``encode: {image: NAME}``, every ``image_url`` / ``input_image`` part is resolved to
+bytes (a data URL, or a fetch under the ``media:`` rules), identical images are encoded once, all of
+them concurrently, each on the least-loaded backend of encoder NAME, and each part becomes::
+
+    {"type": "image_embeds", "image_embeds": <what the backend returned>, "uuid": "<sha256 of the bytes>"}
+
+exactly what vLLM accepts with ``--enable-mm-embeds``. The backend returns vLLM's ``image_embeds``
+value ready made (base64 of ``torch.save``, or the dict form with ``image_grid_thw``): the gateway
+splices it in and never decodes, unpickles or re-encodes embeddings.
+
+Parts that carry no image bytes (``file_id``, or a null image with a ``uuid`` that names media the
+engine has cached) pass through unchanged. Media that cannot be had is a 400 (``media_refused``,
+``invalid_image``); an encoder that cannot answer is a 503 ``encoder_unavailable``, which the
+handler turns into a passthrough of the original images for models with
+``on_encoder_error: passthrough``. aiohttp errors are mapped here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from .admission import RoutePlan
+from .config import EncoderConfig, GatewayConfig
+from .errors import EncoderError, GatewayError, InvalidImageError, MediaRefusedError, Rejection
+from .media import MediaFetcher
+from .metrics import GatewayMetrics
+from .modality import Part
+from .upstream import Replicas
+
+log = logging.getLogger(__name__)
+
+HASH_IN_THREAD_BYTES = 1 << 20
+Replacements = dict[tuple[int, int], dict[str, Any]]
+
+
+def image_url(part: Mapping[str, Any]) -> str | None:
+    """The URL an image_url / input_image part carries, or None (file_id, cached-uuid reference)."""
+    value = part.get("image_url")
+    if isinstance(value, dict):
+        value = value.get("url")
+    return value if isinstance(value, str) and value else None
+
+
+class EncoderClient:
+    """Encodes images on the configured encoder backends over one shared ClientSession."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        fetcher: MediaFetcher,
+        local_urls: Callable[[str], str | None] = lambda name: None,
+    ) -> None:
+        self._metrics = metrics
+        self.fetcher = fetcher
+        self._local_urls = local_urls  # the supervisor's answer: where a local encoder listens, once ready
+        self._encoders: Mapping[str, EncoderConfig] = {}
+        self._replicas: dict[str, Replicas] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self, config: GatewayConfig) -> None:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        await self.fetcher.start()
+        self.update(config)
+
+    async def close(self) -> None:
+        await self.fetcher.close()
+        if self._session is not None:
+            await self._session.close()
+
+    def update(self, config: GatewayConfig) -> None:
+        self._encoders = config.encoders
+        self._replicas = {
+            name: self._replicas.get(name) or Replicas(cooldown_s=config.server.upstream_cooldown_s)
+            for name in config.encoders
+        }
+        self.fetcher.update(config.media)
+
+    def urls(self, name: str) -> list[str]:
+        spec = self._encoders.get(name)
+        if spec is None:
+            return []
+        if spec.kind == "http":
+            return list(spec.urls)
+        url = self._local_urls(name)
+        return [url] if url else []
+
+    async def encode(self, plan: RoutePlan, body: Mapping[str, Any], *, request_id: str) -> Replacements:
+        """New parts for the request's encodable images. Raises 400s for bad media, EncoderError."""
+        name = plan.encoder
+        assert name is not None
+        messages = body["messages"]
+        located: list[tuple[Part, str]] = []
+        for part in plan.encode_parts:
+            assert part.index is not None
+            url = image_url(messages[part.message]["content"][part.index])
+            if url is not None:
+                located.append((part, url))
+        if not located:
+            return {}
+        model = plan.model.name
+        blobs = await self._load_all(located, model)
+        shas = await asyncio.gather(*(_sha256(b) for b in blobs))
+        unique = dict(zip(shas, blobs, strict=True))
+        first_part = {sha: part for (part, _), sha in zip(located, shas, strict=True)}
+        replies = await asyncio.gather(
+            *(self._encode_one(name, data, first_part[sha], model, request_id) for sha, data in unique.items()),
+            return_exceptions=True,
+        )
+        _raise_first(replies)
+        by_sha = dict(zip(unique, replies, strict=True))
+        return {
+            (part.message, part.index): {"type": "image_embeds", "image_embeds": by_sha[sha], "uuid": sha}
+            for (part, _), sha in zip(located, shas, strict=True)
+            if part.index is not None
+        }
+
+    async def _load_all(self, located: list[tuple[Part, str]], model: str) -> list[bytes]:
+        urls = list(dict.fromkeys(url for _, url in located))  # each distinct URL once
+        loaded = await asyncio.gather(*(self.fetcher.load(u) for u in urls), return_exceptions=True)
+        by_url = dict(zip(urls, loaded, strict=True))
+        blobs: list[bytes] = []
+        for part, url in located:
+            result = by_url[url]
+            if isinstance(result, GatewayError):
+                raise _at_part(result, part, model)
+            if isinstance(result, BaseException):
+                raise result
+            blobs.append(result)
+        return blobs
+
+    async def _encode_one(self, name: str, data: bytes, part: Part, model: str, request_id: str) -> Any:
+        assert self._session is not None, "EncoderClient.start() was not called"
+        spec = self._encoders[name]
+        replicas = self._replicas[name]
+        urls = self.urls(name)
+        replicas.set_urls(urls)
+        timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
+        headers = {"Content-Type": "application/octet-stream", "X-Request-Id": request_id}
+        tried: set[str] = set()
+        started = time.perf_counter()
+        try:
+            while (replica := replicas.choose(urls, tried)) is not None:
+                tried.add(replica.url)
+                replica.in_flight += 1
+                try:
+                    async with self._session.post(
+                        f"{replica.url}/v1/encode", data=io.BytesIO(data), headers=headers, timeout=timeout
+                    ) as resp:
+                        payload = await resp.read()
+                        status = resp.status
+                except aiohttp.ClientConnectorError as exc:
+                    replicas.mark_down(replica, f"{type(exc).__name__}")
+                    self._count(name, "connect_error")
+                    continue
+                except (TimeoutError, aiohttp.ServerTimeoutError):
+                    self._count(name, "timeout")
+                    raise EncoderError(f"Encoder '{name}' did not answer within {spec.timeout_s:g}s") from None
+                except aiohttp.ClientError as exc:
+                    self._count(name, "error")
+                    raise EncoderError(f"Encoder '{name}' failed: {type(exc).__name__}") from None
+                finally:
+                    replica.in_flight -= 1
+                replicas.mark_up(replica)
+                return self._reply(name, status, payload, part, model)
+        finally:
+            self._metrics.encoder_seconds.labels(name).observe(time.perf_counter() - started)
+        self._count(name, "unavailable")
+        raise EncoderError(f"Encoder '{name}' has no reachable backend", headers={"Retry-After": "1"})
+
+    def _reply(self, name: str, status: int, payload: bytes, part: Part, model: str) -> Any:
+        try:
+            reply = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            reply = None
+        if status == 200 and isinstance(reply, dict) and _is_embeds(reply.get("image_embeds")):
+            self._count(name, "cached" if reply.get("cached") else "ok")
+            return reply["image_embeds"]
+        error = reply.get("error") if isinstance(reply, dict) else None
+        message = error.get("message") if isinstance(error, dict) else None
+        rejection = Rejection(model, "image", "media_refused")
+        if status == 400:
+            self._count(name, "invalid")
+            raise InvalidImageError(
+                f"{part.location}: the image cannot be encoded: {message or 'invalid image'}",
+                param=part.location,
+                rejection=rejection,
+            )
+        if status == 413:
+            self._count(name, "invalid")
+            raise MediaRefusedError(
+                f"{part.location}: the image is larger than encoder '{name}' takes",
+                param=part.location,
+                rejection=rejection,
+            )
+        self._count(name, "error")
+        detail = f": {message}" if message else ""
+        raise EncoderError(f"Encoder '{name}' answered {status}{detail}", headers={"Retry-After": "1"})
+
+    def _count(self, name: str, outcome: str) -> None:
+        self._metrics.encoder_requests.labels(name, outcome).inc()
+
+
+def _is_embeds(value: object) -> bool:
+    if isinstance(value, str):
+        return bool(value)
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, str) for v in value.values())
+
+
+def _at_part(error: GatewayError, part: Part, model: str) -> GatewayError:
+    """The same error, located at the part and counted as refused media."""
+    return type(error)(
+        f"{part.location}: {error.message}",
+        param=part.location,
+        rejection=Rejection(model, "image", "media_refused"),
+    )
+
+
+def _raise_first(results: list[Any]) -> None:
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
+async def _sha256(data: bytes) -> str:
+    if len(data) > HASH_IN_THREAD_BYTES:
+        return await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+    return hashlib.sha256(data).hexdigest()

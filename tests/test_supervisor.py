@@ -1,0 +1,103 @@
+"""Local encoders: the gateway starts the backend process, waits for it, restarts it when it dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import openai
+import pytest
+from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry
+
+from gateway.app import create_app
+from gateway.config import parse_config
+from tests.backends.fixtures import png
+from tests.conftest import Gateway, Upstream, routing
+from tests.test_encode import image_part, load_as_vllm_does
+
+
+def local_config(upstream: Upstream) -> str:
+    return routing(
+        f"  - {{name: vl, upstreams: [{upstream.url}], accepts: [text, image], encode: {{image: vision}}}}",
+        extra="encoders:\n  vision: {kind: local, model: 'builtin:vit-small', device: cpu, timeout_s: 60}\n",
+    )
+
+
+async def readyz(gw: Gateway) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{gw.url}/readyz") as resp:
+            return resp.status, await resp.json()
+
+
+async def wait_for(predicate, *, seconds: float) -> None:
+    for _ in range(int(seconds / 0.1)):  # bounded
+        if await predicate():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+async def test_a_local_encoder_is_started_supervised_and_restarted(gateway_factory, upstream: Upstream) -> None:
+    gw = await gateway_factory(local_config(upstream))
+    status, body = await readyz(gw)
+    assert status == 503 and body["status"] == "starting"
+
+    async def ready() -> bool:
+        return (await readyz(gw))[0] == 200
+
+    await wait_for(ready, seconds=120)
+    async with gw.client() as client:
+        await client.chat.completions.create(model="vl", messages=[{"role": "user", "content": [image_part(png())]}])
+    part = upstream.received[0].json()["messages"][0]["content"][0]
+    assert load_as_vllm_does(part["image_embeds"]).shape == (196, 384)
+
+    encoder = (await readyz(gw))[1]["encoders"]["vision"]
+    assert encoder["kind"] == "local" and encoder["restarts"] == 0
+    os.kill(encoder["pid"], signal.SIGKILL)
+
+    async def restarted() -> bool:
+        status, body = await readyz(gw)
+        return status == 200 and body["encoders"]["vision"]["restarts"] == 1
+
+    await wait_for(restarted, seconds=120)
+
+
+async def test_a_backend_that_keeps_dying_keeps_the_gateway_unready(upstream_factory, tmp_path) -> None:
+    upstream = await upstream_factory("up")
+    app = create_app(
+        parse_config(local_config(upstream)),
+        registry=CollectorRegistry(),
+        encoder_command=[sys.executable, "-c", "import sys; sys.exit(3)"],
+    )
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        gw = Gateway(app, server, str(server.make_url("")).rstrip("/"), CollectorRegistry())
+
+        async def died_twice() -> bool:
+            return (await readyz(gw))[1]["encoders"]["vision"]["restarts"] >= 2
+
+        await wait_for(died_twice, seconds=30)
+        status, body = await readyz(gw)
+        assert status == 503 and body["encoders"]["vision"]["last_error"] == "exit code 3"
+        async with gw.client() as client:  # images for that model cannot be encoded meanwhile
+            with pytest.raises(openai.InternalServerError) as caught:
+                await client.chat.completions.create(
+                    model="vl", messages=[{"role": "user", "content": [image_part(png())]}]
+                )
+        assert caught.value.body["code"] == "encoder_unavailable"
+    finally:
+        await server.close()
+
+
+def test_the_gateway_never_imports_torch() -> None:
+    code = (
+        "import sys, gateway.app, gateway.cli, gateway.encoder, gateway.media, gateway.supervisor; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
