@@ -133,23 +133,23 @@ class MediaFetcher:
 
     async def load(self, url: str) -> bytes:
         """The bytes behind ``url``; raises MediaRefusedError or InvalidImageError."""
-        media = self._media
+        media, domains = self._media, self._domains  # one set of rules for the whole fetch
         if url[:5].lower() == "data:":
             return decode_data_url(url, max_bytes=media.max_image_bytes)
         target = _parse_url(url)
         try:
             async with asyncio.timeout(media.fetch_timeout_s):
-                return await self._fetch(target, media)
+                return await self._fetch(target, media, domains)
         except TimeoutError:
             raise MediaRefusedError(
                 f"Image URL host '{target.host}' did not deliver the image within {media.fetch_timeout_s:g}s"
             ) from None
 
-    async def _fetch(self, url: URL, media: MediaConfig) -> bytes:
+    async def _fetch(self, url: URL, media: MediaConfig, domains: tuple[str, ...]) -> bytes:
         assert self._session is not None, "MediaFetcher.start() was not called"
         for hop in range(MAX_REDIRECTS + 1):
             what = "Image URL" if hop == 0 else "Image URL redirect"
-            self._check(url, media, what)
+            _check(url, media, domains, what)
             try:
                 async with self._session.get(url, allow_redirects=False) as response:
                     if response.status in _REDIRECT_STATUSES:
@@ -162,23 +162,24 @@ class MediaFetcher:
                 raise MediaRefusedError(_fetch_failure(exc, what, url.host)) from None
         raise MediaRefusedError(f"Image URL redirected more than {MAX_REDIRECTS} times")
 
-    def _check(self, url: URL, media: MediaConfig, what: str) -> None:
-        """The rules that can be checked before connecting; names are checked again at connect time."""
-        if url.scheme not in ("http", "https"):
-            scheme = f"scheme '{url.scheme}'" if url.scheme else "no scheme"
-            raise MediaRefusedError(f"{what} has {scheme}; only http, https and data URLs are allowed")
-        host = url.raw_host
-        if not host:
-            raise InvalidImageError(f"{what} has no host")
-        if url.user is not None or url.password is not None:
-            raise MediaRefusedError(f"{what} for host '{url.host}' carries credentials; they are not sent")
-        if self._domains and not _domain_allowed(host.rstrip(".").lower(), self._domains):
-            raise MediaRefusedError(f"{what} host '{url.host}' is not in media.allow_domains")
-        ip = _ip_literal(url, what)
-        if ip is not None and not media.allow_private_networks and not _is_public(ip):
-            raise MediaRefusedError(
-                f"{what} host '{url.host}' is not a public address (media.allow_private_networks is false)"
-            )
+
+def _check(url: URL, media: MediaConfig, domains: tuple[str, ...], what: str) -> None:
+    """The rules that can be checked before connecting; names are checked again at connect time."""
+    if url.scheme not in ("http", "https"):
+        scheme = f"scheme '{url.scheme}'" if url.scheme else "no scheme"
+        raise MediaRefusedError(f"{what} has {scheme}; only http, https and data URLs are allowed")
+    host = url.raw_host
+    if not host:
+        raise InvalidImageError(f"{what} has no host")
+    if url.user is not None or url.password is not None:
+        raise MediaRefusedError(f"{what} for host '{url.host}' carries credentials; they are not sent")
+    if domains and not _domain_allowed(host.rstrip(".").lower(), domains):
+        raise MediaRefusedError(f"{what} host '{url.host}' is not in media.allow_domains")
+    ip = _ip_literal(url, what)
+    if ip is not None and not media.allow_private_networks and not _is_public(ip):
+        raise MediaRefusedError(
+            f"{what} host '{url.host}' is not a public address (media.allow_private_networks is false)"
+        )
 
 
 def decode_data_url(url: str, *, max_bytes: int) -> bytes:
