@@ -37,10 +37,11 @@ test-deps: ## system packages the tests use: Debian's prometheus (promtool and t
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	  $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
-check: $(STAMP) ## formatting, lint, and mypy --strict on gateway/
+check: $(STAMP) ## formatting, lint, mypy --strict on gateway/ and mypy on backends/
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy --strict gateway/
+	$(VENV)/bin/mypy backends/
 
 fmt: $(STAMP) ## format and fix what ruff can
 	$(VENV)/bin/ruff format .

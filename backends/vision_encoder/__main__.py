@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # OpenMP's worker threads spin after each parallel region by default; on CPU they then starve
+    # the decode threads and the event loop (measured: -25% images/s, docs/benchmarks.md). Must be
+    # set before torch loads OpenMP.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     from .server import build

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -71,7 +71,7 @@ class EmbeddingCache(Generic[T]):
         return value
 
 
-def _retrieve(task: asyncio.Future[object]) -> None:
+def _retrieve(task: asyncio.Future[Any]) -> None:
     """Mark a failure as seen: when every waiter has given up, nobody else will."""
     if not task.cancelled():
         task.exception()

@@ -34,7 +34,7 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(BytesIO(data))
+            image: Image.Image = Image.open(BytesIO(data))
             width, height = image.size
             if width * height > max_pixels:
                 raise ImageError(f"image is {width}x{height} = {width * height} pixels, over the cap of {max_pixels}")

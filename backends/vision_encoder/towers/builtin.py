@@ -39,7 +39,8 @@ class _ViT(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         x = self.patch(pixels).flatten(2).transpose(1, 2) + self.position
-        return self.norm(self.blocks(x))
+        out: torch.Tensor = self.norm(self.blocks(x))
+        return out
 
 
 class BuiltinViT(VisionTower):

@@ -1,0 +1,113 @@
+"""SigLIP vision towers (``model_type`` ``siglip`` or ``siglip_vision_model``) from a local directory.
+
+Output: ``SiglipVisionModel``'s ``last_hidden_state``, which is after ``post_layernorm``:
+``(image_size / patch_size) ** 2`` rows of ``hidden_size`` per image, one per patch, no pooling.
+These are the patch features SigLIP-based VLMs (PaliGemma, Idefics3) take into their projector.
+The attention-pooling head (``head.*``) only makes the single pooled vector for image-text
+similarity, so its weights are not read and it never runs. A consumer that wants the features
+before the final norm (LLaVA-OneVision's ``vision_feature_layer``) needs another output.
+
+Weights: a full ``SiglipModel`` checkpoint (``siglip``) gives its ``vision_model.*`` tensors; a
+``SiglipVisionModel`` checkpoint has them under ``vision_model.`` (transformers 4) or bare
+(transformers 5). Preprocessing follows ``SiglipImageProcessor``: resize straight to
+``size.height x size.width`` (aspect ratio not kept, no crop), then rescale and normalize.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import nn
+
+from ..preprocess import HALF, resize_exact, to_tensor
+from . import TowerError
+from .base import Encoded, Prepared, TowerInfo, VisionTower
+from .hf_checkpoint import PROCESSOR_FILE, PixelNorm, fingerprint, load_model, positive_int, read_json, resample_of
+
+NAME = "siglip"
+VERSION = 1  # bump when the output or the preprocessing of the same files changes
+
+
+class SiglipTower(VisionTower):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        size: tuple[int, int],
+        tokens: int,
+        resample: str,
+        norm: PixelNorm,
+        info: TowerInfo,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model, self.size, self.tokens, self.resample, self.norm = model, size, tokens, resample, norm
+        self.info, self.device, self.dtype = info, device, dtype
+
+    def prepare(self, image: Image.Image) -> Prepared:
+        height, width = self.size
+        return Prepared(to_tensor(resize_exact(image, height, width, self.resample)), self.tokens)
+
+    def pixel_values(self, batch: Sequence[Prepared]) -> torch.Tensor:
+        """The batch as the model takes it (the processor's ``pixel_values``), on the device."""
+        pixels = torch.stack([p.pixels for p in batch]).to(self.device, non_blocking=True)
+        return self.norm(pixels).to(self.dtype)
+
+    def forward(self, batch: Sequence[Prepared]) -> list[Encoded]:
+        out = self.model(pixel_values=self.pixel_values(batch)).last_hidden_state.to("cpu")
+        return [Encoded(row.clone()) for row in out]
+
+
+def load_siglip(path: Path, config: dict[str, Any], *, device: torch.device, dtype: torch.dtype) -> SiglipTower:
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import SiglipConfig, SiglipVisionConfig, SiglipVisionModel
+
+    full = config.get("model_type") == "siglip"
+    vision: Any
+    try:
+        vision = SiglipConfig.from_dict(config).vision_config if full else SiglipVisionConfig.from_dict(config)
+    except (TypeError, ValueError, KeyError, StrictDataclassError) as exc:
+        raise TowerError(f"{path / 'config.json'}: not a SigLIP config: {exc}") from None
+    vision.vision_use_head = False  # see the module docstring
+    processor_file = path / PROCESSOR_FILE
+    processor = read_json(processor_file)
+    size = _size(processor, processor_file, vision.image_size)
+    norm = PixelNorm.from_processor(processor, processor_file, mean=HALF, std=HALF)
+    resample = resample_of(processor, processor_file)
+
+    prefixes = ("vision_model.",) if full else ("vision_model.", "")
+    model, digest = load_model(
+        path, lambda: SiglipVisionModel(vision), prefixes=prefixes, skip=("head.",), device=device, dtype=dtype
+    )
+    tokens = (vision.image_size // vision.patch_size) ** 2
+    info = TowerInfo(
+        name=NAME,
+        source=str(path),
+        fingerprint=fingerprint(NAME, VERSION, path, digest, dtype),
+        hidden_size=vision.hidden_size,
+        extra={
+            "image_size": vision.image_size,
+            "patch_size": vision.patch_size,
+            "tokens_per_image": tokens,
+            "output": "last_hidden_state (after post_layernorm)",
+        },
+    )
+    return SiglipTower(
+        model, size=size, tokens=tokens, resample=resample, norm=norm, info=info, device=device, dtype=dtype
+    )
+
+
+def _size(processor: dict[str, Any], where: Path, image_size: int) -> tuple[int, int]:
+    if processor.get("do_resize", True) is not True:
+        raise TowerError(f"{where}: do_resize must be true (the model takes one fixed size)")
+    size = processor.get("size", {"height": 224, "width": 224})
+    if not isinstance(size, dict) or "height" not in size or "width" not in size:
+        raise TowerError(f"{where}: size must be {{'height': H, 'width': W}}, got {size!r}")
+    height, width = positive_int(size["height"], "size.height", where), positive_int(size["width"], "size.width", where)
+    if (height, width) != (image_size, image_size):
+        raise TowerError(f"{where}: size {height}x{width} differs from the model's image_size {image_size}")
+    return height, width
