@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import sys
 import time
@@ -41,6 +42,7 @@ def encoder_command(spec: EncoderConfig, port: int, python: str = sys.executable
         "--max-batch-size", str(spec.max_batch_size),
         "--max-batch-delay-ms", str(spec.max_batch_delay_ms),
         "--timeout-s", str(spec.timeout_s),
+        "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
 
 
@@ -147,8 +149,7 @@ class Supervisor:
             if healthy != encoder.ready:
                 log.info("local encoder '%s' %s: %s", name, "ready" if healthy else "not ready", detail)
             encoder.ready = healthy
-            if not healthy:
-                encoder.last_error = detail
+            encoder.last_error = "" if healthy else detail
             if not healthy and not encoder.restarts and time.monotonic() > deadline and encoder.pid:
                 log.error("local encoder '%s' did not become healthy in %.0fs", name, START_TIMEOUT_S)
             await asyncio.sleep(HEALTH_INTERVAL_S if encoder.ready else 0.25)

@@ -101,3 +101,41 @@ def test_the_gateway_never_imports_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_a_supervised_backend_exits_when_its_parent_dies(tmp_path) -> None:
+    """The gateway passes --parent-pid: a gateway killed with SIGKILL leaves no encoder behind."""
+    pid_file = tmp_path / "pid"
+    launcher = (
+        "import subprocess, sys, os\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'backends.vision_encoder', 'serve', '--device', 'cpu',\n"
+        "                      '--port', '0', '--parent-pid', str(os.getpid())])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "import time; time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", launcher])
+    try:
+        for _ in range(200):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            await asyncio.sleep(0.05)
+        child = int(pid_file.read_text())
+        parent.kill()
+        parent.wait(timeout=10)
+
+        def alive() -> bool:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                return False
+            with open(f"/proc/{child}/stat") as f:  # a zombie has exited; nobody is left to reap it
+                return f.read().split()[2] != "Z"
+
+        for _ in range(600):  # bounded: torch import, then the one-second parent check
+            if not alive():
+                break
+            await asyncio.sleep(0.05)
+        assert not alive()
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
 import sys
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -27,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-pixels", type=int, default=50_000_000, help="refuse larger images (decompression bombs)")
     serve.add_argument("--timeout-s", type=float, default=30.0)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process is no longer the parent (supervised runs)"
+    )
     args = parser.parse_args(argv)
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -59,8 +65,27 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("backends.vision_encoder").info(
         "vision encoder %s on http://%s:%d", args.model, args.host, args.port
     )
+    if args.parent_pid is not None:
+        app.on_startup.append(_exit_with_parent(args.parent_pid))
     web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
     return 0
+
+
+def _exit_with_parent(parent_pid: int) -> Callable[[web.Application], Awaitable[None]]:
+    """A supervised backend must not outlive its gateway, even one killed with SIGKILL."""
+
+    async def watch() -> None:
+        while os.getppid() == parent_pid:
+            await asyncio.sleep(1.0)
+        logging.getLogger("backends.vision_encoder").warning("parent %d is gone; exiting", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    tasks: list[asyncio.Task[None]] = []  # holds the task so it is not collected
+
+    async def start(app: web.Application) -> None:
+        tasks.append(asyncio.create_task(watch()))
+
+    return start
 
 
 if __name__ == "__main__":
