@@ -1,0 +1,197 @@
+"""The backend's moving parts on their own: the cache, the batcher, timeouts, and the Qwen2-VL reply."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from aiohttp.test_utils import TestServer
+from PIL import Image
+from prometheus_client import CollectorRegistry
+
+from backends.vision_encoder.batching import DynamicBatcher, QueueFullError
+from backends.vision_encoder.cache import EmbeddingCache
+from backends.vision_encoder.server import build
+from backends.vision_encoder.towers import Encoded, Prepared, TowerInfo, VisionTower
+from tests.backends.fixtures import png
+
+# --- cache ------------------------------------------------------------------------------------------
+
+
+def test_the_cache_evicts_least_recently_used_within_its_byte_budget() -> None:
+    cache: EmbeddingCache[bytes] = EmbeddingCache(10, len)
+    cache.put("a", b"1234")
+    cache.put("b", b"1234")
+    assert cache.get("a") == b"1234"  # a is now the most recent
+    cache.put("c", b"1234")  # 12 bytes > 10: b goes
+    assert (cache.get("a"), cache.get("b"), cache.get("c")) == (b"1234", None, b"1234")
+    assert cache.bytes == 8 and len(cache) == 2
+    cache.put("huge", b"x" * 11)  # larger than the whole budget: not kept, nothing evicted
+    assert cache.get("huge") is None and len(cache) == 2
+
+
+async def test_concurrent_misses_share_one_computation_and_a_giving_up_caller_cancels_nothing() -> None:
+    cache: EmbeddingCache[str] = EmbeddingCache(1000, len)
+    calls = 0
+    release = asyncio.Event()
+
+    async def compute() -> str:
+        nonlocal calls
+        calls += 1
+        await release.wait()
+        return "value"
+
+    impatient = asyncio.ensure_future(asyncio.wait_for(cache.get_or_compute("k", compute), 0.05))
+    patient = asyncio.ensure_future(cache.get_or_compute("k", compute))
+    with pytest.raises(TimeoutError):
+        await impatient
+    release.set()
+    assert (await patient)[0] == "value"
+    assert calls == 1  # one computation, which the impatient caller's timeout did not cancel
+    assert await cache.get_or_compute("k", compute) == ("value", True)
+
+
+async def test_a_failed_computation_reaches_its_waiters_and_is_not_cached() -> None:
+    cache: EmbeddingCache[str] = EmbeddingCache(1000, len)
+
+    async def fail() -> str:
+        await asyncio.sleep(0)
+        raise ValueError("bad image")
+
+    results = await asyncio.gather(*(cache.get_or_compute("k", fail) for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(r, ValueError) for r in results)
+    assert cache.get("k") is None
+
+
+# --- batcher ----------------------------------------------------------------------------------------
+
+
+class RecordingTower(VisionTower):
+    """A real (trivial) torch tower that records the batches it is given."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.info = TowerInfo("recording", "test", "recording/v1", hidden_size=2)
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.batches: list[int] = []
+        self.delay = delay
+
+    def prepare(self, image: Image.Image) -> Prepared:
+        raise NotImplementedError
+
+    def forward(self, batch: Sequence[Prepared]) -> list[Encoded]:
+        import time
+
+        time.sleep(self.delay)
+        self.batches.append(len(batch))
+        return [Encoded(p.pixels.float().reshape(-1, 2)) for p in batch]
+
+
+def job(tokens: int = 1, value: int = 0) -> Prepared:
+    return Prepared(torch.full((2 * tokens,), value, dtype=torch.uint8), tokens)
+
+
+async def test_queued_images_ride_together_up_to_the_size_and_token_limits() -> None:
+    tower = RecordingTower(delay=0.2)
+    batcher = DynamicBatcher(tower, max_batch_size=4, max_batch_tokens=6)
+    batcher.start()
+    try:
+        first = asyncio.ensure_future(batcher.submit(job()))
+        await asyncio.sleep(0.05)  # the first batch (1 image) is on the device now
+        rest = [asyncio.ensure_future(batcher.submit(job(tokens=2, value=i))) for i in range(6)]
+        results = await asyncio.gather(first, *rest)
+    finally:
+        await batcher.stop()
+    assert tower.batches == [1, 3, 3]  # 3 images x 2 tokens = 6: the token budget cuts before 4 images
+    assert [int(r.embeds[0, 0]) for r in results[1:]] == list(range(6))  # each caller gets its own row
+
+
+async def test_a_delay_lets_a_lone_request_wait_for_company() -> None:
+    tower = RecordingTower()
+    batcher = DynamicBatcher(tower, max_batch_size=8, max_batch_delay_ms=100)
+    batcher.start()
+    try:
+        first = asyncio.ensure_future(batcher.submit(job()))
+        await asyncio.sleep(0.01)
+        await asyncio.gather(first, batcher.submit(job()))
+    finally:
+        await batcher.stop()
+    assert tower.batches == [2]
+
+
+async def test_the_queue_is_bounded_and_timed_out_jobs_are_skipped() -> None:
+    tower = RecordingTower(delay=0.3)
+    batcher = DynamicBatcher(tower, max_batch_size=1, max_queue=2)
+    batcher.start()
+    try:
+        running = asyncio.ensure_future(batcher.submit(job()))
+        await asyncio.sleep(0.05)
+        stale = asyncio.ensure_future(batcher.submit(job(), timeout=0.05))
+        kept = asyncio.ensure_future(batcher.submit(job()))
+        await asyncio.sleep(0)
+        with pytest.raises(QueueFullError):
+            await batcher.submit(job())
+        with pytest.raises(TimeoutError):
+            await stale
+        await asyncio.gather(running, kept)
+    finally:
+        await batcher.stop()
+    assert tower.batches == [1, 1]  # the timed-out job never reached the device
+
+
+async def test_a_forward_that_fails_fails_its_batch_and_the_batcher_goes_on() -> None:
+    class Flaky(RecordingTower):
+        def forward(self, batch: Sequence[Prepared]) -> list[Encoded]:
+            if not self.batches:
+                self.batches.append(-1)
+                raise RuntimeError("CUDA out of memory (simulated)")
+            return super().forward(batch)
+
+    batcher = DynamicBatcher(Flaky(), max_batch_size=4)
+    batcher.start()
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            await batcher.submit(job())
+        assert (await batcher.submit(job(value=7))).embeds[0, 0] == 7
+    finally:
+        await batcher.stop()
+
+
+# --- server: timeouts and the Qwen2-VL dict form --------------------------------------------------
+
+
+async def test_an_encode_over_its_timeout_is_504(backend_factory) -> None:
+    backend = await backend_factory(timeout_s=0.001)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{backend.url}/v1/encode", data=png((1, 1, 1), size=(512, 512))) as resp:
+            assert resp.status == 504
+            assert (await resp.json())["error"]["code"] == "encoder_timeout"
+    assert backend.sample("vision_encoder_images_total", result="timeout") == 1
+
+
+async def test_a_qwen2_5_vl_backend_replies_with_vllms_dict_form(tmp_path: Path) -> None:
+    from tests.backends.test_towers import save_qwen
+
+    save_qwen(tmp_path)
+    app = build(str(tmp_path), device="cpu", registry=CollectorRegistry())
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(server.make_url("/v1/encode"), data=png(size=(56, 84))) as resp:
+                assert resp.status == 200
+                reply = await resp.json()
+    finally:
+        await server.close()
+    value = reply["image_embeds"]
+    assert set(value) == {"image_embeds", "image_grid_thw"}
+    embeds = torch.load(io.BytesIO(base64.b64decode(value["image_embeds"])), weights_only=True)
+    grid = torch.load(io.BytesIO(base64.b64decode(value["image_grid_thw"])), weights_only=True)
+    t, h, w = reply["image_grid_thw"]
+    assert grid.tolist() == [[t, h, w]] and grid.dtype == torch.int64
+    assert embeds.dim() == 2 and embeds.shape[0] == t * h * w // 4 == reply["tokens"]
