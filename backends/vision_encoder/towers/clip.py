@@ -16,7 +16,6 @@ then rescale and normalize.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,18 @@ from torch import nn
 
 from ..preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, center_crop, resize_exact, resize_shortest_edge, to_tensor
 from . import TowerError
-from .base import Encoded, Prepared, TowerInfo, VisionTower
-from .hf_checkpoint import PROCESSOR_FILE, PixelNorm, fingerprint, load_model, positive_int, read_json, resample_of
+from .base import Prepared, TowerInfo
+from .hf_checkpoint import (
+    PROCESSOR_FILE,
+    FixedSizeTower,
+    PixelNorm,
+    fingerprint,
+    load_model,
+    positive_int,
+    read_json,
+    resample_of,
+    vision_config,
+)
 
 NAME = "clip"
 VERSION = 1  # bump when the output or the preprocessing of the same files changes
@@ -52,7 +61,7 @@ class ClipResize:
         return center_crop(pixels, *self.crop).contiguous() if self.crop is not None else pixels
 
 
-class ClipTower(VisionTower):
+class ClipTower(FixedSizeTower):
     def __init__(
         self,
         model: nn.Module,
@@ -70,26 +79,12 @@ class ClipTower(VisionTower):
     def prepare(self, image: Image.Image) -> Prepared:
         return Prepared(self.resize(image), self.tokens)
 
-    def pixel_values(self, batch: Sequence[Prepared]) -> torch.Tensor:
-        """The batch as the model takes it (the processor's ``pixel_values``), on the device."""
-        pixels = torch.stack([p.pixels for p in batch]).to(self.device, non_blocking=True)
-        return self.norm(pixels).to(self.dtype)
-
-    def forward(self, batch: Sequence[Prepared]) -> list[Encoded]:
-        out = self.model(pixel_values=self.pixel_values(batch)).last_hidden_state.to("cpu")
-        return [Encoded(row.clone()) for row in out]
-
 
 def load_clip(path: Path, config: dict[str, Any], *, device: torch.device, dtype: torch.dtype) -> ClipTower:
-    from huggingface_hub.errors import StrictDataclassError
     from transformers import CLIPConfig, CLIPVisionConfig, CLIPVisionModel
 
     full = config.get("model_type") == "clip"
-    vision: Any
-    try:
-        vision = CLIPConfig.from_dict(config).vision_config if full else CLIPVisionConfig.from_dict(config)
-    except (TypeError, ValueError, KeyError, StrictDataclassError) as exc:
-        raise TowerError(f"{path / 'config.json'}: not a CLIP config: {exc}") from None
+    vision = vision_config(path, config, CLIPConfig, CLIPVisionConfig, "clip", "CLIP")
     processor_file = path / PROCESSOR_FILE
     processor = read_json(processor_file)
     resize = _resize(processor, processor_file, vision.image_size)

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from . import TowerError
+from .base import Encoded, Prepared, VisionTower
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -248,3 +249,33 @@ def _triple(value: object) -> tuple[float, float, float]:
         raise ValueError(f"expected 3 numbers, got {value!r}")
     a, b, c = (float(v) for v in value)
     return a, b, c
+
+
+class FixedSizeTower(VisionTower):
+    """A tower whose images are all resized to one shape (SigLIP, CLIP): batches stack."""
+
+    model: nn.Module
+    norm: PixelNorm
+
+    def pixel_values(self, batch: Sequence[Prepared]) -> torch.Tensor:
+        """The batch as the model takes it (the processor's ``pixel_values``), on the device."""
+        pixels = torch.stack([p.pixels for p in batch]).to(self.device, non_blocking=True)
+        return self.norm(pixels).to(self.dtype)
+
+    def forward(self, batch: Sequence[Prepared]) -> list[Encoded]:
+        out = self.model(pixel_values=self.pixel_values(batch)).last_hidden_state.to("cpu")
+        return [Encoded(row.clone()) for row in out]  # each row its own storage, not a view of the batch
+
+
+def vision_config(
+    path: Path, config: dict[str, Any], full_class: Any, vision_class: Any, full_type: str, label: str
+) -> Any:
+    """The vision config of a full checkpoint (``model_type`` full_type) or of a vision-only one."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        if config.get("model_type") == full_type:
+            return full_class.from_dict(config).vision_config
+        return vision_class.from_dict(config)
+    except (TypeError, ValueError, KeyError, StrictDataclassError) as exc:
+        raise TowerError(f"{path / 'config.json'}: not a {label} config: {exc}") from None

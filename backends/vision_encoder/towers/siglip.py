@@ -15,7 +15,6 @@ Weights: a full ``SiglipModel`` checkpoint (``siglip``) gives its ``vision_model
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,24 @@ from torch import nn
 
 from ..preprocess import HALF, resize_exact, to_tensor
 from . import TowerError
-from .base import Encoded, Prepared, TowerInfo, VisionTower
-from .hf_checkpoint import PROCESSOR_FILE, PixelNorm, fingerprint, load_model, positive_int, read_json, resample_of
+from .base import Prepared, TowerInfo
+from .hf_checkpoint import (
+    PROCESSOR_FILE,
+    FixedSizeTower,
+    PixelNorm,
+    fingerprint,
+    load_model,
+    positive_int,
+    read_json,
+    resample_of,
+    vision_config,
+)
 
 NAME = "siglip"
 VERSION = 1  # bump when the output or the preprocessing of the same files changes
 
 
-class SiglipTower(VisionTower):
+class SiglipTower(FixedSizeTower):
     def __init__(
         self,
         model: nn.Module,
@@ -52,26 +61,12 @@ class SiglipTower(VisionTower):
         height, width = self.size
         return Prepared(to_tensor(resize_exact(image, height, width, self.resample)), self.tokens)
 
-    def pixel_values(self, batch: Sequence[Prepared]) -> torch.Tensor:
-        """The batch as the model takes it (the processor's ``pixel_values``), on the device."""
-        pixels = torch.stack([p.pixels for p in batch]).to(self.device, non_blocking=True)
-        return self.norm(pixels).to(self.dtype)
-
-    def forward(self, batch: Sequence[Prepared]) -> list[Encoded]:
-        out = self.model(pixel_values=self.pixel_values(batch)).last_hidden_state.to("cpu")
-        return [Encoded(row.clone()) for row in out]
-
 
 def load_siglip(path: Path, config: dict[str, Any], *, device: torch.device, dtype: torch.dtype) -> SiglipTower:
-    from huggingface_hub.errors import StrictDataclassError
     from transformers import SiglipConfig, SiglipVisionConfig, SiglipVisionModel
 
     full = config.get("model_type") == "siglip"
-    vision: Any
-    try:
-        vision = SiglipConfig.from_dict(config).vision_config if full else SiglipVisionConfig.from_dict(config)
-    except (TypeError, ValueError, KeyError, StrictDataclassError) as exc:
-        raise TowerError(f"{path / 'config.json'}: not a SigLIP config: {exc}") from None
+    vision = vision_config(path, config, SiglipConfig, SiglipVisionConfig, "siglip", "SigLIP")
     vision.vision_use_head = False  # see the module docstring
     processor_file = path / PROCESSOR_FILE
     processor = read_json(processor_file)
