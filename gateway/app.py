@@ -40,7 +40,7 @@ def create_app(
     supervisor = Supervisor(config, command=encoder_command)
     encoder = EncoderClient(metrics, MediaFetcher(config.media), supervisor.url)
     store.subscribe(encoder.update)
-    store.subscribe(supervisor.check_reload)
+    store.subscribe(supervisor.update)
     services = Services(
         store, metrics, UpstreamClient(replicas, metrics), encoder, supervisor, config.server.max_body_bytes
     )

@@ -24,8 +24,8 @@ import hashlib
 import io
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -41,6 +41,12 @@ from .upstream import Replicas
 log = logging.getLogger(__name__)
 
 HASH_IN_THREAD_BYTES = 1 << 20
+# Images of one request fetched or encoded at once; the backends batch across requests anyway.
+PER_REQUEST_CONCURRENCY = 16
+# Connections to all encoder backends together: a request with thousands of images queues here
+# instead of exhausting the gateway's file descriptors.
+MAX_ENCODER_CONNECTIONS = 256
+T = TypeVar("T")
 Replacements = dict[tuple[int, int], dict[str, Any]]
 
 
@@ -70,7 +76,7 @@ class EncoderClient:
 
     async def start(self, config: GatewayConfig) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+            connector=aiohttp.TCPConnector(limit=MAX_ENCODER_CONNECTIONS, keepalive_timeout=4.0),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         await self.fetcher.start()
@@ -115,9 +121,15 @@ class EncoderClient:
         blobs = await self._load_all(located, model)
         shas = await asyncio.gather(*(_sha256(b) for b in blobs))
         unique = dict(zip(shas, blobs, strict=True))
-        first_part = {sha: part for (part, _), sha in zip(located, shas, strict=True)}
+        first_part: dict[str, Part] = {}
+        for (part, _), sha in zip(located, shas, strict=True):
+            first_part.setdefault(sha, part)  # an error names the first part that carries the image
+        limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)
         replies = await asyncio.gather(
-            *(self._encode_one(name, data, first_part[sha], model, request_id) for sha, data in unique.items()),
+            *(
+                self._bounded(limit, self._encode_one(name, data, first_part[sha], model, request_id))
+                for sha, data in unique.items()
+            ),
             return_exceptions=True,
         )
         _raise_first(replies)
@@ -130,7 +142,10 @@ class EncoderClient:
 
     async def _load_all(self, located: list[tuple[Part, str]], model: str) -> list[bytes]:
         urls = list(dict.fromkeys(url for _, url in located))  # each distinct URL once
-        loaded = await asyncio.gather(*(self.fetcher.load(u) for u in urls), return_exceptions=True)
+        limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)
+        loaded = await asyncio.gather(
+            *(self._bounded(limit, self.fetcher.load(u)) for u in urls), return_exceptions=True
+        )
         by_url = dict(zip(urls, loaded, strict=True))
         blobs: list[bytes] = []
         for part, url in located:
@@ -142,6 +157,11 @@ class EncoderClient:
             blobs.append(result)
         return blobs
 
+    @staticmethod
+    async def _bounded(limit: asyncio.Semaphore, work: Awaitable[T]) -> T:
+        async with limit:
+            return await work
+
     async def _encode_one(self, name: str, data: bytes, part: Part, model: str, request_id: str) -> Any:
         assert self._session is not None, "EncoderClient.start() was not called"
         spec = self._encoders[name]
@@ -151,6 +171,7 @@ class EncoderClient:
         timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
         headers = {"Content-Type": "application/octet-stream", "X-Request-Id": request_id}
         tried: set[str] = set()
+        last_status: tuple[int, bytes] | None = None
         started = time.perf_counter()
         try:
             while (replica := replicas.choose(urls, tried)) is not None:
@@ -174,11 +195,21 @@ class EncoderClient:
                     raise EncoderError(f"Encoder '{name}' failed: {type(exc).__name__}") from None
                 finally:
                     replica.in_flight -= 1
+                if status >= 500:  # overloaded or failing: encoding is idempotent, so try another backend
+                    replicas.mark_down(replica, f"HTTP {status}")
+                    last_status = (status, payload)
+                    self._count(name, "overloaded" if status == 503 else "error")
+                    continue
                 replicas.mark_up(replica)
                 return self._reply(name, status, payload, part, model)
         finally:
             self._metrics.encoder_seconds.labels(name).observe(time.perf_counter() - started)
         self._count(name, "unavailable")
+        if last_status is not None:
+            status, payload = last_status
+            raise EncoderError(
+                f"Encoder '{name}' answered {status}{_error_detail(payload)}", headers={"Retry-After": "1"}
+            )
         raise EncoderError(f"Encoder '{name}' has no reachable backend", headers={"Retry-After": "1"})
 
     def _reply(self, name: str, status: int, payload: bytes, part: Part, model: str) -> Any:
@@ -207,11 +238,18 @@ class EncoderClient:
                 rejection=rejection,
             )
         self._count(name, "error")
-        detail = f": {message}" if message else ""
-        raise EncoderError(f"Encoder '{name}' answered {status}{detail}", headers={"Retry-After": "1"})
+        raise EncoderError(f"Encoder '{name}' answered {status}{_error_detail(payload)}", headers={"Retry-After": "1"})
 
     def _count(self, name: str, outcome: str) -> None:
         self._metrics.encoder_requests.labels(name, outcome).inc()
+
+
+def _error_detail(payload: bytes) -> str:
+    try:
+        message = orjson.loads(payload)["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return ""
+    return f": {message}" if isinstance(message, str) else ""
 
 
 def _is_embeds(value: object) -> bool:

@@ -33,6 +33,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     services = request.app[SERVICES_KEY]
     config = services.store.current
+    request[MODEL_LABEL_KEY] = UNKNOWN_MODEL  # until the body names a model: a 413 or bad JSON counts too
     raw, body = await _read_json(request)
     request[MODEL_LABEL_KEY] = _model_label(services, body)
     plan = admit(config, body)
@@ -61,6 +62,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """Text-only /v1/completions: the model must exist; the body passes through."""
     services = request.app[SERVICES_KEY]
     config = services.store.current
+    request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
     raw, body = await _read_json(request)
     request[MODEL_LABEL_KEY] = _model_label(services, body)
     model = lookup(config, body)

@@ -39,7 +39,9 @@ _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 _CHUNK_BYTES = 64 * 1024
 _NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
 _MEDIA_TYPE = re.compile(r"[\w!#$&^.+-]+/[\w!#$&^.+-]+")
-_WHITESPACE = re.compile(r"\s+")
+_HAS_WHITESPACE = re.compile(r"\s")
+# Data URLs larger than this are decoded on a worker thread: base64 of 20 MB takes ~0.2 s.
+DECODE_IN_THREAD_CHARS = 1 << 20
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -135,6 +137,8 @@ class MediaFetcher:
         """The bytes behind ``url``; raises MediaRefusedError or InvalidImageError."""
         media, domains = self._media, self._domains  # one set of rules for the whole fetch
         if url[:5].lower() == "data:":
+            if len(url) > DECODE_IN_THREAD_CHARS:
+                return await asyncio.to_thread(decode_data_url, url, max_bytes=media.max_image_bytes)
             return decode_data_url(url, max_bytes=media.max_image_bytes)
         target = _parse_url(url)
         try:
@@ -197,7 +201,8 @@ def decode_data_url(url: str, *, max_bytes: int) -> bytes:
     if any("=" not in a for a in attributes):
         raise InvalidImageError("Image data URL is malformed: a media type parameter has no '='")
     if is_base64:
-        data = _WHITESPACE.sub("", data)
+        if _HAS_WHITESPACE.search(data):  # rare; str.split is ~15x faster than a regex sub on megabytes
+            data = "".join(data.split())
         if len(data) // 4 * 3 > max_bytes + 2:  # no need to decode what will be refused
             raise _too_large(max_bytes)
         try:

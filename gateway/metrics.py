@@ -69,7 +69,7 @@ class GatewayMetrics:
         )
         self.encoder_requests = Counter(
             "gateway_encoder_requests",
-            "Images sent to encoder backends, by outcome: ok, cached, invalid, connect_error, timeout, "
+            "Images sent to encoder backends, by outcome: ok, cached, invalid, connect_error, timeout, overloaded, "
             "error, unavailable.",
             ["encoder", "outcome"],
             registry=registry,

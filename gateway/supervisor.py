@@ -5,8 +5,9 @@ so torch lives in that process and never in the gateway's. The supervisor waits 
 (a real encode), polls it every few seconds, and restarts the process with backoff when it dies.
 The gateway's /readyz is ready only while every local encoder is.
 
-Local encoders are started from the config the gateway started with; a reload that changes them
-takes effect at the next start (logged).
+A reload starts the local encoders it adds, stops those it removes, and restarts those it
+changes. A backend that stops answering its health check (three checks in a row once it was
+ready, or no answer within START_TIMEOUT_S of starting) is killed and started again.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from .config import EncoderConfig, GatewayConfig
 log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 5.0
+HEALTH_TIMEOUT_S = 30.0  # a health check includes a real encode
+UNHEALTHY_CHECKS = 3  # failed checks in a row before a backend that was ready is restarted
 START_TIMEOUT_S = 600.0  # loading a large tower from disk can take minutes
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -44,6 +47,10 @@ def encoder_command(spec: EncoderConfig, port: int, python: str = sys.executable
         "--timeout-s", str(spec.timeout_s),
         "--parent-pid", str(os.getpid()),
     ]  # fmt: skip
+
+
+def _local_specs(config: GatewayConfig) -> dict[str, EncoderConfig]:
+    return {name: spec for name, spec in config.encoders.items() if spec.kind == "local"}
 
 
 def _free_port() -> int:
@@ -76,39 +83,56 @@ class LocalEncoder:
 
 class Supervisor:
     def __init__(self, config: GatewayConfig, *, command: Sequence[str] | None = None) -> None:
-        self.encoders = {name: LocalEncoder(spec) for name, spec in config.encoders.items() if spec.kind == "local"}
+        self._specs = _local_specs(config)
+        self.encoders: dict[str, LocalEncoder] = {}
         self._command = command  # tests may run another program in the backend's place
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._retired: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
 
     @property
     def ready(self) -> bool:
-        return all(e.ready for e in self.encoders.values())
+        return all(self.encoders.get(name, LocalEncoder(spec)).ready for name, spec in self._specs.items())
 
     def url(self, name: str) -> str | None:
         encoder = self.encoders.get(name)
         return encoder.url if encoder is not None and encoder.ready else None
 
-    def check_reload(self, config: GatewayConfig) -> None:
-        for name, encoder in self.encoders.items():
-            if config.encoders.get(name) != encoder.spec:
-                log.warning("local encoder '%s' changed or went away; the change takes effect at the next start", name)
-
     async def start(self) -> None:
-        if not self.encoders:
-            return
         self._session = aiohttp.ClientSession()
-        for name, encoder in self.encoders.items():
-            self._tasks.append(asyncio.create_task(self._supervise(name, encoder), name=f"encoder {name}"))
+        for name, spec in self._specs.items():
+            self._launch(name, spec)
+
+    def update(self, config: GatewayConfig) -> None:
+        """A reload: start what it adds, stop what it removes, restart what it changes."""
+        new = _local_specs(config)
+        for name in [n for n in self._specs if new.get(n) != self._specs[n]]:
+            log.info("local encoder '%s' %s by a reload", name, "changed" if name in new else "removed")
+            self._retire(name)
+        for name, spec in new.items():
+            if name not in self._tasks and self._session is not None:
+                self._launch(name, spec)
+        self._specs = new
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
+        for name in list(self._tasks):
+            self._retire(name)
+        for task in list(self._retired):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self._session is not None:
             await self._session.close()
+
+    def _launch(self, name: str, spec: EncoderConfig) -> None:
+        encoder = self.encoders[name] = LocalEncoder(spec)
+        self._tasks[name] = asyncio.create_task(self._supervise(name, encoder), name=f"encoder {name}")
+
+    def _retire(self, name: str) -> None:
+        task = self._tasks.pop(name)
+        self.encoders.pop(name, None)
+        task.cancel()  # its process is stopped as the task unwinds
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
 
     async def _supervise(self, name: str, encoder: LocalEncoder) -> None:
         attempt = 0
@@ -129,7 +153,7 @@ class Supervisor:
         process = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL)
         encoder.pid, encoder.url, encoder.ready = process.pid, f"http://127.0.0.1:{port}", False
         log.info("local encoder '%s' (%s) starting, pid %d, port %d", name, encoder.spec.model, process.pid, port)
-        watcher = asyncio.create_task(self._watch_health(name, encoder))
+        watcher = asyncio.create_task(self._watch_health(name, encoder, process))
         try:
             code = await process.wait()
             encoder.last_error = f"exit code {code}"
@@ -141,24 +165,30 @@ class Supervisor:
             if process.returncode is None:  # cancelled: the gateway is stopping
                 await _stop(process)
 
-    async def _watch_health(self, name: str, encoder: LocalEncoder) -> None:
-        assert self._session is not None
+    async def _watch_health(self, name: str, encoder: LocalEncoder, process: asyncio.subprocess.Process) -> None:
+        """Track readiness; kill a backend that hangs (the supervise loop starts it again)."""
         deadline = time.monotonic() + START_TIMEOUT_S
+        was_ready, failures = False, 0
         while True:
             healthy, detail = await self._health(encoder)
             if healthy != encoder.ready:
                 log.info("local encoder '%s' %s: %s", name, "ready" if healthy else "not ready", detail)
             encoder.ready = healthy
             encoder.last_error = "" if healthy else detail
-            if not healthy and not encoder.restarts and time.monotonic() > deadline and encoder.pid:
-                log.error("local encoder '%s' did not become healthy in %.0fs", name, START_TIMEOUT_S)
+            was_ready = was_ready or healthy
+            failures = 0 if healthy else failures + 1
+            if (was_ready and failures >= UNHEALTHY_CHECKS) or (not was_ready and time.monotonic() > deadline):
+                log.error("local encoder '%s' is not answering its health check (%s); restarting it", name, detail)
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                return
             await asyncio.sleep(HEALTH_INTERVAL_S if encoder.ready else 0.25)
 
     async def _health(self, encoder: LocalEncoder) -> tuple[bool, str]:
         assert self._session is not None
         try:
             async with self._session.get(
-                f"{encoder.url}/health", timeout=aiohttp.ClientTimeout(total=max(encoder.spec.timeout_s, 5.0))
+                f"{encoder.url}/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
             ) as resp:
                 return resp.status == 200, f"health {resp.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -13,6 +13,7 @@ bodies pass through untouched (``auto_decompress=False``).
 
 from __future__ import annotations
 
+import asyncio
 import io
 import itertools
 import logging
@@ -156,36 +157,38 @@ class UpstreamClient:
         known_down = self.replicas.all_down(model.upstreams)
         while (replica := self.replicas.choose(model.upstreams, tried)) is not None:
             tried.add(replica.url)
-            url = replica.url + request.rel_url.path
             replica.in_flight += 1
-            started = time.perf_counter()
             try:
-                # BytesIO: aiohttp streams it rather than warning about a large bytes body
-                upstream = await self._session.post(url, data=io.BytesIO(body), headers=headers, timeout=timeout)
-            except aiohttp.ClientConnectorError as exc:
-                last_error = _connect_failure(exc)
-                log.warning("upstream %s of model %s: %s", replica.url, model.name, last_error)
-                self.replicas.mark_down(replica, last_error)
-                self._count(model, replica, "connect_error")
-                replica.in_flight -= 1
-                continue
-            except (TimeoutError, aiohttp.ServerTimeoutError):
-                replica.in_flight -= 1
-                self._count(model, replica, "timeout")
-                raise UpstreamTimeoutError(
-                    f"Upstream of model '{model.name}' sent no response within {timeouts[1]:g}s"
-                ) from None
-            except aiohttp.ClientError as exc:
-                replica.in_flight -= 1
-                self._count(model, replica, "connect_error")
-                raise UpstreamError(
-                    f"Upstream of model '{model.name}' failed before responding: {type(exc).__name__}"
-                ) from None
-            self.replicas.mark_up(replica)
-            self._metrics.upstream_duration.labels(model.name, replica.url).observe(time.perf_counter() - started)
-            try:
+                started = time.perf_counter()
+                try:
+                    # BytesIO: aiohttp streams it rather than warning about a large bytes body
+                    upstream = await self._session.post(
+                        replica.url + request.raw_path, data=io.BytesIO(body), headers=headers, timeout=timeout
+                    )
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                    # nothing reached the engine: the next replica may take it
+                    last_error = _connect_failure(exc)
+                    log.warning("upstream %s of model %s: %s", replica.url, model.name, last_error)
+                    self.replicas.mark_down(replica, last_error)
+                    self._count(model, replica, "connect_error")
+                    continue
+                except (TimeoutError, aiohttp.ServerTimeoutError):
+                    self._count(model, replica, "timeout")
+                    raise UpstreamTimeoutError(
+                        f"Upstream of model '{model.name}' sent no response within {timeouts[1]:g}s"
+                    ) from None
+                except aiohttp.ClientError as exc:
+                    self._count(model, replica, "connect_error")
+                    raise UpstreamError(
+                        f"Upstream of model '{model.name}' failed before responding: {type(exc).__name__}"
+                    ) from None
+                self.replicas.mark_up(replica)
+                self._metrics.upstream_duration.labels(model.name, replica.url).observe(time.perf_counter() - started)
                 async with upstream:
                     return await self._relay(request, model, replica, upstream, gateway_headers)
+            except asyncio.CancelledError:  # the client left (handler cancellation); closing upstream stops the engine
+                self._count(model, replica, "aborted")
+                raise
             finally:
                 replica.in_flight -= 1
         # Replica addresses and errors are logged, not told to clients.
@@ -222,7 +225,7 @@ class UpstreamClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             outcome = "aborted"
             log.warning("upstream %s of %s broke off mid-response: %r", replica.url, model.name, exc)
-            if is_sse:
+            if is_sse and "Content-Encoding" not in upstream.headers:  # an event can't go into a compressed stream
                 error = UpstreamError(f"Upstream of model '{model.name}' broke off the stream")
                 await _write_quietly(response, b"data: " + orjson.dumps(error.to_dict()) + b"\n\n")
             elif request.transport is not None:
@@ -241,7 +244,9 @@ async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
         pass
 
 
-def _connect_failure(exc: aiohttp.ClientConnectorError) -> str:
+def _connect_failure(exc: aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError) -> str:
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "connect timeout"
     os_error = exc.os_error
     if isinstance(os_error, ConnectionRefusedError):
         return "connection refused"

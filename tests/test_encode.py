@@ -216,3 +216,40 @@ async def test_explain_shows_the_encode_action(gw: Gateway) -> None:
     decision = plan.explain()
     assert decision["encoder"] == "vision"
     assert decision["parts"][0]["action"] == "encode"
+
+
+async def test_an_overloaded_backend_is_skipped_for_another(gateway_factory, upstream, backend) -> None:
+    from aiohttp.test_utils import TestServer
+
+    async def overloaded(request: web.Request) -> web.Response:
+        await request.read()
+        body = {"error": {"message": "queue full", "type": "server_error", "param": None, "code": "encoder_overloaded"}}
+        return web.json_response(body, status=503, headers={"Retry-After": "1"})
+
+    busy_app = web.Application()
+    busy_app.router.add_post("/v1/encode", overloaded)
+    busy = TestServer(busy_app, host="127.0.0.1", port=0)
+    await busy.start_server()
+    try:
+        gw = await gateway_factory(epd_config(upstream, [str(busy.make_url("")).rstrip("/"), backend.url]))
+        async with gw.client() as client:
+            for i in range(4):
+                await client.chat.completions.create(
+                    model="vl", messages=[{"role": "user", "content": [image_part(png((i, 1, 1)))]}]
+                )
+    finally:
+        await busy.close()
+    assert len(upstream.received) == 4
+    assert backend.sample("vision_encoder_cache_misses_total") == 4
+    assert gw.sample("gateway_encoder_requests_total", encoder="vision", outcome="overloaded") == 1  # then cooled down
+
+
+async def test_many_images_in_one_request_are_encoded_with_bounded_concurrency(gateway_factory, upstream, backend):
+    gw = await gateway_factory(epd_config(upstream, [backend.url]))
+    parts = [image_part(png((i, 2, 3), size=(16, 16))) for i in range(40)]
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="vl", messages=[{"role": "user", "content": parts}]
+        )
+    assert raw.headers["x-gateway-encoded"] == "40"
+    assert backend.sample("vision_encoder_cache_misses_total") == 40

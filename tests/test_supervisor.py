@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.state import SERVICES_KEY
 from tests.backends.fixtures import png
 from tests.conftest import Gateway, Upstream, routing
 from tests.test_encode import image_part, load_as_vllm_does
@@ -139,3 +140,79 @@ async def test_a_supervised_backend_exits_when_its_parent_dies(tmp_path) -> None
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+HANGING_BACKEND = """
+import asyncio, sys
+from aiohttp import web
+port = int(sys.argv[sys.argv.index('--port') + 1])
+checks = 0
+async def health(request):
+    global checks
+    checks += 1
+    if checks > 2:
+        await asyncio.sleep(3600)  # wedged: alive, but never answers again
+    return web.json_response({'status': 'ok'})
+app = web.Application()
+app.router.add_get('/health', health)
+web.run_app(app, host='127.0.0.1', port=port, print=None)
+"""
+
+
+async def test_a_backend_that_stops_answering_is_killed_and_restarted(upstream_factory, monkeypatch) -> None:
+    import gateway.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor, "HEALTH_INTERVAL_S", 0.1)
+    monkeypatch.setattr(supervisor, "HEALTH_TIMEOUT_S", 0.3)
+    upstream = await upstream_factory("up")
+    app = create_app(
+        parse_config(local_config(upstream)),
+        registry=CollectorRegistry(),
+        encoder_command=[sys.executable, "-c", HANGING_BACKEND],
+    )
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server()
+    try:
+        gw = Gateway(app, server, str(server.make_url("")).rstrip("/"), CollectorRegistry())
+
+        async def restarted() -> bool:
+            return (await readyz(gw))[1]["encoders"]["vision"]["restarts"] >= 1
+
+        await wait_for(restarted, seconds=60)
+    finally:
+        await server.close()
+
+
+async def test_a_reload_starts_and_stops_local_encoders(gateway_factory, upstream: Upstream, tmp_path) -> None:
+    plain = routing(
+        f"  - {{name: vl, upstreams: [{upstream.url}], accepts: [text, image]}}", server="{reload_interval_s: 0}"
+    )
+    gw = await gateway_factory(plain, write_file=True)
+    assert (await readyz(gw))[0] == 200
+    (tmp_path / "routing.yaml").write_text(local_config(upstream))
+    await gw.app[SERVICES_KEY].store.reload()
+
+    async def ready() -> bool:
+        status, body = await readyz(gw)
+        return status == 200 and body["encoders"].get("vision", {}).get("ready") is True
+
+    await wait_for(ready, seconds=120)
+    pid = (await readyz(gw))[1]["encoders"]["vision"]["pid"]
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="vl", messages=[{"role": "user", "content": [image_part(png())]}]
+        )
+    assert raw.headers["x-gateway-encoded"] == "1"
+
+    (tmp_path / "routing.yaml").write_text(plain)
+    await gw.app[SERVICES_KEY].store.reload()
+    assert "vision" not in (await readyz(gw))[1]["encoders"]
+
+    async def stopped() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    await wait_for(stopped, seconds=30)

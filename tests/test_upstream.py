@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 
 from gateway.config import parse_config
+from gateway.state import SERVICES_KEY
 from gateway.upstream import Replicas
 from tests.conftest import routing
 
@@ -144,3 +145,37 @@ async def test_a_client_that_leaves_mid_stream_stops_the_upstream(upstream_facto
         await asyncio.sleep(0.01)
     assert gw.sample("gateway_requests_total", model="m", code="499") == 1
     assert gw.sample("gateway_requests_in_flight") == 0
+
+
+async def test_a_client_that_gives_up_before_the_response_leaks_no_load(gateway_factory, upstream) -> None:
+    gw = await gateway_factory(routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}"))
+    async with aiohttp.ClientSession() as session:
+        for _ in range(3):
+            with pytest.raises(TimeoutError):
+                async with session.post(
+                    f"{gw.url}/v1/chat/completions",
+                    json={"model": "m", "messages": HI},
+                    headers={"X-Standin-Delay-Ms": "2000"},
+                    timeout=aiohttp.ClientTimeout(total=0.2),
+                ):
+                    pass
+    for _ in range(300):  # bounded: the gateway notices the disconnects
+        if gw.sample("gateway_upstream_requests_total", model="m", upstream=upstream.url, outcome="aborted") == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert gw.sample("gateway_upstream_requests_total", model="m", upstream=upstream.url, outcome="aborted") == 3
+    replicas = gw.app[SERVICES_KEY].upstream.replicas.snapshot()
+    assert [r["in_flight"] for r in replicas] == [0]
+    assert gw.sample("gateway_requests_total", model="m", code="499") == 3
+
+
+async def test_a_413_and_bad_json_are_counted_as_unknown_model(gateway_factory, upstream) -> None:
+    gw = await gateway_factory(
+        routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}", server="{max_body_bytes: 2048}")
+    )
+    async with aiohttp.ClientSession() as session:
+        for body in (b"x" * 4096, b"{bad"):
+            async with session.post(f"{gw.url}/v1/chat/completions", data=body) as resp:
+                await resp.read()
+    assert gw.sample("gateway_requests_total", model="_unknown", code="413") == 1
+    assert gw.sample("gateway_requests_total", model="_unknown", code="400") == 1

@@ -64,6 +64,7 @@ class DynamicBatcher:
         self.running = 0  # images in the batch on the device now
         self.batches = 0
         self.images = 0
+        self.last_progress = time.monotonic()  # the last time a batch finished or the queue was empty
 
     @property
     def queued(self) -> int:
@@ -72,6 +73,15 @@ class DynamicBatcher:
     @property
     def busy(self) -> bool:
         return bool(self._pending) or self.running > 0
+
+    @property
+    def alive(self) -> bool:
+        """False once the batching task has ended (it only ends by a bug or at shutdown)."""
+        return self._task is not None and not self._task.done()
+
+    def stalled_for(self) -> float:
+        """Seconds the batcher has had work without finishing a batch (0 when idle)."""
+        return time.monotonic() - self.last_progress if self.busy else 0.0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="encoder-batcher")
@@ -116,8 +126,10 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         while True:
             if not self._pending:
+                self.last_progress = time.monotonic()
                 self._wakeup.clear()
                 await self._wakeup.wait()
+                self.last_progress = time.monotonic()
             if self.max_batch_delay_s and len(self._pending) < self.max_batch_size:
                 await asyncio.sleep(self.max_batch_delay_s)
             batch = self._take()
@@ -134,10 +146,12 @@ class DynamicBatcher:
                 for job in batch:
                     if not job.future.done():
                         job.future.set_exception(exc)
+                self.last_progress = time.monotonic()
                 continue
             finally:
                 self.running = 0
             self.stats.on_batch(len(batch), time.perf_counter() - started)
+            self.last_progress = time.monotonic()
             self.batches += 1
             self.images += len(batch)
             for job, result in zip(batch, results, strict=True):

@@ -143,8 +143,15 @@ async def health(request: web.Request) -> web.Response:
     }
     if info.demo_weights:
         body["note"] = "random demo weights: the embeddings mean nothing"
-    if service.batcher.busy:
-        body["check"] = "skipped: busy (the batcher is working, which shows it is alive)"
+    batcher = service.batcher
+    if not batcher.alive:
+        return _error(503, "encoder_unhealthy", "the batcher has stopped")
+    if batcher.stalled_for() > service.timeout_s:
+        return _error(
+            503, "encoder_unhealthy", f"no batch has finished for {batcher.stalled_for():.0f}s while images wait"
+        )
+    if batcher.busy:
+        body["check"] = "skipped: busy (batches are finishing, which shows it is alive)"
         return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
     started = time.perf_counter()
     try:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .batching import DynamicBatcher
+from .batching import DynamicBatcher, QueueFullError
 from .cache import EmbeddingCache
 from .preprocess import decode_image
 from .towers import Encoded, Prepared, VisionTower
@@ -95,9 +95,22 @@ class EncoderService:
         self.timeout_s = timeout_s
         self.pool = ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1, thread_name_prefix="encoder-prep")
         self.dtype = str(tower.dtype).removeprefix("torch.")
+        self.in_flight = 0
+        self.max_in_flight = batcher.max_queue + batcher.max_batch_size
 
     async def encode(self, data: bytes) -> tuple[Reply, bool]:
         """(reply, cached). Raises ImageError, QueueFullError, TimeoutError."""
+        # Bound everything in the pipeline (hashing, decoding, waiting for a batch), not only the
+        # batch queue: bodies and decode jobs would otherwise pile up without limit under overload.
+        if self.in_flight >= self.max_in_flight:
+            raise QueueFullError(f"encoder is full ({self.in_flight} images in progress)")
+        self.in_flight += 1
+        try:
+            return await self._encode(data)
+        finally:
+            self.in_flight -= 1
+
+    async def _encode(self, data: bytes) -> tuple[Reply, bool]:
         loop = asyncio.get_running_loop()
         if len(data) > HASH_IN_THREAD_BYTES:
             sha = await loop.run_in_executor(self.pool, _sha256, data)

@@ -195,3 +195,24 @@ async def test_a_qwen2_5_vl_backend_replies_with_vllms_dict_form(tmp_path: Path)
     t, h, w = reply["image_grid_thw"]
     assert grid.tolist() == [[t, h, w]] and grid.dtype == torch.int64
     assert embeds.dim() == 2 and embeds.shape[0] == t * h * w // 4 == reply["tokens"]
+
+
+async def test_formats_outside_the_allowed_set_are_refused(backend_factory) -> None:
+    backend = await backend_factory()
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buffer, "PPM")  # Pillow reads it; the backend does not take it
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{backend.url}/v1/encode", data=buffer.getvalue()) as resp:
+            assert resp.status == 400
+            assert "unrecognized format" in (await resp.json())["error"]["message"]
+
+
+async def test_a_stalled_batcher_makes_health_fail(backend_factory) -> None:
+    backend = await backend_factory(timeout_s=0.2)
+    backend.service.batcher.running = 1  # as if a forward pass had hung
+    backend.service.batcher.last_progress -= 5
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{backend.url}/health") as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "encoder_unhealthy"
+    backend.service.batcher.running = 0
