@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,10 @@ from .modality import MODALITY_NAMES, Modality
 
 SUPPORTED_VERSION = 1
 ENCODABLE = (Modality.IMAGE,)
+BUILTIN_TOWERS = ("builtin:vit-small",)  # as backends/vision_encoder/towers knows them
+_HOST_NAME = re.compile(
+    r"(?=.{1,253}$)([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*", re.I
+)
 
 # Keys per section: the parser and docs/routing.schema.json must agree (tests/test_schema.py).
 TOP_KEYS = ("version", "server", "media", "encoders", "models")
@@ -168,7 +173,11 @@ def parse_config(text: str, *, filename: str = "routing.yaml") -> GatewayConfig:
     if node is None:
         parser.problem("", "the file is empty (expected a mapping with 'version' and 'models')")
         raise ConfigError(parser.problems)
-    document = parser.to_python(node, "")
+    try:
+        document = parser.to_python(node, "")
+    except (_TooLarge, RecursionError) as exc:  # alias bombs, recursive aliases, absurd nesting
+        what = str(exc) if isinstance(exc, _TooLarge) else "nesting too deep (a recursive alias?)"
+        raise ConfigError([ConfigProblem(filename, 0, 0, "", f"cannot read this file: {what}")]) from None
     config = parser.config(document, source=filename)
     if config is not None and not parser.problems:
         _validate(config, parser)
@@ -179,6 +188,14 @@ def parse_config(text: str, *, filename: str = "routing.yaml") -> GatewayConfig:
         raise ConfigError(sorted(kept, key=lambda p: (p.line, p.column)))
     assert config is not None
     return config
+
+
+# A routing table is a few thousand values at most; aliases can make a small file expand to billions.
+MAX_VALUES = 200_000
+
+
+class _TooLarge(Exception):
+    pass
 
 
 class _Missing:
@@ -197,6 +214,7 @@ class _Parser:
         self.value_marks: dict[str, yaml.Mark] = {}
         self.key_marks: dict[str, yaml.Mark] = {}
         self._scalars = yaml.SafeLoader("")
+        self.values = 0
 
     # --- locations -------------------------------------------------------------------------
 
@@ -215,6 +233,9 @@ class _Parser:
             path = path[: max(cut, 0)]
 
     def to_python(self, node: yaml.Node, path: str) -> Any:
+        self.values += 1
+        if self.values > MAX_VALUES:
+            raise _TooLarge(f"more than {MAX_VALUES} values (aliases that expand without end?)")
         self.value_marks[path] = node.start_mark
         if isinstance(node, yaml.SequenceNode):
             return [self.to_python(child, f"{path}[{i}]") for i, child in enumerate(node.value)]
@@ -358,6 +379,33 @@ class _Parser:
             return None
         return value.rstrip("/")
 
+    def host_name(self, value: str, path: str) -> bool:
+        if _HOST_NAME.fullmatch(value.rstrip(".")):
+            return True
+        self.problem(
+            path,
+            f"'{value}' is not a host name: write the domain alone, like images.example.com "
+            "(no scheme, port, path or wildcard; its subdomains are allowed too)",
+        )
+        return False
+
+    def tower(self, value: Any, path: str) -> str:
+        """An encoder's model: a builtin name, or a directory on this machine."""
+        default = "builtin:vit-small"
+        model = self.string(value, path, default)
+        if not isinstance(model, str):
+            return default
+        if model.startswith("builtin:"):
+            if model not in BUILTIN_TOWERS:
+                self.problem(path, _unknown(model, BUILTIN_TOWERS, "builtin tower"))
+        elif not Path(model).is_dir():
+            self.problem(
+                path,
+                f"'{model}' is not a directory on this machine (expected {', '.join(BUILTIN_TOWERS)} "
+                "or a model directory)",
+            )
+        return model
+
     def modality(self, value: Any, path: str, *, at_key: bool = False) -> Modality | None:
         if isinstance(value, str) and value in MODALITY_NAMES:
             return Modality(value)
@@ -422,9 +470,13 @@ class _Parser:
         def get(key: str) -> tuple[Any, str, Any]:
             return raw.get(key, MISSING), f"media.{key}", getattr(d, key)
 
-        domains = self.string_list(raw.get("allow_domains", []), "media.allow_domains")
+        domains = [
+            (d, where)
+            for d, where in self.string_list(raw.get("allow_domains", []), "media.allow_domains")
+            if self.host_name(d, where)
+        ]
         return MediaConfig(
-            allow_domains=tuple(s.lower() for s, _ in domains),
+            allow_domains=tuple(d.lower() for d, _ in domains),
             allow_private_networks=self.boolean(*get("allow_private_networks")),
             fetch_timeout_s=self.number(*get("fetch_timeout_s")),
             max_image_bytes=self.integer(*get("max_image_bytes"), minimum=1),
@@ -472,7 +524,7 @@ class _Parser:
         return EncoderConfig(
             name,
             "local",
-            model=self.string(*get("model")),
+            model=self.tower(raw.get("model", MISSING), f"{path}.model") if "model" in raw else d.model,
             device=self.device(raw.get("device", MISSING), f"{path}.device"),
             max_batch_size=self.integer(*get("max_batch_size"), minimum=1),
             max_batch_delay_ms=self.number(*get("max_batch_delay_ms"), positive=False),
@@ -670,27 +722,41 @@ def _check_redirect_loops(config: GatewayConfig, p: _Parser) -> None:
             if policy.action == "redirect" and policy.target:
                 yield m, policy.target
 
-    def visit(name: str, trail: list[tuple[str, Modality]]) -> None:
-        state[name] = 1
-        model = config.models[index[name]]
-        for m, target in edges(model):
-            if state.get(target) == 1:
-                start = next(k for k, (n, _) in enumerate([*trail, (name, m)]) if n == target)
-                cycle = [*trail, (name, m)][start:]
-                key = frozenset(n for n, _ in cycle)
-                if key not in reported:
-                    reported.add(key)
-                    route = " ".join(f"'{n}' -({mm})->" for n, mm in cycle) + f" '{target}'"
-                    first_name, first_modality = cycle[0]
-                    path = f"models[{index[first_name]}].on_unsupported.{first_modality}.redirect"
-                    p.problem(path, f"redirect loop: {route}")
-            elif target not in state:
-                visit(target, [*trail, (name, m)])
-        state[name] = 2
+    def report(cycle: list[tuple[str, Modality]], target: str) -> None:
+        key = frozenset(n for n, _ in cycle)
+        if key in reported:
+            return
+        reported.add(key)
+        route = " ".join(f"'{n}' -({mm})->" for n, mm in cycle) + f" '{target}'"
+        first_name, first_modality = cycle[0]
+        p.problem(f"models[{index[first_name]}].on_unsupported.{first_modality}.redirect", f"redirect loop: {route}")
 
-    for model in config.models:
-        if model.name not in state:
-            visit(model.name, [])
+    # An iterative depth-first search: a chain of thousands of redirects is valid and must not
+    # exhaust Python's recursion limit. ``trail`` holds the (model, modality) edges taken so far.
+    for root in config.models:
+        if root.name in state:
+            continue
+        state[root.name] = 1
+        trail: list[tuple[str, Modality]] = []
+        stack: list[tuple[str, Iterator[tuple[Modality, str]]]] = [(root.name, edges(root))]
+        while stack:
+            name, pending = stack[-1]
+            step = next(pending, None)
+            if step is None:
+                state[name] = 2
+                stack.pop()
+                if trail:
+                    trail.pop()
+                continue
+            m, target = step
+            if state.get(target) == 1:
+                path = [*trail, (name, m)]
+                start = next(k for k, (n, _) in enumerate(path) if n == target)
+                report(path[start:], target)
+            elif target not in state:
+                state[target] = 1
+                trail.append((name, m))
+                stack.append((target, edges(config.models[index[target]])))
 
 
 def _finite(value: float) -> bool:

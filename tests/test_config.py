@@ -1003,7 +1003,7 @@ def test_parse_config_default_filename_and_source() -> None:
     assert info.value.problems[0].file == "routing.yaml"
 
 
-def test_explicit_values_are_read() -> None:
+def test_explicit_values_are_read(tmp_path: Path) -> None:
     config = parse_config(
         doc(
             "version: 1",
@@ -1012,14 +1012,14 @@ def test_explicit_values_are_read() -> None:
             "media: {allow_domains: [Example.COM], allow_private_networks: true, fetch_timeout_s: 2,",
             "        max_image_bytes: 100}",
             "encoders:",
-            "  v: {kind: local, model: /models/vit, device: 'cuda:1', max_batch_size: 8, max_batch_delay_ms: 2,",
+            f"  v: {{kind: local, model: {tmp_path}, device: 'cuda:1', max_batch_size: 8, max_batch_delay_ms: 2,",
             "      timeout_s: 10}",
             *MODELS,
         )
     )
     assert config.server == ServerConfig("0.0.0.0", 9090, 2048, "TOKEN", 1.0, 1.5, 60.0, 2.0)
     assert config.media == MediaConfig(("example.com",), True, 2.0, 100)
-    assert config.encoders["v"] == EncoderConfig("v", "local", "/models/vit", "cuda:1", 8, 2.0, 10.0)
+    assert config.encoders["v"] == EncoderConfig("v", "local", str(tmp_path), "cuda:1", 8, 2.0, 10.0)
     assert isinstance(config.server.reload_interval_s, float)
 
 
@@ -1169,3 +1169,37 @@ def test_yaml_merge_key_of_a_scalar() -> None:
         "version: 1", "models:", "  - <<: 3", "    name: a", "    upstreams: [http://h:1]", "    accepts: [text]"
     )
     assert problems(text) == ["r.yaml:3:9: models[0]: '<<' merges a mapping or a list of mappings"]
+
+
+def test_encoder_models_and_allowed_domains_are_checked_where_they_would_fail_later() -> None:
+    text = doc(
+        "version: 1",
+        "media: {allow_domains: [images.example.com, '*.example.com', 'https://x.example.com/']}",
+        "encoders:",
+        "  a: {kind: local, model: 'builtin:vit-large'}",
+        "  b: {kind: local, model: /no/such/model/dir}",
+        *MODELS,
+    )
+    assert problems(text) == [
+        "r.yaml:2:45: media.allow_domains[1]: '*.example.com' is not a host name: write the domain alone, like "
+        "images.example.com (no scheme, port, path or wildcard; its subdomains are allowed too)",
+        "r.yaml:2:62: media.allow_domains[2]: 'https://x.example.com/' is not a host name: write the domain alone, "
+        "like images.example.com (no scheme, port, path or wildcard; its subdomains are allowed too)",
+        "r.yaml:4:27: encoders.a.model: unknown builtin tower 'builtin:vit-large' (expected one of: "
+        "builtin:vit-small); did you mean 'builtin:vit-small'?",
+        "r.yaml:5:27: encoders.b.model: '/no/such/model/dir' is not a directory on this machine (expected "
+        "builtin:vit-small or a model directory)",
+    ]
+
+
+def test_files_that_expand_without_end_are_refused_not_crashed_on() -> None:
+    bomb = ["version: 1", "a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    for level in "bcdefg":
+        previous = chr(ord(level) - 1)
+        bomb.append(f"{level}: &{level} [" + ", ".join([f"*{previous}"] * 10) + "]")
+    assert problems(doc(*bomb)) == [
+        "r.yaml: cannot read this file: more than 200000 values (aliases that expand without end?)"
+    ]
+    assert problems(doc("version: 1", "x: &a {<<: *a}")) == [
+        "r.yaml: cannot read this file: nesting too deep (a recursive alias?)"
+    ]
