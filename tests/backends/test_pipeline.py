@@ -92,17 +92,26 @@ class RecordingTower(VisionTower):
         return [Encoded(p.pixels.float().reshape(-1, 2)) for p in batch]
 
 
+async def until_running(batcher: DynamicBatcher) -> None:
+    """Wait (bounded) until a batch is on the device."""
+    for _ in range(500):
+        if batcher.running:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("no batch started")
+
+
 def job(tokens: int = 1, value: int = 0) -> Prepared:
     return Prepared(torch.full((2 * tokens,), value, dtype=torch.uint8), tokens)
 
 
 async def test_queued_images_ride_together_up_to_the_size_and_token_limits() -> None:
-    tower = RecordingTower(delay=0.2)
+    tower = RecordingTower(delay=0.5)
     batcher = DynamicBatcher(tower, max_batch_size=4, max_batch_tokens=6)
     batcher.start()
     try:
         first = asyncio.ensure_future(batcher.submit(job()))
-        await asyncio.sleep(0.05)  # the first batch (1 image) is on the device now
+        await until_running(batcher)  # the first batch (1 image) is on the device now
         rest = [asyncio.ensure_future(batcher.submit(job(tokens=2, value=i))) for i in range(6)]
         results = await asyncio.gather(first, *rest)
     finally:
@@ -130,7 +139,7 @@ async def test_the_queue_is_bounded_and_timed_out_jobs_are_skipped() -> None:
     batcher.start()
     try:
         running = asyncio.ensure_future(batcher.submit(job()))
-        await asyncio.sleep(0.05)
+        await until_running(batcher)
         stale = asyncio.ensure_future(batcher.submit(job(), timeout=0.05))
         kept = asyncio.ensure_future(batcher.submit(job()))
         await asyncio.sleep(0)
