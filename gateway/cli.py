@@ -25,6 +25,11 @@ from .errors import ConfigError, GatewayError
 from .state import SERVICES_KEY
 
 DEFAULT_CONFIG = "routing.yaml"
+# One line a request, with what the gateway decided: the request id ties it to the upstream's logs.
+ACCESS_LOG = (
+    '%a "%r" %s %b %Tfs rid=%{X-Request-Id}o model=%{X-Gateway-Model}o route=%{X-Gateway-Route}o '
+    'encoded=%{X-Gateway-Encoded}o "%{User-Agent}i"'
+)
 log = logging.getLogger("gateway")
 
 
@@ -110,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
     log.info("serving %d models from %s on http://%s:%d", len(config.models), args.config, host, port)
-    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None)
+    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None, access_log_format=ACCESS_LOG)
     return 0
 
 

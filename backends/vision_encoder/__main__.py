@@ -11,6 +11,9 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.web_log import AccessLogger
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_response import StreamResponse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,8 +70,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.parent_pid is not None:
         app.on_startup.append(_exit_with_parent(args.parent_pid))
-    web.run_app(app, host=args.host, port=args.port, print=None, handler_cancellation=True)
+    web.run_app(
+        app, host=args.host, port=args.port, print=None, handler_cancellation=True, access_log_class=_QuietProbes
+    )
     return 0
+
+
+class _QuietProbes(AccessLogger):
+    """The access log without successful health checks and scrapes (the supervisor probes every 5 s)."""
+
+    def log(self, request: BaseRequest, response: StreamResponse, time: float) -> None:
+        if response.status == 200 and request.path in ("/health", "/metrics"):
+            return
+        super().log(request, response, time)
 
 
 def _exit_with_parent(parent_pid: int) -> Callable[[web.Application], Awaitable[None]]:
