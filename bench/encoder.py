@@ -17,7 +17,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the backend sets it, b
 import argparse
 import asyncio
 import io
-import socket
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ from PIL import Image
 
 from backends.vision_encoder.preprocess import decode_image
 from backends.vision_encoder.towers import load_tower, resolve_device
+from bench.common import free_port, percentile_ms, wait_up
 
 
 def make_images(n: int, seed: int) -> list[bytes]:
@@ -86,8 +86,7 @@ async def drive(url: str, images: list[bytes], concurrency: int) -> tuple[float,
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
     latencies.sort()
-    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000  # noqa: E731
-    return len(images) / elapsed, pick(0.5), pick(0.99)
+    return len(images) / elapsed, percentile_ms(latencies, 0.5), percentile_ms(latencies, 0.99)
 
 
 async def batch_stats(session: aiohttp.ClientSession, url: str) -> tuple[float, float]:
@@ -99,12 +98,6 @@ async def batch_stats(session: aiohttp.ClientSession, url: str) -> tuple[float, 
             name, value = line.split()
             values[name] = float(value)
     return values["vision_encoder_batch_size_sum"], values["vision_encoder_batch_size_count"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def main() -> None:
@@ -128,14 +121,8 @@ async def main() -> None:
     batches: dict[int, list[float]] = {}
     limits: list[float] = []
     try:
+        await wait_up(f"{url}/health")
         async with aiohttp.ClientSession() as session:
-            for _ in range(600):
-                try:
-                    async with session.get(f"{url}/health") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    await asyncio.sleep(0.1)
             await drive(url, make_images(8, seed=999), 4)  # warm-up
             for _ in range(args.repeats):
                 seed += 1

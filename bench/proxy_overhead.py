@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import base64
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -24,26 +23,9 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from bench.common import free_port, percentile_ms, wait_up
 from gateway.admission import admit
 from gateway.config import parse_config
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def wait_up(url: str) -> None:
-    async with aiohttp.ClientSession() as session:
-        for _ in range(200):
-            try:
-                async with session.get(url) as resp:
-                    if resp.status < 500:
-                        return
-            except aiohttp.ClientConnectionError:
-                await asyncio.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def body(model: str, image_bytes: int) -> bytes:
@@ -74,8 +56,7 @@ async def run(url: str, payload: bytes, n: int, concurrency: int) -> tuple[float
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
     latencies.sort()
-    p = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000  # noqa: E731
-    return n / elapsed, p(0.50), p(0.99)
+    return n / elapsed, percentile_ms(latencies, 0.50), percentile_ms(latencies, 0.99)
 
 
 def micro(fn: Callable[[], object], repeats: int = 7, number: int = 200) -> float:

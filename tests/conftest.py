@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,14 @@ async def gateway_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitab
     yield make
     for server in servers:
         await server.close()
+
+
+def free_port() -> int:
+    """A loopback port free right now (nothing listens on it until someone binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 def routing(*models: str, server: str = "", extra: str = "") -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.conftest import Gateway, Upstream, routing
+from tests.conftest import Gateway, Upstream, free_port, routing
 
 # `make test` installs Debian's prometheus package; CI must run these, a laptop without root may skip them.
 pytestmark = pytest.mark.skipif(
@@ -49,12 +48,6 @@ async def test_metrics_pass_promtool_lint(busy_gateway: Gateway) -> None:
         ["promtool", "check", "metrics"], input=exposition, capture_output=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_a_real_prometheus_scrapes_rejections_and_redirects(busy_gateway: Gateway, tmp_path: Path) -> None:

@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 from pathlib import Path
 
 import aiohttp
 
-from tests.conftest import Upstream, routing
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import Upstream, free_port, routing
 
 
 async def wait_healthy(url: str, process: asyncio.subprocess.Process) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 import openai
@@ -13,17 +12,14 @@ from aiohttp import web
 from gateway.config import parse_config
 from gateway.state import SERVICES_KEY
 from gateway.upstream import Replicas
-from tests.conftest import routing
+from tests.conftest import free_port, routing
 
 HI = [{"role": "user", "content": "hi"}]
 
 
 def dead_url() -> str:
     """A loopback port nothing listens on: connections are refused at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 class Clock:
