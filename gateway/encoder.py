@@ -220,23 +220,14 @@ class EncoderClient:
         if status == 200 and isinstance(reply, dict) and _is_embeds(reply.get("image_embeds")):
             self._count(name, "cached" if reply.get("cached") else "ok")
             return reply["image_embeds"]
-        error = reply.get("error") if isinstance(reply, dict) else None
-        message = error.get("message") if isinstance(error, dict) else None
-        rejection = Rejection(model, "image", "media_refused")
-        if status == 400:
+        if status in (400, 413):  # the backend refused this image: the client's fault, located at the part
             self._count(name, "invalid")
-            raise InvalidImageError(
-                f"{part.location}: the image cannot be encoded: {message or 'invalid image'}",
-                param=part.location,
-                rejection=rejection,
+            refused: GatewayError = (
+                InvalidImageError(f"the image cannot be encoded{_error_detail(payload)}")
+                if status == 400
+                else MediaRefusedError(f"the image is larger than encoder '{name}' takes")
             )
-        if status == 413:
-            self._count(name, "invalid")
-            raise MediaRefusedError(
-                f"{part.location}: the image is larger than encoder '{name}' takes",
-                param=part.location,
-                rejection=rejection,
-            )
+            raise _at_part(refused, part, model)
         self._count(name, "error")
         raise EncoderError(f"Encoder '{name}' answered {status}{_error_detail(payload)}", headers={"Retry-After": "1"})
 
