@@ -23,8 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
+from .body import dump_body
 from .config import GatewayConfig, ModelConfig
 from .errors import (
     GatewayError,
@@ -33,6 +32,7 @@ from .errors import (
     Rejection,
     TooManyItemsError,
     UnsupportedModalityError,
+    clip,
 )
 from .modality import Classification, Modality, Part, classify
 
@@ -127,13 +127,16 @@ def lookup(config: GatewayConfig, body: Mapping[str, Any]) -> ModelConfig:
     model = config.model(name)
     if model is None:
         known = ", ".join(m.name for m in config.models)
-        raise ModelNotFoundError(f"The model '{name}' does not exist (models: {known})", param="model")
+        raise ModelNotFoundError(f"The model '{clip(name)}' does not exist (models: {known})", param="model")
     return model
 
 
 def admit(config: GatewayConfig, body: Mapping[str, Any]) -> RoutePlan:
     requested = lookup(config, body)
-    classification = classify(body, model=requested.name)
+    server = config.server
+    classification = classify(
+        body, model=requested.name, max_messages=server.max_messages, max_parts=server.max_content_parts
+    )
     present = classification.present
     model = requested
     redirects: list[Redirect] = []
@@ -228,4 +231,4 @@ def rewrite(
                 messages[part.message]["content"] = ""
     if plan.mutes_audio_in_video:
         body["mm_processor_kwargs"] = {**body["mm_processor_kwargs"], "use_audio_in_video": False}
-    return orjson.dumps(body)
+    return dump_body(body)

@@ -15,7 +15,7 @@ from .config import GatewayConfig
 from .encoder import EncoderClient
 from .media import MediaFetcher
 from .metrics import GatewayMetrics
-from .middlewares import error_middleware, metrics_middleware, request_id_middleware
+from .middlewares import error_middleware, expect_continue, metrics_middleware, request_id_middleware
 from .reload import ConfigStore
 from .state import SERVICES_KEY, Services
 from .supervisor import Supervisor
@@ -54,8 +54,8 @@ def create_app(
     if config_path is not None and watch:
         app.cleanup_ctx.append(_config_watcher)
 
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/completions", handlers.completions, expect_handler=expect_continue)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)

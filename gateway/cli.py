@@ -115,7 +115,15 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
     log.info("serving %d models from %s on http://%s:%d", len(config.models), args.config, host, port)
-    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None, access_log_format=ACCESS_LOG)
+    web.run_app(
+        app,
+        host=host,
+        port=port,
+        handler_cancellation=True,
+        keepalive_timeout=config.server.client_idle_timeout_s,  # also bounds headers that trickle in
+        print=None,
+        access_log_format=ACCESS_LOG,
+    )
     return 0
 
 

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from .errors import ConfigError, ConfigProblem
-from .modality import MODALITY_NAMES, Modality
+from .modality import DEFAULT_MAX_MESSAGES, DEFAULT_MAX_PARTS, MODALITY_NAMES, Modality
 
 SUPPORTED_VERSION = 1
 ENCODABLE = (Modality.IMAGE,)
@@ -43,6 +43,15 @@ SERVER_KEYS = (
     "upstream_connect_timeout_s",
     "upstream_read_timeout_s",
     "upstream_cooldown_s",
+    "upstream_stream_idle_timeout_s",
+    "client_body_timeout_s",
+    "client_write_timeout_s",
+    "client_idle_timeout_s",
+    "max_json_values",
+    "max_json_depth",
+    "max_messages",
+    "max_content_parts",
+    "max_upstream_body_bytes",
 )
 MEDIA_KEYS = ("allow_domains", "allow_private_networks", "fetch_timeout_s", "max_image_bytes")
 ENCODER_KEYS = {
@@ -60,6 +69,10 @@ MODEL_KEYS = (
     "on_unsupported",
 )
 ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
+MAX_JSON_DEPTH = 254  # the deepest body orjson can write back
+# Images per request for a model that encodes them, unless limits.image says otherwise: every
+# image becomes an image_embeds payload upstream, often 1000x the size of the part it replaces.
+DEFAULT_ENCODE_IMAGE_LIMIT = 32
 POLICY_ACTIONS = ("reject", "strip")
 
 
@@ -71,8 +84,21 @@ class ServerConfig:
     admin_token_env: str = "GATEWAY_ADMIN_TOKEN"
     reload_interval_s: float = 2.0  # 0 turns off watching routing.yaml
     upstream_connect_timeout_s: float = 5.0
-    upstream_read_timeout_s: float = 600.0  # longest silence between two bytes of a response
+    # Longest silence between two bytes of a response. A non-streamed reply comes only when the
+    # whole generation is done, so this must exceed the longest generation; streams are bounded
+    # by the shorter upstream_stream_idle_timeout_s.
+    upstream_read_timeout_s: float = 300.0
     upstream_cooldown_s: float = 5.0  # how long a replica that refused a connection is skipped
+    upstream_stream_idle_timeout_s: float = 60.0  # "stream": true: an engine silent this long is hung
+    # What one client may cost (docs/security.md says why each default is what it is).
+    client_body_timeout_s: float = 60.0  # the whole body must arrive within this
+    client_write_timeout_s: float = 60.0  # a client that takes no bytes for this long is dropped
+    client_idle_timeout_s: float = 75.0  # idle keep-alive, and headers that trickle in; > the LB's idle timeout
+    max_json_values: int = 262_144  # counted before parsing: every ',' '[' '{' byte of the body
+    max_json_depth: int = 128  # nested arrays and objects (orjson writes at most 254)
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    max_content_parts: int = DEFAULT_MAX_PARTS  # over all messages
+    max_upstream_body_bytes: int = 512 * 1024 * 1024  # a body grown by image_embeds, as sent upstream
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,6 +485,15 @@ class _Parser:
             upstream_connect_timeout_s=self.number(*get("upstream_connect_timeout_s")),
             upstream_read_timeout_s=self.number(*get("upstream_read_timeout_s")),
             upstream_cooldown_s=self.number(*get("upstream_cooldown_s"), positive=False),
+            upstream_stream_idle_timeout_s=self.number(*get("upstream_stream_idle_timeout_s")),
+            client_body_timeout_s=self.number(*get("client_body_timeout_s")),
+            client_write_timeout_s=self.number(*get("client_write_timeout_s")),
+            client_idle_timeout_s=self.number(*get("client_idle_timeout_s")),
+            max_json_values=self.integer(*get("max_json_values"), minimum=16),
+            max_json_depth=self.integer(*get("max_json_depth"), minimum=4, maximum=MAX_JSON_DEPTH),
+            max_messages=self.integer(*get("max_messages"), minimum=1),
+            max_content_parts=self.integer(*get("max_content_parts"), minimum=1),
+            max_upstream_body_bytes=self.integer(*get("max_upstream_body_bytes"), minimum=1024),
         )
 
     def media(self, value: Any) -> MediaConfig:
@@ -565,6 +600,8 @@ class _Parser:
         limits = self.modality_map(raw.get("limits", {}), f"{path}.limits", self.limit)
         encode = self.modality_map(raw.get("encode", {}), f"{path}.encode", self.string)
         policies = self.modality_map(raw.get("on_unsupported", {}), f"{path}.on_unsupported", self.policy)
+        if Modality.IMAGE in encode and Modality.IMAGE in (accepts or ()):
+            limits.setdefault(Modality.IMAGE, DEFAULT_ENCODE_IMAGE_LIMIT)
         on_encoder_error = raw.get("on_encoder_error", "fail")
         if on_encoder_error not in ENCODER_ERROR_ACTIONS:
             self.problem(f"{path}.on_encoder_error", _unknown(on_encoder_error, ENCODER_ERROR_ACTIONS, "action"))

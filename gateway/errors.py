@@ -14,6 +14,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     ├── NotFoundError                     404 invalid_request_error not_found
     │   └── ModelNotFoundError            404                       model_not_found
     ├── MethodNotAllowedError             405 invalid_request_error method_not_allowed
+    ├── RequestTimeoutError               408 invalid_request_error request_timeout
     ├── PayloadTooLargeError              413 invalid_request_error payload_too_large
     ├── InvalidConfigError                422 invalid_request_error invalid_config
     ├── UpstreamError                     502 server_error          upstream_error
@@ -50,6 +51,8 @@ class GatewayError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
     code: ClassVar[str] = "internal_error"
+    # True when the rest of the request cannot be trusted or waited for (a body still trickling in)
+    closes_connection: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -123,10 +126,20 @@ class MethodNotAllowedError(GatewayError):
     code = "method_not_allowed"
 
 
+class RequestTimeoutError(GatewayError):
+    """The client took too long to send its request; the connection is closed after the answer."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+    closes_connection = True
+
+
 class PayloadTooLargeError(GatewayError):
     status = 413
     type = "invalid_request_error"
     code = "payload_too_large"
+    closes_connection = True  # the rest of the body is not read
 
 
 class InvalidConfigError(GatewayError):
@@ -159,6 +172,11 @@ class NoHealthyUpstreamError(UpstreamError):
 class EncoderError(GatewayError):
     status = 503
     code = "encoder_unavailable"
+
+
+def clip(text: str, limit: int = 64) -> str:
+    """Client text as error messages echo it: never more than ``limit`` characters of it."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True, slots=True)

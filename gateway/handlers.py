@@ -12,6 +12,7 @@ import orjson
 from aiohttp import web
 
 from .admission import RoutePlan, admit, lookup, rewrite
+from .body import dump_body, exact, parse_body, read_body
 from .config import GatewayConfig, ModelConfig
 from .encoder import Replacements
 from .errors import (
@@ -20,10 +21,12 @@ from .errors import (
     EncoderError,
     InvalidConfigError,
     InvalidRequestError,
+    PayloadTooLargeError,
     PermissionDeniedError,
 )
 from .metrics import UNKNOWN_MODEL
 from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
+from .upstream import Timeouts
 
 log = logging.getLogger(__name__)
 JSON = "application/json"
@@ -34,7 +37,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     services = request.app[SERVICES_KEY]
     config = services.store.current
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL  # until the body names a model: a 413 or bad JSON counts too
-    raw, body = await _read_json(request)
+    raw, body = await _read_json(request, config)
     request[MODEL_LABEL_KEY] = _model_label(services, body)
     plan = admit(config, body)
     _count_plan(services, plan)
@@ -43,8 +46,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if plan.encode_parts:
         replacements = await _encode(request, services, plan, body)
         headers["X-Gateway-Encoded"] = str(len(replacements))
-    data = rewrite(plan, body, replacements) if replacements or plan.needs_rewrite(body) else raw
-    return await _forward(request, services, config, plan.model, data, plan.route, headers)
+        _check_grown_size(config, raw, replacements)
+    if replacements or plan.needs_rewrite(body):
+        data = rewrite(plan, exact(raw, body), replacements)
+    else:
+        data = raw
+    return await _forward(request, services, config, plan.model, data, plan.route, headers, stream=_streams(body))
 
 
 async def _encode(request: web.Request, services: Services, plan: RoutePlan, body: dict[str, Any]) -> Replacements:
@@ -63,13 +70,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     services = request.app[SERVICES_KEY]
     config = services.store.current
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
-    raw, body = await _read_json(request)
+    raw, body = await _read_json(request, config)
     request[MODEL_LABEL_KEY] = _model_label(services, body)
     model = lookup(config, body)
     if body["model"] != model.upstream_name:
+        body = exact(raw, body)
         body["model"] = model.upstream_name
-        raw = orjson.dumps(body)
-    return await _forward(request, services, config, model, raw, "direct")
+        raw = dump_body(body)
+    return await _forward(request, services, config, model, raw, "direct", stream=_streams(body))
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -130,15 +138,30 @@ async def admin_reload(request: web.Request) -> web.Response:
     return _json({"status": "reloaded", "config_generation": services.store.generation, "models": len(config.models)})
 
 
-async def _read_json(request: web.Request) -> tuple[bytes, dict[str, Any]]:
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequestError(f"Request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("Request body must be a JSON object")
-    return raw, body
+async def _read_json(request: web.Request, config: GatewayConfig) -> tuple[bytes, dict[str, Any]]:
+    services = request.app[SERVICES_KEY]
+    raw = await read_body(request, timeout_s=config.server.client_body_timeout_s, max_bytes=services.max_body_bytes)
+    return raw, parse_body(raw, config.server)
+
+
+def _streams(body: dict[str, Any]) -> bool:
+    return body.get("stream") is True
+
+
+def _check_grown_size(config: GatewayConfig, raw: bytes, replacements: Replacements) -> None:
+    """413 before writing a body that encoding grew past ``server.max_upstream_body_bytes``."""
+    limit = config.server.max_upstream_body_bytes
+    # at most: the client's bytes, plus each payload (the parts they replace are left counted)
+    size = len(raw) + sum(_embeds_size(part["image_embeds"]) + 128 for part in replacements.values())
+    if size > limit:
+        raise PayloadTooLargeError(
+            f"With its {len(replacements)} image(s) encoded, this request would be {size} bytes upstream, over "
+            f"the limit of {limit} bytes (server.max_upstream_body_bytes); send fewer or smaller images"
+        )
+
+
+def _embeds_size(value: Any) -> int:
+    return len(value) if isinstance(value, str) else sum(len(v) for v in value.values())
 
 
 def _model_label(services: Services, body: dict[str, Any]) -> str:
@@ -161,6 +184,8 @@ async def _forward(
     data: bytes,
     route: str,
     extra_headers: dict[str, str] | None = None,
+    *,
+    stream: bool,
 ) -> web.StreamResponse:
     headers = {
         "X-Request-Id": request[REQUEST_ID_KEY],
@@ -168,7 +193,11 @@ async def _forward(
         "X-Gateway-Route": route,
         **(extra_headers or {}),
     }
-    timeouts = (config.server.upstream_connect_timeout_s, config.server.upstream_read_timeout_s)
+    server = config.server
+    read_timeout = server.upstream_read_timeout_s
+    if stream:
+        read_timeout = min(read_timeout, server.upstream_stream_idle_timeout_s)
+    timeouts = Timeouts(server.upstream_connect_timeout_s, read_timeout, server.client_write_timeout_s)
     return await services.upstream.forward(request, model, data, timeouts=timeouts, gateway_headers=headers)
 
 

@@ -16,7 +16,8 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from .errors import GatewayError, MethodNotAllowedError, NotFoundError, PayloadTooLargeError
+from .body import body_too_large
+from .errors import GatewayError, MethodNotAllowedError, NotFoundError, clip
 from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY
 from .upstream import RelayResponse
 
@@ -85,10 +86,32 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return render(GatewayError(f"Internal error in the gateway (request id {rid})"))
 
 
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue``: say 413 instead of 100 when the declared body is over the limit,
+    so a client does not send 32 MB to be refused (aiohttp's default handler always says 100)."""
+    if request.version != (1, 1):
+        return None
+    expect = request.headers.get("Expect", "")
+    if expect.lower() != "100-continue":
+        error: GatewayError = _HTTPStatusError(417, f"Unsupported Expect header '{clip(expect)}'")
+    elif (request.content_length or 0) > (limit := request.app[SERVICES_KEY].max_body_bytes):
+        error = body_too_large(limit)
+    else:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the interim response is not the response's body
+        return None
+    response = render(error)
+    response.force_close()
+    response.headers[REQUEST_ID] = _request_id(request)
+    return response
+
+
 def render(error: GatewayError) -> web.Response:
     """The only place a GatewayError becomes a response."""
     response = web.Response(status=error.status, body=orjson.dumps(error.to_dict()), content_type="application/json")
     response.headers.update(error.headers)
+    if error.closes_connection:
+        response.force_close()
     return response
 
 
@@ -102,8 +125,7 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> Gatewa
             headers={"Allow": allowed},
         )
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        limit = request.app[SERVICES_KEY].max_body_bytes
-        return PayloadTooLargeError(f"Request body is larger than the limit of {limit} bytes (server.max_body_bytes)")
+        return body_too_large(request.app[SERVICES_KEY].max_body_bytes)
     return _HTTPStatusError(exc.status, exc.reason)
 
 

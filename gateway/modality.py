@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from .errors import InvalidContentPartError, InvalidRequestError, Rejection
+from .errors import InvalidContentPartError, InvalidRequestError, Rejection, clip
 
 
 class Modality(StrEnum):
@@ -33,6 +33,9 @@ class Modality(StrEnum):
 
 
 MODALITY_NAMES = tuple(m.value for m in Modality)
+# server.max_messages and server.max_content_parts when the caller gives none
+DEFAULT_MAX_MESSAGES = 4096
+DEFAULT_MAX_PARTS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,15 +92,24 @@ def _cached(value: object, part: Mapping[str, Any]) -> bool:
     return value is None and isinstance(uuid, str) and bool(uuid)
 
 
-def _url_field(key: str) -> Callable[[Mapping[str, Any]], str | None]:
+def _url_field(key: str, *, bare: bool) -> Callable[[Mapping[str, Any]], str | None]:
+    """``{key: {"url": ...}}``; with ``bare``, also ``{key: "..."}`` (vLLM's untyped parts).
+
+    A typed part with a bare string is refused, as OpenAI, vLLM and SGLang refuse it.
+    """
+    expected = "a non-empty string or an object" if bare else "an object"
+    message = f"'{key}' must be {expected} with a non-empty string 'url'"
+
     def check(part: Mapping[str, Any]) -> str | None:
         value = part.get(key)
         if _cached(value, part):
             return None
         if isinstance(value, dict):
             value = value.get("url")
+        elif not bare:
+            return message
         if not isinstance(value, str) or not value:
-            return f"'{key}' must be a non-empty string or an object with a non-empty string 'url'"
+            return message
         return None
 
     return check
@@ -120,7 +132,7 @@ def _embeds_field(key: str) -> Callable[[Mapping[str, Any]], str | None]:
 def _input_image(part: Mapping[str, Any]) -> str | None:
     if isinstance(part.get("file_id"), str) and "image_url" not in part:
         return None
-    return _url_field("image_url")(part)
+    return _input_image_url(part)
 
 
 def _input_audio(part: Mapping[str, Any]) -> str | None:
@@ -135,6 +147,8 @@ def _input_audio(part: Mapping[str, Any]) -> str | None:
 
 
 _Check = Callable[[Mapping[str, Any]], str | None]
+# The Responses API sends input_image's image_url as a string.
+_input_image_url = _url_field("image_url", bare=True)
 
 # part type -> (modality, validator)
 PART_TYPES: Mapping[str, tuple[Modality, _Check]] = {
@@ -145,28 +159,40 @@ PART_TYPES: Mapping[str, tuple[Modality, _Check]] = {
     "thinking": (Modality.TEXT, _str_field("thinking")),
     "tool_reference": (Modality.TEXT, _str_field("name")),
     "prompt_embeds": (Modality.TEXT, _str_field("data")),
-    "image_url": (Modality.IMAGE, _url_field("image_url")),
+    "image_url": (Modality.IMAGE, _url_field("image_url", bare=False)),
     "input_image": (Modality.IMAGE, _input_image),
     "image_embeds": (Modality.IMAGE, _embeds_field("image_embeds")),
-    "video_url": (Modality.VIDEO, _url_field("video_url")),
+    "video_url": (Modality.VIDEO, _url_field("video_url", bare=False)),
     "input_audio": (Modality.AUDIO, _input_audio),
-    "audio_url": (Modality.AUDIO, _url_field("audio_url")),
+    "audio_url": (Modality.AUDIO, _url_field("audio_url", bare=False)),
     "audio_embeds": (Modality.AUDIO, _embeds_field("audio_embeds")),
 }
 
-# Keys that identify a part sent without "type" (vLLM accepts these).
+# Keys that identify a part sent without "type" (vLLM accepts these, its URLs also as bare strings).
 UNTYPED_MEDIA_KEYS = ("image_url", "image_embeds", "video_url", "input_audio", "audio_url", "audio_embeds")
+_UNTYPED_CHECKS: Mapping[str, _Check] = {
+    **{key: check for key, (_, check) in PART_TYPES.items() if key in UNTYPED_MEDIA_KEYS},
+    **{key: _url_field(key, bare=True) for key in ("image_url", "video_url", "audio_url")},
+}
 
 
-def classify(body: Mapping[str, Any], *, model: str) -> Classification:
+def classify(
+    body: Mapping[str, Any],
+    *,
+    model: str,
+    max_messages: int = DEFAULT_MAX_MESSAGES,
+    max_parts: int = DEFAULT_MAX_PARTS,
+) -> Classification:
     """Classify every content part of every message of a chat completions body.
 
-    ``model`` only labels the rejection that a malformed part is counted as.
+    ``model`` only labels the rejection that a malformed part is counted as. The numbers of
+    messages and parts are bounded before any part is looked at (cheaply: one ``len`` a message).
     Raises InvalidRequestError for a malformed ``messages`` and InvalidContentPartError for a part.
     """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("'messages' must be a non-empty array of message objects", param="messages")
+    _check_counts(messages, max_messages, max_parts)
     audio_in_video = _audio_in_video(body)
     parts: list[Part] = []
     for i, message in enumerate(messages):
@@ -192,6 +218,24 @@ def classify(body: Mapping[str, Any], *, model: str) -> Classification:
         for m in part.modalities:
             counts[m] = counts.get(m, 0) + 1
     return Classification(tuple(parts), counts, audio_in_video)
+
+
+def _check_counts(messages: list[Any], max_messages: int, max_parts: int) -> None:
+    if len(messages) > max_messages:
+        raise InvalidRequestError(
+            f"Request has {len(messages)} messages, over the limit of {max_messages} (server.max_messages)",
+            param="messages",
+        )
+    total = 0
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        total += len(content) if isinstance(content, list) else 1
+        if total > max_parts:
+            raise InvalidRequestError(
+                f"Request has more than {max_parts} content parts in all (server.max_content_parts); "
+                f"the limit is passed in messages[{i}]",
+                param=f"messages[{i}].content",
+            )
 
 
 def _audio_in_video(body: Mapping[str, Any]) -> bool:
@@ -220,12 +264,13 @@ def _classify_part(i: int, j: int, part: object, audio_in_video: bool, model: st
                 f"a content part without 'type' must carry exactly one of {', '.join(UNTYPED_MEDIA_KEYS)} ({found})"
             )
         part_type = keys[0]
-    if not isinstance(part_type, str):
+        modality, check = PART_TYPES[part_type][0], _UNTYPED_CHECKS[part_type]
+    elif not isinstance(part_type, str):
         raise invalid("'type' must be a string")
-    entry = PART_TYPES.get(part_type)
-    if entry is None:
-        raise invalid(f"unknown content part type '{part_type}' (expected one of: {', '.join(PART_TYPES)})")
-    modality, check = entry
+    elif (entry := PART_TYPES.get(part_type)) is None:
+        raise invalid(f"unknown content part type '{clip(part_type)}' (expected one of: {', '.join(PART_TYPES)})")
+    else:
+        modality, check = entry
     problem = check(part)
     if problem is not None:
         raise invalid(f"malformed '{part_type}' part: {problem}", modality.value)

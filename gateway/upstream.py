@@ -56,6 +56,13 @@ _NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length", "server", "date"}
 KEEPALIVE_TIMEOUT_S = 4.0
 
 
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect: float  # reaching a replica
+    read: float  # the longest silence of the replica, headers included
+    client_write: float  # the longest a client may take no bytes before it is dropped
+
+
 @dataclass(slots=True)
 class Replica:
     url: str
@@ -111,6 +118,10 @@ class Replicas:
         ]
 
 
+class _ClientStalledError(Exception):
+    """The client took no bytes for ``client_write_timeout_s``."""
+
+
 class RelayResponse(web.StreamResponse):
     """A relayed response; ``client_gone`` tells the metrics the client left before the end."""
 
@@ -145,13 +156,15 @@ class UpstreamClient:
         model: ModelConfig,
         body: bytes,
         *,
-        timeouts: tuple[float, float],
+        timeouts: Timeouts,
         gateway_headers: Mapping[str, str],
     ) -> RelayResponse:
         """POST ``body`` to one of the model's replicas at the request's path; relay the answer."""
         assert self._session is not None, "UpstreamClient.start() was not called"
         headers = _upstream_headers(request, gateway_headers)
-        timeout = aiohttp.ClientTimeout(total=None, connect=timeouts[0], sock_read=timeouts[1])
+        timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read)
+        # origin-form even when the client sent absolute-form (POST http://host/v1/... HTTP/1.1)
+        path = request.rel_url.raw_path_qs
         tried: set[str] = set()
         last_error = ""  # for the replica's health record (readyz)
         known_down = self.replicas.all_down(model.upstreams)
@@ -163,7 +176,7 @@ class UpstreamClient:
                 try:
                     # BytesIO: aiohttp streams it rather than warning about a large bytes body
                     upstream = await self._session.post(
-                        replica.url + request.raw_path, data=io.BytesIO(body), headers=headers, timeout=timeout
+                        replica.url + path, data=io.BytesIO(body), headers=headers, timeout=timeout
                     )
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                     # nothing reached the engine: the next replica may take it
@@ -175,7 +188,7 @@ class UpstreamClient:
                 except (TimeoutError, aiohttp.ServerTimeoutError):
                     self._count(model, replica, "timeout")
                     raise UpstreamTimeoutError(
-                        f"Upstream of model '{model.name}' sent no response within {timeouts[1]:g}s"
+                        f"Upstream of model '{model.name}' sent no response within {timeouts.read:g}s"
                     ) from None
                 except aiohttp.ClientError as exc:
                     self._count(model, replica, "connect_error")
@@ -185,7 +198,7 @@ class UpstreamClient:
                 self.replicas.mark_up(replica)
                 self._metrics.upstream_duration.labels(model.name, replica.url).observe(time.perf_counter() - started)
                 async with upstream:
-                    return await self._relay(request, model, replica, upstream, gateway_headers)
+                    return await self._relay(request, model, replica, upstream, gateway_headers, timeouts)
             except asyncio.CancelledError:  # the client left (handler cancellation); closing upstream stops the engine
                 self._count(model, replica, "aborted")
                 raise
@@ -206,6 +219,7 @@ class UpstreamClient:
         replica: Replica,
         upstream: aiohttp.ClientResponse,
         gateway_headers: Mapping[str, str],
+        timeouts: Timeouts,
     ) -> RelayResponse:
         status = upstream.status
         outcome = "ok" if status < 400 else "http_4xx" if status < 500 else "http_5xx"
@@ -217,11 +231,20 @@ class UpstreamClient:
         await response.prepare(request)
         try:
             async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-        except ConnectionResetError:  # the client left: stop the engine's work by closing upstream
+                try:
+                    # a client that stops reading must not hold the engine's stream open forever
+                    async with asyncio.timeout(timeouts.client_write):
+                        await response.write(chunk)
+                except TimeoutError:
+                    raise _ClientStalledError from None
+        except (ConnectionResetError, _ClientStalledError) as exc:  # stop the engine's work by closing upstream
             upstream.close()
             response.client_gone = True
             outcome = "aborted"
+            if isinstance(exc, _ClientStalledError):
+                log.warning("client took no bytes for %gs; dropped (model %s)", timeouts.client_write, model.name)
+                if request.transport is not None:
+                    request.transport.abort()
         except (aiohttp.ClientError, TimeoutError) as exc:
             outcome = "aborted"
             log.warning("upstream %s of %s broke off mid-response: %r", replica.url, model.name, exc)

@@ -139,7 +139,7 @@ def test_classification_errors_carry_the_requested_model() -> None:
         ({"image_embeds": "AAAA"}, "image_embeds", "image"),
         (VID, "video_url", "video"),
         (AUD, "input_audio", "audio"),
-        ({"type": "audio_url", "audio_url": "https://example.com/a.wav"}, "audio_url", "audio"),
+        ({"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}, "audio_url", "audio"),
         ({"type": "audio_embeds", "audio_embeds": None, "uuid": "u1"}, "audio_embeds", "audio"),
     ],
 )

@@ -41,19 +41,16 @@ WELL_FORMED: list[tuple[str, dict[str, Any], Modality]] = [
     ("tool_reference", {"type": "tool_reference", "name": "search"}, TEXT),
     ("prompt_embeds", {"type": "prompt_embeds", "data": B64}, TEXT),
     ("image_url", {"type": "image_url", "image_url": {"url": URL, "detail": "low"}}, IMAGE),
-    ("image_url", {"type": "image_url", "image_url": URL}, IMAGE),
-    ("image_url", {"type": "image_url", "image_url": "data:image/png;base64,iVBORw0KGgo="}, IMAGE),
+    ("image_url", {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}, IMAGE),
     ("input_image", {"type": "input_image", "image_url": URL}, IMAGE),
     ("input_image", {"type": "input_image", "image_url": {"url": URL}}, IMAGE),
     ("input_image", {"type": "input_image", "file_id": "file-123"}, IMAGE),
     ("image_embeds", {"type": "image_embeds", "image_embeds": B64}, IMAGE),
     ("image_embeds", {"type": "image_embeds", "image_embeds": {"image_embeds": B64, "image_grid_thw": B64}}, IMAGE),
     ("video_url", {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, VIDEO),
-    ("video_url", {"type": "video_url", "video_url": "https://example.com/v.mp4"}, VIDEO),
     ("input_audio", {"type": "input_audio", "input_audio": {"data": B64, "format": "wav"}}, AUDIO),
     ("input_audio", {"type": "input_audio", "input_audio": {"data": B64}}, AUDIO),
     ("audio_url", {"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}, AUDIO),
-    ("audio_url", {"type": "audio_url", "audio_url": "https://example.com/a.wav"}, AUDIO),
     ("audio_embeds", {"type": "audio_embeds", "audio_embeds": B64}, AUDIO),
     ("audio_embeds", {"type": "audio_embeds", "audio_embeds": {"audio_embeds": B64}}, AUDIO),
 ]
@@ -114,7 +111,7 @@ def test_null_media_with_uuid_is_a_cached_reference(part: dict[str, Any], modali
 
 
 def test_plain_strings_in_a_content_array_are_text() -> None:
-    result = classify(body(user("hello", {"type": "image_url", "image_url": URL}, "bye")), model="m")
+    result = classify(body(user("hello", {"type": "image_url", "image_url": {"url": URL}}, "bye")), model="m")
     assert result.parts == (
         Part(0, 0, "string", (TEXT,)),
         Part(0, 1, "image_url", (IMAGE,)),
@@ -160,7 +157,7 @@ def test_tool_messages_are_classified_like_any_other() -> None:
         {"role": "user", "content": "weather?"},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "cloudy"}]},
-        {"role": "tool", "tool_call_id": "c3", "content": [{"type": "image_url", "image_url": URL}]},
+        {"role": "tool", "tool_call_id": "c3", "content": [{"type": "image_url", "image_url": {"url": URL}}]},
     ]
     result = classify(body(*messages), model="m")
     assert result.parts == (
@@ -206,7 +203,7 @@ def test_audio_in_video_counts_each_video_and_each_audio_part() -> None:
 
 
 def test_audio_in_video_does_not_touch_other_parts() -> None:
-    part = one({"type": "image_url", "image_url": URL}, mm_processor_kwargs={"use_audio_in_video": True})
+    part = one({"type": "image_url", "image_url": {"url": URL}}, mm_processor_kwargs={"use_audio_in_video": True})
     assert part.modalities == (IMAGE,)
 
 
@@ -233,8 +230,8 @@ def test_video_without_audio_in_video_is_video_only(extra: dict[str, Any]) -> No
 
 
 def test_counts_every_message_not_only_the_last() -> None:
-    image = {"type": "image_url", "image_url": URL}
-    audio = {"type": "audio_url", "audio_url": URL}
+    image = {"type": "image_url", "image_url": {"url": URL}}
+    audio = {"type": "audio_url", "audio_url": {"url": URL}}
     messages = [
         {"role": "system", "content": "be brief"},
         user({"type": "text", "text": "compare"}, image, image),
@@ -274,14 +271,20 @@ def test_part_location(part: Part, location: str) -> None:
 
 def test_present_follows_modality_order_not_part_order() -> None:
     result = classify(
-        body(user({"type": "audio_url", "audio_url": URL}, VIDEO_PART, {"type": "image_url", "image_url": URL})),
+        body(
+            user(
+                {"type": "audio_url", "audio_url": {"url": URL}},
+                VIDEO_PART,
+                {"type": "image_url", "image_url": {"url": URL}},
+            )
+        ),
         model="m",
     )
     assert result.present == (IMAGE, VIDEO, AUDIO)
 
 
 def test_classification_ignores_the_model_when_valid() -> None:
-    request = body(user({"type": "image_url", "image_url": URL}))
+    request = body(user({"type": "image_url", "image_url": {"url": URL}}))
     assert classify(request, model="a") == classify(request, model="b")
     assert isinstance(classify(request, model="a"), Classification)
 
@@ -378,6 +381,12 @@ def test_unclassifiable_part(part: Any, problem: str) -> None:
 
 
 def _url(key: str) -> str:
+    """The problem with a typed URL part: OpenAI, vLLM and SGLang take only {"url": ...} there."""
+    return f"'{key}' must be an object with a non-empty string 'url'"
+
+
+def _bare_url(key: str) -> str:
+    """The problem with an untyped URL part or input_image, which may carry a bare string."""
     return f"'{key}' must be a non-empty string or an object with a non-empty string 'url'"
 
 
@@ -408,10 +417,20 @@ AUDIO_SHAPE = "'input_audio' must be an object with a base64 string 'data' and a
         ({"type": "image_url", "image_url": {"url": ""}}, "image_url", "image", _url("image_url")),
         ({"type": "image_url", "image_url": {"url": None}, "uuid": "u"}, "image_url", "image", _url("image_url")),
         ({"type": "image_url", "image_url": [URL]}, "image_url", "image", _url("image_url")),
-        ({"type": "input_image"}, "input_image", "image", _url("image_url")),
-        ({"type": "input_image", "file_id": 5}, "input_image", "image", _url("image_url")),
-        ({"type": "input_image", "file_id": "f", "image_url": None}, "input_image", "image", _url("image_url")),
-        ({"type": "input_image", "image_url": {"url": 1}}, "input_image", "image", _url("image_url")),
+        # a typed part with a bare string: OpenAI and SGLang refuse it (the untyped form is vLLM's)
+        ({"type": "image_url", "image_url": URL}, "image_url", "image", _url("image_url")),
+        (
+            {"type": "image_url", "image_url": "data:image/png;base64,iVBORw0KGgo="},
+            "image_url",
+            "image",
+            _url("image_url"),
+        ),
+        ({"type": "video_url", "video_url": URL}, "video_url", "video", _url("video_url")),
+        ({"type": "audio_url", "audio_url": URL}, "audio_url", "audio", _url("audio_url")),
+        ({"type": "input_image"}, "input_image", "image", _bare_url("image_url")),
+        ({"type": "input_image", "file_id": 5}, "input_image", "image", _bare_url("image_url")),
+        ({"type": "input_image", "file_id": "f", "image_url": None}, "input_image", "image", _bare_url("image_url")),
+        ({"type": "input_image", "image_url": {"url": 1}}, "input_image", "image", _bare_url("image_url")),
         ({"type": "image_embeds"}, "image_embeds", "image", _embeds("image_embeds")),
         ({"type": "image_embeds", "image_embeds": ""}, "image_embeds", "image", _embeds("image_embeds")),
         ({"type": "image_embeds", "image_embeds": {}}, "image_embeds", "image", _embeds("image_embeds")),
@@ -431,8 +450,8 @@ AUDIO_SHAPE = "'input_audio' must be an object with a base64 string 'data' and a
         ),
         ({"type": "audio_url", "audio_url": ""}, "audio_url", "audio", _url("audio_url")),
         ({"type": "audio_embeds", "audio_embeds": 3}, "audio_embeds", "audio", _embeds("audio_embeds")),
-        ({"image_url": ""}, "image_url", "image", _url("image_url")),
-        ({"video_url": None}, "video_url", "video", _url("video_url")),
+        ({"image_url": ""}, "image_url", "image", _bare_url("image_url")),
+        ({"video_url": None}, "video_url", "video", _bare_url("video_url")),
         ({"input_audio": {"data": None}}, "input_audio", "audio", AUDIO_SHAPE),
         ({"audio_embeds": {}}, "audio_embeds", "audio", _embeds("audio_embeds")),
     ],
@@ -464,7 +483,7 @@ def test_null_uuid_does_not_excuse_null_media() -> None:
 def test_first_bad_part_wins_across_messages() -> None:
     request_body = body(
         user({"type": "text", "text": "ok"}),
-        user({"type": "image_url", "image_url": URL}, {"type": "file"}),
+        user({"type": "image_url", "image_url": {"url": URL}}, {"type": "file"}),
         user({"type": "image_url"}),
     )
     with pytest.raises(InvalidContentPartError) as info:
@@ -473,7 +492,9 @@ def test_first_bad_part_wins_across_messages() -> None:
 
 
 def test_bad_message_after_good_parts_is_reported() -> None:
-    request_body = body(user({"type": "image_url", "image_url": URL}), {"role": "user"}, {"content": "no role"})
+    request_body = body(
+        user({"type": "image_url", "image_url": {"url": URL}}), {"role": "user"}, {"content": "no role"}
+    )
     with pytest.raises(InvalidRequestError) as info:
         classify(request_body, model="m")
     assert info.value.param == "messages[2].role"

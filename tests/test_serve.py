@@ -79,3 +79,33 @@ async def test_serve_refuses_an_invalid_config_with_exit_2(tmp_path: Path) -> No
     _, stderr = await asyncio.wait_for(process.communicate(), timeout=30)
     assert process.returncode == 2
     assert f"{config}:5:15: models[0].accepts[0]: unknown modality 'txt'" in stderr.decode()
+
+
+async def test_headers_that_trickle_in_are_cut_at_the_idle_timeout(upstream: Upstream, tmp_path: Path) -> None:
+    config = tmp_path / "routing.yaml"
+    config.write_text(
+        routing(
+            f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}",
+            server="{reload_interval_s: 0, client_idle_timeout_s: 0.5}",
+        )
+    )
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await wait_healthy(f"http://127.0.0.1:{port}", process)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHo")  # and the rest never comes
+            async with asyncio.timeout(10):
+                assert await reader.read() == b""  # closed, with nothing said
+        finally:
+            writer.close()
+        assert loop.time() - started < 5  # aiohttp's default would wait 75 s
+    finally:
+        process.kill()
+        await process.wait()

@@ -1,0 +1,124 @@
+"""Request bodies: read within a deadline, bounded before they are parsed, written back exactly.
+
+Every byte a client sends may be hostile, and parsing is where a small body turns into a large
+cost: 30 MB of ``{},`` becomes 10 million dicts (900 MB, seconds of event-loop time). So:
+
+- :func:`read_body` bounds the time a body may take to arrive (``server.client_body_timeout_s``)
+  and turns a body aiohttp cannot decode (corrupt ``Content-Encoding``) into a 400;
+- :func:`parse_body` counts, before parsing, the bytes that can start a JSON value (``,`` ``[``
+  ``{``): a C-speed scan that bounds the number of values and so the memory and time of the parse
+  (``server.max_json_values``; bytes inside strings count too, which errs on the safe side). After
+  parsing it bounds nesting (``server.max_json_depth``; orjson can write back at most 254 levels);
+- :func:`dump_body` writes a body back. orjson reads integers beyond 64 bits as floats, which
+  would silently change a ``seed`` of 2**70; a body that holds such a number is read again with
+  the standard library, which keeps integers exact, and written with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .config import ServerConfig
+from .errors import InvalidRequestError, PayloadTooLargeError, RequestTimeoutError, clip
+
+# orjson turns integers outside [-2**63, 2**64) into floats: any float this large that is a whole
+# number may have been such an integer (or was written 1e19; reading it again changes nothing).
+_INT_RANGE = float(2**63)
+
+
+async def read_body(request: web.Request, *, timeout_s: float, max_bytes: int) -> bytes:
+    """The whole body, or RequestTimeoutError (408) when it takes longer than ``timeout_s``.
+
+    A declared length over ``max_bytes`` is refused before a byte of the body is read (aiohttp
+    itself stops reading a chunked body at the limit).
+    """
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise body_too_large(max_bytes)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"The request body did not arrive within {timeout_s:g}s (server.client_body_timeout_s)"
+        ) from None
+    except web.RequestPayloadError:
+        encoding = request.headers.get("Content-Encoding", "")
+        how = f" with Content-Encoding '{encoding[:40]}'" if encoding else ""
+        raise InvalidRequestError(f"The request body could not be read{how}: it is corrupt or truncated") from None
+
+
+def body_too_large(max_bytes: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"Request body is larger than the limit of {max_bytes} bytes (server.max_body_bytes)")
+
+
+def parse_body(raw: bytes, server: ServerConfig) -> dict[str, Any]:
+    """Parse a JSON object within the server's bounds; 400 invalid_request otherwise."""
+    brackets = raw.count(b"[") + raw.count(b"{")
+    values = raw.count(b",") + brackets
+    if values > server.max_json_values:
+        raise InvalidRequestError(
+            f"Request body has too many JSON values: it holds {values} ',', '[' and '{{' bytes, over the "
+            f"limit of {server.max_json_values} (server.max_json_values)"
+        )
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"Request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("Request body must be a JSON object")
+    if brackets > server.max_json_depth:  # fewer containers than that cannot nest deeper
+        _check_depth(body, server.max_json_depth)
+    return body
+
+
+def exact(raw: bytes, body: dict[str, Any]) -> dict[str, Any]:
+    """``body``, or ``raw`` read again with exact integers if orjson may have rounded one.
+
+    Call it before a body is changed and written back (``raw`` is forwarded as is otherwise).
+    """
+    if not _has_rounded_integer(body):
+        return body
+    exact_body: dict[str, Any] = json.loads(raw)  # valid JSON of bounded depth: orjson read it
+    return exact_body
+
+
+def dump_body(body: Any) -> bytes:
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits (exact() kept it)
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _check_depth(body: dict[str, Any], limit: int) -> None:
+    """400 naming the top-level field in which arrays and objects nest deeper than ``limit``."""
+    for key, value in body.items():
+        if not isinstance(value, dict | list):
+            continue
+        stack: list[tuple[Any, int]] = [(value, 2)]  # the body itself is level 1
+        while stack:
+            node, depth = stack.pop()
+            if depth > limit:
+                raise InvalidRequestError(
+                    f"Request body nests arrays and objects deeper than {limit} levels in '{clip(key)}' "
+                    "(server.max_json_depth)",
+                    param=clip(key),
+                )
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+
+
+def _has_rounded_integer(body: dict[str, Any]) -> bool:
+    stack: list[Any] = [body]
+    while stack:
+        node = stack.pop()
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, dict | list):
+                stack.append(child)
+            elif isinstance(child, float) and abs(child) >= _INT_RANGE and child.is_integer():
+                return True
+    return False

@@ -1,0 +1,457 @@
+"""Hostile requests, end to end: each costs little, ends fast, and leaves the gateway serving.
+
+One test per finding of the adversarial run (docs/security.md): the status, how long the answer
+took, how long the event loop stalled meanwhile, and, where a body is big, the memory it cost.
+The bounds are wide (the figures of docs/security.md come from bench/hostile.py); what they guard
+is the order of magnitude: before the fixes, these took seconds to minutes and gigabytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import gzip
+import io
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from tests.conftest import Gateway, Upstream, routing
+
+PNG_1X1 = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+)
+
+
+def image(data: bytes = PNG_1X1) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+
+def chat_body(model: str, content: Any, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+
+
+@dataclass
+class LoopWatch:
+    """The longest the event loop went without running a 5 ms ticker."""
+
+    longest: float = 0.0
+
+
+@asynccontextmanager
+async def loop_watch() -> AsyncIterator[LoopWatch]:
+    watch = LoopWatch()
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            watch.longest = max(watch.longest, now - last)
+            last = now
+
+    task = asyncio.create_task(tick())
+    try:
+        yield watch
+    finally:
+        task.cancel()
+
+
+@contextmanager
+def peak_rss() -> Iterator[list[int]]:
+    """How far the process's peak RSS rose above its RSS while the block ran: [bytes] once it ends.
+
+    Linux resets the peak (VmHWM) to the current RSS on a write of 5 to /proc/self/clear_refs.
+    RSS, not tracemalloc: orjson reserves ~13x a document's size that it never touches.
+    """
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_bytes("VmRSS")
+    result: list[int] = []
+    yield result
+    result.append(_status_bytes("VmHWM") - before)
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+async def post(gw: Gateway, body: bytes, **headers: str) -> tuple[int, dict[str, Any], float]:
+    started = time.perf_counter()
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"{gw.url}/v1/chat/completions",
+            data=io.BytesIO(body),
+            headers={"Content-Type": "application/json", **headers},
+        ) as resp,
+    ):
+        payload = await resp.json(content_type=None)
+        return resp.status, payload, time.perf_counter() - started
+
+
+async def raw_exchange(gw: Gateway, request: bytes, *, read_timeout: float = 10.0) -> bytes:
+    """Send bytes on a fresh connection; the response that comes back (its head and its body).
+
+    The gateway answers at once; aiohttp then lingers for a body that may still come before it
+    closes the connection, which a client does not wait for.
+    """
+    reader, writer = await asyncio.open_connection(gw.server.host, gw.server.port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        async with asyncio.timeout(read_timeout):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+            )
+            return head + await reader.readexactly(length)
+    finally:
+        writer.close()
+
+
+def assert_error(payload: dict[str, Any], code: str) -> dict[str, Any]:
+    error: dict[str, Any] = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == code
+    return error
+
+
+@dataclass
+class FakeEncoder:
+    """An encoder backend that answers every image with the same payload, and counts."""
+
+    payload_chars: int = 1000
+    calls: int = 0
+
+    def app(self) -> web.Application:
+        async def encode(request: web.Request) -> web.Response:
+            await request.read()
+            self.calls += 1
+            return web.json_response({"image_embeds": "A" * self.payload_chars, "cached": False})
+
+        app = web.Application(client_max_size=1 << 26)
+        app.router.add_post("/v1/encode", encode)
+        return app
+
+
+def epd_table(upstream: Upstream, encoder_url: str, server: str = "") -> str:
+    return routing(
+        f"  - {{name: epd, upstreams: [{upstream.url}], accepts: [text, image], encode: {{image: enc}}}}",
+        f"  - {{name: chat, upstreams: [{upstream.url}], upstream_model: org/Chat, accepts: [text, image]}}",
+        extra=f"encoders:\n  enc: {{kind: http, urls: [{encoder_url}]}}\n",
+        server=server,
+    )
+
+
+@pytest.fixture
+async def encoder(upstream_factory) -> tuple[FakeEncoder, str]:
+    fake = FakeEncoder()
+    server = await upstream_factory("encoder", fake.app())
+    return fake, server.url
+
+
+# --- 1. amplification on encode models ---------------------------------------------------------
+
+
+async def test_thousands_of_repeated_images_are_refused_before_any_encoding(gateway_factory, upstream, encoder):
+    fake, url = encoder
+    gw = await gateway_factory(epd_table(upstream, url))
+    body = orjson.dumps(chat_body("epd", [image()] * 2500))  # 408 KB that became 1.0 GB upstream
+    status, payload, _ = await post(gw, body)
+    assert status == 400
+    error = assert_error(payload, "too_many_items")
+    assert error["param"] == "messages[0].content[32]"  # the default image limit of an encoding model
+    assert fake.calls == 0
+    assert upstream.received == []
+
+
+async def test_a_body_that_encoding_grows_past_the_cap_is_413(gateway_factory, upstream, encoder):
+    fake, url = encoder
+    fake.payload_chars = 100_000
+    gw = await gateway_factory(epd_table(upstream, url, server="{max_upstream_body_bytes: 250000}"))
+    images = [image(PNG_1X1 + bytes([i])) for i in range(3)]
+    status, payload, _ = await post(gw, orjson.dumps(chat_body("epd", images)))
+    assert status == 413
+    error = assert_error(payload, "payload_too_large")
+    assert "server.max_upstream_body_bytes" in error["message"]
+    assert upstream.received == []
+    # two fit
+    status, _, _ = await post(gw, orjson.dumps(chat_body("epd", images[:2])))
+    assert status == 200
+
+
+async def test_repeats_of_one_image_are_encoded_once(gateway_factory, upstream, encoder):
+    fake, url = encoder
+    gw = await gateway_factory(epd_table(upstream, url))
+    status, _, _ = await post(gw, orjson.dumps(chat_body("epd", [image()] * 32)))
+    assert status == 200
+    assert fake.calls == 1
+
+
+# --- 2. part counts ------------------------------------------------------------------------------
+
+
+async def test_ten_million_parts_are_refused_fast_without_stalling_the_loop(gateway_factory, upstream):
+    gw = await gateway_factory(routing(f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}"))
+    body = b'{"model":"chat","messages":[{"role":"user","content":[' + b'"",' * 10_000_000 + b'{"type":"x"}]}]}'
+    async with loop_watch() as watch:
+        with peak_rss() as peak:
+            status, payload, elapsed = await post(gw, body)
+    assert status == 400
+    assert "server.max_json_values" in assert_error(payload, "invalid_request")["message"]
+    assert elapsed < 5.0  # 16 s before
+    assert watch.longest < 1.0  # the whole 16 s before; ~0.05 s here
+    assert peak[0] < 4 * len(body)  # 1.6 GB before; the client's copy, aiohttp's buffer, nothing parsed
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize(
+    ("server", "content", "messages", "param"),
+    [
+        ("{max_content_parts: 100}", ["hi"] * 101, 1, "messages[0].content"),
+        ("{max_content_parts: 100}", ["hi"] * 60, 2, "messages[1].content"),
+        ("{max_messages: 10}", "hi", 11, "messages"),
+    ],
+)
+async def test_message_and_part_counts_are_bounded(gateway_factory, upstream, server, content, messages, param):
+    gw = await gateway_factory(
+        routing(f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}", server=server)
+    )
+    body = {"model": "chat", "messages": [{"role": "user", "content": content}] * messages}
+    status, payload, _ = await post(gw, orjson.dumps(body))
+    assert status == 400
+    error = assert_error(payload, "invalid_request")
+    assert error["param"] == param
+    assert "server.max_" in error["message"]
+
+
+# --- 3. data URLs that decode expensively -------------------------------------------------------
+
+
+async def test_a_percent_encoded_image_costs_little(gateway_factory, upstream, encoder):
+    fake, url = encoder
+    gw = await gateway_factory(epd_table(upstream, url))
+    part = {"type": "image_url", "image_url": {"url": "data:image/png," + "%41" * 10_000_000}}
+    body = orjson.dumps(chat_body("epd", [part]))
+    async with loop_watch() as watch:
+        with peak_rss() as peak:
+            status, _, elapsed = await post(gw, body)
+    assert status == 200  # 10 MB of 'A', which the (fake) encoder takes
+    assert fake.calls == 1
+    assert elapsed < 10.0  # 7.5 s and 2.3 GB before
+    assert watch.longest < 1.0
+    assert peak[0] < 6 * len(body)
+
+
+# --- 4. a client that stops reading --------------------------------------------------------------
+
+
+@dataclass
+class EndlessStream:
+    """An upstream that streams until the gateway closes the connection; ``ended`` says it did."""
+
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def app(self) -> web.Application:
+        async def chat(request: web.Request) -> web.StreamResponse:
+            await request.read()
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            chunk = b"data: " + orjson.dumps({"choices": [{"delta": {"content": "x" * 65536}}]}) + b"\n\n"
+            try:
+                while True:
+                    await response.write(chunk)
+            except (ConnectionResetError, asyncio.CancelledError):
+                self.ended.set()
+                raise
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        return app
+
+
+async def test_a_client_that_stops_reading_a_stream_frees_the_engine(gateway_factory, upstream_factory):
+    endless = EndlessStream()
+    engine = await upstream_factory("endless", endless.app())
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: chat, upstreams: [{engine.url}], accepts: [text]}}", server="{client_write_timeout_s: 0.3}"
+        )
+    )
+    body = orjson.dumps(chat_body("chat", "go", stream=True))
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    reader, writer = await asyncio.open_connection(gw.server.host, gw.server.port)
+    writer.write(head.encode() + body)  # and never read
+    try:
+        async with asyncio.timeout(10):
+            await endless.ended.wait()  # held forever before
+            while not gw.sample("gateway_requests_total", model="chat", code="499"):
+                await asyncio.sleep(0.01)
+    finally:
+        writer.close()
+    assert gw.sample("gateway_upstream_requests_total", model="chat", upstream=engine.url, outcome="aborted") == 1
+
+
+# --- 5. slow bodies --------------------------------------------------------------------------------
+
+
+async def test_a_body_that_trickles_in_gets_408_and_the_connection_closes(gateway_factory, upstream):
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}", server="{client_body_timeout_s: 0.3}"
+        )
+    )
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    started = time.perf_counter()
+    answer = await raw_exchange(gw, head + b'{"model"')  # then nothing more
+    assert answer.startswith(b"HTTP/1.1 408 ")
+    assert b'"code":"request_timeout"' in answer
+    assert time.perf_counter() - started < 5.0  # never before
+    assert upstream.received == []
+
+
+# --- 6. bodies aiohttp cannot decode -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_corrupt_compressed_body_is_a_400(gateway_factory, upstream, encoding):
+    gw = await gateway_factory(routing(f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}"))
+    status, payload, _ = await post(gw, b"this is not compressed at all", **{"Content-Encoding": encoding})
+    assert status == 400  # 500 before
+    assert f"Content-Encoding '{encoding}'" in assert_error(payload, "invalid_request")["message"]
+    assert (await post(gw, gzip.compress(orjson.dumps(chat_body("chat", "hi"))), **{"Content-Encoding": "gzip"}))[
+        0
+    ] == 200
+
+
+# --- 7. decode bombs are bounded in the encoder backend (tests/backends) ----------------------------
+
+
+# --- 8. the smaller findings -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("number", [2**64, 123456789012345678901234567890, -(2**63) - 1])
+async def test_integers_beyond_64_bits_reach_the_upstream_exactly(gateway_factory, upstream, number):
+    gw = await gateway_factory(
+        routing(f"  - {{name: chat, upstreams: [{upstream.url}], upstream_model: org/Chat, accepts: [text]}}")
+    )
+    body = b'{"model":"chat","messages":[{"role":"user","content":"hi"}],"seed":%d}' % number
+    status, _, _ = await post(gw, body)
+    assert status == 200
+    received = upstream.received[0]
+    assert b'"seed":%d' % number in received.body  # orjson wrote 1.2345678901234568e+29 before
+    assert received.json()["model"] == "org/Chat"
+
+
+async def test_an_absolute_form_target_is_forwarded_in_origin_form(gateway_factory, upstream):
+    gw = await gateway_factory(routing(f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}"))
+    body = orjson.dumps(chat_body("chat", "hi"))
+    request = (
+        b"POST http://elsewhere.example/v1/chat/completions?x=1 HTTP/1.1\r\nHost: elsewhere.example\r\n"
+        b"Content-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+    ) + body
+    answer = await raw_exchange(gw, request)
+    assert answer.startswith(b"HTTP/1.1 200 ")  # 502 before, counted against a healthy replica
+    assert upstream.received[0].path == "/v1/chat/completions?x=1"
+
+
+async def test_expect_100_continue_over_the_limit_gets_413_not_100(gateway_factory, upstream):
+    gw = await gateway_factory(routing(f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}"))
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (64 << 20)
+    )
+    answer = await raw_exchange(gw, head)  # the body is never sent: the gateway must answer without it
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    assert b"100 Continue" not in answer
+    assert b'"code":"payload_too_large"' in answer
+
+
+async def test_expect_100_continue_within_the_limit_gets_100_then_the_answer(gateway_factory, upstream):
+    gw = await gateway_factory(routing(f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}"))
+    body = orjson.dumps(chat_body("chat", "hi"))
+    reader, writer = await asyncio.open_connection(gw.server.host, gw.server.port)
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body)
+        )
+        async with asyncio.timeout(10):
+            assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(body)
+            answer = await reader.read()  # Connection: close
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200 ")
+
+
+async def test_an_unknown_expectation_is_417(gateway_factory, upstream):
+    gw = await gateway_factory(routing(f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}"))
+    answer = await raw_exchange(
+        gw, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: teapot\r\nContent-Length: 2\r\n\r\n"
+    )
+    assert answer.startswith(b"HTTP/1.1 417 ")
+    assert b'"type":"invalid_request_error"' in answer
+
+
+async def test_a_stream_from_a_silent_engine_ends_at_the_stream_idle_timeout(gateway_factory, upstream_factory):
+    silent = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        await silent.wait()  # a hung engine: never answers
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", hang)
+    engine = await upstream_factory("hung", app)
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: chat, upstreams: [{engine.url}], accepts: [text]}}",
+            server="{upstream_stream_idle_timeout_s: 0.3}",
+        )
+    )
+    status, payload, elapsed = await post(gw, orjson.dumps(chat_body("chat", "hi", stream=True)))
+    assert status == 504
+    assert "0.3s" in assert_error(payload, "upstream_timeout")["message"]
+    assert elapsed < 5.0  # 600 s before (upstream_read_timeout_s), which still applies without "stream"
+    silent.set()
+
+
+async def test_deep_nesting_in_a_body_that_is_rewritten_is_a_400_not_a_500(gateway_factory, upstream):
+    gw = await gateway_factory(
+        routing(f"  - {{name: chat, upstreams: [{upstream.url}], upstream_model: org/Chat, accepts: [text]}}")
+    )
+    body = b'{"model":"chat","messages":[{"role":"user","content":"hi"}],"extra":' + b"[" * 300 + b"]" * 300 + b"}"
+    status, payload, _ = await post(gw, body)
+    assert status == 400
+    assert assert_error(payload, "invalid_request")["param"] == "extra"
+
+
+async def test_a_huge_model_name_is_not_echoed_whole(gateway_factory, upstream):
+    gw = await gateway_factory(routing(f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}"))
+    status, payload, _ = await post(gw, orjson.dumps(chat_body("m" * 1_000_000, "hi")))
+    assert status == 404
+    message = assert_error(payload, "model_not_found")["message"]
+    assert len(message) < 300
+    assert "(1000000 characters)" in message
+
+
+async def test_the_gateway_keeps_serving_after_all_of_it(gateway_factory, upstream):
+    gw = await gateway_factory(routing(f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}"))
+    for body in (b"\xff\xfe", b"[" * 5000, b'{"model":"chat","messages":[' + b"{}," * 100_000 + b"{}]}"):
+        status, payload, _ = await post(gw, body)
+        assert status == 400, payload
+    status, _, _ = await post(gw, orjson.dumps(chat_body("chat", "hi")))
+    assert status == 200
