@@ -15,6 +15,8 @@ from aiohttp.web_log import AccessLogger
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_response import StreamResponse
 
+from .limits import DECODE_BUDGET_PIXELS, MAX_ASPECT_RATIO, MAX_PIXELS
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backends.vision_encoder")
@@ -30,7 +32,21 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-queue", type=int, default=1024)
     serve.add_argument("--cache-bytes", type=int, default=1 << 30)
     serve.add_argument("--max-image-bytes", type=int, default=20 * 1024 * 1024)
-    serve.add_argument("--max-pixels", type=int, default=50_000_000, help="refuse larger images (decompression bombs)")
+    serve.add_argument(
+        "--max-pixels", type=_positive_int, default=MAX_PIXELS, help="refuse larger images (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--max-aspect-ratio",
+        type=_at_least_one,
+        default=MAX_ASPECT_RATIO,
+        help="refuse images with a long side over this many times the short side (default: %(default)g)",
+    )
+    serve.add_argument(
+        "--decode-budget-pixels",
+        type=_positive_int,
+        default=DECODE_BUDGET_PIXELS,
+        help="pixels decoded at once over all requests; more wait (default: %(default)s)",
+    )
     serve.add_argument("--timeout-s", type=float, default=30.0)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
@@ -59,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             max_queue=args.max_queue,
             cache_bytes=args.cache_bytes,
             max_pixels=args.max_pixels,
+            max_aspect_ratio=args.max_aspect_ratio,
+            decode_budget_pixels=args.decode_budget_pixels,
             max_image_bytes=args.max_image_bytes,
             timeout_s=args.timeout_s,
         )
@@ -74,6 +92,20 @@ def main(argv: list[str] | None = None) -> int:
         app, host=args.host, port=args.port, print=None, handler_cancellation=True, access_log_class=_QuietProbes
     )
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _at_least_one(text: str) -> float:
+    value = float(text)
+    if not value >= 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
 
 
 class _QuietProbes(AccessLogger):

@@ -7,8 +7,8 @@
      "image_embeds": "<base64 of torch.save(tensor (tokens, hidden))>" | {"image_embeds": ..., "image_grid_thw": ...}}
 
 Errors use the gateway's shape, ``{"error": {"message", "type", "param", "code"}}``: 400
-``invalid_image``, 413 ``payload_too_large``, 503 ``encoder_overloaded`` (with Retry-After),
-504 ``encoder_timeout``.
+``invalid_image`` (images over the pixel or aspect-ratio cap too), 413 ``payload_too_large``, 503
+``encoder_overloaded`` (with Retry-After), 504 ``encoder_timeout``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from PIL import Image
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from .batching import BatchStats, DynamicBatcher, QueueFullError
+from .limits import DECODE_BUDGET_PIXELS, MAX_ASPECT_RATIO, MAX_PIXELS, DecodeLimits
 from .preprocess import ImageError
 from .service import EncoderService
 
@@ -55,6 +56,17 @@ class EncoderMetrics:
         )
         self.cache_hits = Counter("vision_encoder_cache_hits", "Images answered from the cache.", registry=registry)
         self.cache_misses = Counter("vision_encoder_cache_misses", "Images that needed encoding.", registry=registry)
+        self.decode_pixels = Gauge(
+            "vision_encoder_decode_pixels", "Pixels being decoded now (held in the decode budget).", registry=registry
+        )
+        self.decode_waiting = Gauge(
+            "vision_encoder_decode_waiting", "Images waiting for room in the decode budget.", registry=registry
+        )
+
+    def watch(self, service: EncoderService) -> None:
+        budget = service.decode_budget
+        self.decode_pixels.set_function(lambda: budget.in_flight)
+        self.decode_waiting.set_function(lambda: budget.waiting)
 
     def batch_stats(self) -> BatchStats:
         def on_batch(size: int, seconds: float) -> None:
@@ -139,6 +151,11 @@ async def health(request: web.Request) -> web.Response:
         "dtype": service.dtype,
         "hidden_size": info.hidden_size,
         "queued": service.batcher.queued,
+        "decode": {
+            "pixels": service.decode_budget.in_flight,
+            "budget_pixels": service.decode_budget.limit,
+            "waiting": service.decode_budget.waiting,
+        },
         "cache": {"entries": len(service.cache), "bytes": service.cache.bytes, "max_bytes": service.cache.max_bytes},
     }
     if info.demo_weights:
@@ -171,6 +188,7 @@ def create_app(
     app = web.Application(client_max_size=max_image_bytes, middlewares=[_errors])
     app[SERVICE_KEY] = service
     app[METRICS_KEY] = metrics
+    metrics.watch(service)
     app.router.add_post("/v1/encode", encode)
     app.router.add_get("/health", health)
 
@@ -200,7 +218,9 @@ def build(
     max_batch_delay_ms: float = 0.0,
     max_queue: int = 1024,
     cache_bytes: int = 1 << 30,
-    max_pixels: int = 50_000_000,
+    max_pixels: int = MAX_PIXELS,
+    max_aspect_ratio: float = MAX_ASPECT_RATIO,
+    decode_budget_pixels: int = DECODE_BUDGET_PIXELS,
     max_image_bytes: int = 20 * 1024 * 1024,
     timeout_s: float = 30.0,
     registry: CollectorRegistry | None = None,
@@ -220,5 +240,11 @@ def build(
         max_queue=max_queue,
         stats=metrics.batch_stats(),
     )
-    service = EncoderService(tower, batcher, cache_bytes=cache_bytes, max_pixels=max_pixels, timeout_s=timeout_s)
+    service = EncoderService(
+        tower,
+        batcher,
+        cache_bytes=cache_bytes,
+        timeout_s=timeout_s,
+        limits=DecodeLimits(max_pixels, max_aspect_ratio, decode_budget_pixels),
+    )
     return create_app(service, registry=registry, metrics=metrics, max_image_bytes=max_image_bytes)

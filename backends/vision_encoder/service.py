@@ -1,4 +1,5 @@
-"""The encode pipeline: bytes -> sha256 -> cache -> decode/prepare (threads) -> batcher -> reply.
+"""The encode pipeline: bytes -> sha256 -> cache -> header (thread) -> decode budget ->
+decode/prepare (thread) -> batcher -> reply.
 
 The reply is what the gateway splices into the chat request unchanged: vLLM's ``image_embeds``
 value, base64 of ``torch.save(tensor)`` (or, for the Qwen2-VL family, vLLM's dict form with
@@ -14,15 +15,18 @@ import base64
 import hashlib
 import io
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from PIL import Image
 
 from .batching import DynamicBatcher, QueueFullError
 from .cache import EmbeddingCache
-from .preprocess import decode_image
+from .limits import DecodeLimits, PixelBudget
+from .preprocess import load_rgb, open_image
 from .towers import Encoded, Prepared, VisionTower
 
 HASH_IN_THREAD_BYTES = 1 << 20  # hashing bigger bodies would hold the event loop for a millisecond or more
@@ -84,14 +88,15 @@ class EncoderService:
         batcher: DynamicBatcher,
         *,
         cache_bytes: int,
-        max_pixels: int,
         timeout_s: float,
+        limits: DecodeLimits | None = None,
         threads: int | None = None,
     ) -> None:
         self.tower = tower
         self.batcher = batcher
         self.cache: EmbeddingCache[Reply] = EmbeddingCache(cache_bytes, lambda r: r.nbytes)
-        self.max_pixels = max_pixels
+        self.limits = limits or DecodeLimits()
+        self.decode_budget = PixelBudget(self.limits.budget_pixels)
         self.timeout_s = timeout_s
         self.pool = ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1, thread_name_prefix="encoder-prep")
         self.dtype = str(tower.dtype).removeprefix("torch.")
@@ -124,15 +129,41 @@ class EncoderService:
 
     async def _compute(self, sha: str, data: bytes) -> Reply:
         loop = asyncio.get_running_loop()
-        prepared = await loop.run_in_executor(self.pool, self._prepare, data)
+        image = await loop.run_in_executor(self.pool, self._open, data)
+        prepared = await self._prepare(image)
         encoded = await self.batcher.submit(prepared, timeout=self.timeout_s)
         return await loop.run_in_executor(self.pool, to_reply, sha, encoded)
 
-    def _prepare(self, data: bytes) -> Prepared:
-        return self.tower.prepare(decode_image(data, max_pixels=self.max_pixels))
+    def _open(self, data: bytes) -> Image.Image:
+        return open_image(data, max_pixels=self.limits.max_pixels, max_aspect_ratio=self.limits.max_aspect_ratio)
+
+    async def _prepare(self, image: Image.Image) -> Prepared:
+        """Decode and prepare on the pool, holding the image's pixels in the decode budget."""
+        loop = asyncio.get_running_loop()
+        pixels = image.width * image.height
+        await self.decode_budget.acquire(pixels)
+        try:
+            job = self.pool.submit(self._decode_and_prepare, image)
+        except BaseException:  # the pool is shut down
+            self.decode_budget.release(pixels)
+            raise
+        # Released when the thread is done, not when this coroutine stops waiting: a cancelled
+        # waiter leaves the decode running, and its pixels are held until it ends.
+        job.add_done_callback(lambda _: _call_soon(loop, self.decode_budget.release, pixels))
+        return await asyncio.wrap_future(job)
+
+    def _decode_and_prepare(self, image: Image.Image) -> Prepared:
+        return self.tower.prepare(load_rgb(image))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[int], None], arg: int) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, arg)
+    except RuntimeError:  # the loop is closed: at shutdown there is no budget left to keep
+        pass
 
 
 def _sha256(data: bytes) -> str:

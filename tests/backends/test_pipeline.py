@@ -1,10 +1,11 @@
-"""The backend's moving parts on their own: the cache, the batcher, timeouts, and the Qwen2-VL reply."""
+"""The backend's moving parts on their own: the cache, the batcher, timeouts, the Qwen2-VL reply, the decode budget."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,8 +18,11 @@ from prometheus_client import CollectorRegistry
 
 from backends.vision_encoder.batching import DynamicBatcher, QueueFullError
 from backends.vision_encoder.cache import EmbeddingCache
+from backends.vision_encoder.limits import DecodeLimits, PixelBudget
 from backends.vision_encoder.server import build
+from backends.vision_encoder.service import EncoderService
 from backends.vision_encoder.towers import Encoded, Prepared, TowerInfo, VisionTower
+from backends.vision_encoder.towers.builtin import BuiltinViT
 from tests.backends.fixtures import png
 
 # --- cache ------------------------------------------------------------------------------------------
@@ -225,3 +229,62 @@ async def test_a_stalled_batcher_makes_health_fail(backend_factory) -> None:
             assert resp.status == 503
             assert (await resp.json())["error"]["code"] == "encoder_unhealthy"
     backend.service.batcher.running = 0
+
+
+# --- the decode budget ------------------------------------------------------------------------------
+
+
+class PairingTower(RecordingTower):
+    """prepare() waits for a partner (so two decodes must overlap) and records how many overlap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.budget = PixelBudget(1)  # the service's, once there is one
+        self.pairs = threading.Barrier(2, timeout=5)
+        self.lock = threading.Lock()
+        self.active = self.most_active = self.most_pixels = 0
+
+    def prepare(self, image: Image.Image) -> Prepared:
+        with self.lock:
+            self.active += 1
+            self.most_active = max(self.most_active, self.active)
+            self.most_pixels = max(self.most_pixels, self.budget.in_flight)
+        try:
+            self.pairs.wait()  # a budget that let only one through would break this barrier
+        finally:
+            with self.lock:
+                self.active -= 1
+        return job()
+
+
+async def test_concurrent_decodes_stay_within_the_pixel_budget() -> None:
+    side = 100
+    limits = DecodeLimits(budget_pixels=2 * side * side + 1)  # room for two images, not three
+    tower = PairingTower()
+    batcher = DynamicBatcher(tower)
+    service = EncoderService(tower, batcher, cache_bytes=1 << 20, timeout_s=5, limits=limits, threads=6)
+    tower.budget = service.decode_budget
+    batcher.start()
+    try:
+        images = [png((i, 0, 0), size=(side, side)) for i in range(6)]
+        await asyncio.gather(*(service.encode(image) for image in images))
+    finally:
+        await batcher.stop()
+        service.close()
+    assert tower.most_active == 2  # six threads were free, but the budget let two decode at once
+    assert tower.most_pixels == 2 * side * side
+    assert service.decode_budget.in_flight == 0 and service.decode_budget.waiting == 0
+
+
+async def test_an_image_larger_than_the_whole_budget_is_decoded_alone() -> None:
+    tower = BuiltinViT(torch.device("cpu"), torch.float32)
+    batcher = DynamicBatcher(tower)
+    limits = DecodeLimits(max_pixels=10_000, budget_pixels=100)
+    service = EncoderService(tower, batcher, cache_bytes=1 << 20, timeout_s=5, limits=limits)
+    batcher.start()
+    try:
+        reply, cached = await service.encode(png(size=(100, 100)))
+    finally:
+        await batcher.stop()
+        service.close()
+    assert (reply.tokens, cached) == (196, False) and service.decode_budget.in_flight == 0

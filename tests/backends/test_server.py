@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import torch
 
-from tests.backends.fixtures import Backend, png
+from tests.backends.fixtures import RGBA_BOMB, SLIVER, Backend, flat_png, png
 
 
 def load_embeds(value: str) -> torch.Tensor:
@@ -98,6 +98,23 @@ async def test_images_over_the_pixel_cap_are_refused_before_decoding(backend_fac
     assert status == 400 and "over the cap of 1000" in reply["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("image", "options", "message"),
+    [
+        (RGBA_BOMB, {}, "image is 7071x7071 = 49999041 pixels, over the cap of 16777216"),
+        (SLIVER, {}, "image is 1x40000000 = 40000000 pixels, over the cap of 16777216"),
+        (SLIVER, {"max_pixels": 50_000_000}, "image is 1x40000000, an aspect ratio over the cap of 200"),
+    ],
+    ids=["rgba bomb", "sliver", "sliver under the pixel cap"],
+)
+async def test_image_bombs_are_a_400(backend_factory, image, options, message) -> None:
+    backend = await backend_factory(**options)
+    status, reply = await post(backend, flat_png(*image))
+    assert (status, reply["error"]["code"], reply["error"]["message"]) == (400, "invalid_image", message)
+    assert backend.sample("vision_encoder_images_total", result="invalid") == 1
+    assert backend.service.decode_budget.in_flight == 0  # refused from the header: never held any
+
+
 async def test_bodies_over_the_byte_limit_are_413(backend_factory) -> None:
     backend = await backend_factory(max_image_bytes=1024)
     status, reply = await post(backend, b"x" * 4096)
@@ -121,6 +138,7 @@ async def test_health_runs_a_real_encode_and_says_the_weights_are_demo(backend_f
     assert health["demo_weights"] is True and "random demo weights" in health["note"]
     assert health["check"].startswith("encoded a 32x32 image to 196x384")
     assert health["device"] == "cpu" and health["model"] == "builtin:vit-small"
+    assert health["decode"] == {"pixels": 0, "budget_pixels": 4 * 4096 * 4096, "waiting": 0}
 
 
 async def test_metrics_endpoint_exposes_the_contract_names(backend_factory) -> None:
@@ -136,5 +154,7 @@ async def test_metrics_endpoint_exposes_the_contract_names(backend_factory) -> N
         "vision_encoder_forward_seconds_bucket",
         "vision_encoder_cache_hits_total 0.0",
         "vision_encoder_cache_misses_total 1.0",
+        "vision_encoder_decode_pixels 0.0",
+        "vision_encoder_decode_waiting 0.0",
     ):
         assert name in text
