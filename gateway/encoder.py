@@ -141,15 +141,26 @@ class EncoderClient:
         }
 
     async def _load_all(self, located: list[tuple[Part, str]], model: str) -> list[bytes]:
-        urls = list(dict.fromkeys(url for _, url in located))  # each distinct URL once
+        # Each distinct fetched URL once. Data URLs are not compared (hashing a 30 MB string holds
+        # the event loop for 30 ms); identical images are merged by their sha256 anyway.
+        urls: list[str] = []
+        slots: list[int] = []
+        seen: dict[str, int] = {}
+        for _, url in located:
+            if url[:5].lower() != "data:":
+                url_slot = seen.setdefault(url, len(urls))
+                if url_slot < len(urls):
+                    slots.append(url_slot)
+                    continue
+            slots.append(len(urls))
+            urls.append(url)
         limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)
         loaded = await asyncio.gather(
             *(self._bounded(limit, self.fetcher.load(u)) for u in urls), return_exceptions=True
         )
-        by_url = dict(zip(urls, loaded, strict=True))
         blobs: list[bytes] = []
-        for part, url in located:
-            result = by_url[url]
+        for (part, _), slot in zip(located, slots, strict=True):
+            result = loaded[slot]
             if isinstance(result, GatewayError):
                 raise _at_part(result, part, model)
             if isinstance(result, BaseException):

@@ -6,6 +6,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     ├── InvalidRequestError               400 invalid_request_error invalid_request
     │   ├── UnsupportedModalityError      400                       unsupported_modality
     │   ├── TooManyItemsError             400                       too_many_items
+    │   ├── UnreadableBodyError           400                       invalid_request
     │   ├── InvalidContentPartError       400                       invalid_content_part
     │   ├── InvalidImageError             400                       invalid_image
     │   └── MediaRefusedError             400                       media_refused
@@ -76,6 +77,12 @@ class InvalidRequestError(GatewayError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+
+
+class UnreadableBodyError(InvalidRequestError):
+    """A body that cannot be decoded (corrupt gzip); the connection cannot be reused after it."""
+
+    closes_connection = True
 
 
 class UnsupportedModalityError(InvalidRequestError):

@@ -12,7 +12,7 @@ import orjson
 from aiohttp import web
 
 from .admission import RoutePlan, admit, lookup, rewrite
-from .body import dump_body, exact, parse_body, read_body
+from .body import dump_body, exact, read_json
 from .config import GatewayConfig, ModelConfig
 from .encoder import Replacements
 from .errors import (
@@ -139,9 +139,7 @@ async def admin_reload(request: web.Request) -> web.Response:
 
 
 async def _read_json(request: web.Request, config: GatewayConfig) -> tuple[bytes, dict[str, Any]]:
-    services = request.app[SERVICES_KEY]
-    raw = await read_body(request, timeout_s=config.server.client_body_timeout_s, max_bytes=services.max_body_bytes)
-    return raw, parse_body(raw, config.server)
+    return await read_json(request, config.server, max_bytes=request.app[SERVICES_KEY].max_body_bytes)
 
 
 def _streams(body: dict[str, Any]) -> bool:

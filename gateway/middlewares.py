@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from .body import body_too_large
-from .errors import GatewayError, MethodNotAllowedError, NotFoundError, clip
+from .errors import GatewayError, MethodNotAllowedError, NotFoundError, RequestTimeoutError, clip
 from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY
 from .upstream import RelayResponse
 
@@ -73,7 +73,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.rejection is not None:
             r = exc.rejection
             request.app[SERVICES_KEY].metrics.rejections.labels(r.model, r.modality, r.reason).inc()
-        return render(exc)
+        response = render(exc)
+        if isinstance(exc, RequestTimeoutError):
+            await _send_and_close(request, response)
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -104,6 +107,19 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     response.force_close()
     response.headers[REQUEST_ID] = _request_id(request)
     return response
+
+
+async def _send_and_close(request: web.Request, response: web.Response) -> None:
+    """Answer, then close at once: aiohttp would otherwise linger up to 10 s for the rest of a
+    body that is trickling in (right for a 413, where the client may still be sending quickly)."""
+    response.headers[REQUEST_ID] = request[REQUEST_ID_KEY]
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:
+        pass
+    if request.transport is not None:
+        request.transport.close()  # after the buffered answer is written
 
 
 def render(error: GatewayError) -> web.Response:

@@ -120,6 +120,13 @@ async def raw_exchange(gw: Gateway, request: bytes, *, read_timeout: float = 10.
         writer.close()
 
 
+def request_head(length: int) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % length
+    )
+
+
 def assert_error(payload: dict[str, Any], code: str) -> dict[str, Any]:
     error: dict[str, Any] = payload["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -290,9 +297,8 @@ async def test_a_client_that_stops_reading_a_stream_frees_the_engine(gateway_fac
         )
     )
     body = orjson.dumps(chat_body("chat", "go", stream=True))
-    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    reader, writer = await asyncio.open_connection(gw.server.host, gw.server.port)
-    writer.write(head.encode() + body)  # and never read
+    _, writer = await asyncio.open_connection(gw.server.host, gw.server.port)
+    writer.write(request_head(len(body)) + body)  # and never read
     try:
         async with asyncio.timeout(10):
             await endless.ended.wait()  # held forever before
@@ -312,13 +318,21 @@ async def test_a_body_that_trickles_in_gets_408_and_the_connection_closes(gatewa
             f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}", server="{client_body_timeout_s: 0.3}"
         )
     )
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    head = request_head(1000)
+    reader, writer = await asyncio.open_connection(gw.server.host, gw.server.port)
     started = time.perf_counter()
-    answer = await raw_exchange(gw, head + b'{"model"')  # then nothing more
+    try:
+        writer.write(head + b'{"model"')  # then nothing more
+        async with asyncio.timeout(10):
+            answer = await reader.read()  # to the end: the gateway closes at once, it does not linger
+    finally:
+        writer.close()
     assert answer.startswith(b"HTTP/1.1 408 ")
     assert b'"code":"request_timeout"' in answer
+    assert b"X-Request-Id: " in answer
     assert time.perf_counter() - started < 5.0  # never before
     assert upstream.received == []
+    assert gw.sample("gateway_requests_total", model="_unknown", code="408") == 1
 
 
 # --- 6. bodies aiohttp cannot decode -------------------------------------------------------------

@@ -178,7 +178,7 @@ def describe(messages: list[Any]) -> str:
             counts["text"] += 1
         elif isinstance(content, list):
             for part in content:
-                kind = part.get("type", "untyped") if isinstance(part, dict) else "text"
+                kind = (part.get("type") or "untyped") if isinstance(part, dict) else "text"
                 counts[kind] += 1
     return " ".join([f"messages={len(messages)}", *(f"{k}={v}" for k, v in sorted(counts.items()))])
 

@@ -1,0 +1,731 @@
+"""How the gateway copes with hostile requests (issue 6, "Hardening"): the before/after figures of
+docs/security.md.
+
+Every scenario gets a fresh gateway process (so its peak RSS is its own) in front of one stand-in
+upstream + encoder process that counts what it receives. While the hostile request is in flight,
+another connection polls GET /healthz every 10 ms; the slowest answer is the event-loop stall.
+Everything runs on 127.0.0.1, every client call has a timeout, and every process is stopped at the
+end, errors included.
+
+    .venv/bin/python -m bench.hostile [--only NAME ...] [--json OUT] [--rev REV] [--server KEY=VALUE ...]
+
+``--rev HEAD`` runs the gateway as committed (extracted with ``git archive``) instead of the
+working tree: the "before" of uncommitted fixes. ``--server`` adds keys to routing.yaml's server
+section (for limits a newer gateway knows, e.g. ``client_body_timeout_s=10``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from bench.common import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_BODY_BYTES = 33_554_432
+PNG_1X1 = (
+    "data:image/png;base64,"
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="
+)
+EMBEDS = base64.b64encode(bytes(range(256)) * 48).decode()  # 16 KB, what the encoder stand-in returns
+# Per streamed answer, ~1 KB each: more than the kernel buffers of the two hops hold (several MB),
+# and bounded even if nothing applies backpressure (50 streams: 1.6 GB at most)
+STREAM_CHUNKS = 30_000
+STREAM_SECONDS = 30.0
+SCENARIO_LIMIT_S = 60.0
+PROBE_INTERVAL_S = 0.01
+PROBE_TAIL_S = 0.3  # keep probing after the answer: freeing a huge request can stall the loop too
+BIGINT = b"123456789012345678901234567890"
+
+
+# --- the stand-in upstream and encoder (a subprocess: `--fakes PORT`) -------------------------
+
+
+@dataclass
+class Fakes:
+    """An OpenAI-compatible upstream and a /v1/encode backend on one port, counting what they get."""
+
+    stats: Counter[str] = field(default_factory=Counter)
+    last_body: bytes = b""
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/encode", self._encode)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/_stats", self._stats)
+        app.router.add_get("/_last", self._last)
+        app.router.add_post("/_reset", self._reset)
+        return app
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.stats["chat_requests"] += 1
+        self.stats["chat_bytes"] += len(body)
+        self.last_body = body
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            payload = {}
+        model = payload.get("model") if isinstance(payload, dict) else None
+        if isinstance(payload, dict) and payload.get("stream"):
+            return await self._stream(request, model)
+        reply = {
+            "id": "chatcmpl-hostile",
+            "object": "chat.completion",
+            "created": 1_700_000_000,
+            "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
+        return web.Response(body=orjson.dumps(reply), content_type="application/json")
+
+    async def _stream(self, request: web.Request, model: object) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        if sock is not None:  # a reader that stops shows here at once, not after megabytes of kernel buffer
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        await response.prepare(request)
+        delta = {"index": 0, "delta": {"content": "x" * 1000}, "finish_reason": None}
+        event = {"id": "chatcmpl-hostile", "object": "chat.completion.chunk", "model": model, "choices": [delta]}
+        chunk = b"data: " + orjson.dumps(event) + b"\n\n"
+        self.stats["open_streams"] += 1
+        try:
+            async with asyncio.timeout(STREAM_SECONDS):
+                for _ in range(STREAM_CHUNKS):
+                    await response.write(chunk)  # waits while the gateway does not read
+                    self.stats["streamed_bytes"] += len(chunk)
+                await response.write(b"data: [DONE]\n\n")
+            self.stats["finished_streams"] += 1
+        except (ConnectionError, TimeoutError):
+            pass
+        finally:
+            self.stats["open_streams"] -= 1
+        return response
+
+    async def _encode(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.stats["encode_requests"] += 1
+        self.stats["encode_bytes"] += len(body)
+        return web.json_response({"image_embeds": EMBEDS})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(dict(self.stats))
+
+    async def _last(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.last_body)
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        open_streams = self.stats["open_streams"]  # streams of a stopped gateway may still be closing
+        self.stats.clear()
+        self.stats["open_streams"] = open_streams
+        self.last_body = b""
+        return web.Response(text="ok")
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def routing_yaml(gateway_port: int, fakes: str, server_extra: list[str]) -> str:
+    extra = "".join(f", {item.replace('=', ': ', 1)}" for item in server_extra)
+    return f"""version: 1
+server: {{port: {gateway_port}, max_body_bytes: {MAX_BODY_BYTES}, reload_interval_s: 0{extra}}}
+encoders:
+  enc: {{kind: http, urls: [{fakes}]}}
+models:
+  - {{name: chat, upstreams: [{fakes}], upstream_model: org/Chat, accepts: [text, image]}}
+  - name: epd
+    upstreams: [{fakes}]
+    upstream_model: org/Epd
+    accepts: [text, image]
+    encode: {{image: enc}}
+    on_encoder_error: passthrough
+"""
+
+
+async def _start(args: list[str], cwd: Path, log: Path) -> asyncio.subprocess.Process:
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    with log.open("wb") as out:
+        return await asyncio.create_subprocess_exec(
+            sys.executable, *args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 5)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+async def _wait_ready(proc: asyncio.subprocess.Process, url: str, log: Path, *, limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(url) as resp:
+                    if resp.status < 500:
+                        return
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up in {limit_s:g} s:\n{log.read_text()[-2000:]}")
+
+
+@contextlib.asynccontextmanager
+async def running(args: list[str], cwd: Path, log: Path, ready_url: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    proc = await _start(args, cwd, log)
+    try:
+        await _wait_ready(proc, ready_url, log)
+        yield proc
+    finally:
+        await _stop(proc)
+
+
+def memory_kb(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of a process, in kB."""
+    values = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            values[key] = int(rest.split()[0])
+    return values
+
+
+def reset_peak(pid: int) -> bool:
+    """Make VmHWM start again from VmRSS (Linux >= 4.0), so the next peak is this scenario's own."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def source_tree(rev: str, into: Path) -> Path:
+    """The repository at ``rev``, extracted (git archive) under ``into``."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev], capture_output=True, check=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+class HealthProbe:
+    """Polls /healthz on its own connection; ``worst`` is the slowest answer (or wait) seen."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.worst = 0.0
+        self.polls = 0
+        self.failures = 0
+        self._since: float | None = None
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> HealthProbe:
+        self._task = asyncio.create_task(self._poll())
+        await asyncio.wait_for(self._ready.wait(), 5)  # the connection is open before the attack starts
+        self.worst = 0.0
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._since is not None:  # a poll still waiting has waited this long
+            self.worst = max(self.worst, time.perf_counter() - self._since)
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _poll(self) -> None:
+        connector = aiohttp.TCPConnector(limit=1)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+            while True:
+                self._since = time.perf_counter()
+                try:
+                    async with session.get(self.url) as resp:
+                        await resp.read()
+                        ok = resp.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                self.worst = max(self.worst, time.perf_counter() - self._since)
+                self._since = None
+                self.polls += 1
+                self.failures += not ok
+                self._ready.set()
+                await asyncio.sleep(PROBE_INTERVAL_S)
+
+
+@dataclass
+class Answer:
+    status: int | None  # None: no status line came
+    seconds: float | None  # to the status line, or to the close
+    body: bytes = b""
+    note: str = ""
+
+
+def request_head(port: int, length: int, *, target: str = "/v1/chat/completions", extra: tuple[str, ...] = ()) -> bytes:
+    lines = [
+        f"POST {target} HTTP/1.1",
+        f"Host: 127.0.0.1:{port}",
+        "Content-Type: application/json",
+        f"Content-Length: {length}",
+        "Connection: close",
+        *extra,
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def _send(writer: asyncio.StreamWriter, head: bytes, body: bytes, pace_s: float | None) -> None:
+    with contextlib.suppress(ConnectionError):
+        writer.write(head)
+        if pace_s is None:
+            writer.write(body)
+            await writer.drain()
+            return
+        for i in range(len(body)):
+            writer.write(body[i : i + 1])
+            await writer.drain()
+            await asyncio.sleep(pace_s)
+
+
+async def exchange(
+    port: int, head: bytes, body: bytes = b"", *, timeout_s: float = 30.0, pace_s: float | None = None
+) -> Answer:
+    """Send a raw request (optionally one byte every ``pace_s``) and read the answer to the close."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    started = time.perf_counter()
+    sender = asyncio.create_task(_send(writer, head, body, pace_s))
+    status: int | None = None
+    seconds: float | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            line = await reader.readline()
+            seconds = time.perf_counter() - started
+            if not line:
+                return Answer(None, seconds, note=f"closed without an answer at {seconds:.1f} s")
+            status = _status(line)
+            rest = await _read_to_close(reader)
+        closed = time.perf_counter() - started
+        lingered = f"connection closed at {closed:.1f} s" if closed - seconds > 1 else ""  # long after the answer
+        return Answer(status, seconds, rest.partition(b"\r\n\r\n")[2], lingered)
+    except TimeoutError:
+        if status is not None:
+            return Answer(status, seconds, note=f"answered, connection still open at {timeout_s:g} s")
+        return Answer(None, None, note=f"no answer, still open at {timeout_s:g} s")
+    except ConnectionError as exc:
+        seconds = time.perf_counter() - started
+        return Answer(None, seconds, note=f"{type(exc).__name__} at {seconds:.1f} s")
+    finally:
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sender
+        writer.close()
+
+
+async def _read_to_close(reader: asyncio.StreamReader, cap: int = 1 << 20) -> bytes:
+    data = bytearray()
+    while len(data) < cap and (chunk := await reader.read(65536)):
+        data += chunk
+    return bytes(data)
+
+
+def _status(line: bytes) -> int | None:
+    parts = line.split()
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+
+
+def error_code(body: bytes) -> str:
+    """``code: message`` of the gateway's error JSON, shortened; '' when the body is not one."""
+    try:
+        error = orjson.loads(body)["error"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return ""
+    message = str(error.get("message", ""))
+    return f"{error.get('code')}: {message[:80]}{'...' if len(message) > 80 else ''}"
+
+
+@dataclass
+class Row:
+    scenario: str
+    status: str
+    answer_s: float | None
+    max_healthz_ms: float | None
+    peak_rss_growth_mb: float | None
+    upstream_bytes: int | None
+    notes: str
+
+
+@dataclass
+class Lab:
+    """What a scenario works with: the gateway under attack and the counting stand-ins."""
+
+    port: int
+    pid: int
+    fakes: str
+    session: aiohttp.ClientSession
+    trickle_s: float
+    stall_s: float | None = None
+    peak_growth_kb: int | None = None
+
+    @contextlib.asynccontextmanager
+    async def hostile(self) -> AsyncIterator[None]:
+        """Measure what happens inside: the worst /healthz wait and the peak RSS growth."""
+        rss_before = memory_kb(self.pid)["VmRSS"]
+        exact = reset_peak(self.pid)
+        baseline = rss_before if exact else memory_kb(self.pid)["VmHWM"]
+        probe = HealthProbe(f"http://127.0.0.1:{self.port}/healthz")
+        async with probe:
+            try:
+                yield
+            finally:
+                await asyncio.sleep(PROBE_TAIL_S)
+                self.stall_s = probe.worst
+                with contextlib.suppress(OSError):
+                    self.peak_growth_kb = memory_kb(self.pid)["VmHWM"] - baseline
+
+    async def stats(self) -> dict[str, int]:
+        async with self.session.get(f"{self.fakes}/_stats") as resp:
+            stats: dict[str, int] = await resp.json()
+            return stats
+
+    async def last_body(self) -> bytes:
+        async with self.session.get(f"{self.fakes}/_last") as resp:
+            return await resp.read()
+
+    async def post(self, body: bytes, *, extra: tuple[str, ...] = (), target: str = "/v1/chat/completions") -> Answer:
+        async with self.hostile():
+            return await exchange(self.port, request_head(self.port, len(body), target=target, extra=extra), body)
+
+
+@dataclass
+class Outcome:
+    status: str
+    seconds: float | None
+    notes: str = ""
+
+
+def outcome(answer: Answer, *notes: str) -> Outcome:
+    said = [answer.note, error_code(answer.body), *notes]
+    return Outcome(str(answer.status or "-"), answer.seconds, "; ".join(n for n in said if n))
+
+
+def chat(model: str, content: object, **extra: object) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def image_body(url: str) -> bytes:
+    return orjson.dumps(chat("epd", [{"type": "image_url", "image_url": {"url": url}}]))
+
+
+# --- scenarios -------------------------------------------------------------------------------
+
+
+async def amplification(lab: Lab) -> Outcome:
+    part = {"type": "image_url", "image_url": {"url": PNG_1X1}}
+    body = orjson.dumps(chat("epd", [part] * 2500))
+    answer = await lab.post(body)
+    stats = await lab.stats()
+    return outcome(
+        answer,
+        f"2,500 parts, {len(body) / 1e3:.0f} KB in",
+        f"encoder calls {stats.get('encode_requests', 0)}",
+        f"upstream/in = {stats.get('chat_bytes', 0) / len(body):.0f}x",
+    )
+
+
+async def part_count(lab: Lab) -> Outcome:
+    head = b'{"model":"chat","messages":[{"role":"user","content":['
+    body = head + b'"",' * 10_000_000 + b'{"type":"bogus"}]}]}'
+    return outcome(await lab.post(body), f"10M empty strings, {len(body) / 1e6:.1f} MB")
+
+
+async def percent_data_url(lab: Lab) -> Outcome:
+    body = image_body("data:image/png," + "%41" * 10_000_000)
+    answer = await lab.post(body)
+    stats = await lab.stats()
+    return outcome(answer, f"{len(body) / 1e6:.1f} MB", f"encoder got {stats.get('encode_bytes', 0) / 1e6:.1f} MB")
+
+
+def _spaced(data: bytes, every: int) -> bytes:
+    """``data`` with a space after every ``every`` bytes (len(data) must be a multiple of ``every``)."""
+    n = len(data) // every
+    out = bytearray(n * (every + 1))
+    for k in range(every):
+        out[k :: every + 1] = data[k::every]
+    out[every :: every + 1] = b" " * n
+    return bytes(out)
+
+
+async def _base64_spaces(lab: Lab, image_bytes: int, every: int) -> Outcome:
+    encoded = base64.b64encode(os.urandom(image_bytes))
+    body = image_body("data:image/png;base64," + _spaced(encoded, every).decode())
+    answer = await lab.post(body)
+    stats = await lab.stats()
+    return outcome(
+        answer,
+        f"{len(encoded) / 1e6:.1f} MB base64, space every {every} char(s), {len(body) / 1e6:.1f} MB body",
+        f"encoder got {stats.get('encode_bytes', 0) / 1e6:.1f} MB",
+    )
+
+
+async def base64_spaces(lab: Lab) -> Outcome:
+    return await _base64_spaces(lab, 11_000_000, 1)
+
+
+async def base64_spaces_4(lab: Lab) -> Outcome:
+    return await _base64_spaces(lab, 16_500_000, 4)
+
+
+async def _reader_that_never_reads(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # so the gateway's writes back up early
+    sock.setblocking(False)
+    try:
+        await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port)), 5)
+    except BaseException:
+        sock.close()
+        raise
+    return await asyncio.open_connection(sock=sock, limit=4096)
+
+
+async def slow_reader(lab: Lab, clients: int = 50, hold_s: float = 5.0) -> Outcome:
+    body = orjson.dumps(chat("chat", "tell me a long story", stream=True))
+    head = request_head(lab.port, len(body))
+    writers: list[asyncio.StreamWriter] = []
+    async with lab.hostile():
+        started = time.perf_counter()
+        try:
+            pairs = [await _reader_that_never_reads(lab.port) for _ in range(clients)]
+            writers = [w for _, w in pairs]
+            for w in writers:
+                w.write(head + body)
+
+            async def status_line(reader: asyncio.StreamReader) -> tuple[int | None, float]:
+                with contextlib.suppress(TimeoutError, ConnectionError):
+                    line = await asyncio.wait_for(reader.readline(), hold_s)
+                    return _status(line), time.perf_counter() - started
+                return None, time.perf_counter() - started
+
+            answers = await asyncio.gather(*(status_line(r) for r, _ in pairs))
+            await asyncio.sleep(max(0.0, started + hold_s - time.perf_counter()))
+            held = await lab.stats()
+        finally:
+            for w in writers:
+                w.close()
+        await asyncio.sleep(1.0)
+        after = await lab.stats()
+    statuses = Counter(str(s or "-") for s, _ in answers)
+    return Outcome(
+        ", ".join(f"{s} x{n}" for s, n in statuses.most_common()),
+        max(t for _, t in answers),
+        f"{clients} clients that never read: upstream streams open at {hold_s:g} s: "
+        f"{held.get('open_streams', 0)}/{held.get('chat_requests', 0)} ({held.get('finished_streams', 0)} finished), "
+        f"1 s after the clients closed: {after.get('open_streams', 0)}; the upstream wrote "
+        f"{held.get('streamed_bytes', 0) / 1e6:.0f} MB by {hold_s:g} s (answer s: the slowest status line)",
+    )
+
+
+async def body_trickle(lab: Lab) -> Outcome:
+    body = orjson.dumps(chat("chat", "x" * 1000))[:1000]
+    head = request_head(lab.port, 1000)
+    async with lab.hostile():
+        answer = await exchange(lab.port, head, body, timeout_s=lab.trickle_s, pace_s=1.0)
+    return outcome(answer, "Content-Length 1000, 1 byte/s")
+
+
+async def corrupt_gzip(lab: Lab) -> Outcome:
+    return outcome(await lab.post(b"this is not gzip at all" * 10, extra=("Content-Encoding: gzip",)))
+
+
+async def absolute_form(lab: Lab) -> Outcome:
+    body = orjson.dumps(chat("chat", "hi"))
+    answer = await lab.post(body, target="http://x/v1/chat/completions")
+    stats = await lab.stats()
+    return outcome(answer, f"upstream requests {stats.get('chat_requests', 0)}")
+
+
+async def expect_100(lab: Lab) -> Outcome:
+    length = MAX_BODY_BYTES + (8 << 20)
+    head = request_head(lab.port, length, extra=("Expect: 100-continue",))
+    async with lab.hostile():
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", lab.port), 5)
+        started = time.perf_counter()
+        try:
+            writer.write(head)
+            first = await asyncio.wait_for(reader.readline(), 5)
+            seconds = time.perf_counter() - started
+            status = _status(first)
+            then = ""
+            if status == 100:  # a client would now send 40 MiB; what comes without it?
+                await asyncio.wait_for(reader.readline(), 2)  # the blank line after the interim answer
+                try:
+                    final = await asyncio.wait_for(reader.readline(), 2)
+                    then = f"then {_status(final)} without a body byte sent"
+                except TimeoutError:
+                    then = "then nothing in 2 s: the gateway waits for the body"
+        except (TimeoutError, ConnectionError) as exc:
+            return Outcome("-", None, f"no first answer: {type(exc).__name__}")
+        finally:
+            writer.close()
+    notes = f"Content-Length {length:,} > max_body_bytes; first answer {status}"
+    return Outcome(str(status), seconds, f"{notes}; {then}" if then else notes)
+
+
+async def bigint(lab: Lab) -> Outcome:
+    body = b'{"model":"chat","seed":' + BIGINT + b',"messages":[{"role":"user","content":"hi"}]}'
+    answer = await lab.post(body)
+    received = await lab.last_body()
+    if not received:
+        return outcome(answer, "nothing reached the upstream")
+    seed = json.loads(received).get("seed")  # the stdlib keeps big integers exact
+    exact = BIGINT in received
+    return outcome(answer, f"upstream got seed={seed!r}", "exact" if exact else "NOT exact")
+
+
+async def deep_nesting(lab: Lab) -> Outcome:
+    body = orjson.dumps(chat("chat", "hi"))[:-1] + b',"extra":' + b"[" * 300 + b"]" * 300 + b"}"
+    answer = await lab.post(body)
+    stats = await lab.stats()
+    return outcome(answer, "300 levels", f"upstream requests {stats.get('chat_requests', 0)}")
+
+
+SCENARIOS: dict[str, Callable[[Lab], Awaitable[Outcome]]] = {
+    "amplification": amplification,
+    "part-count": part_count,
+    "percent-data-url": percent_data_url,
+    "base64-spaces": base64_spaces,
+    "base64-spaces-4": base64_spaces_4,
+    "slow-reader": slow_reader,
+    "body-trickle": body_trickle,
+    "corrupt-gzip": corrupt_gzip,
+    "absolute-form": absolute_form,
+    "expect-100": expect_100,
+    "bigint": bigint,
+    "deep-nesting": deep_nesting,
+}
+
+
+# --- running ---------------------------------------------------------------------------------
+
+
+async def run_scenario(name: str, tree: Path, tmp: Path, fakes: str, args: argparse.Namespace) -> Row:
+    port = free_port()
+    config = tmp / f"routing-{name}.yaml"
+    config.write_text(routing_yaml(port, fakes, args.server))
+    log = tmp / f"gateway-{name}.log"
+    command = ["-m", "gateway", "serve", "--config", str(config), "--port", str(port), "--log-level", "warning"]
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
+        running(command, tree, log, f"http://127.0.0.1:{port}/healthz") as proc,
+    ):
+        async with session.post(f"{fakes}/_reset") as resp:
+            resp.raise_for_status()
+        lab = Lab(port, proc.pid, fakes, session, args.trickle_s)
+        try:
+            async with asyncio.timeout(SCENARIO_LIMIT_S):
+                result = await SCENARIOS[name](lab)
+        except TimeoutError:
+            result = Outcome("-", None, f"scenario did not finish in {SCENARIO_LIMIT_S:g} s")
+        if proc.returncode is not None:
+            result.notes += f"; GATEWAY EXITED ({proc.returncode}): {log.read_text()[-300:]!r}"
+        upstream = (await lab.stats()).get("chat_bytes", 0)
+    return Row(
+        name,
+        result.status,
+        None if result.seconds is None else round(result.seconds, 3),
+        None if lab.stall_s is None else round(lab.stall_s * 1000, 1),
+        None if lab.peak_growth_kb is None else round(lab.peak_growth_kb / 1024, 1),
+        upstream,
+        result.notes,
+    )
+
+
+def print_table(rows: list[Row]) -> None:
+    print("| scenario | status | answer s | max /healthz ms | peak RSS +MB | upstream bytes | notes |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        cells = [
+            r.scenario,
+            r.status,
+            "-" if r.answer_s is None else f"{r.answer_s:.2f}",
+            "-" if r.max_healthz_ms is None else f"{r.max_healthz_ms:,.0f}",
+            "-" if r.peak_rss_growth_mb is None else f"{r.peak_rss_growth_mb:,.1f}",
+            "-" if r.upstream_bytes is None else f"{r.upstream_bytes:,}",
+            r.notes.replace("|", "/"),
+        ]
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
+async def main(args: argparse.Namespace) -> None:
+    names = args.only or list(SCENARIOS)
+    with tempfile.TemporaryDirectory(prefix="hostile-") as tmp_name:
+        tmp = Path(tmp_name)
+        tree = source_tree(args.rev, tmp / "src") if args.rev else REPO
+        fakes_port = free_port()
+        fakes = f"http://127.0.0.1:{fakes_port}"
+        fakes_command = ["-m", "bench.hostile", "--fakes", str(fakes_port)]
+        rows: list[Row] = []
+        started = time.monotonic()
+        async with running(fakes_command, REPO, tmp / "fakes.log", f"{fakes}/health"):
+            for name in names:
+                try:
+                    rows.append(await run_scenario(name, tree, tmp, fakes, args))
+                except RuntimeError as exc:  # the gateway did not start (e.g. it refused the config)
+                    rows.append(Row(name, "-", None, None, None, None, f"not measured: {exc}"))
+                print(f"  {name}: done", file=sys.stderr, flush=True)
+    print(f"\ngateway: {args.rev or 'working tree'}; {time.monotonic() - started:.0f} s in all\n")
+    print_table(rows)
+    if args.json:
+        meta = {"gateway": args.rev or "working tree", "server_extra": args.server, "python": sys.version.split()[0]}
+        Path(args.json).write_bytes(
+            orjson.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, option=orjson.OPT_INDENT_2)
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", action="append", choices=list(SCENARIOS), metavar="NAME",
+                        help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}")  # fmt: skip
+    parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON")
+    parser.add_argument("--rev", help="run the gateway as committed at this git revision (default: working tree)")
+    parser.add_argument("--server", action="append", default=[], metavar="KEY=VALUE",
+                        help="an extra routing.yaml server key (repeatable)")  # fmt: skip
+    parser.add_argument("--trickle-s", type=float, default=20.0, help="how long body-trickle waits (default 20)")
+    parser.add_argument("--fakes", type=int, help=argparse.SUPPRESS)  # internal: serve the stand-ins on this port
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.fakes is not None:
+        web.run_app(Fakes().app(), host="127.0.0.1", port=arguments.fakes, print=None, access_log=None)
+    else:
+        asyncio.run(main(arguments))
