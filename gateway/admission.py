@@ -133,10 +133,7 @@ def lookup(config: GatewayConfig, body: Mapping[str, Any]) -> ModelConfig:
 
 def admit(config: GatewayConfig, body: Mapping[str, Any]) -> RoutePlan:
     requested = lookup(config, body)
-    server = config.server
-    classification = classify(
-        body, model=requested.name, max_messages=server.max_messages, max_parts=server.max_content_parts
-    )
+    classification = classify(body, model=requested.name, bounds=config.server.content_bounds)
     present = classification.present
     model = requested
     redirects: list[Redirect] = []

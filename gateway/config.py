@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from .errors import ConfigError, ConfigProblem
-from .modality import DEFAULT_MAX_MESSAGES, DEFAULT_MAX_PARTS, MODALITY_NAMES, Modality
+from .modality import DEFAULT_BOUNDS, MODALITY_NAMES, ContentBounds, Modality
 
 SUPPORTED_VERSION = 1
 ENCODABLE = (Modality.IMAGE,)
@@ -51,6 +51,7 @@ SERVER_KEYS = (
     "max_json_depth",
     "max_messages",
     "max_content_parts",
+    "max_text_chars",
     "max_upstream_body_bytes",
 )
 MEDIA_KEYS = ("allow_domains", "allow_private_networks", "fetch_timeout_s", "max_image_bytes")
@@ -96,9 +97,14 @@ class ServerConfig:
     client_idle_timeout_s: float = 75.0  # idle keep-alive, and headers that trickle in; > the LB's idle timeout
     max_json_values: int = 262_144  # counted before parsing: every ',' '[' '{' byte of the body
     max_json_depth: int = 128  # nested arrays and objects (orjson writes at most 254)
-    max_messages: int = DEFAULT_MAX_MESSAGES
-    max_content_parts: int = DEFAULT_MAX_PARTS  # over all messages
+    max_messages: int = DEFAULT_BOUNDS.messages
+    max_content_parts: int = DEFAULT_BOUNDS.parts  # over all messages
+    max_text_chars: int = DEFAULT_BOUNDS.text_chars  # one text part or string content
     max_upstream_body_bytes: int = 512 * 1024 * 1024  # a body grown by image_embeds, as sent upstream
+
+    @property
+    def content_bounds(self) -> ContentBounds:
+        return ContentBounds(self.max_messages, self.max_content_parts, self.max_text_chars)
 
 
 @dataclass(frozen=True, slots=True)
@@ -493,6 +499,7 @@ class _Parser:
             max_json_depth=self.integer(*get("max_json_depth"), minimum=4, maximum=MAX_JSON_DEPTH),
             max_messages=self.integer(*get("max_messages"), minimum=1),
             max_content_parts=self.integer(*get("max_content_parts"), minimum=1),
+            max_text_chars=self.integer(*get("max_text_chars"), minimum=1),
             max_upstream_body_bytes=self.integer(*get("max_upstream_body_bytes"), minimum=1024),
         )
 

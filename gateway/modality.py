@@ -33,9 +33,19 @@ class Modality(StrEnum):
 
 
 MODALITY_NAMES = tuple(m.value for m in Modality)
-# server.max_messages and server.max_content_parts when the caller gives none
-DEFAULT_MAX_MESSAGES = 4096
-DEFAULT_MAX_PARTS = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ContentBounds:
+    """How much content one request may carry (``server.max_messages``, ``max_content_parts``,
+    ``max_text_chars``); checked cheaply, before or while parts are classified."""
+
+    messages: int = 4096
+    parts: int = 8192  # over all messages; a string content counts as one
+    text_chars: int = 8 * 1024 * 1024  # one text: ~2M tokens, past every context window but the largest
+
+
+DEFAULT_BOUNDS = ContentBounds()
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +178,15 @@ PART_TYPES: Mapping[str, tuple[Modality, _Check]] = {
     "audio_embeds": (Modality.AUDIO, _embeds_field("audio_embeds")),
 }
 
+# The text of text parts, bounded by server.max_text_chars (prompt_embeds are embeddings, not text).
+TEXT_FIELDS: Mapping[str, str] = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+
 # Keys that identify a part sent without "type" (vLLM accepts these, its URLs also as bare strings).
 UNTYPED_MEDIA_KEYS = ("image_url", "image_embeds", "video_url", "input_audio", "audio_url", "audio_embeds")
 _UNTYPED_CHECKS: Mapping[str, _Check] = {
@@ -176,23 +195,18 @@ _UNTYPED_CHECKS: Mapping[str, _Check] = {
 }
 
 
-def classify(
-    body: Mapping[str, Any],
-    *,
-    model: str,
-    max_messages: int = DEFAULT_MAX_MESSAGES,
-    max_parts: int = DEFAULT_MAX_PARTS,
-) -> Classification:
+def classify(body: Mapping[str, Any], *, model: str, bounds: ContentBounds = DEFAULT_BOUNDS) -> Classification:
     """Classify every content part of every message of a chat completions body.
 
     ``model`` only labels the rejection that a malformed part is counted as. The numbers of
     messages and parts are bounded before any part is looked at (cheaply: one ``len`` a message).
-    Raises InvalidRequestError for a malformed ``messages`` and InvalidContentPartError for a part.
+    Raises InvalidRequestError for a malformed or oversized ``messages`` and InvalidContentPartError
+    for a part.
     """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("'messages' must be a non-empty array of message objects", param="messages")
-    _check_counts(messages, max_messages, max_parts)
+    _check_counts(messages, bounds)
     audio_in_video = _audio_in_video(body)
     parts: list[Part] = []
     for i, message in enumerate(messages):
@@ -204,9 +218,12 @@ def classify(
         if content is None:
             continue
         if isinstance(content, str):
+            _check_text(content, f"messages[{i}].content", bounds.text_chars)
             parts.append(Part(i, None, "string", (Modality.TEXT,)))
         elif isinstance(content, list):
-            parts.extend(_classify_part(i, j, p, audio_in_video, model) for j, p in enumerate(content))
+            parts.extend(
+                _classify_part(i, j, p, audio_in_video, model, bounds.text_chars) for j, p in enumerate(content)
+            )
         else:
             raise InvalidContentPartError(
                 f"messages[{i}].content must be a string, an array of content parts, or null",
@@ -220,22 +237,30 @@ def classify(
     return Classification(tuple(parts), counts, audio_in_video)
 
 
-def _check_counts(messages: list[Any], max_messages: int, max_parts: int) -> None:
-    if len(messages) > max_messages:
+def _check_counts(messages: list[Any], bounds: ContentBounds) -> None:
+    if len(messages) > bounds.messages:
         raise InvalidRequestError(
-            f"Request has {len(messages)} messages, over the limit of {max_messages} (server.max_messages)",
+            f"Request has {len(messages)} messages, over the limit of {bounds.messages} (server.max_messages)",
             param="messages",
         )
     total = 0
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         total += len(content) if isinstance(content, list) else 1
-        if total > max_parts:
+        if total > bounds.parts:
             raise InvalidRequestError(
-                f"Request has more than {max_parts} content parts in all (server.max_content_parts); "
+                f"Request has more than {bounds.parts} content parts in all (server.max_content_parts); "
                 f"the limit is passed in messages[{i}]",
                 param=f"messages[{i}].content",
             )
+
+
+def _check_text(text: str, location: str, limit: int) -> None:
+    if len(text) > limit:
+        raise InvalidRequestError(
+            f"{location} is a text of {len(text)} characters, over the limit of {limit} (server.max_text_chars)",
+            param=location,
+        )
 
 
 def _audio_in_video(body: Mapping[str, Any]) -> bool:
@@ -243,7 +268,7 @@ def _audio_in_video(body: Mapping[str, Any]) -> bool:
     return isinstance(kwargs, dict) and kwargs.get("use_audio_in_video") is True
 
 
-def _classify_part(i: int, j: int, part: object, audio_in_video: bool, model: str) -> Part:
+def _classify_part(i: int, j: int, part: object, audio_in_video: bool, model: str, max_text: int) -> Part:
     location = f"messages[{i}].content[{j}]"
 
     def invalid(message: str, modality: str = "unknown") -> InvalidContentPartError:
@@ -252,6 +277,7 @@ def _classify_part(i: int, j: int, part: object, audio_in_video: bool, model: st
         )
 
     if isinstance(part, str):
+        _check_text(part, location, max_text)
         return Part(i, j, "string", (Modality.TEXT,))
     if not isinstance(part, dict):
         raise invalid("a content part must be an object or a string")
@@ -274,6 +300,8 @@ def _classify_part(i: int, j: int, part: object, audio_in_video: bool, model: st
     problem = check(part)
     if problem is not None:
         raise invalid(f"malformed '{part_type}' part: {problem}", modality.value)
+    if (field := TEXT_FIELDS.get(part_type)) is not None:
+        _check_text(part[field], location, max_text)
     if modality is Modality.VIDEO and audio_in_video:
         return Part(i, j, part_type, (Modality.VIDEO, Modality.AUDIO))
     return Part(i, j, part_type, (modality,))

@@ -24,7 +24,7 @@ SERVER_KEYS = (
     "(expected one of: host, port, max_body_bytes, admin_token_env, reload_interval_s, "
     "upstream_connect_timeout_s, upstream_read_timeout_s, upstream_cooldown_s, upstream_stream_idle_timeout_s, "
     "client_body_timeout_s, client_write_timeout_s, client_idle_timeout_s, max_json_values, max_json_depth, "
-    "max_messages, max_content_parts, max_upstream_body_bytes)"
+    "max_messages, max_content_parts, max_text_chars, max_upstream_body_bytes)"
 )
 MODEL_KEYS = (
     "(expected one of: name, upstreams, upstream_model, accepts, limits, encode, on_encoder_error, on_unsupported)"

@@ -229,9 +229,13 @@ async def test_ten_million_parts_are_refused_fast_without_stalling_the_loop(gate
         ("{max_content_parts: 100}", ["hi"] * 101, 1, "messages[0].content"),
         ("{max_content_parts: 100}", ["hi"] * 60, 2, "messages[1].content"),
         ("{max_messages: 10}", "hi", 11, "messages"),
+        ("{max_text_chars: 100}", "x" * 101, 1, "messages[0].content"),
+        ("{max_text_chars: 100}", ["short", "x" * 101], 1, "messages[0].content[1]"),
+        ("{max_text_chars: 100}", [{"type": "text", "text": "x" * 101}], 1, "messages[0].content[0]"),
+        ("{max_text_chars: 100}", [{"type": "refusal", "refusal": "x" * 101}], 1, "messages[0].content[0]"),
     ],
 )
-async def test_message_and_part_counts_are_bounded(gateway_factory, upstream, server, content, messages, param):
+async def test_message_part_and_text_sizes_are_bounded(gateway_factory, upstream, server, content, messages, param):
     gw = await gateway_factory(
         routing(f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}", server=server)
     )

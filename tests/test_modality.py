@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidContentPartError, InvalidRequestError, Rejection
-from gateway.modality import PART_TYPES, UNTYPED_MEDIA_KEYS, Classification, Modality, Part, classify
+from gateway.modality import PART_TYPES, UNTYPED_MEDIA_KEYS, Classification, ContentBounds, Modality, Part, classify
 
 TEXT, IMAGE, VIDEO, AUDIO = Modality.TEXT, Modality.IMAGE, Modality.VIDEO, Modality.AUDIO
 
@@ -498,3 +498,55 @@ def test_bad_message_after_good_parts_is_reported() -> None:
     with pytest.raises(InvalidRequestError) as info:
         classify(request_body, model="m")
     assert info.value.param == "messages[2].role"
+
+
+# --- bounds -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_body", "bounds", "param", "message"),
+    [
+        (
+            body(*[user("hi")] * 3),
+            ContentBounds(messages=2),
+            "messages",
+            "Request has 3 messages, over the limit of 2 (server.max_messages)",
+        ),
+        (
+            body(user("a", "b"), user("c", "d")),
+            ContentBounds(parts=3),
+            "messages[1].content",
+            "Request has more than 3 content parts in all (server.max_content_parts); "
+            "the limit is passed in messages[1]",
+        ),
+        (
+            body({"role": "user", "content": "abcd"}, {"role": "user", "content": "x"}, user("y", "z")),
+            ContentBounds(parts=3),
+            "messages[2].content",
+            "Request has more than 3 content parts in all (server.max_content_parts); "
+            "the limit is passed in messages[2]",
+        ),
+        (
+            body(user({"type": "input_text", "text": "abcd"})),
+            ContentBounds(text_chars=3),
+            "messages[0].content[0]",
+            "messages[0].content[0] is a text of 4 characters, over the limit of 3 (server.max_text_chars)",
+        ),
+    ],
+)
+def test_bounds_are_checked_with_the_param_that_passes_them(request_body, bounds, param, message) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        classify(request_body, model="m", bounds=bounds)
+    assert (info.value.param, info.value.message) == (param, message)
+
+
+def test_parts_are_counted_before_any_is_classified() -> None:
+    # the bad part comes first, but the count is over: the count is what is reported
+    request_body = body(user({"type": "bogus"}, *["x"] * 10))
+    with pytest.raises(InvalidRequestError, match=r"server\.max_content_parts"):
+        classify(request_body, model="m", bounds=ContentBounds(parts=10))
+
+
+def test_embeddings_are_not_texts() -> None:
+    part = {"type": "prompt_embeds", "data": "A" * 100}
+    assert classify(body(user(part)), model="m", bounds=ContentBounds(text_chars=10)).parts[0].type == "prompt_embeds"
