@@ -17,14 +17,14 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass
 
-# 4096x4096 is above what any of our towers keeps (Qwen2.5-VL's processor downsizes to 12.8 MP at
-# most, SigLIP/CLIP to well under 1 MP) and above a 12 MP phone photo or a 4K frame. Pillow keeps
-# RGB and RGBA alike in 4 bytes a pixel, and decoding holds two copies at most (the decoded image,
-# and its RGB conversion or EXIF rotation): 128 MiB at this cap. The old cap, 50 MP, let one
-# 200 KB PNG cost 760 MB.
-MAX_PIXELS = 4096 * 4096
+# 32 MP (2**25) takes what phones and cameras save by default (24 MP iPhones, 6000x4000 cameras),
+# far above what any of our towers keeps (Qwen2.5-VL's processor downsizes to 12.8 MP at most,
+# SigLIP/CLIP to well under 1 MP). Pillow keeps RGB and RGBA alike in 4 bytes a pixel, and decoding
+# holds two copies at most (the decoded image, and its RGB conversion or EXIF rotation): 256 MiB at
+# this cap. The old cap, 50 MP, let one 200 KB PNG cost 760 MB.
+MAX_PIXELS = 1 << 25
 MAX_ASPECT_RATIO = 200.0  # Qwen2-VL's smart_resize refuses more; no photo or screenshot comes near it
-DECODE_BUDGET_PIXELS = 4 * MAX_PIXELS  # four images at the cap at once: about 0.5 GB at worst
+DECODE_BUDGET_PIXELS = 1 << 26  # two images at the cap, or many ordinary ones: about 0.5 GB at worst
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +68,8 @@ class PixelBudget:
             if entry[1].done() and not entry[1].cancelled():  # granted, but its owner is gone
                 self.release(pixels)
             else:
-                self._waiters.remove(entry)
+                if entry in self._waiters:  # _grant may have dropped it already
+                    self._waiters.remove(entry)
                 self._grant()  # a waiter that left the head may have been all that blocked the next
             raise
 
@@ -80,7 +81,13 @@ class PixelBudget:
         return self.in_flight == 0 or self.in_flight + pixels <= self.limit
 
     def _grant(self) -> None:
-        while self._waiters and self._fits(self._waiters[0][0]):
-            pixels, future = self._waiters.popleft()
+        while self._waiters:
+            pixels, future = self._waiters[0]
+            if future.done():  # cancelled, and its task has not run yet to leave the queue
+                self._waiters.popleft()
+                continue
+            if not self._fits(pixels):
+                return
+            self._waiters.popleft()
             self.in_flight += pixels
             future.set_result(None)

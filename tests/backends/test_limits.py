@@ -75,3 +75,18 @@ async def test_a_waiter_cancelled_just_as_it_is_granted_gives_its_room_back() ->
     with pytest.raises(asyncio.CancelledError):
         await granted
     assert budget.in_flight == 0
+
+
+async def test_a_waiter_cancelled_just_before_a_release_is_skipped() -> None:
+    budget = PixelBudget(100)
+    await budget.acquire(100)
+    cancelled = await started(budget, 70)
+    behind = await started(budget, 20)
+    cancelled.cancel()  # its future is cancelled at once; its task runs later
+    budget.release(100)  # in the same turn: the cancelled waiter must be skipped, not granted
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await behind
+    assert budget.in_flight == 20 and budget.waiting == 0
+    budget.release(20)
+    assert budget.in_flight == 0

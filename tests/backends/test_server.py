@@ -101,8 +101,8 @@ async def test_images_over_the_pixel_cap_are_refused_before_decoding(backend_fac
 @pytest.mark.parametrize(
     ("image", "options", "message"),
     [
-        (RGBA_BOMB, {}, "image is 7071x7071 = 49999041 pixels, over the cap of 16777216"),
-        (SLIVER, {}, "image is 1x40000000 = 40000000 pixels, over the cap of 16777216"),
+        (RGBA_BOMB, {}, "image is 7071x7071 = 49999041 pixels, over the cap of 33554432"),
+        (SLIVER, {}, "image is 1x40000000 = 40000000 pixels, over the cap of 33554432"),
         (SLIVER, {"max_pixels": 50_000_000}, "image is 1x40000000, an aspect ratio over the cap of 200"),
     ],
     ids=["rgba bomb", "sliver", "sliver under the pixel cap"],
@@ -138,7 +138,7 @@ async def test_health_runs_a_real_encode_and_says_the_weights_are_demo(backend_f
     assert health["demo_weights"] is True and "random demo weights" in health["note"]
     assert health["check"].startswith("encoded a 32x32 image to 196x384")
     assert health["device"] == "cpu" and health["model"] == "builtin:vit-small"
-    assert health["decode"] == {"pixels": 0, "budget_pixels": 4 * 4096 * 4096, "waiting": 0}
+    assert health["decode"] == {"pixels": 0, "budget_pixels": 1 << 26, "waiting": 0}
 
 
 async def test_metrics_endpoint_exposes_the_contract_names(backend_factory) -> None:
