@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -21,6 +23,11 @@ from .state import SERVICES_KEY, Services
 from .supervisor import Supervisor
 from .upstream import Replicas, UpstreamClient
 
+# How the gateway must be served (web.run_app, AppRunner, TestServer): a client that leaves cancels
+# its handler, which closes the upstream request; bodies come as sent, Content-Encoding decoded by
+# gateway.body within the gateway's limits.
+SERVER_OPTIONS: Mapping[str, Any] = MappingProxyType({"handler_cancellation": True, "auto_decompress": False})
+
 
 def create_app(
     config: GatewayConfig,
@@ -30,8 +37,10 @@ def create_app(
     watch: bool = True,
     encoder_command: Sequence[str] | None = None,
 ) -> web.Application:
-    """Build the gateway. ``config_path`` enables reloads (``watch`` also polls the file for edits);
-    ``encoder_command`` replaces the local encoder backend's command line (tests)."""
+    """Build the gateway, to be served with :data:`SERVER_OPTIONS`.
+
+    ``config_path`` enables reloads (``watch`` also polls the file for edits); ``encoder_command``
+    replaces the local encoder backend's command line (tests)."""
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry)
     store = ConfigStore(config, metrics=metrics, path=config_path)

@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from .admission import admit
-from .app import create_app
+from .app import SERVER_OPTIONS, create_app
 from .config import GatewayConfig, load_config
 from .errors import ConfigError, GatewayError
 from .state import SERVICES_KEY
@@ -119,10 +119,10 @@ def _serve(args: argparse.Namespace) -> int:
         app,
         host=host,
         port=port,
-        handler_cancellation=True,
         keepalive_timeout=config.server.client_idle_timeout_s,  # also bounds headers that trickle in
         print=None,
         access_log_format=ACCESS_LOG,
+        **SERVER_OPTIONS,
     )
     return 0
 

@@ -85,12 +85,13 @@ class ServerConfig:
     admin_token_env: str = "GATEWAY_ADMIN_TOKEN"
     reload_interval_s: float = 2.0  # 0 turns off watching routing.yaml
     upstream_connect_timeout_s: float = 5.0
-    # Longest silence between two bytes of a response. A non-streamed reply comes only when the
-    # whole generation is done, so this must exceed the longest generation; streams are bounded
-    # by the shorter upstream_stream_idle_timeout_s.
-    upstream_read_timeout_s: float = 300.0
+    # Longest silence of a replica. A non-streamed reply comes only when the whole generation is
+    # done (and a stream's first chunk after queueing and prefill), so this must exceed the longest
+    # generation: the OpenAI SDK's own default. Streams are also bounded by the shorter idle timeout.
+    upstream_read_timeout_s: float = 600.0
     upstream_cooldown_s: float = 5.0  # how long a replica that refused a connection is skipped
-    upstream_stream_idle_timeout_s: float = 60.0  # "stream": true: an engine silent this long is hung
+    # "stream": true: headers (engines send them at once) and the gaps between chunks
+    upstream_stream_idle_timeout_s: float = 60.0
     # What one client may cost (docs/security.md says why each default is what it is).
     client_body_timeout_s: float = 60.0  # the whole body must arrive within this
     client_write_timeout_s: float = 60.0  # a client that takes no bytes for this long is dropped

@@ -17,6 +17,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     ├── MethodNotAllowedError             405 invalid_request_error method_not_allowed
     ├── RequestTimeoutError               408 invalid_request_error request_timeout
     ├── PayloadTooLargeError              413 invalid_request_error payload_too_large
+    ├── UnsupportedEncodingError          415 invalid_request_error unsupported_content_encoding
     ├── InvalidConfigError                422 invalid_request_error invalid_config
     ├── UpstreamError                     502 server_error          upstream_error
     │   ├── UpstreamConnectError          502                       upstream_unreachable
@@ -147,6 +148,15 @@ class PayloadTooLargeError(GatewayError):
     type = "invalid_request_error"
     code = "payload_too_large"
     closes_connection = True  # the rest of the body is not read
+
+
+class UnsupportedEncodingError(GatewayError):
+    """A Content-Encoding the gateway does not decode; the body is not read."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_content_encoding"
+    closes_connection = True
 
 
 class InvalidConfigError(GatewayError):

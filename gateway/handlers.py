@@ -46,7 +46,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if plan.encode_parts:
         replacements = await _encode(request, services, plan, body)
         headers["X-Gateway-Encoded"] = str(len(replacements))
-        _check_grown_size(config, raw, replacements)
+        if replacements:
+            _check_grown_size(config, raw, replacements)
     if replacements or plan.needs_rewrite(body):
         data = rewrite(plan, exact(raw, body), replacements)
     else:
@@ -192,10 +193,12 @@ async def _forward(
         **(extra_headers or {}),
     }
     server = config.server
-    read_timeout = server.upstream_read_timeout_s
-    if stream:
-        read_timeout = min(read_timeout, server.upstream_stream_idle_timeout_s)
-    timeouts = Timeouts(server.upstream_connect_timeout_s, read_timeout, server.client_write_timeout_s)
+    timeouts = Timeouts(
+        server.upstream_connect_timeout_s,
+        server.upstream_read_timeout_s,
+        server.client_write_timeout_s,
+        server.upstream_stream_idle_timeout_s if stream else None,
+    )
     return await services.upstream.forward(request, model, data, timeouts=timeouts, gateway_headers=headers)
 
 

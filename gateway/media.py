@@ -218,22 +218,22 @@ def decode_data_url(url: str, *, max_bytes: int) -> bytes:
 
 
 def _decode_base64(url: str, start: int, max_bytes: int) -> bytes:
-    if not url.isascii():
+    if not url.isascii() and not url[start:].isascii():  # the header may name a file 'é.png'
         raise InvalidImageError("Image data URL is not valid base64")
     whole, offset = _encoded(url, start)
-    encoded = memoryview(whole)[offset:]  # a view: no copy
+    size = len(whole) - offset
     # line breaks are allowed: what counts is the length without them, and decoding can't be cheaper
-    if len(encoded) // 4 * 3 > max_bytes + 2 and _length_without_whitespace(whole, offset) // 4 * 3 > max_bytes + 2:
+    if size // 4 * 3 > max_bytes + 2 and _length_without_whitespace(whole, offset) // 4 * 3 > max_bytes + 2:
         raise _too_large(max_bytes)
     try:
-        return _b64decode(encoded)
+        return _b64decode(whole, offset)
     except binascii.Error:
         pass
     stripped = _without_whitespace(whole, offset)
     try:
-        if len(stripped) == len(encoded):  # no whitespace: the error was real
+        if len(stripped) == size:  # no whitespace: the error was real
             raise binascii.Error
-        return _b64decode(stripped)
+        return _b64decode(stripped, 0)
     except binascii.Error:
         raise InvalidImageError("Image data URL is not valid base64") from None
 
@@ -247,12 +247,18 @@ def _without_whitespace(whole: bytes, offset: int) -> bytes:
     return b"".join(whole[i : i + _SLICE_CHARS].translate(None, _WHITESPACE) for i in _slices(whole, offset))
 
 
-def _slices(whole: bytes | memoryview, offset: int) -> range:
+def _slices(whole: bytes, offset: int) -> range:
     return range(offset, len(whole), _SLICE_CHARS)
 
 
-def _b64decode(encoded: bytes | memoryview) -> bytes:
-    return b"".join(base64.b64decode(encoded[i : i + _SLICE_CHARS], validate=True) for i in _slices(encoded, 0))
+def _b64decode(data: bytes, start: int) -> bytes:
+    """Strict base64 of ``data[start:]``, a slice at a time; padding only at the very end, as one
+    decode of the whole would demand."""
+    padding = data.find(b"=", start)
+    if (len(data) - start) % 4 or (padding != -1 and padding < len(data) - 2):
+        raise binascii.Error("incomplete, or padded before the end")
+    view = memoryview(data)
+    return b"".join(base64.b64decode(view[i : i + _SLICE_CHARS], validate=True) for i in _slices(data, start))
 
 
 def _decode_percent(url: str, start: int, max_bytes: int) -> bytes:
@@ -262,6 +268,8 @@ def _decode_percent(url: str, start: int, max_bytes: int) -> bytes:
     raw, begin = _encoded(url, start)
     if raw.find(b"%", begin) < 0:
         return raw[begin:]
+    if raw.find(b"%%", begin) >= 0:  # never valid, and it would make the slicing below crawl
+        raise InvalidImageError("Image data URL is malformed: '%' must be followed by two hex digits")
     decoded = bytearray()
     while begin < len(raw):
         end = min(begin + _SLICE_CHARS, len(raw))

@@ -18,6 +18,7 @@ from aiohttp.typedefs import Handler
 
 from .body import body_too_large
 from .errors import GatewayError, MethodNotAllowedError, NotFoundError, RequestTimeoutError, clip
+from .metrics import UNKNOWN_MODEL
 from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY
 from .upstream import RelayResponse
 
@@ -91,7 +92,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     """``Expect: 100-continue``: say 413 instead of 100 when the declared body is over the limit,
-    so a client does not send 32 MB to be refused (aiohttp's default handler always says 100)."""
+    so a client does not send 32 MB to be refused (aiohttp's default handler always says 100).
+
+    aiohttp calls this before the middlewares: an error answered here is counted here."""
     if request.version != (1, 1):
         return None
     expect = request.headers.get("Expect", "")
@@ -103,15 +106,18 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the interim response is not the response's body
         return None
+    request[REQUEST_ID_KEY] = _request_id(request)
+    request.app[SERVICES_KEY].metrics.requests.labels(UNKNOWN_MODEL, str(error.status)).inc()
     response = render(error)
-    response.force_close()
-    response.headers[REQUEST_ID] = _request_id(request)
+    await _send_and_close(request, response)  # the client waits for a 100 that will not come
     return response
 
 
 async def _send_and_close(request: web.Request, response: web.Response) -> None:
-    """Answer, then close at once: aiohttp would otherwise linger up to 10 s for the rest of a
-    body that is trickling in (right for a 413, where the client may still be sending quickly)."""
+    """Answer, then close at once, where no more of the body should be waited for: one that
+    trickles in (408), or one whose sender waits for a 100 Continue that was refused. aiohttp would
+    linger up to 10 s for it; that stays right for a plain 413, whose client may still be sending
+    and must get to read the answer."""
     response.headers[REQUEST_ID] = request[REQUEST_ID_KEY]
     try:
         await response.prepare(request)
@@ -133,11 +139,11 @@ def render(error: GatewayError) -> web.Response:
 
 def _from_http_exception(request: web.Request, exc: web.HTTPException) -> GatewayError:
     if isinstance(exc, web.HTTPNotFound):
-        return NotFoundError(f"Unknown endpoint: {request.method} {request.path}")
+        return NotFoundError(f"Unknown endpoint: {request.method} {clip(request.path)}")
     if isinstance(exc, web.HTTPMethodNotAllowed):
         allowed = ", ".join(sorted(exc.allowed_methods))
         return MethodNotAllowedError(
-            f"Method {request.method} is not allowed on {request.path} (allowed: {allowed})",
+            f"Method {request.method} is not allowed on {clip(request.path)} (allowed: {allowed})",
             headers={"Allow": allowed},
         )
     if isinstance(exc, web.HTTPRequestEntityTooLarge):

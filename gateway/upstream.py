@@ -46,7 +46,7 @@ HOP_BY_HOP = frozenset(
     )
 )
 # Request headers the gateway sets itself (or aiohttp computes). aiohttp's server has already
-# decompressed the body, so the client's Content-Encoding no longer describes it.
+# decoded the body (gateway.body), so the client's Content-Encoding no longer describes it.
 _NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding"}
 # Response headers the gateway's own server sets.
 _NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length", "server", "date"}
@@ -59,8 +59,11 @@ KEEPALIVE_TIMEOUT_S = 4.0
 @dataclass(frozen=True, slots=True)
 class Timeouts:
     connect: float  # reaching a replica
-    read: float  # the longest silence of the replica, headers included
+    read: float  # the longest silence of the replica (before a non-streamed reply, before a stream's first chunk)
     client_write: float  # the longest a client may take no bytes before it is dropped
+    # "stream": true: the longest wait for the response headers, and between two chunks once the
+    # first came (the engine sends its headers at once, then queues and prefills); None otherwise
+    stream_idle: float | None = None
 
 
 @dataclass(slots=True)
@@ -118,8 +121,56 @@ class Replicas:
         ]
 
 
-class _ClientStalledError(Exception):
-    """The client took no bytes for ``client_write_timeout_s``."""
+class _Deadlines:
+    """The two deadlines of a relayed response, kept by one timer rather than one per chunk.
+
+    A write that has waited ``client_write`` seconds means a client that stopped reading: its
+    connection is aborted, which ends the handler and so closes the upstream request (the engine
+    stops). An event stream whose engine sent nothing for ``stream_idle`` seconds after a chunk is
+    hung: the upstream read fails with a timeout, which the relay turns into an SSE error event.
+    """
+
+    __slots__ = ("_handle", "_loop", "_request", "_upstream", "client_stalled", "client_write", "stream_idle",
+                 "upstream_idle", "waiting_since", "writing_since")  # fmt: skip
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        *,
+        client_write: float,
+        stream_idle: float | None,
+    ) -> None:
+        self._loop, self._request, self._upstream = loop, request, upstream
+        self.client_write, self.stream_idle = client_write, stream_idle
+        self.writing_since: float | None = None
+        self.waiting_since: float | None = None  # None until the first chunk came
+        self.client_stalled = self.upstream_idle = False
+        self._handle = loop.call_later(min(client_write, stream_idle or client_write), self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        writing, waiting = self.writing_since, self.waiting_since
+        if writing is not None and now - writing >= self.client_write:
+            self.client_stalled = True
+            if self._request.transport is not None:
+                self._request.transport.abort()
+            return
+        if self.stream_idle is not None and writing is None and waiting is not None:
+            if now - waiting >= self.stream_idle:
+                self.upstream_idle = True
+                self._upstream.content.set_exception(aiohttp.ServerTimeoutError("stream idle"))
+                return
+        due = [now + min(self.client_write, self.stream_idle or self.client_write)]
+        if writing is not None:
+            due.append(writing + self.client_write)
+        elif waiting is not None and self.stream_idle is not None:
+            due.append(waiting + self.stream_idle)
+        self._handle = self._loop.call_at(min(due), self._check)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
 
 
 class RelayResponse(web.StreamResponse):
@@ -175,9 +226,10 @@ class UpstreamClient:
                 started = time.perf_counter()
                 try:
                     # BytesIO: aiohttp streams it rather than warning about a large bytes body
-                    upstream = await self._session.post(
-                        replica.url + path, data=io.BytesIO(body), headers=headers, timeout=timeout
-                    )
+                    async with asyncio.timeout(timeouts.stream_idle):
+                        upstream = await self._session.post(
+                            replica.url + path, data=io.BytesIO(body), headers=headers, timeout=timeout
+                        )
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                     # nothing reached the engine: the next replica may take it
                     last_error = _connect_failure(exc)
@@ -187,8 +239,9 @@ class UpstreamClient:
                     continue
                 except (TimeoutError, aiohttp.ServerTimeoutError):
                     self._count(model, replica, "timeout")
+                    waited = timeouts.stream_idle or timeouts.read
                     raise UpstreamTimeoutError(
-                        f"Upstream of model '{model.name}' sent no response within {timeouts.read:g}s"
+                        f"Upstream of model '{model.name}' sent no response within {waited:g}s"
                     ) from None
                 except aiohttp.ClientError as exc:
                     self._count(model, replica, "connect_error")
@@ -229,30 +282,43 @@ class UpstreamClient:
             response.content_length = upstream.content_length
         is_sse = upstream.content_type == "text/event-stream"
         await response.prepare(request)
+        loop = asyncio.get_running_loop()
+        deadlines = _Deadlines(
+            loop,
+            request,
+            upstream,
+            client_write=timeouts.client_write,
+            stream_idle=timeouts.stream_idle if is_sse else None,
+        )
         try:
             async for chunk in upstream.content.iter_any():
-                try:
-                    # a client that stops reading must not hold the engine's stream open forever
-                    async with asyncio.timeout(timeouts.client_write):
-                        await response.write(chunk)
-                except TimeoutError:
-                    raise _ClientStalledError from None
-        except (ConnectionResetError, _ClientStalledError) as exc:  # stop the engine's work by closing upstream
+                deadlines.writing_since = loop.time()
+                await response.write(chunk)
+                deadlines.writing_since = None
+                deadlines.waiting_since = loop.time()
+            deadlines.writing_since = loop.time()
+            await response.write_eof()  # within the deadline too: a full buffer waits here
+        except ConnectionResetError:  # the client left: stop the engine's work by closing upstream
             upstream.close()
             response.client_gone = True
             outcome = "aborted"
-            if isinstance(exc, _ClientStalledError):
-                log.warning("client took no bytes for %gs; dropped (model %s)", timeouts.client_write, model.name)
-                if request.transport is not None:
-                    request.transport.abort()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            outcome = "aborted"
+            outcome = "timeout" if deadlines.upstream_idle else "aborted"
             log.warning("upstream %s of %s broke off mid-response: %r", replica.url, model.name, exc)
             if is_sse and "Content-Encoding" not in upstream.headers:  # an event can't go into a compressed stream
-                error = UpstreamError(f"Upstream of model '{model.name}' broke off the stream")
+                error = (
+                    UpstreamTimeoutError(f"Upstream of model '{model.name}' sent nothing for {timeouts.stream_idle:g}s")
+                    if deadlines.upstream_idle
+                    else UpstreamError(f"Upstream of model '{model.name}' broke off the stream")
+                )
+                deadlines.writing_since = loop.time()
                 await _write_quietly(response, b"data: " + orjson.dumps(error.to_dict()) + b"\n\n")
             elif request.transport is not None:
                 request.transport.close()  # a truncated body must not look complete
+        finally:
+            deadlines.cancel()
+            if deadlines.client_stalled:
+                log.warning("client took no bytes for %gs; dropped (model %s)", timeouts.client_write, model.name)
         self._count(model, replica, outcome)
         return response
 

@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
-from gateway.app import create_app
+from gateway.app import SERVER_OPTIONS, create_app
 from gateway.config import GatewayConfig, parse_config
 from gateway.state import SERVICES_KEY
 from tests.backends.fixtures import backend_factory  # noqa: F401 - a fixture for every test module
@@ -52,8 +52,9 @@ class Gateway:
 
 
 async def _start(app: web.Application) -> TestServer:
-    server = TestServer(app, host="127.0.0.1", port=0, handler_cancellation=True)
-    await server.start_server()
+    """Served as `modality-gateway serve` serves it (TestServer sets handler_cancellation itself)."""
+    server = TestServer(app, host="127.0.0.1", port=0)
+    await server.start_server(**{k: v for k, v in SERVER_OPTIONS.items() if k != "handler_cancellation"})
     return server
 
 

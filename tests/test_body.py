@@ -92,6 +92,29 @@ def test_deeper_nesting_is_a_400_naming_the_field(depth: int) -> None:
         assert info.value.param == "tools"
 
 
+WIDE = ',"pad":[' + ",".join(["[]"] * 5000) + "]"  # enough containers for orjson to measure the nesting
+
+
+@pytest.mark.parametrize(("depth", "deep"), [(127, False), (128, False), (129, True), (254, True)])
+@pytest.mark.parametrize("pad", ["", WIDE], ids=["walked", "measured by orjson"])
+def test_both_ways_of_measuring_nesting_agree(depth: int, deep: bool, pad: str) -> None:
+    raw = chat(f',"x":{nested(depth - 1)}', pad)
+    if deep:
+        with pytest.raises(InvalidRequestError, match="deeper than 128 levels in 'x'"):
+            parse_body(raw, SERVER)
+    else:
+        assert "x" in parse_body(raw, SERVER)
+
+
+@pytest.mark.parametrize("limit", [4, 100, 254])
+def test_the_depth_limit_is_exact_at_any_setting(limit: int) -> None:
+    server = ServerConfig(max_json_depth=limit)
+    for pad in ("", WIDE):
+        assert "x" in parse_body(chat(f',"x":{nested(limit - 1)}', pad), server)
+        with pytest.raises(InvalidRequestError):
+            parse_body(chat(f',"x":{nested(limit)}', pad), server)
+
+
 def test_deep_objects_count_like_deep_arrays() -> None:
     deep = '{"a":' * 130 + "1" + "}" * 130
     with pytest.raises(InvalidRequestError, match="deeper than 128 levels in 'response_format'"):

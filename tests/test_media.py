@@ -404,6 +404,30 @@ async def test_a_stray_percent_is_a_malformed_data_url(data: str) -> None:
     assert error.message == "Image data URL is malformed: '%' must be followed by two hex digits"
 
 
+@pytest.mark.parametrize("slice_chars", [4, 8, 1 << 20])
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ("QUFBQkJC", b"AAABBB"),
+        ("QUFB\nQkJD\nRA==", b"AAABBCD"),
+        ("QQ==QUFB", None),  # two encodings end to end: one strict decode refuses it, slices too
+        ("QUFBQ===", None),
+        ("QUFBQkJC=", None),
+    ],
+)
+def test_base64_decodes_alike_whatever_the_slice_size(monkeypatch, slice_chars, data, expected) -> None:
+    monkeypatch.setattr(media_module, "_SLICE_CHARS", slice_chars)
+    if expected is None:
+        with pytest.raises(InvalidImageError, match="not valid base64"):
+            decode_data_url(f"data:;base64,{data}", max_bytes=1 << 20)
+    else:
+        assert decode_data_url(f"data:;base64,{data}", max_bytes=1 << 20) == expected
+
+
+def test_a_header_that_is_not_ascii_does_not_make_the_base64_invalid() -> None:
+    assert decode_data_url(f"data:image/png;name=caf\u00e9.png;base64,{PNG_B64}", max_bytes=1 << 20) == PNG
+
+
 @contextmanager
 def traced() -> Iterator[list[int]]:
     """Python allocations while the block runs: [peak bytes] once it ends."""
