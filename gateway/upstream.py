@@ -45,8 +45,8 @@ HOP_BY_HOP = frozenset(
         "Upgrade",
     )
 )
-# Request headers the gateway sets itself (or aiohttp computes). aiohttp's server has already
-# decoded the body (gateway.body), so the client's Content-Encoding no longer describes it.
+# Request headers the gateway sets itself (or aiohttp computes). The gateway has decoded the body
+# (gateway.body), so the client's Content-Encoding no longer describes it.
 _NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding"}
 # Response headers the gateway's own server sets.
 _NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length", "server", "date"}
