@@ -41,6 +41,9 @@ _INT_RANGE = float(2**63)
 WALK_CONTAINERS = 4096  # a body with more '[' and '{' bytes has its nesting measured by orjson, in C
 YIELD_BYTES = 1 << 20
 DECODE_IN_THREAD_BYTES = 1 << 16
+_FEW = 32
+_SLICE_BYTES = 1 << 20
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b",[{")
 # Content-Encoding -> the zlib window bits to try: gzip; deflate as zlib data, then as raw deflate
 _WBITS: dict[str, tuple[int, ...]] = {
     "gzip": (16 + zlib.MAX_WBITS,),
@@ -131,14 +134,47 @@ async def read_json(request: web.Request, server: ServerConfig, *, max_bytes: in
 
 def _count_brackets(raw: bytes, server: ServerConfig) -> int:
     """The '[' and '{' bytes of ``raw``, after refusing a body with too many values."""
-    brackets = raw.count(b"[") + raw.count(b"{")
-    values = raw.count(b",") + brackets
-    if values > server.max_json_values:
+    limit = server.max_json_values
+    values, brackets = _structure(raw, limit)
+    if values > limit:
         raise InvalidRequestError(
-            f"Request body has too many JSON values: it holds {values} ',', '[' and '{{' bytes, over the "
-            f"limit of {server.max_json_values} (server.max_json_values)"
+            f"Request body has more than {limit} JSON values (server.max_json_values; counted before parsing "
+            "as its ',', '[' and '{' bytes)"
         )
     return brackets
+
+
+def _structure(raw: bytes, limit: int) -> tuple[int, int]:
+    """The ',' '[' '{' bytes of ``raw`` in all (counted up to just past ``limit``), and the '[' '{'
+    among them.
+
+    A large body is mostly strings (base64 media, long texts) with few of these: they are found
+    with ``bytes.find`` (memchr: ~12 us a MiB). Past a few dozen, ``translate`` keeps only them,
+    a slice at a time (~0.6 us a KiB; ``bytes.count`` takes ~0.5 us a KiB for each of the three).
+    """
+    found = [_count_few(raw, char) for char in (b",", b"[", b"{")]
+    if None not in found:
+        commas, squares, curlies = found
+        return commas + squares + curlies, squares + curlies  # type: ignore[operator]
+    values = brackets = 0
+    for start in range(0, len(raw), _SLICE_BYTES):
+        kept = raw[start : start + _SLICE_BYTES].translate(None, _NOT_STRUCTURE)
+        values += len(kept)
+        brackets += len(kept) - kept.count(b",")
+        if values > limit:
+            break
+    return values, brackets
+
+
+def _count_few(raw: bytes, char: bytes) -> int | None:
+    """How many ``char`` bytes ``raw`` holds, or None when more than a few."""
+    count, at = 0, raw.find(char)
+    while at != -1:
+        count += 1
+        if count > _FEW:
+            return None
+        at = raw.find(char, at + 1)
+    return count
 
 
 def _parse(raw: bytes, server: ServerConfig, brackets: int) -> dict[str, Any]:

@@ -59,17 +59,17 @@ def test_too_many_values_are_refused_before_parsing_at_little_cost() -> None:
     finally:
         tracemalloc.stop()
     assert info.value.message == (
-        "Request body has too many JSON values: it holds 10000007 ',', '[' and '{' bytes, over the limit of "
-        "262144 (server.max_json_values)"
+        "Request body has more than 262144 JSON values (server.max_json_values; counted before parsing as its "
+        "',', '[' and '{' bytes)"
     )
-    assert peak < 1 << 20  # nothing was built
+    assert peak < 3 << 20  # nothing was built: a slice of the body at a time was looked at
     assert elapsed < 2.0  # three bytes.count scans: ~30 ms here; 16 s before the bound
 
 
 def test_the_value_limit_is_configurable() -> None:
     server = ServerConfig(max_json_values=16)
     parse_body(chat(',"stop":[' + ",".join(['"a"'] * 10) + "]"), server)
-    with pytest.raises(InvalidRequestError, match="holds 20 ',', '\\[' and '\\{' bytes, over the limit of 16"):
+    with pytest.raises(InvalidRequestError, match="more than 16 JSON values"):
         parse_body(chat(',"stop":[' + ",".join(['"a"'] * 14) + "]"), server)
 
 
