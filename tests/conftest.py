@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,6 @@ from prometheus_client import CollectorRegistry
 from gateway.app import SERVER_OPTIONS, create_app
 from gateway.config import GatewayConfig, parse_config
 from gateway.state import SERVICES_KEY
-from tests.backends.fixtures import backend_factory  # noqa: F401 - a fixture for every test module
 from tools.standin import StandIn
 
 
@@ -97,6 +97,14 @@ async def gateway_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitab
     yield make
     for server in servers:
         await server.close()
+
+
+# Tests that run the real encoder backend (a subprocess) need the `encoder` extra; the rest of the
+# gateway's tests run on `pip install -e .[dev]` alone.
+needs_encoder = pytest.mark.skipif(
+    any(find_spec(m) is None for m in ("torch", "PIL")),
+    reason="needs the encoder extra (torch, Pillow): pip install -e '.[encoder]'",
+)
 
 
 def free_port() -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
@@ -10,12 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import aiohttp
 import pytest
 import yaml
-
-from tests.backends.fixtures import png
-from tests.conftest import routing
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -68,26 +63,3 @@ def test_every_dashboard_query_parses(tmp_path: Path) -> None:
     }
     (tmp_path / "dashboard_rules.yml").write_text(yaml.safe_dump(rules))
     promtool("check", "rules", str(tmp_path / "dashboard_rules.yml"))
-
-
-async def test_dashboards_and_alerts_name_only_exported_metrics(gateway_factory, upstream, backend_factory) -> None:
-    backend = await backend_factory()
-    config = routing(
-        f"  - {{name: vl, upstreams: [{upstream.url}], accepts: [text, image], encode: {{image: v}}}}",
-        extra=f"encoders:\n  v: {{kind: http, urls: [{backend.url}]}}\n",
-    )
-    gw = await gateway_factory(config)
-    async with aiohttp.ClientSession() as session:
-        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png()).decode()}}
-        body = {"model": "vl", "messages": [{"role": "user", "content": [image]}]}
-        async with session.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
-            assert resp.status == 200
-        exported = ""
-        for url in (gw.url, backend.url):
-            async with session.get(f"{url}/metrics") as resp:
-                exported += await resp.text()
-    names = {line.split("{")[0].split(" ")[0] for line in exported.splitlines() if line and not line.startswith("#")}
-    names |= {line.split()[2] for line in exported.splitlines() if line.startswith("# HELP ")}  # no series yet
-    referenced = {m for q in dashboard_queries() + alert_queries() for m in METRIC.findall(q)}
-    missing = sorted(m for m in referenced if m not in names)
-    assert not missing, f"queries name metrics nobody exports: {missing}"

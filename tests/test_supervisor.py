@@ -17,9 +17,8 @@ from prometheus_client import CollectorRegistry
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.state import SERVICES_KEY
-from tests.backends.fixtures import png
-from tests.conftest import Gateway, Upstream, routing
-from tests.test_encode import image_part, load_as_vllm_does
+from tests.conftest import Gateway, Upstream, needs_encoder, routing
+from tests.images import image_part, png
 
 
 def local_config(upstream: Upstream) -> str:
@@ -43,6 +42,7 @@ async def wait_for(predicate, *, seconds: float) -> None:
     raise AssertionError("condition not met in time")
 
 
+@needs_encoder
 async def test_a_local_encoder_is_started_supervised_and_restarted(gateway_factory, upstream: Upstream) -> None:
     gw = await gateway_factory(local_config(upstream))
     status, body = await readyz(gw)
@@ -55,6 +55,8 @@ async def test_a_local_encoder_is_started_supervised_and_restarted(gateway_facto
     async with gw.client() as client:
         await client.chat.completions.create(model="vl", messages=[{"role": "user", "content": [image_part(png())]}])
     part = upstream.received[0].json()["messages"][0]["content"][0]
+    from tests.backends.test_epd import load_as_vllm_does  # torch: only where the encoder extra is
+
     assert load_as_vllm_does(part["image_embeds"]).shape == (196, 384)
 
     encoder = (await readyz(gw))[1]["encoders"]["vision"]
@@ -104,6 +106,7 @@ def test_the_gateway_never_imports_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+@needs_encoder
 async def test_a_supervised_backend_exits_when_its_parent_dies(tmp_path) -> None:
     """The gateway passes --parent-pid: a gateway killed with SIGKILL leaves no encoder behind."""
     pid_file = tmp_path / "pid"
@@ -183,6 +186,7 @@ async def test_a_backend_that_stops_answering_is_killed_and_restarted(upstream_f
         await server.close()
 
 
+@needs_encoder
 async def test_a_reload_starts_and_stops_local_encoders(gateway_factory, upstream: Upstream, tmp_path) -> None:
     plain = routing(
         f"  - {{name: vl, upstreams: [{upstream.url}], accepts: [text, image]}}", server="{reload_interval_s: 0}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
-from typing import Any
 
 import aiohttp
 import openai
@@ -19,14 +18,7 @@ from aiohttp import web
 
 from tests.backends.fixtures import Backend, png
 from tests.conftest import Gateway, Upstream, routing
-
-
-def data_url(image: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(image).decode()
-
-
-def image_part(image: bytes) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": data_url(image)}}
+from tests.images import data_url, image_part
 
 
 def load_as_vllm_does(value: str) -> torch.Tensor:
