@@ -1,0 +1,70 @@
+"""Every GatewayError: its status, type and code, the tree in gateway/errors.py's docstring, and its
+one rendering (as httpx's tests check that every exception is mapped)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import orjson
+import pytest
+
+from gateway import errors
+from gateway.errors import GatewayError, Rejection
+from gateway.middlewares import render
+
+CLASSES = sorted(
+    (c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, GatewayError)),
+    key=lambda c: c.__name__,
+)
+TYPES = {"invalid_request_error", "authentication_error", "permission_error", "server_error"}
+# One line of the docstring's tree: name, status, type (children may leave it to their parent), code.
+TREE_LINE = re.compile(r"^\s*[├└│─ ]*(\w+Error)\s+(\d{3})\s+(?:(\w+_error)\s+)?(\w+)$", re.M)
+
+
+def test_every_error_class_is_in_the_tree_with_its_status_and_code() -> None:
+    tree = {name: (int(status), kind, code) for name, status, kind, code in TREE_LINE.findall(errors.__doc__ or "")}
+    assert set(tree) == {c.__name__ for c in CLASSES}
+    for cls in CLASSES:
+        status, kind, code = tree[cls.__name__]
+        assert (status, code) == (cls.status, cls.code), cls.__name__
+        assert kind in ("", cls.type), cls.__name__
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_each_error_has_a_status_type_and_code(cls: type[GatewayError]) -> None:
+    assert 400 <= cls.status <= 599
+    assert cls.type in TYPES
+    assert (cls.type == "server_error") == (cls.status >= 500)
+    assert re.fullmatch(r"[a-z][a-z0-9_]*", cls.code)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_each_error_renders_in_the_openai_shape(cls: type[GatewayError]) -> None:
+    error = cls("it went wrong", param="messages[0]", headers={"Retry-After": "1"})
+    response = render(error)
+    assert response.status == cls.status
+    assert response.content_type == "application/json"
+    assert response.headers["Retry-After"] == "1"
+    assert response.body is not None
+    body = orjson.loads(response.body)  # type: ignore[arg-type]
+    assert body == {"error": {"message": "it went wrong", "type": cls.type, "param": "messages[0]", "code": cls.code}}
+    assert response.keep_alive is (False if cls.closes_connection else None)
+
+
+def test_codes_name_one_meaning_each() -> None:
+    by_code: dict[str, set[int]] = {}
+    for cls in CLASSES:
+        by_code.setdefault(cls.code, set()).add(cls.status)
+    assert all(len(statuses) == 1 for statuses in by_code.values()), by_code
+
+
+def test_a_rejection_rides_along_and_param_defaults_to_none() -> None:
+    error = errors.UnsupportedModalityError("no", rejection=Rejection("m", "video", "unsupported"))
+    assert error.rejection == Rejection("m", "video", "unsupported")
+    assert error.to_dict()["error"]["param"] is None
+
+
+def test_clip_keeps_client_text_short() -> None:
+    assert errors.clip("short") == "short"
+    assert errors.clip("x" * 100) == "x" * 64 + "... (100 characters)"
