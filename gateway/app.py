@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.aiohttp import make_aiohttp_handler
 
 from . import handlers
 from .config import GatewayConfig
@@ -69,7 +69,7 @@ def create_app(
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_post("/admin/reload", handlers.admin_reload)
-    app.router.add_get("/metrics", _metrics_handler(registry))
+    app.router.add_get("/metrics", make_aiohttp_handler(registry))
     return app
 
 
@@ -91,12 +91,3 @@ async def _config_watcher(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-
-
-def _metrics_handler(registry: CollectorRegistry) -> handlers.Handler:
-    async def metrics(request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(registry))
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return response
-
-    return metrics

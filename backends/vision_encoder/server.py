@@ -25,9 +25,18 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from PIL import Image
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.aiohttp import make_aiohttp_handler
 
 from .batching import BatchStats, DynamicBatcher, QueueFullError
+from .errors import (
+    BackendError,
+    EncodeTimeoutError,
+    HTTPStatusError,
+    ImageTooLargeError,
+    InvalidImageError,
+    OverloadedError,
+    UnhealthyError,
+)
 from .limits import DECODE_BUDGET_PIXELS, MAX_ASPECT_RATIO, MAX_PIXELS, DecodeLimits
 from .preprocess import ImageError
 from .service import EncoderService
@@ -80,27 +89,30 @@ SERVICE_KEY = web.AppKey("service", EncoderService)
 METRICS_KEY = web.AppKey("metrics", EncoderMetrics)
 
 
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json", headers=headers)
+def render(error: BackendError) -> web.Response:
+    """The only place an error becomes a response."""
+    return web.Response(
+        status=error.status, body=orjson.dumps(error.to_dict()), content_type="application/json", headers=error.headers
+    )
 
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
+    except BackendError as exc:
+        return render(exc)
     except web.HTTPRequestEntityTooLarge as exc:
-        return _error(413, "payload_too_large", f"image is larger than the limit ({exc.text})")
+        return render(ImageTooLargeError(f"image is larger than the limit ({exc.text})"))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error(exc.status, f"http_{exc.status}", exc.reason)
+        return render(HTTPStatusError(exc.status, exc.reason))
     except asyncio.CancelledError:
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return _error(500, "internal_error", "internal error in the encoder")
+        return render(BackendError("internal error in the encoder"))
 
 
 async def encode(request: web.Request) -> web.Response:
@@ -110,13 +122,13 @@ async def encode(request: web.Request) -> web.Response:
         reply, cached = await asyncio.wait_for(service.encode(data), service.timeout_s)
     except ImageError as exc:
         metrics.images.labels("invalid").inc()
-        return _error(400, "invalid_image", str(exc))
+        raise InvalidImageError(str(exc)) from None
     except QueueFullError as exc:
         metrics.images.labels("overloaded").inc()
-        return _error(503, "encoder_overloaded", str(exc), headers={"Retry-After": "1"})
+        raise OverloadedError(str(exc), headers={"Retry-After": "1"}) from None
     except TimeoutError:
         metrics.images.labels("timeout").inc()
-        return _error(504, "encoder_timeout", f"encoding took longer than {service.timeout_s:g}s")
+        raise EncodeTimeoutError(f"encoding took longer than {service.timeout_s:g}s") from None
     except Exception:
         metrics.images.labels("error").inc()
         raise
@@ -162,11 +174,9 @@ async def health(request: web.Request) -> web.Response:
         body["note"] = "random demo weights: the embeddings mean nothing"
     batcher = service.batcher
     if not batcher.alive:
-        return _error(503, "encoder_unhealthy", "the batcher has stopped")
+        raise UnhealthyError("the batcher has stopped")
     if batcher.stalled_for() > service.timeout_s:
-        return _error(
-            503, "encoder_unhealthy", f"no batch has finished for {batcher.stalled_for():.0f}s while images wait"
-        )
+        raise UnhealthyError(f"no batch has finished for {batcher.stalled_for():.0f}s while images wait")
     if batcher.busy:
         body["check"] = "skipped: busy (batches are finishing, which shows it is alive)"
         return web.json_response(body, dumps=lambda o: orjson.dumps(o).decode())
@@ -175,7 +185,7 @@ async def health(request: web.Request) -> web.Response:
         reply = await asyncio.wait_for(service.encode_uncached(PROBE), service.timeout_s)
     except Exception as exc:  # any failure of the real encode is unhealthy
         log.error("health check encode failed: %r", exc)
-        return _error(503, "encoder_unhealthy", f"health check encode failed: {type(exc).__name__}: {exc}")
+        raise UnhealthyError(f"health check encode failed: {type(exc).__name__}: {exc}") from None
     body["check"] = (
         f"encoded a 32x32 image to {reply.tokens}x{reply.hidden} in {(time.perf_counter() - started) * 1000:.1f} ms"
     )
@@ -192,12 +202,7 @@ def create_app(
     app.router.add_post("/v1/encode", encode)
     app.router.add_get("/health", health)
 
-    async def metrics_handler(request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(registry))
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return response
-
-    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/metrics", make_aiohttp_handler(registry))
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         service.batcher.start()
