@@ -55,6 +55,11 @@ def _parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate routing.yaml files; exit 2 listing every problem")
     check.add_argument("files", nargs="+", metavar="FILE")
+    check.add_argument(
+        "--here",
+        action="store_true",
+        help="also check what only this machine can: local encoders' model directories (serve always does)",
+    )
     check.set_defaults(command=_check)
 
     explain = sub.add_parser("explain", help="print the routing decision for a request, sending nothing")
@@ -64,9 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(path: str) -> GatewayConfig | None:
+def _load(path: str, *, here: bool = False) -> GatewayConfig | None:
     try:
-        return load_config(path)
+        return load_config(path, here=here)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return None
@@ -75,7 +80,7 @@ def _load(path: str) -> GatewayConfig | None:
 def _check(args: argparse.Namespace) -> int:
     status = 0
     for path in args.files:
-        if _load(path) is None:
+        if _load(path, here=args.here) is None:
             status = 2
         else:
             print(f"{path}: ok")
@@ -107,7 +112,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = _load(args.config)
+    config = _load(args.config, here=True)
     if config is None:
         return 2
     app = create_app(config, config_path=args.config)

@@ -10,6 +10,7 @@ counts it. ``server.host``, ``server.port`` and ``server.max_body_bytes`` take e
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -48,7 +49,7 @@ class ConfigStore:
         async with self._lock:
             self._signature = self._stat()
             try:
-                new = await asyncio.to_thread(load_config, self.path)
+                new = await asyncio.to_thread(functools.partial(load_config, self.path, here=True))
             except ConfigError as exc:
                 self._metrics.config_reloads.labels("failure").inc()
                 log.error("routing.yaml reload failed; keeping generation %d:\n%s", self.generation, exc)

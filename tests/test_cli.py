@@ -78,6 +78,21 @@ def test_check_several_files(capsys: pytest.CaptureFixture[str], tmp_path: Path,
     ]
 
 
+def test_check_here_also_looks_for_model_directories(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "routing.yaml"
+    config.write_text(
+        "version: 1\nencoders:\n  v: {kind: local, model: /no/such/dir}\n"
+        "models: [{name: a, upstreams: ['http://h:1'], accepts: [text]}]\n"
+    )
+    assert main(["check", str(config)]) == 0  # the same answer on any machine
+    assert main(["check", "--here", str(config)]) == 2  # this machine has no such directory
+    _, err = capsys.readouterr()
+    assert (
+        err == f"{config}:3:27: encoders.v.model: '/no/such/dir' is not a directory on this machine (expected "
+        "builtin:vit-small or a model directory)\n"
+    )
+
+
 def test_check_several_valid_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     other = tmp_path / "other.yaml"
     other.write_text("version: 1\nmodels: [{name: a, upstreams: ['http://h:1'], accepts: [text]}]\n")

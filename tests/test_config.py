@@ -1189,9 +1189,21 @@ def test_encoder_models_and_allowed_domains_are_checked_where_they_would_fail_la
         "like images.example.com (no scheme, port, path or wildcard; its subdomains are allowed too)",
         "r.yaml:4:27: encoders.a.model: unknown builtin tower 'builtin:vit-large' (expected one of: "
         "builtin:vit-small); did you mean 'builtin:vit-small'?",
-        "r.yaml:5:27: encoders.b.model: '/no/such/model/dir' is not a directory on this machine (expected "
-        "builtin:vit-small or a model directory)",
     ]
+
+
+def test_a_model_directory_is_looked_for_only_on_the_machine_that_runs_it(tmp_path: Path) -> None:
+    text = doc("version: 1", "encoders:", "  b: {kind: local, model: /no/such/model/dir}", *MODELS)
+    parse_config(text, filename="r.yaml")  # `check FILE`: the same answer on any machine
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, filename="r.yaml", here=True)  # serve, reload, `check --here`
+    assert [str(p) for p in info.value.problems] == [
+        "r.yaml:3:27: encoders.b.model: '/no/such/model/dir' is not a directory on this machine (expected "
+        "builtin:vit-small or a model directory)"
+    ]
+    here = tmp_path / "tower"
+    here.mkdir()
+    parse_config(text.replace("/no/such/model/dir", str(here)), filename="r.yaml", here=True)
 
 
 def test_files_that_expand_without_end_are_refused_not_crashed_on() -> None:

@@ -1,0 +1,113 @@
+"""routing.yaml -> a frozen, validated :class:`GatewayConfig`.
+
+Loading has three steps: YAML is composed into nodes (so every value keeps its line and column),
+the nodes are parsed section by section into frozen dataclasses, and :func:`validate` checks what
+spans sections (redirect targets, loops, encoders). Every problem found is collected, and all of
+them are raised together as one :class:`~gateway.errors.ConfigError`, each rendered as
+``FILE:LINE:COL: dotted.path: message``. The schema is documented in ``docs/routing.md`` and,
+for editors, ``docs/routing.schema.json``.
+
+The package, one step a module: ``types`` (keys, defaults, frozen types), ``loader`` (YAML with
+marks), ``readers`` (typed values), ``sections`` (one method a section), ``validate`` (checks
+across sections).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from ..errors import ConfigError, ConfigProblem
+from .loader import TooLargeError
+from .sections import Parser
+from .types import (
+    BUILTIN_TOWERS,
+    DEFAULT_ENCODE_IMAGE_LIMIT,
+    ENCODABLE,
+    ENCODER_ERROR_ACTIONS,
+    ENCODER_KEYS,
+    MAX_JSON_DEPTH,
+    MEDIA_KEYS,
+    MODEL_KEYS,
+    POLICY_ACTIONS,
+    REJECT,
+    SERVER_KEYS,
+    SUPPORTED_VERSION,
+    TOP_KEYS,
+    EncoderConfig,
+    GatewayConfig,
+    MediaConfig,
+    ModelConfig,
+    Policy,
+    ServerConfig,
+)
+from .validate import validate, validate_host
+
+__all__ = [
+    "BUILTIN_TOWERS",
+    "DEFAULT_ENCODE_IMAGE_LIMIT",
+    "ENCODABLE",
+    "ENCODER_ERROR_ACTIONS",
+    "ENCODER_KEYS",
+    "MAX_JSON_DEPTH",
+    "MEDIA_KEYS",
+    "MODEL_KEYS",
+    "POLICY_ACTIONS",
+    "REJECT",
+    "SERVER_KEYS",
+    "SUPPORTED_VERSION",
+    "TOP_KEYS",
+    "EncoderConfig",
+    "GatewayConfig",
+    "MediaConfig",
+    "ModelConfig",
+    "Policy",
+    "ServerConfig",
+    "load_config",
+    "parse_config",
+]
+
+
+def load_config(path: str | Path, *, here: bool = False) -> GatewayConfig:
+    """Read and validate a routing.yaml; raise ConfigError listing every problem. ``here`` also
+    checks what only this machine can (local encoders' model directories)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([ConfigProblem(str(path), 0, 0, "", f"cannot read file: {exc}")]) from None
+    return parse_config(text, filename=str(path), here=here)
+
+
+def parse_config(text: str, *, filename: str = "routing.yaml", here: bool = False) -> GatewayConfig:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (0, 0)
+        message = f"invalid YAML: {exc.problem or exc.context}"
+        raise ConfigError([ConfigProblem(filename, line, col, "", message)]) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([ConfigProblem(filename, 0, 0, "", f"invalid YAML: {exc}")]) from None
+    parser = Parser(filename)
+    if node is None:
+        parser.problem("", "the file is empty (expected a mapping with 'version' and 'models')")
+        raise ConfigError(parser.problems)
+    try:
+        document = parser.to_python(node, "")
+    except (TooLargeError, RecursionError) as exc:  # alias bombs, recursive aliases, absurd nesting
+        what = str(exc) if isinstance(exc, TooLargeError) else "nesting too deep (a recursive alias?)"
+        raise ConfigError([ConfigProblem(filename, 0, 0, "", f"cannot read this file: {what}")]) from None
+    config = parser.config(document, source=filename)
+    if config is not None and not parser.problems:
+        validate(config, parser)
+        if here:
+            validate_host(config, parser)
+    if parser.problems:
+        # one problem per place: the first found says most (an unreadable value is also a wrong one)
+        first = {(p.path, p.line, p.column): p for p in reversed(parser.problems)}
+        kept = [p for p in parser.problems if first[(p.path, p.line, p.column)] is p]
+        raise ConfigError(sorted(kept, key=lambda p: (p.line, p.column)))
+    assert config is not None
+    return config

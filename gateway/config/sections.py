@@ -1,0 +1,296 @@
+"""The sections of routing.yaml, each read by one method into its frozen type."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import MappingProxyType
+from typing import Any
+
+from ..modality import MODALITY_NAMES, Modality
+from .loader import MISSING, join_path
+from .readers import Readers, describe, show, unknown_message
+from .types import (
+    DEFAULT_ENCODE_IMAGE_LIMIT,
+    ENCODER_ERROR_ACTIONS,
+    ENCODER_KEYS,
+    MAX_JSON_DEPTH,
+    MEDIA_KEYS,
+    MODEL_KEYS,
+    POLICY_ACTIONS,
+    SERVER_KEYS,
+    SUPPORTED_VERSION,
+    TOP_KEYS,
+    EncoderConfig,
+    GatewayConfig,
+    MediaConfig,
+    ModelConfig,
+    Policy,
+    ServerConfig,
+)
+
+
+class Parser(Readers):
+    """Turns YAML nodes into config objects, collecting problems with their locations."""
+
+    # --- sections --------------------------------------------------------------------------
+
+    def config(self, doc: Any, *, source: str) -> GatewayConfig | None:
+        top = self.mapping(doc, "", TOP_KEYS, what="the document")
+        if top is None:
+            return None
+        version = top.get("version", MISSING)
+        if version is MISSING:
+            self.problem("version", "is required (the only version is 1)")
+        elif version != SUPPORTED_VERSION or not isinstance(version, int) or isinstance(version, bool):
+            self.problem("version", f"unsupported version {show(version)} (the only version is 1)")
+        server = self.server(top.get("server", {}))
+        media = self.media(top.get("media", {}))
+        encoders = self.encoders(top.get("encoders", {}))
+        models = self.models(top.get("models", MISSING))
+        return GatewayConfig(
+            models=tuple(models),
+            server=server,
+            media=media,
+            encoders=MappingProxyType(encoders),
+            source=source,
+        )
+
+    def server(self, value: Any) -> ServerConfig:
+        d = ServerConfig()
+        raw = self.mapping(value, "server", SERVER_KEYS, what="server")
+        if raw is None:
+            return d
+
+        get = _fields(raw, "server", d)
+
+        return ServerConfig(
+            host=self.string(*get("host")),
+            port=self.integer(*get("port"), minimum=0, maximum=65535),
+            max_body_bytes=self.integer(*get("max_body_bytes"), minimum=1024),
+            admin_token_env=self.string(*get("admin_token_env")),
+            reload_interval_s=self.number(*get("reload_interval_s"), positive=False),
+            upstream_connect_timeout_s=self.number(*get("upstream_connect_timeout_s")),
+            upstream_read_timeout_s=self.number(*get("upstream_read_timeout_s")),
+            upstream_cooldown_s=self.number(*get("upstream_cooldown_s"), positive=False),
+            upstream_stream_idle_timeout_s=self.number(*get("upstream_stream_idle_timeout_s")),
+            client_body_timeout_s=self.number(*get("client_body_timeout_s")),
+            client_write_timeout_s=self.number(*get("client_write_timeout_s")),
+            client_idle_timeout_s=self.number(*get("client_idle_timeout_s")),
+            max_json_values=self.integer(*get("max_json_values"), minimum=16),
+            max_json_depth=self.integer(*get("max_json_depth"), minimum=4, maximum=MAX_JSON_DEPTH),
+            max_messages=self.integer(*get("max_messages"), minimum=1),
+            max_content_parts=self.integer(*get("max_content_parts"), minimum=1),
+            max_text_chars=self.integer(*get("max_text_chars"), minimum=1),
+            max_upstream_body_bytes=self.integer(*get("max_upstream_body_bytes"), minimum=1024),
+        )
+
+    def media(self, value: Any) -> MediaConfig:
+        d = MediaConfig()
+        raw = self.mapping(value, "media", MEDIA_KEYS, what="media")
+        if raw is None:
+            return d
+
+        get = _fields(raw, "media", d)
+
+        domains = [
+            (d, where)
+            for d, where in self.string_list(raw.get("allow_domains", []), "media.allow_domains")
+            if self.host_name(d, where)
+        ]
+        return MediaConfig(
+            allow_domains=tuple(d.lower() for d, _ in domains),
+            allow_private_networks=self.boolean(*get("allow_private_networks")),
+            fetch_timeout_s=self.number(*get("fetch_timeout_s")),
+            max_image_bytes=self.integer(*get("max_image_bytes"), minimum=1),
+        )
+
+    def encoders(self, value: Any) -> dict[str, EncoderConfig]:
+        if not isinstance(value, dict):
+            self.problem("encoders", f"encoders must be a mapping of name to encoder, not {describe(value)}")
+            return {}
+        result = {}
+        for name, raw in value.items():
+            encoder = self.encoder(name, raw, f"encoders.{name}")
+            if encoder is not None:
+                result[name] = encoder
+        return result
+
+    def encoder(self, name: str, value: Any, path: str) -> EncoderConfig | None:
+        if not isinstance(value, dict):
+            self.problem(path, f"an encoder must be a mapping, not {describe(value)}")
+            return None
+        kind = value.get("kind", MISSING)
+        if kind is MISSING:
+            self.problem(path, "'kind' is required (local or http)")
+            return None
+        if not isinstance(kind, str) or kind not in ENCODER_KEYS:
+            self.problem(f"{path}.kind", unknown_message(kind, tuple(ENCODER_KEYS), "encoder kind"))
+            return None
+        raw = self.mapping(value, path, ENCODER_KEYS[kind], what="an encoder")
+        assert raw is not None
+        d = EncoderConfig(name, "local")
+        timeout = self.number(raw.get("timeout_s", MISSING), f"{path}.timeout_s", d.timeout_s)
+        if kind == "http":
+            urls = self.url_list(
+                raw.get("urls", MISSING),
+                f"{path}.urls",
+                missing=(path, "'urls' is required for an http encoder"),
+                empty="must list at least one URL",
+                what="encoder URL",
+            )
+            return EncoderConfig(name, "http", timeout_s=timeout, urls=tuple(urls))
+
+        get = _fields(raw, path, d)
+
+        return EncoderConfig(
+            name,
+            "local",
+            model=self.tower(raw.get("model", MISSING), f"{path}.model") if "model" in raw else d.model,
+            device=self.device(raw.get("device", MISSING), f"{path}.device"),
+            max_batch_size=self.integer(*get("max_batch_size"), minimum=1),
+            max_batch_delay_ms=self.number(*get("max_batch_delay_ms"), positive=False),
+            timeout_s=timeout,
+        )
+
+    def device(self, value: Any, path: str) -> str:
+        if value is MISSING:
+            return "auto"
+        if isinstance(value, str) and (
+            value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+        ):
+            return value
+        self.problem(path, f"unknown device {show(value)} (expected auto, cpu, cuda or cuda:N)")
+        return "auto"
+
+    def models(self, value: Any) -> list[ModelConfig]:
+        if value is MISSING:
+            self.problem("models", "is required: list at least one model")
+            return []
+        if value == []:
+            self.problem("models", "must list at least one model")
+            return []
+        if not isinstance(value, list):
+            self.problem("models", f"must be a list of models, not {describe(value)}")
+            return []
+        return [m for i, raw in enumerate(value) if (m := self.model(raw, f"models[{i}]")) is not None]
+
+    def model(self, value: Any, path: str) -> ModelConfig | None:
+        raw = self.mapping(value, path, MODEL_KEYS, what="a model")
+        if raw is None:
+            return None
+        name = self.string(raw.get("name", MISSING), f"{path}.name")
+        upstreams = self.upstreams(raw.get("upstreams", MISSING), f"{path}.upstreams")
+        accepts = self.accepts(raw.get("accepts", MISSING), f"{path}.accepts")
+        upstream_model = raw.get("upstream_model", MISSING)
+        upstream_model = None if upstream_model is MISSING else self.string(upstream_model, f"{path}.upstream_model")
+        limits = self.modality_map(raw.get("limits", {}), f"{path}.limits", self.limit)
+        encode = self.modality_map(raw.get("encode", {}), f"{path}.encode", self.string)
+        policies = self.modality_map(raw.get("on_unsupported", {}), f"{path}.on_unsupported", self.policy)
+        if Modality.IMAGE in encode and Modality.IMAGE in (accepts or ()):
+            limits.setdefault(Modality.IMAGE, DEFAULT_ENCODE_IMAGE_LIMIT)
+        on_encoder_error = raw.get("on_encoder_error", "fail")
+        if on_encoder_error not in ENCODER_ERROR_ACTIONS:
+            self.problem(f"{path}.on_encoder_error", unknown_message(on_encoder_error, ENCODER_ERROR_ACTIONS, "action"))
+            on_encoder_error = "fail"
+        if name is None or accepts is None:
+            return None
+        return ModelConfig(
+            name=name,
+            upstreams=tuple(upstreams),
+            accepts=accepts,
+            upstream_model=upstream_model,
+            limits=MappingProxyType(limits),
+            encode=MappingProxyType(encode),
+            on_unsupported=MappingProxyType(policies),
+            on_encoder_error=on_encoder_error,
+        )
+
+    def upstreams(self, value: Any, path: str) -> list[str]:
+        return self.url_list(
+            value,
+            path,
+            missing=(path, "is required: list the model's OpenAI-compatible servers"),
+            empty="must list at least one upstream URL",
+            what="upstream",
+        )
+
+    def url_list(self, value: Any, path: str, *, missing: tuple[str, str], empty: str, what: str) -> list[str]:
+        if value is MISSING:
+            self.problem(*missing)
+            return []
+        items = self.string_list(value, path)
+        if isinstance(value, list) and not value:
+            self.problem(path, empty)
+        urls: list[str] = []
+        for item, item_path in items:
+            url = self.url(item, item_path)
+            if url is None:
+                continue
+            if url in urls:
+                self.problem(item_path, f"duplicate {what} '{item}'")
+            else:
+                urls.append(url)
+        return urls
+
+    def accepts(self, value: Any, path: str) -> tuple[Modality, ...] | None:
+        if value is MISSING:
+            self.problem(path, f"is required: list the modalities the model takes ({', '.join(MODALITY_NAMES)})")
+            return None
+        if value == []:
+            self.problem(path, "must list at least one modality")
+            return None
+        if not isinstance(value, list):
+            self.problem(path, f"must be a list of modalities, not {describe(value)}")
+            return None
+        seen: list[Modality] = []
+        for i, item in enumerate(value):
+            m = self.modality(item, f"{path}[{i}]")
+            if m is None:
+                continue
+            if m in seen:
+                self.problem(f"{path}[{i}]", f"modality '{m}' is listed twice")
+            seen.append(m)
+        if seen and Modality.TEXT not in seen:
+            self.problem(path, "must include 'text' (every chat request carries text)")
+        return tuple(m for m in Modality if m in seen)
+
+    def modality_map(self, value: Any, path: str, read: Any) -> dict[Modality, Any]:
+        if not isinstance(value, dict):
+            self.problem(path, f"must be a mapping of modality to value, not {describe(value)}")
+            return {}
+        result = {}
+        for key, item in value.items():
+            m = self.modality(key, join_path(path, key), at_key=True)
+            parsed = read(item, join_path(path, key))
+            if m is not None and parsed is not None:
+                result[m] = parsed
+        return result
+
+    def limit(self, value: Any, path: str) -> int | None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            self.problem(path, f"must be a whole number of items (0 or more), not {show(value)}")
+            return None
+        return value
+
+    def policy(self, value: Any, path: str) -> Policy | None:
+        if isinstance(value, str) and value in POLICY_ACTIONS:
+            return Policy(value)  # type: ignore[arg-type]
+        if isinstance(value, dict) and set(value) == {"redirect"}:
+            target = self.string(value["redirect"], f"{path}.redirect")
+            return Policy("redirect", target) if target else None
+        if isinstance(value, dict) and value:
+            for key in value:
+                if key != "redirect":
+                    self.problem(join_path(path, key), unknown_message(key, ("redirect",), "key"), at_key=True)
+            return None
+        self.problem(path, f"unknown policy {show(value)} (expected reject, strip, or {{redirect: MODEL}})")
+        return None
+
+
+def _fields(raw: dict[str, Any], path: str, defaults: object) -> Callable[[str], tuple[Any, str, Any]]:
+    """For a section's typed readers: a key's raw value, its dotted path, and its default."""
+
+    def get(key: str) -> tuple[Any, str, Any]:
+        return raw.get(key, MISSING), f"{path}.{key}", getattr(defaults, key)
+
+    return get

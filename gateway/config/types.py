@@ -1,0 +1,167 @@
+"""What routing.yaml is: its keys, its defaults, and the frozen types it becomes."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from ..modality import DEFAULT_BOUNDS, ContentBounds, Modality
+
+SUPPORTED_VERSION = 1
+ENCODABLE = (Modality.IMAGE,)
+BUILTIN_TOWERS = ("builtin:vit-small",)  # as backends/vision_encoder/towers knows them
+HOST_NAME = re.compile(
+    r"(?=.{1,253}$)([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*", re.I
+)
+
+# Keys per section: the parser and docs/routing.schema.json must agree (tests/test_schema.py).
+TOP_KEYS = ("version", "server", "media", "encoders", "models")
+SERVER_KEYS = (
+    "host",
+    "port",
+    "max_body_bytes",
+    "admin_token_env",
+    "reload_interval_s",
+    "upstream_connect_timeout_s",
+    "upstream_read_timeout_s",
+    "upstream_cooldown_s",
+    "upstream_stream_idle_timeout_s",
+    "client_body_timeout_s",
+    "client_write_timeout_s",
+    "client_idle_timeout_s",
+    "max_json_values",
+    "max_json_depth",
+    "max_messages",
+    "max_content_parts",
+    "max_text_chars",
+    "max_upstream_body_bytes",
+)
+MEDIA_KEYS = ("allow_domains", "allow_private_networks", "fetch_timeout_s", "max_image_bytes")
+ENCODER_KEYS = {
+    "local": ("kind", "model", "device", "max_batch_size", "max_batch_delay_ms", "timeout_s"),
+    "http": ("kind", "urls", "timeout_s"),
+}
+MODEL_KEYS = (
+    "name",
+    "upstreams",
+    "upstream_model",
+    "accepts",
+    "limits",
+    "encode",
+    "on_encoder_error",
+    "on_unsupported",
+)
+ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
+MAX_JSON_DEPTH = 254  # the deepest body orjson can write back
+# Images per request for a model that encodes them, unless limits.image says otherwise: every
+# image becomes an image_embeds payload upstream, often 1000x the size of the part it replaces.
+DEFAULT_ENCODE_IMAGE_LIMIT = 32
+POLICY_ACTIONS = ("reject", "strip")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 32 * 1024 * 1024
+    admin_token_env: str = "GATEWAY_ADMIN_TOKEN"
+    reload_interval_s: float = 2.0  # 0 turns off watching routing.yaml
+    upstream_connect_timeout_s: float = 5.0
+    # Longest silence of a replica. A non-streamed reply comes only when the whole generation is
+    # done (and a stream's first chunk after queueing and prefill), so this must exceed the longest
+    # generation: the OpenAI SDK's own default. Streams are also bounded by the shorter idle timeout.
+    upstream_read_timeout_s: float = 600.0
+    upstream_cooldown_s: float = 5.0  # how long a replica that refused a connection is skipped
+    # "stream": true: headers (engines send them at once) and the gaps between chunks
+    upstream_stream_idle_timeout_s: float = 60.0
+    # What one client may cost (docs/security.md says why each default is what it is).
+    client_body_timeout_s: float = 60.0  # the whole body must arrive within this
+    client_write_timeout_s: float = 60.0  # a client that takes no bytes for this long is dropped
+    client_idle_timeout_s: float = 75.0  # idle keep-alive, and headers that trickle in; > the LB's idle timeout
+    max_json_values: int = 262_144  # counted before parsing: every ',' '[' '{' byte of the body
+    max_json_depth: int = 128  # nested arrays and objects (orjson writes at most 254)
+    max_messages: int = DEFAULT_BOUNDS.messages
+    max_content_parts: int = DEFAULT_BOUNDS.parts  # over all messages
+    max_text_chars: int = DEFAULT_BOUNDS.text_chars  # one text part or string content
+    max_upstream_body_bytes: int = 512 * 1024 * 1024  # a body grown by image_embeds, as sent upstream
+
+    @property
+    def content_bounds(self) -> ContentBounds:
+        return ContentBounds(self.max_messages, self.max_content_parts, self.max_text_chars)
+
+
+@dataclass(frozen=True, slots=True)
+class MediaConfig:
+    allow_domains: tuple[str, ...] = ()
+    allow_private_networks: bool = False
+    fetch_timeout_s: float = 5.0
+    max_image_bytes: int = 20 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderConfig:
+    name: str
+    kind: Literal["local", "http"]
+    model: str = "builtin:vit-small"
+    device: str = "auto"
+    max_batch_size: int = 32
+    max_batch_delay_ms: float = 0.0
+    timeout_s: float = 30.0
+    urls: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """What to do with a modality a model does not accept."""
+
+    action: Literal["reject", "strip", "redirect"]
+    target: str | None = None  # the model to redirect to
+
+    def __str__(self) -> str:
+        return f"redirect to '{self.target}'" if self.action == "redirect" else self.action
+
+
+REJECT = Policy("reject")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    upstreams: tuple[str, ...]
+    accepts: tuple[Modality, ...]  # in Modality order
+    upstream_model: str | None = None
+    limits: Mapping[Modality, int] = field(default_factory=lambda: MappingProxyType({}))
+    encode: Mapping[Modality, str] = field(default_factory=lambda: MappingProxyType({}))
+    on_unsupported: Mapping[Modality, Policy] = field(default_factory=lambda: MappingProxyType({}))
+    # when the encoder fails: 503 encoder_unavailable (fail), or send the original images (passthrough)
+    on_encoder_error: Literal["fail", "passthrough"] = "fail"
+
+    @property
+    def upstream_name(self) -> str:
+        return self.upstream_model or self.name
+
+    def policy(self, modality: Modality) -> Policy:
+        return self.on_unsupported.get(modality, REJECT)
+
+    def accepts_text(self) -> str:
+        return ", ".join(self.accepts)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    models: tuple[ModelConfig, ...]
+    server: ServerConfig = ServerConfig()
+    media: MediaConfig = MediaConfig()
+    encoders: Mapping[str, EncoderConfig] = field(default_factory=lambda: MappingProxyType({}))
+    version: int = SUPPORTED_VERSION
+    source: str = "<memory>"
+    _by_name: Mapping[str, ModelConfig] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", MappingProxyType({m.name: m for m in self.models}))
+
+    def model(self, name: str) -> ModelConfig | None:
+        return self._by_name.get(name)

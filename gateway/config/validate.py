@@ -1,0 +1,120 @@
+"""Checks that span sections of routing.yaml (names, redirects and their loops, encoders, limits),
+and the checks of the host that will run it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..modality import Modality
+from .loader import MarkedDocument
+from .types import BUILTIN_TOWERS, ENCODABLE, GatewayConfig, ModelConfig
+
+
+def validate(config: GatewayConfig, p: MarkedDocument) -> None:
+    """Checks that span sections: names, redirects, encoders, limits."""
+    first: dict[str, int] = {}
+    for i, model in enumerate(config.models):
+        path = f"models[{i}]"
+        if model.name in first:
+            line = p.value_marks[f"models[{first[model.name]}].name"].line + 1
+            p.problem(f"{path}.name", f"duplicate model name '{model.name}' (first defined at line {line})")
+        else:
+            first[model.name] = i
+        for m in model.limits:
+            if m not in model.accepts:
+                p.problem(f"{path}.limits.{m}", f"a limit for '{m}', which the model does not accept", at_key=True)
+        for m, encoder in model.encode.items():
+            where = f"{path}.encode.{m}"
+            if m not in ENCODABLE:
+                p.problem(where, f"only {', '.join(ENCODABLE)} parts can be encoded, not '{m}'", at_key=True)
+            elif m not in model.accepts:
+                p.problem(where, f"encodes '{m}', which the model does not accept", at_key=True)
+            if encoder not in config.encoders:
+                known = ", ".join(config.encoders) or "none defined"
+                p.problem(where, f"unknown encoder '{encoder}' (encoders: {known})")
+        if model.on_encoder_error != "fail" and not model.encode:
+            p.problem(f"{path}.on_encoder_error", "applies only to a model with 'encode'", at_key=True)
+        for m, policy in model.on_unsupported.items():
+            where = f"{path}.on_unsupported.{m}"
+            if m in model.accepts:
+                p.problem(where, f"'{m}' is accepted by this model, so this policy would never apply", at_key=True)
+                continue
+            if policy.action != "redirect":
+                continue
+            target = config.model(policy.target or "")
+            if policy.target == model.name:
+                p.problem(f"{where}.redirect", f"model '{model.name}' redirects to itself")
+            elif target is None:
+                names = ", ".join(mm.name for mm in config.models)
+                p.problem(f"{where}.redirect", f"redirect target '{policy.target}' is not a model here ({names})")
+            elif m not in target.accepts:
+                p.problem(
+                    f"{where}.redirect",
+                    f"redirect target '{target.name}' does not accept '{m}' (it accepts: {target.accepts_text()})",
+                )
+    if not p.problems:
+        _check_redirect_loops(config, p)
+
+
+def _check_redirect_loops(config: GatewayConfig, p: MarkedDocument) -> None:
+    """A request carrying several modalities may follow redirects of different modalities, so any
+    cycle in the redirect graph can loop."""
+    index = {m.name: i for i, m in enumerate(config.models)}
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    reported: set[frozenset[str]] = set()
+
+    def edges(model: ModelConfig) -> Iterator[tuple[Modality, str]]:
+        for m, policy in model.on_unsupported.items():
+            if policy.action == "redirect" and policy.target:
+                yield m, policy.target
+
+    def report(cycle: list[tuple[str, Modality]], target: str) -> None:
+        key = frozenset(n for n, _ in cycle)
+        if key in reported:
+            return
+        reported.add(key)
+        route = " ".join(f"'{n}' -({mm})->" for n, mm in cycle) + f" '{target}'"
+        first_name, first_modality = cycle[0]
+        p.problem(f"models[{index[first_name]}].on_unsupported.{first_modality}.redirect", f"redirect loop: {route}")
+
+    # An iterative depth-first search: a chain of thousands of redirects is valid and must not
+    # exhaust Python's recursion limit. ``trail`` holds the (model, modality) edges taken so far.
+    for root in config.models:
+        if root.name in state:
+            continue
+        state[root.name] = 1
+        trail: list[tuple[str, Modality]] = []
+        stack: list[tuple[str, Iterator[tuple[Modality, str]]]] = [(root.name, edges(root))]
+        while stack:
+            name, pending = stack[-1]
+            step = next(pending, None)
+            if step is None:
+                state[name] = 2
+                stack.pop()
+                if trail:
+                    trail.pop()
+                continue
+            m, target = step
+            if state.get(target) == 1:
+                path = [*trail, (name, m)]
+                start = next(k for k, (n, _) in enumerate(path) if n == target)
+                report(path[start:], target)
+            elif target not in state:
+                state[target] = 1
+                trail.append((name, m))
+                stack.append((target, edges(config.models[index[target]])))
+
+
+def validate_host(config: GatewayConfig, p: MarkedDocument) -> None:
+    """What only the machine that runs the gateway can check: local encoders' model directories.
+
+    `modality-gateway check FILE` answers the same on any machine; `serve`, a reload and
+    `check --here` also run this."""
+    for name, encoder in config.encoders.items():
+        if encoder.kind == "local" and not encoder.model.startswith("builtin:") and not Path(encoder.model).is_dir():
+            p.problem(
+                f"encoders.{name}.model",
+                f"'{encoder.model}' is not a directory on this machine (expected {', '.join(BUILTIN_TOWERS)} "
+                "or a model directory)",
+            )
