@@ -36,7 +36,7 @@ from .errors import EncoderError, GatewayError, InvalidImageError, MediaRefusedE
 from .media import MediaFetcher
 from .metrics import GatewayMetrics
 from .modality import Part
-from .upstream import Replicas
+from .upstream import KEEPALIVE_TIMEOUT_S, Replicas
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class EncoderClient:
 
     async def start(self, config: GatewayConfig) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=MAX_ENCODER_CONNECTIONS, keepalive_timeout=4.0),
+            connector=aiohttp.TCPConnector(limit=MAX_ENCODER_CONNECTIONS, keepalive_timeout=KEEPALIVE_TIMEOUT_S),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         await self.fetcher.start()

@@ -15,13 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .base import Encoded, Prepared, TowerInfo, VisionTower
+from .base import Encoded, Prepared, TowerError, TowerInfo, VisionTower
 
 __all__ = ["Encoded", "Prepared", "TowerError", "TowerInfo", "VisionTower", "load_tower", "resolve_device"]
-
-
-class TowerError(ValueError):
-    """A spec that names no tower this backend can load."""
 
 
 def resolve_device(device: str) -> tuple[torch.device, torch.dtype]:

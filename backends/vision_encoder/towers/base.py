@@ -33,6 +33,10 @@ class Encoded:
     grid_thw: tuple[int, int, int] | None = None
 
 
+class TowerError(ValueError):
+    """A spec that names no tower this backend can load, or a checkpoint it cannot read."""
+
+
 @dataclass(frozen=True)
 class TowerInfo:
     name: str  # e.g. builtin:vit-small, siglip, clip, qwen2_5_vl
@@ -55,3 +59,8 @@ class VisionTower(ABC):
     @abstractmethod
     def forward(self, batch: Sequence[Prepared]) -> list[Encoded]:
         """Encode a batch (the device; called from the one executor thread, under inference_mode)."""
+
+
+def checkpoint_info(name: str, *, source: str, fingerprint: str, hidden_size: int, **extra: object) -> TowerInfo:
+    """The TowerInfo of a tower read from a checkpoint directory (``extra``: what /health shows)."""
+    return TowerInfo(name=name, source=source, fingerprint=fingerprint, hidden_size=hidden_size, extra=extra)

@@ -25,8 +25,7 @@ from PIL import Image
 from torch import nn
 
 from ..preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, center_crop, resize_exact, resize_shortest_edge, to_tensor
-from . import TowerError
-from .base import Prepared, TowerInfo
+from .base import Prepared, TowerError, TowerInfo, checkpoint_info
 from .hf_checkpoint import (
     PROCESSOR_FILE,
     FixedSizeTower,
@@ -93,17 +92,15 @@ def load_clip(path: Path, config: dict[str, Any], *, device: torch.device, dtype
     prefixes = ("vision_model.",) if full else ("vision_model.", "")
     model, digest = load_model(path, lambda: CLIPVisionModel(vision), prefixes=prefixes, device=device, dtype=dtype)
     tokens = 1 + (vision.image_size // vision.patch_size) ** 2
-    info = TowerInfo(
-        name=NAME,
+    info = checkpoint_info(
+        NAME,
         source=str(path),
         fingerprint=fingerprint(NAME, VERSION, path, digest, dtype),
         hidden_size=vision.hidden_size,
-        extra={
-            "image_size": vision.image_size,
-            "patch_size": vision.patch_size,
-            "tokens_per_image": tokens,
-            "output": "last_hidden_state (CLS first, no post_layernorm)",
-        },
+        image_size=vision.image_size,
+        patch_size=vision.patch_size,
+        tokens_per_image=tokens,
+        output="last_hidden_state (CLS first, no post_layernorm)",
     )
     return ClipTower(model, resize=resize, tokens=tokens, norm=norm, info=info, device=device, dtype=dtype)
 

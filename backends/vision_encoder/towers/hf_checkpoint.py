@@ -27,8 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from . import TowerError
-from .base import Encoded, Prepared, VisionTower
+from .base import Encoded, Prepared, TowerError, VisionTower
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -27,8 +27,7 @@ from PIL import Image
 from torch import nn
 
 from ..preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, resize_exact, smart_resize, to_tensor
-from . import TowerError
-from .base import Encoded, Prepared, TowerInfo, VisionTower
+from .base import Encoded, Prepared, TowerError, TowerInfo, VisionTower, checkpoint_info
 from .hf_checkpoint import PROCESSOR_FILE, PixelNorm, fingerprint, load_model, positive_int, read_json, resample_of
 
 NAME = "qwen2_5_vl"
@@ -106,19 +105,17 @@ def load_qwen2_5_vl(path: Path, config: dict[str, Any], *, device: torch.device,
         dtype=dtype,
     )
     patch_size, merge_size, temporal_patch_size = sizes
-    info = TowerInfo(
-        name=NAME,
+    info = checkpoint_info(
+        NAME,
         source=str(path),
         fingerprint=fingerprint(NAME, VERSION, path, digest, dtype),
         hidden_size=vision.out_hidden_size,
-        extra={
-            "patch_size": patch_size,
-            "merge_size": merge_size,
-            "temporal_patch_size": temporal_patch_size,
-            "min_pixels": min_pixels,
-            "max_pixels": max_pixels,
-            "output": "merger output, with image_grid_thw",
-        },
+        patch_size=patch_size,
+        merge_size=merge_size,
+        temporal_patch_size=temporal_patch_size,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        output="merger output, with image_grid_thw",
     )
     return Qwen25VLTower(
         model,

@@ -23,8 +23,7 @@ from PIL import Image
 from torch import nn
 
 from ..preprocess import HALF, resize_exact, to_tensor
-from . import TowerError
-from .base import Prepared, TowerInfo
+from .base import Prepared, TowerError, TowerInfo, checkpoint_info
 from .hf_checkpoint import (
     PROCESSOR_FILE,
     FixedSizeTower,
@@ -79,17 +78,15 @@ def load_siglip(path: Path, config: dict[str, Any], *, device: torch.device, dty
         path, lambda: SiglipVisionModel(vision), prefixes=prefixes, skip=("head.",), device=device, dtype=dtype
     )
     tokens = (vision.image_size // vision.patch_size) ** 2
-    info = TowerInfo(
-        name=NAME,
+    info = checkpoint_info(
+        NAME,
         source=str(path),
         fingerprint=fingerprint(NAME, VERSION, path, digest, dtype),
         hidden_size=vision.hidden_size,
-        extra={
-            "image_size": vision.image_size,
-            "patch_size": vision.patch_size,
-            "tokens_per_image": tokens,
-            "output": "last_hidden_state (after post_layernorm)",
-        },
+        image_size=vision.image_size,
+        patch_size=vision.patch_size,
+        tokens_per_image=tokens,
+        output="last_hidden_state (after post_layernorm)",
     )
     return SiglipTower(
         model, size=size, tokens=tokens, resample=resample, norm=norm, info=info, device=device, dtype=dtype
