@@ -20,7 +20,7 @@ from .metrics import GatewayMetrics
 from .middlewares import error_middleware, expect_continue, metrics_middleware, request_id_middleware
 from .reload import ConfigStore
 from .state import SERVICES_KEY, Services
-from .supervisor import Supervisor
+from .supervisor import DEFAULT_TIMINGS, Supervisor, Timings
 from .upstream import Replicas, UpstreamClient
 
 # How the gateway must be served (web.run_app, AppRunner, TestServer): a client that leaves cancels
@@ -36,17 +36,18 @@ def create_app(
     config_path: str | None = None,
     watch: bool = True,
     encoder_command: Sequence[str] | None = None,
+    supervisor_timings: Timings = DEFAULT_TIMINGS,
 ) -> web.Application:
     """Build the gateway, to be served with :data:`SERVER_OPTIONS`.
 
     ``config_path`` enables reloads (``watch`` also polls the file for edits); ``encoder_command``
-    replaces the local encoder backend's command line (tests)."""
+    replaces the local encoder backend's command line and ``supervisor_timings`` its watch (tests)."""
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry)
     store = ConfigStore(config, metrics=metrics, path=config_path)
     replicas = Replicas(cooldown_s=config.server.upstream_cooldown_s)
     store.subscribe(replicas.update)
-    supervisor = Supervisor(config, command=encoder_command)
+    supervisor = Supervisor(config, command=encoder_command, timings=supervisor_timings)
     encoder = EncoderClient(metrics, MediaFetcher(config.media), supervisor.url)
     store.subscribe(encoder.update)
     store.subscribe(supervisor.update)

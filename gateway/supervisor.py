@@ -7,7 +7,7 @@ The gateway's /readyz is ready only while every local encoder is.
 
 A reload starts the local encoders it adds, stops those it removes, and restarts those it
 changes. A backend that stops answering its health check (three checks in a row once it was
-ready, or no answer within START_TIMEOUT_S of starting) is killed and started again.
+ready, or no answer within ``Timings.start_timeout_s`` of starting) is killed and started again.
 """
 
 from __future__ import annotations
@@ -28,11 +28,19 @@ from .config import EncoderConfig, GatewayConfig
 
 log = logging.getLogger(__name__)
 
-HEALTH_INTERVAL_S = 5.0
-HEALTH_TIMEOUT_S = 30.0  # a health check includes a real encode
-UNHEALTHY_CHECKS = 3  # failed checks in a row before a backend that was ready is restarted
-START_TIMEOUT_S = 600.0  # loading a large tower from disk can take minutes
-BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """How the supervisor watches its backends (tests shorten them)."""
+
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 30.0  # a health check includes a real encode
+    unhealthy_checks: int = 3  # failed checks in a row before a backend that was ready is restarted
+    start_timeout_s: float = 600.0  # loading a large tower from disk can take minutes
+    backoff_s: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+DEFAULT_TIMINGS = Timings()
 
 
 def encoder_command(spec: EncoderConfig, port: int, python: str = sys.executable) -> list[str]:
@@ -82,8 +90,11 @@ class LocalEncoder:
 
 
 class Supervisor:
-    def __init__(self, config: GatewayConfig, *, command: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, config: GatewayConfig, *, command: Sequence[str] | None = None, timings: Timings = DEFAULT_TIMINGS
+    ) -> None:
         self._specs = _local_specs(config)
+        self._timings = timings
         self.encoders: dict[str, LocalEncoder] = {}
         self._command = command  # tests may run another program in the backend's place
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -142,7 +153,8 @@ class Supervisor:
             encoder.restarts += 1
             if time.monotonic() - started > 60:
                 attempt = 0  # it ran a good while: start the backoff over
-            delay = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+            backoff = self._timings.backoff_s
+            delay = backoff[min(attempt, len(backoff) - 1)]
             attempt += 1
             log.warning("local encoder '%s' exited (%s); restarting in %.0fs", name, encoder.last_error, delay)
             await asyncio.sleep(delay)
@@ -167,7 +179,8 @@ class Supervisor:
 
     async def _watch_health(self, name: str, encoder: LocalEncoder, process: asyncio.subprocess.Process) -> None:
         """Track readiness; kill a backend that hangs (the supervise loop starts it again)."""
-        deadline = time.monotonic() + START_TIMEOUT_S
+        timings = self._timings
+        deadline = time.monotonic() + timings.start_timeout_s
         was_ready, failures = False, 0
         while True:
             healthy, detail = await self._health(encoder)
@@ -177,18 +190,18 @@ class Supervisor:
             encoder.last_error = "" if healthy else detail
             was_ready = was_ready or healthy
             failures = 0 if healthy else failures + 1
-            if (was_ready and failures >= UNHEALTHY_CHECKS) or (not was_ready and time.monotonic() > deadline):
+            if (was_ready and failures >= timings.unhealthy_checks) or (not was_ready and time.monotonic() > deadline):
                 log.error("local encoder '%s' is not answering its health check (%s); restarting it", name, detail)
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
                 return
-            await asyncio.sleep(HEALTH_INTERVAL_S if encoder.ready else 0.25)
+            await asyncio.sleep(timings.health_interval_s if encoder.ready else 0.25)
 
     async def _health(self, encoder: LocalEncoder) -> tuple[bool, str]:
         assert self._session is not None
         try:
             async with self._session.get(
-                f"{encoder.url}/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+                f"{encoder.url}/health", timeout=aiohttp.ClientTimeout(total=self._timings.health_timeout_s)
             ) as resp:
                 return resp.status == 200, f"health {resp.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:

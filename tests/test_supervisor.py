@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.state import SERVICES_KEY
+from gateway.supervisor import Timings
 from tests.conftest import Gateway, Upstream, needs_encoder, routing
 from tests.images import image_part, png
 
@@ -72,15 +73,16 @@ async def test_a_local_encoder_is_started_supervised_and_restarted(gateway_facto
 
 async def test_a_backend_that_keeps_dying_keeps_the_gateway_unready(upstream_factory, tmp_path) -> None:
     upstream = await upstream_factory("up")
+    registry = CollectorRegistry()
     app = create_app(
         parse_config(local_config(upstream)),
-        registry=CollectorRegistry(),
+        registry=registry,
         encoder_command=[sys.executable, "-c", "import sys; sys.exit(3)"],
     )
     server = TestServer(app, host="127.0.0.1", port=0)
     await server.start_server()
     try:
-        gw = Gateway(app, server, str(server.make_url("")).rstrip("/"), CollectorRegistry())
+        gw = Gateway(app, server, str(server.make_url("")).rstrip("/"), registry)
 
         async def died_twice() -> bool:
             return (await readyz(gw))[1]["encoders"]["vision"]["restarts"] >= 2
@@ -162,21 +164,19 @@ web.run_app(app, host='127.0.0.1', port=port, print=None)
 """
 
 
-async def test_a_backend_that_stops_answering_is_killed_and_restarted(upstream_factory, monkeypatch) -> None:
-    import gateway.supervisor as supervisor
-
-    monkeypatch.setattr(supervisor, "HEALTH_INTERVAL_S", 0.1)
-    monkeypatch.setattr(supervisor, "HEALTH_TIMEOUT_S", 0.3)
+async def test_a_backend_that_stops_answering_is_killed_and_restarted(upstream_factory) -> None:
     upstream = await upstream_factory("up")
+    registry = CollectorRegistry()
     app = create_app(
         parse_config(local_config(upstream)),
-        registry=CollectorRegistry(),
+        registry=registry,
         encoder_command=[sys.executable, "-c", HANGING_BACKEND],
+        supervisor_timings=Timings(health_interval_s=0.1, health_timeout_s=0.3),
     )
     server = TestServer(app, host="127.0.0.1", port=0)
     await server.start_server()
     try:
-        gw = Gateway(app, server, str(server.make_url("")).rstrip("/"), CollectorRegistry())
+        gw = Gateway(app, server, str(server.make_url("")).rstrip("/"), registry)
 
         async def restarted() -> bool:
             return (await readyz(gw))[1]["encoders"]["vision"]["restarts"] >= 1
