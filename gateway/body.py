@@ -25,7 +25,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from .config import MAX_JSON_DEPTH, ServerConfig
+from .config import ServerConfig
+from .config.types import MAX_JSON_DEPTH
 from .errors import (
     InvalidRequestError,
     PayloadTooLargeError,

@@ -25,6 +25,9 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     │   └── NoHealthyUpstreamError        503                       no_healthy_upstream
     └── EncoderError                      503 server_error          encoder_unavailable
 
+``HTTPStatusError`` carries any other status aiohttp raises itself (``http_417``, ...) in the same
+shape; the encoder backend's errors (backends/vision_encoder/errors.py) are GatewayErrors too.
+
 Errors are raised anywhere and rendered only by ``middlewares.error_middleware`` through
 :meth:`GatewayError.to_dict`. An error that rejects part of a request's content carries a
 :class:`Rejection`, which the middleware counts in ``gateway_modality_rejections_total``.
@@ -194,6 +197,16 @@ class EncoderError(GatewayError):
 def clip(text: str, limit: int = 64) -> str:
     """Client text as error messages echo it: never more than ``limit`` characters of it."""
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+class HTTPStatusError(GatewayError):
+    """A status that aiohttp raised itself, in the OpenAI shape (``code`` is ``http_<status>``)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status  # type: ignore[misc]
+        self.type = "invalid_request_error" if status < 500 else "server_error"  # type: ignore[misc]
+        self.code = f"http_{status}"  # type: ignore[misc]
 
 
 @dataclass(frozen=True, slots=True)

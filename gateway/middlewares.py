@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from .body import body_too_large
-from .errors import GatewayError, MethodNotAllowedError, NotFoundError, RequestTimeoutError, clip
+from .errors import GatewayError, HTTPStatusError, MethodNotAllowedError, NotFoundError, RequestTimeoutError, clip
 from .metrics import UNKNOWN_MODEL
 from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY
 from .upstream import RelayResponse
@@ -99,7 +99,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         return None
     expect = request.headers.get("Expect", "")
     if expect.lower() != "100-continue":
-        error: GatewayError = _HTTPStatusError(417, f"Unsupported Expect header '{clip(expect)}'")
+        error: GatewayError = HTTPStatusError(417, f"Unsupported Expect header '{clip(expect)}'")
     elif (request.content_length or 0) > (limit := request.app[SERVICES_KEY].max_body_bytes):
         error = body_too_large(limit)
     else:
@@ -148,14 +148,4 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> Gatewa
         )
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return body_too_large(request.app[SERVICES_KEY].max_body_bytes)
-    return _HTTPStatusError(exc.status, exc.reason)
-
-
-class _HTTPStatusError(GatewayError):
-    """Any other status aiohttp raised itself, in the OpenAI shape."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status  # type: ignore[misc]
-        self.type = "invalid_request_error" if status < 500 else "server_error"  # type: ignore[misc]
-        self.code = f"http_{status}"  # type: ignore[misc]
+    return HTTPStatusError(exc.status, exc.reason)

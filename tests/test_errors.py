@@ -14,7 +14,11 @@ from gateway.errors import GatewayError, Rejection
 from gateway.middlewares import render
 
 CLASSES = sorted(
-    (c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, GatewayError)),
+    (
+        c
+        for _, c in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(c, GatewayError) and c is not errors.HTTPStatusError  # its status is aiohttp's
+    ),
     key=lambda c: c.__name__,
 )
 TYPES = {"invalid_request_error", "authentication_error", "permission_error", "server_error"}
@@ -63,6 +67,17 @@ def test_a_rejection_rides_along_and_param_defaults_to_none() -> None:
     error = errors.UnsupportedModalityError("no", rejection=Rejection("m", "video", "unsupported"))
     assert error.rejection == Rejection("m", "video", "unsupported")
     assert error.to_dict()["error"]["param"] is None
+
+
+@pytest.mark.parametrize(
+    ("status", "kind"), [(404, "invalid_request_error"), (417, "invalid_request_error"), (500, "server_error")]
+)
+def test_aiohttps_own_statuses_take_the_same_shape(status: int, kind: str) -> None:
+    error = errors.HTTPStatusError(status, "said aiohttp")
+    assert error.to_dict() == {
+        "error": {"message": "said aiohttp", "type": kind, "param": None, "code": f"http_{status}"}
+    }
+    assert render(error).status == status
 
 
 def test_clip_keeps_client_text_short() -> None:

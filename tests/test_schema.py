@@ -12,18 +12,8 @@ import pytest
 import yaml
 from jsonschema import Draft202012Validator
 
-from gateway.config import (
-    ENCODER_KEYS,
-    MEDIA_KEYS,
-    MODEL_KEYS,
-    POLICY_ACTIONS,
-    SERVER_KEYS,
-    TOP_KEYS,
-    EncoderConfig,
-    MediaConfig,
-    ServerConfig,
-    parse_config,
-)
+from gateway.config import EncoderConfig, MediaConfig, ServerConfig, parse_config
+from gateway.config.types import ENCODER_KEYS, MEDIA_KEYS, MODEL_KEYS, POLICY_ACTIONS, SERVER_KEYS, TOP_KEYS
 from gateway.errors import ConfigError
 from gateway.modality import MODALITY_NAMES
 
@@ -124,7 +114,7 @@ def test_policy_enum_matches_the_parser() -> None:
 
 
 def test_encode_allows_only_encodable_modalities() -> None:
-    from gateway.config import ENCODABLE
+    from gateway.config.types import ENCODABLE
 
     assert tuple(DEFS["model"]["properties"]["encode"]["properties"]) == tuple(m.value for m in ENCODABLE)
 

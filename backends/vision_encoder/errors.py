@@ -1,5 +1,7 @@
-"""Every error the encoder backend answers with, rendered in one place (the app's middleware), in
-the gateway's shape ``{"error": {"message", "type", "param", "code"}}``::
+"""Every error the encoder backend answers with, rendered in one place (the app's middleware). They
+are the gateway's errors (``gateway.errors.GatewayError``: the same shape,
+``{"error": {"message", "type", "param", "code"}}``, and aiohttp's own statuses as
+``HTTPStatusError``)::
 
     BackendError            500 server_error          internal_error
     ├── InvalidImageError   400 invalid_request_error invalid_image
@@ -13,22 +15,21 @@ The gateway reads the status (400/413: the client's image; 5xx: try another back
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from gateway.errors import GatewayError, HTTPStatusError
+
+__all__ = [
+    "BackendError",
+    "EncodeTimeoutError",
+    "HTTPStatusError",
+    "ImageTooLargeError",
+    "InvalidImageError",
+    "OverloadedError",
+    "UnhealthyError",
+]
 
 
-class BackendError(Exception):
-    status: ClassVar[int] = 500
-    type: ClassVar[str] = "server_error"
-    code: ClassVar[str] = "internal_error"
-
-    def __init__(self, message: str, *, headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.headers: Mapping[str, str] = headers or {}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.code}}
+class BackendError(GatewayError):
+    """The backend's own failures (500 internal_error); its 4xx and 5xx below."""
 
 
 class InvalidImageError(BackendError):
@@ -56,13 +57,3 @@ class UnhealthyError(BackendError):
 class EncodeTimeoutError(BackendError):
     status = 504
     code = "encoder_timeout"
-
-
-class HTTPStatusError(BackendError):
-    """A status aiohttp raised itself (404, 405, ...), in the same shape."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status  # type: ignore[misc]
-        self.type = "invalid_request_error" if status < 500 else "server_error"  # type: ignore[misc]
-        self.code = f"http_{status}"  # type: ignore[misc]

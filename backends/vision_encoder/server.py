@@ -27,6 +27,8 @@ from PIL import Image
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
 
+from gateway.errors import GatewayError
+
 from .batching import BatchStats, DynamicBatcher, QueueFullError
 from .errors import (
     BackendError,
@@ -89,7 +91,7 @@ SERVICE_KEY = web.AppKey("service", EncoderService)
 METRICS_KEY = web.AppKey("metrics", EncoderMetrics)
 
 
-def render(error: BackendError) -> web.Response:
+def render(error: GatewayError) -> web.Response:
     """The only place an error becomes a response."""
     return web.Response(
         status=error.status, body=orjson.dumps(error.to_dict()), content_type="application/json", headers=error.headers
@@ -100,7 +102,7 @@ def render(error: BackendError) -> web.Response:
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except BackendError as exc:
+    except GatewayError as exc:
         return render(exc)
     except web.HTTPRequestEntityTooLarge as exc:
         return render(ImageTooLargeError(f"image is larger than the limit ({exc.text})"))

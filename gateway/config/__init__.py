@@ -21,43 +21,11 @@ import yaml
 from ..errors import ConfigError, ConfigProblem
 from .loader import TooLargeError
 from .sections import Parser
-from .types import (
-    BUILTIN_TOWERS,
-    DEFAULT_ENCODE_IMAGE_LIMIT,
-    ENCODABLE,
-    ENCODER_ERROR_ACTIONS,
-    ENCODER_KEYS,
-    MAX_JSON_DEPTH,
-    MEDIA_KEYS,
-    MODEL_KEYS,
-    POLICY_ACTIONS,
-    REJECT,
-    SERVER_KEYS,
-    SUPPORTED_VERSION,
-    TOP_KEYS,
-    EncoderConfig,
-    GatewayConfig,
-    MediaConfig,
-    ModelConfig,
-    Policy,
-    ServerConfig,
-)
+from .types import REJECT, EncoderConfig, GatewayConfig, MediaConfig, ModelConfig, Policy, ServerConfig
 from .validate import validate, validate_host
 
 __all__ = [
-    "BUILTIN_TOWERS",
-    "DEFAULT_ENCODE_IMAGE_LIMIT",
-    "ENCODABLE",
-    "ENCODER_ERROR_ACTIONS",
-    "ENCODER_KEYS",
-    "MAX_JSON_DEPTH",
-    "MEDIA_KEYS",
-    "MODEL_KEYS",
-    "POLICY_ACTIONS",
     "REJECT",
-    "SERVER_KEYS",
-    "SUPPORTED_VERSION",
-    "TOP_KEYS",
     "EncoderConfig",
     "GatewayConfig",
     "MediaConfig",

@@ -12,6 +12,7 @@ from backends.vision_encoder.errors import BackendError
 from backends.vision_encoder.server import render
 
 CLASSES = [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, BackendError)]
+assert CLASSES
 
 
 @pytest.mark.parametrize("cls", [c for c in CLASSES if c is not errors.HTTPStatusError], ids=lambda c: c.__name__)
