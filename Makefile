@@ -37,11 +37,12 @@ test-deps: ## system packages the tests use: Debian's prometheus (promtool and t
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	  $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
-check: $(STAMP) ## formatting, lint, mypy --strict on gateway/ and mypy on backends/
+check: $(STAMP) ## formatting, lint, mypy --strict on gateway/, mypy on backends/ and tests/
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy --strict gateway/
 	$(VENV)/bin/mypy backends/
+	$(VENV)/bin/mypy tests/
 
 fmt: $(STAMP) ## format and fix what ruff can
 	$(VENV)/bin/ruff format .

@@ -107,6 +107,12 @@ needs_encoder = pytest.mark.skipif(
 )
 
 
+def error_body(error: openai.APIError) -> dict[str, Any]:
+    """The gateway's error object, as the openai SDK hands it over (typed ``object``)."""
+    assert isinstance(error.body, dict), error.body
+    return error.body
+
+
 def free_port() -> int:
     """A loopback port free right now (nothing listens on it until someone binds it)."""
     with socket.socket() as s:

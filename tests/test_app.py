@@ -10,7 +10,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.conftest import Gateway, Upstream, routing
+from tests.conftest import Gateway, Upstream, error_body, routing
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 VIDEO = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
@@ -128,8 +128,8 @@ async def test_enforces_limits(gw: Gateway, two) -> None:
     async with gw.client() as client:
         with pytest.raises(openai.BadRequestError) as caught:
             await client.chat.completions.create(model="vision", messages=[user(IMAGE, IMAGE), user(IMAGE)])
-    assert caught.value.body["code"] == "too_many_items"
-    assert caught.value.body["param"] == "messages[1].content[1]"
+    assert error_body(caught.value)["code"] == "too_many_items"
+    assert error_body(caught.value)["param"] == "messages[1].content[1]"
     assert not two[0].received
     assert (
         gw.sample("gateway_modality_rejections_total", model="vision", modality="image", reason="too_many_items") == 1
@@ -140,8 +140,8 @@ async def test_unknown_model_is_404(gw: Gateway) -> None:
     async with gw.client() as client:
         with pytest.raises(openai.NotFoundError) as caught:
             await client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
-    assert caught.value.body["code"] == "model_not_found"
-    assert caught.value.body["param"] == "model"
+    assert error_body(caught.value)["code"] == "model_not_found"
+    assert error_body(caught.value)["param"] == "model"
     assert gw.sample("gateway_requests_total", model="_unknown", code="404") == 1
 
 
@@ -203,6 +203,7 @@ async def test_mid_stream_upstream_failure_ends_with_an_sse_error(gw: Gateway, t
         stream = await client.chat.completions.create(
             model="vision", messages=[user()], stream=True, extra_headers={"X-Standin-Break-After": "2"}
         )
+        assert isinstance(stream, openai.AsyncStream)
         received = []
         with pytest.raises(openai.APIError, match="broke off the stream"):
             async for chunk in stream:
@@ -239,7 +240,7 @@ async def test_completions_pass_through(gw: Gateway, two) -> None:
 async def test_models_list_carries_input_modalities(gw: Gateway) -> None:
     async with gw.client() as client:
         page = await client.models.list()
-    models = {m.id: m.model_extra["input_modalities"] for m in page.data}
+    models = {m.id: (m.model_extra or {})["input_modalities"] for m in page.data}
     assert models == {"vision": ["text", "image"], "omni": ["text", "image", "video", "audio"], "texty": ["text"]}
 
 

@@ -1028,11 +1028,11 @@ def test_explicit_values_are_read(tmp_path: Path) -> None:
 def test_config_is_frozen() -> None:
     config = parse_config(model_doc("    limits: {text: 2}"))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.server = ServerConfig()  # type: ignore[misc]
+        config.server = ServerConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.models[0].name = "b"  # type: ignore[misc]
+        config.models[0].name = "b"
     with pytest.raises(dataclasses.FrozenInstanceError):
-        config.server.port = 1  # type: ignore[misc]
+        config.server.port = 1
     with pytest.raises(TypeError):
         config.models[0].limits[Modality.TEXT] = 3  # type: ignore[index]
     with pytest.raises(TypeError):

@@ -51,7 +51,7 @@ def test_each_error_renders_in_the_openai_shape(cls: type[GatewayError]) -> None
     assert response.content_type == "application/json"
     assert response.headers["Retry-After"] == "1"
     assert response.body is not None
-    body = orjson.loads(response.body)  # type: ignore[arg-type]
+    body = orjson.loads(response.body)
     assert body == {"error": {"message": "it went wrong", "type": cls.type, "param": "messages[0]", "code": cls.code}}
     assert response.keep_alive is (False if cls.closes_connection else None)
 

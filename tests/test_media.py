@@ -217,7 +217,7 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         if not ipaddress.ip_address(address[0].split("%")[0]).is_loopback:
             attempts.append(address)
             raise OSError(errno.ENETUNREACH, "the test guard refused a non-loopback connection")
-        await real(self, sock, address)  # type: ignore[arg-type]
+        await real(self, sock, address)
 
     monkeypatch.setattr(asyncio.selector_events.BaseSelectorEventLoop, "sock_connect", sock_connect)
     yield

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 
@@ -18,7 +19,7 @@ def one_model(url: str, name: str = "m", accepts: str = "[text]", interval: floa
     )
 
 
-async def post_reload(gw: Gateway, token: str | None) -> tuple[int, dict]:
+async def post_reload(gw: Gateway, token: str | None) -> tuple[int, dict[str, Any]]:
     headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{gw.url}/admin/reload", headers=headers) as resp:

@@ -64,6 +64,7 @@ async def test_serve_reloads_on_sighup_and_stops_on_sigterm(upstream: Upstream, 
         if process.returncode is None:
             process.kill()
             await process.wait()
+    assert process.stdout is not None
     output = (await process.stdout.read()).decode()
     assert "serving 1 models" in output
     assert "generation 2 in effect" in output

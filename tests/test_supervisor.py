@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import aiohttp
 import openai
@@ -18,7 +19,7 @@ from gateway.app import create_app
 from gateway.config import parse_config
 from gateway.state import SERVICES_KEY
 from gateway.supervisor import Timings
-from tests.conftest import Gateway, Upstream, needs_encoder, routing
+from tests.conftest import Gateway, Upstream, error_body, needs_encoder, routing
 from tests.images import image_part, png
 
 
@@ -29,7 +30,7 @@ def local_config(upstream: Upstream) -> str:
     )
 
 
-async def readyz(gw: Gateway) -> tuple[int, dict]:
+async def readyz(gw: Gateway) -> tuple[int, dict[str, Any]]:
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{gw.url}/readyz") as resp:
             return resp.status, await resp.json()
@@ -95,7 +96,7 @@ async def test_a_backend_that_keeps_dying_keeps_the_gateway_unready(upstream_fac
                 await client.chat.completions.create(
                     model="vl", messages=[{"role": "user", "content": [image_part(png())]}]
                 )
-        assert caught.value.body["code"] == "encoder_unavailable"
+        assert error_body(caught.value)["code"] == "encoder_unavailable"
     finally:
         await server.close()
 

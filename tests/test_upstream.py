@@ -11,10 +11,15 @@ from aiohttp import web
 
 from gateway.config import parse_config
 from gateway.state import SERVICES_KEY
-from gateway.upstream import Replicas
-from tests.conftest import free_port, routing
+from gateway.upstream import Replica, Replicas
+from tests.conftest import error_body, free_port, routing
 
 HI = [{"role": "user", "content": "hi"}]
+
+
+def url_of(replica: Replica | None) -> str:
+    assert replica is not None
+    return replica.url
 
 
 def dead_url() -> str:
@@ -53,11 +58,11 @@ def test_choose_skips_tried_and_cooling_down_replicas_until_all_are_down() -> No
     a = replicas.choose(["http://a"], set())
     assert a is not None
     replicas.mark_down(a, "refused")
-    assert [replicas.choose(["http://a", "http://b"], set()).url for _ in range(3)] == ["http://b"] * 3
-    assert replicas.choose(["http://a", "http://b"], {"http://b"}).url == "http://a"  # down, but all else tried
+    assert [url_of(replicas.choose(["http://a", "http://b"], set())) for _ in range(3)] == ["http://b"] * 3
+    assert url_of(replicas.choose(["http://a", "http://b"], {"http://b"})) == "http://a"  # down, but all else tried
     assert not replicas.all_down(["http://a", "http://b"])
     clock.now += 5.0
-    assert {replicas.choose(["http://a", "http://b"], set()).url for _ in range(4)} == {"http://a", "http://b"}
+    assert {url_of(replicas.choose(["http://a", "http://b"], set())) for _ in range(4)} == {"http://a", "http://b"}
 
 
 def test_replica_state_survives_a_reload_by_url() -> None:
@@ -88,10 +93,10 @@ async def test_no_upstream_listening_is_502_then_503_while_cooling_down(gateway_
         with pytest.raises(openai.InternalServerError) as second:
             await client.chat.completions.create(model="m", messages=HI)
     assert first.value.status_code == 502
-    assert first.value.body["code"] == "upstream_unreachable"
-    assert "Could not connect to any upstream of model 'm'" in first.value.body["message"]
+    assert error_body(first.value)["code"] == "upstream_unreachable"
+    assert "Could not connect to any upstream of model 'm'" in error_body(first.value)["message"]
     assert second.value.status_code == 503
-    assert second.value.body["code"] == "no_healthy_upstream"
+    assert error_body(second.value)["code"] == "no_healthy_upstream"
     assert second.value.response.headers["Retry-After"] == "5"
     assert gw.sample("gateway_requests_total", model="m", code="502") == 1
 
@@ -107,7 +112,7 @@ async def test_an_upstream_that_does_not_answer_in_time_is_504(gateway_factory, 
         with pytest.raises(openai.APIStatusError) as caught:
             await client.chat.completions.create(model="m", messages=HI, extra_headers={"X-Standin-Delay-Ms": "3000"})
     assert caught.value.status_code == 504
-    assert caught.value.body["code"] == "upstream_timeout"
+    assert error_body(caught.value)["code"] == "upstream_timeout"
     assert gw.sample("gateway_upstream_requests_total", model="m", upstream=upstream.url, outcome="timeout") == 1
 
 

@@ -48,7 +48,7 @@ async def backend_factory() -> AsyncIterator[Callable[..., Awaitable[Backend]]]:
 
     async def make(**options: object) -> Backend:
         registry = CollectorRegistry()
-        app = build("builtin:vit-small", device="cpu", registry=registry, **options)  # type: ignore[arg-type]
+        app = build("builtin:vit-small", device="cpu", registry=registry, **options)
         server = TestServer(app, host="127.0.0.1", port=0)
         await server.start_server()
         servers.append(server)

@@ -17,7 +17,7 @@ import torch
 from aiohttp import web
 
 from tests.backends.fixtures import Backend, png
-from tests.conftest import Gateway, Upstream, routing
+from tests.conftest import Gateway, Upstream, error_body, routing
 from tests.images import data_url, image_part
 
 
@@ -109,9 +109,9 @@ async def test_an_undecodable_image_is_a_400_naming_the_part(gw: Gateway, upstre
             await client.chat.completions.create(
                 model="vl", messages=[{"role": "user", "content": [image_part(png()), bad]}]
             )
-    assert caught.value.body["code"] == "invalid_image"
-    assert caught.value.body["param"] == "messages[0].content[1]"
-    assert "not a decodable image" in caught.value.body["message"]
+    assert error_body(caught.value)["code"] == "invalid_image"
+    assert error_body(caught.value)["param"] == "messages[0].content[1]"
+    assert "not a decodable image" in error_body(caught.value)["message"]
     assert not upstream.received
     assert gw.sample("gateway_modality_rejections_total", model="vl", modality="image", reason="media_refused") == 1
 
@@ -121,8 +121,8 @@ async def test_a_malformed_data_url_is_refused_before_the_encoder(gw: Gateway, u
     async with gw.client() as client:
         with pytest.raises(openai.BadRequestError) as caught:
             await client.chat.completions.create(model="vl", messages=[{"role": "user", "content": [bad]}])
-    assert caught.value.body["code"] == "invalid_image"
-    assert caught.value.body["param"] == "messages[0].content[0]"
+    assert error_body(caught.value)["code"] == "invalid_image"
+    assert error_body(caught.value)["param"] == "messages[0].content[0]"
     assert backend.sample("vision_encoder_cache_misses_total") == 0
 
 
@@ -145,7 +145,7 @@ async def test_image_urls_are_fetched_under_the_media_rules(gateway_factory, ups
         async with refusing.client() as client:
             with pytest.raises(openai.BadRequestError) as caught:
                 await client.chat.completions.create(model="vl", messages=message)
-        assert caught.value.body["code"] == "media_refused"
+        assert error_body(caught.value)["code"] == "media_refused"
         allowing = await gateway_factory(
             epd_config(upstream, [backend.url], extra="media: {allow_private_networks: true}\n")
         )
@@ -167,7 +167,7 @@ async def test_an_unreachable_encoder_is_503_encoder_unavailable(gateway_factory
                 model="vl", messages=[{"role": "user", "content": [image_part(png())]}]
             )
     assert caught.value.status_code == 503
-    assert caught.value.body["code"] == "encoder_unavailable"
+    assert error_body(caught.value)["code"] == "encoder_unavailable"
     assert not upstream.received
     assert gw.sample("gateway_encoder_requests_total", encoder="vision", outcome="connect_error") == 1
 

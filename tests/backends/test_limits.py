@@ -21,7 +21,7 @@ from backends.vision_encoder.limits import DecodeLimits, PixelBudget
 )
 def test_limits_below_one_are_refused(options: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        DecodeLimits(**options)  # type: ignore[arg-type]
+        DecodeLimits(**options)
 
 
 async def started(budget: PixelBudget, pixels: int) -> asyncio.Task[None]:

@@ -25,7 +25,8 @@ from backends.vision_encoder.preprocess import (
     smart_resize,
     to_tensor,
 )
-from tests.backends.fixtures import RGBA_BOMB, SLIVER, flat_png
+from tests.backends.fixtures import RGBA_BOMB, SLIVER
+from tests.images import flat_png
 
 CAP = 10_000_000
 

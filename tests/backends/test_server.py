@@ -6,12 +6,14 @@ import asyncio
 import base64
 import hashlib
 import io
+from typing import Any
 
 import aiohttp
 import pytest
 import torch
 
-from tests.backends.fixtures import RGBA_BOMB, SLIVER, Backend, flat_png, png
+from tests.backends.fixtures import RGBA_BOMB, SLIVER, Backend, png
+from tests.images import flat_png
 
 
 def load_embeds(value: str) -> torch.Tensor:
@@ -19,7 +21,7 @@ def load_embeds(value: str) -> torch.Tensor:
     return torch.load(io.BytesIO(base64.b64decode(value)), weights_only=True)
 
 
-async def post(backend: Backend, data: bytes) -> tuple[int, dict]:
+async def post(backend: Backend, data: bytes) -> tuple[int, dict[str, Any]]:
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{backend.url}/v1/encode", data=data) as resp:
             return resp.status, await resp.json()
