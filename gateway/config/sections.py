@@ -56,13 +56,9 @@ class Parser(Readers):
         )
 
     def server(self, value: Any) -> ServerConfig:
-        d = ServerConfig()
-        raw = self.mapping(value, "server", SERVER_KEYS, what="server")
-        if raw is None:
-            return d
-
-        get = _fields(raw, "server", d)
-
+        get = self._section(value, "server", SERVER_KEYS, ServerConfig())
+        if get is None:
+            return ServerConfig()
         return ServerConfig(
             host=self.string(*get("host")),
             port=self.integer(*get("port"), minimum=0, maximum=65535),
@@ -85,24 +81,25 @@ class Parser(Readers):
         )
 
     def media(self, value: Any) -> MediaConfig:
-        d = MediaConfig()
-        raw = self.mapping(value, "media", MEDIA_KEYS, what="media")
-        if raw is None:
-            return d
-
-        get = _fields(raw, "media", d)
-
-        domains = [
-            (d, where)
-            for d, where in self.string_list(raw.get("allow_domains", []), "media.allow_domains")
-            if self.host_name(d, where)
-        ]
+        get = self._section(value, "media", MEDIA_KEYS, MediaConfig())
+        if get is None:
+            return MediaConfig()
+        raw_domains, where_domains, _ = get("allow_domains")
+        listed = self.string_list([] if raw_domains is MISSING else raw_domains, where_domains)
+        domains = [(d, where) for d, where in listed if self.host_name(d, where)]
         return MediaConfig(
             allow_domains=tuple(d.lower() for d, _ in domains),
             allow_private_networks=self.boolean(*get("allow_private_networks")),
             fetch_timeout_s=self.number(*get("fetch_timeout_s")),
             max_image_bytes=self.integer(*get("max_image_bytes"), minimum=1),
         )
+
+    def _section(
+        self, value: Any, name: str, keys: tuple[str, ...], defaults: object
+    ) -> Callable[[str], tuple[Any, str, Any]] | None:
+        """The field reader of a top-level section, or None when it is not a mapping (said so)."""
+        raw = self.mapping(value, name, keys, what=name)
+        return None if raw is None else _fields(raw, name, defaults)
 
     def encoders(self, value: Any) -> dict[str, EncoderConfig]:
         if not isinstance(value, dict):
