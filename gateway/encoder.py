@@ -70,7 +70,6 @@ class EncoderClient:
         self._metrics = metrics
         self.fetcher = fetcher
         self._local_urls = local_urls  # the supervisor's answer: where a local encoder listens, once ready
-        self._encoders: Mapping[str, EncoderConfig] = {}
         self._replicas: dict[str, Replicas] = {}
         self._session: aiohttp.ClientSession | None = None
 
@@ -88,26 +87,29 @@ class EncoderClient:
             await self._session.close()
 
     def update(self, config: GatewayConfig) -> None:
-        self._encoders = config.encoders
         self._replicas = {
             name: self._replicas.get(name) or Replicas(cooldown_s=config.server.upstream_cooldown_s)
             for name in config.encoders
         }
         self.fetcher.update(config.media)
 
-    def urls(self, name: str) -> list[str]:
-        spec = self._encoders.get(name)
-        if spec is None:
-            return []
+    def urls(self, spec: EncoderConfig) -> list[str]:
         if spec.kind == "http":
             return list(spec.urls)
-        url = self._local_urls(name)
+        url = self._local_urls(spec.name)
         return [url] if url else []
 
-    async def encode(self, plan: RoutePlan, body: Mapping[str, Any], *, request_id: str) -> Replacements:
-        """New parts for the request's encodable images. Raises 400s for bad media, EncoderError."""
+    async def encode(
+        self, plan: RoutePlan, body: Mapping[str, Any], *, request_id: str, encoders: Mapping[str, EncoderConfig]
+    ) -> Replacements:
+        """New parts for the request's encodable images. Raises 400s for bad media, EncoderError.
+
+        ``encoders`` is the table of the config the request was admitted under: a reload that
+        removes the encoder while the request's images are fetched must not pull it away.
+        """
         name = plan.encoder
         assert name is not None
+        spec = encoders[name]  # validation guarantees it for the plan's own config
         messages = body["messages"]
         located: list[tuple[Part, str]] = []
         for part in plan.encode_parts:
@@ -127,7 +129,7 @@ class EncoderClient:
         limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)
         replies = await asyncio.gather(
             *(
-                self._bounded(limit, self._encode_one(name, data, first_part[sha], model, request_id))
+                self._bounded(limit, self._encode_one(spec, data, first_part[sha], model, request_id))
                 for sha, data in unique.items()
             ),
             return_exceptions=True,
@@ -173,11 +175,12 @@ class EncoderClient:
         async with limit:
             return await work
 
-    async def _encode_one(self, name: str, data: bytes, part: Part, model: str, request_id: str) -> Any:
+    async def _encode_one(self, spec: EncoderConfig, data: bytes, part: Part, model: str, request_id: str) -> Any:
         assert self._session is not None, "EncoderClient.start() was not called"
-        spec = self._encoders[name]
-        replicas = self._replicas[name]
-        urls = self.urls(name)
+        name = spec.name
+        # gone from the current config (a reload since admission): its health is no longer tracked
+        replicas = self._replicas.get(name) or Replicas(cooldown_s=0)
+        urls = self.urls(spec)
         replicas.set_urls(urls)
         timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
         headers = {"Content-Type": "application/octet-stream", "X-Request-Id": request_id}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
@@ -13,7 +13,7 @@ from aiohttp import web
 
 from .admission import RoutePlan, admit, lookup, rewrite
 from .body import dump_body, exact, read_json
-from .config import GatewayConfig, ModelConfig
+from .config import EncoderConfig, GatewayConfig, ModelConfig
 from .encoder import Replacements
 from .errors import (
     AuthenticationError,
@@ -44,7 +44,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     headers = {}
     replacements: Replacements = {}
     if plan.encode_parts:
-        replacements = await _encode(request, services, plan, body)
+        replacements = await _encode(request, services, plan, body, config.encoders)
         headers["X-Gateway-Encoded"] = str(len(replacements))
         if replacements:
             _check_grown_size(config, raw, replacements)
@@ -55,9 +55,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _forward(request, services, config, plan.model, data, plan.route, headers, stream=_streams(body))
 
 
-async def _encode(request: web.Request, services: Services, plan: RoutePlan, body: dict[str, Any]) -> Replacements:
+async def _encode(
+    request: web.Request,
+    services: Services,
+    plan: RoutePlan,
+    body: dict[str, Any],
+    encoders: Mapping[str, EncoderConfig],
+) -> Replacements:
     try:
-        return await services.encoder.encode(plan, body, request_id=request[REQUEST_ID_KEY])
+        return await services.encoder.encode(plan, body, request_id=request[REQUEST_ID_KEY], encoders=encoders)
     except EncoderError as exc:
         if plan.model.on_encoder_error != "passthrough":
             raise

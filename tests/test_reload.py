@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from tests.conftest import Gateway, routing
+from tests.images import png
 
 TOKEN_ENV = "MODALITY_GATEWAY_TEST_ADMIN_TOKEN"
 
@@ -106,3 +109,51 @@ async def test_reload_without_a_file_is_a_clear_400(gateway_factory, upstream, m
     gw = await gateway_factory(one_model(upstream.url))
     status, body = await post_reload(gw, "s3cret")
     assert status == 400 and "without a config file" in body["error"]["message"]
+
+
+async def test_a_reload_between_admission_and_encoding_does_not_pull_the_encoder_away(
+    gateway_factory, upstream_factory, monkeypatch
+) -> None:
+    # The request holds the config it was admitted under; a reload that removes its encoder while
+    # its image is still being fetched used to make it a 500 (KeyError in the encoder client).
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    fetching, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_image(request: web.Request) -> web.Response:
+        fetching.set()
+        await release.wait()
+        return web.Response(body=png(), content_type="image/png")
+
+    async def encode(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"image_embeds": "QUFB"})
+
+    media_app, encoder_app = web.Application(), web.Application()
+    media_app.router.add_get("/cat.png", slow_image)
+    encoder_app.router.add_post("/v1/encode", encode)
+    media, encoder = await upstream_factory("media", media_app), await upstream_factory("enc", encoder_app)
+    upstream = await upstream_factory("up")
+    head = f"server: {{admin_token_env: {TOKEN_ENV}, reload_interval_s: 0}}\nmedia: {{allow_private_networks: true}}\n"
+    before = (
+        f"version: 1\n{head}encoders:\n  enc: {{kind: http, urls: [{encoder.url}]}}\nmodels:\n"
+        f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text, image], encode: {{image: enc}}}}\n"
+    )
+    after = f"version: 1\n{head}models:\n  - {{name: m, upstreams: [{upstream.url}], accepts: [text, image]}}\n"
+    gw = await gateway_factory(before, write_file=True)
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{media.url}/cat.png"}}]}
+        ],
+    }
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.create_task(session.post(f"{gw.url}/v1/chat/completions", json=body))
+        await fetching.wait()  # admitted, encoder chosen, image on its way
+        (Path(gw.config.source)).write_text(after)
+        assert (await post_reload(gw, "s3cret"))[0] == 200
+        assert gw.config.encoders == {}
+        release.set()
+        async with await request as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["X-Gateway-Encoded"] == "1"
+    assert upstream.received[0].json()["messages"][0]["content"][0]["type"] == "image_embeds"
