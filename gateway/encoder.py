@@ -71,6 +71,7 @@ class EncoderClient:
         self.fetcher = fetcher
         self._local_urls = local_urls  # the supervisor's answer: where a local encoder listens, once ready
         self._replicas: dict[str, Replicas] = {}
+        self._connect_timeout_s = 5.0
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self, config: GatewayConfig) -> None:
@@ -87,6 +88,7 @@ class EncoderClient:
             await self._session.close()
 
     def update(self, config: GatewayConfig) -> None:
+        self._connect_timeout_s = config.server.upstream_connect_timeout_s
         self._replicas = {
             name: self._replicas.get(name) or Replicas(cooldown_s=config.server.upstream_cooldown_s)
             for name in config.encoders
@@ -182,7 +184,8 @@ class EncoderClient:
         replicas = self._replicas.get(name) or Replicas(cooldown_s=0)
         urls = self.urls(spec)
         replicas.set_urls(urls)
-        timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
+        # a backend that does not accept the connection is skipped, like an upstream replica
+        timeout = aiohttp.ClientTimeout(total=spec.timeout_s, sock_connect=self._connect_timeout_s)
         headers = {"Content-Type": "application/octet-stream", "X-Request-Id": request_id}
         tried: set[str] = set()
         last_status: tuple[int, bytes] | None = None
@@ -197,7 +200,7 @@ class EncoderClient:
                     ) as resp:
                         payload = await resp.read()
                         status = resp.status
-                except aiohttp.ClientConnectorError as exc:
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                     replicas.mark_down(replica, f"{type(exc).__name__}")
                     self._count(name, "connect_error")
                     continue

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gzip
 import io
+import socket
 import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
@@ -600,3 +602,53 @@ async def test_the_gateway_keeps_serving_after_all_of_it(gateway_factory, upstre
         assert status == 400, payload
     status, _, _ = await post(gw, orjson.dumps(chat_body("chat", "hi")))
     assert status == 200
+
+
+# --- issue 8: an encoder backend that never accepts a connection --------------------------------
+
+
+def black_hole() -> tuple[socket.socket, list[socket.socket]]:
+    """A loopback port whose accept queue is full: the kernel drops further SYNs, so a connect hangs."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    fillers = []
+    for _ in range(4):
+        filler = socket.socket()
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(server.getsockname())
+        fillers.append(filler)
+    return server, fillers
+
+
+async def test_an_encoder_that_accepts_no_connection_is_skipped_at_the_connect_timeout(
+    gateway_factory, upstream, encoder
+):
+    fake, good_url = encoder
+    server, fillers = black_hole()
+    try:
+        host, port = server.getsockname()
+        try:
+            async with asyncio.timeout(0.3):
+                await asyncio.open_connection(host, port)
+            pytest.skip("this kernel accepts connections past a full accept queue")
+        except TimeoutError:
+            pass
+        hole = f"http://{host}:{port}"
+        gw = await gateway_factory(
+            routing(
+                f"  - {{name: epd, upstreams: [{upstream.url}], accepts: [text, image], encode: {{image: enc}}}}",
+                extra=f"encoders:\n  enc: {{kind: http, urls: [{hole}, {good_url}], timeout_s: 30}}\n",
+                server="{upstream_connect_timeout_s: 0.3}",
+            )
+        )
+        for i in range(2):  # one of the two tries the black hole first
+            status, _, elapsed = await post(gw, orjson.dumps(chat_body("epd", [image(PNG_1X1 + bytes([i]))])))
+            assert status == 200
+            assert elapsed < 10.0  # the encode timeout (30 s) was spent waiting for it before
+        assert fake.calls == 2
+        assert gw.sample("gateway_encoder_requests_total", encoder="enc", outcome="connect_error") >= 1
+    finally:
+        for sock in (server, *fillers):
+            sock.close()
