@@ -31,9 +31,9 @@ import aiohttp
 import orjson
 
 from .admission import RoutePlan
-from .config import EncoderConfig, GatewayConfig
+from .config import EncoderConfig, GatewayConfig, ServerConfig
 from .errors import EncoderError, GatewayError, InvalidImageError, MediaRefusedError, Rejection
-from .media import MediaFetcher
+from .media import MediaFetcher, is_data_url
 from .metrics import GatewayMetrics
 from .modality import Part
 from .upstream import KEEPALIVE_TIMEOUT_S, Replicas
@@ -71,7 +71,7 @@ class EncoderClient:
         self.fetcher = fetcher
         self._local_urls = local_urls  # the supervisor's answer: where a local encoder listens, once ready
         self._replicas: dict[str, Replicas] = {}
-        self._connect_timeout_s = 5.0
+        self._connect_timeout_s = ServerConfig().upstream_connect_timeout_s  # until update() gives the config's
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self, config: GatewayConfig) -> None:
@@ -148,14 +148,14 @@ class EncoderClient:
         # Each distinct fetched URL once. Data URLs are not compared (hashing a 30 MB string holds
         # the event loop for 30 ms); identical images are merged by their sha256 anyway.
         urls: list[str] = []
-        slots: list[int] = []
-        seen: dict[str, int] = {}
+        slots: list[int] = []  # per located part, its index in urls
+        fetched: dict[str, int] = {}
         for _, url in located:
-            if url[:5].lower() != "data:":
-                url_slot = seen.setdefault(url, len(urls))
-                if url_slot < len(urls):
-                    slots.append(url_slot)
+            if not is_data_url(url):
+                if url in fetched:
+                    slots.append(fetched[url])
                     continue
+                fetched[url] = len(urls)
             slots.append(len(urls))
             urls.append(url)
         limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)

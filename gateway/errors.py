@@ -28,9 +28,10 @@ The tree (status, OpenAI ``type``, stable ``code``)::
 ``HTTPStatusError`` carries any other status aiohttp raises itself (``http_417``, ...) in the same
 shape; the encoder backend's errors (backends/vision_encoder/errors.py) are GatewayErrors too.
 
-Errors are raised anywhere and rendered only by ``middlewares.error_middleware`` through
-:meth:`GatewayError.to_dict`. An error that rejects part of a request's content carries a
-:class:`Rejection`, which the middleware counts in ``gateway_modality_rejections_total``.
+Errors are raised anywhere and rendered only by :func:`render` (called by
+``middlewares.error_middleware``, and by the encoder backend's middleware). An error that rejects
+part of a request's content carries a :class:`Rejection`, which the middleware counts in
+``gateway_modality_rejections_total``.
 
 ``ConfigError`` stands apart: it describes a bad routing.yaml and never reaches HTTP.
 """
@@ -40,6 +41,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+import orjson
+from aiohttp import web
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +60,11 @@ class GatewayError(Exception):
     status: ClassVar[int] = 500
     type: ClassVar[str] = "server_error"
     code: ClassVar[str] = "internal_error"
-    # True when the rest of the request cannot be trusted or waited for (a body still trickling in)
+    # True when the connection cannot be reused after the answer (the rest of the body is unread)
     closes_connection: ClassVar[bool] = False
+    # True when the rest of the body is not even waited for: closed right after the answer, where
+    # aiohttp would otherwise linger up to 10 s for it (a body that trickles in)
+    stops_reading: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -144,6 +151,7 @@ class RequestTimeoutError(GatewayError):
     type = "invalid_request_error"
     code = "request_timeout"
     closes_connection = True
+    stops_reading = True
 
 
 class PayloadTooLargeError(GatewayError):
@@ -192,6 +200,15 @@ class NoHealthyUpstreamError(UpstreamError):
 class EncoderError(GatewayError):
     status = 503
     code = "encoder_unavailable"
+
+
+def render(error: GatewayError) -> web.Response:
+    """The only place a GatewayError becomes a response."""
+    response = web.Response(status=error.status, body=orjson.dumps(error.to_dict()), content_type="application/json")
+    response.headers.update(error.headers)
+    if error.closes_connection:
+        response.force_close()
+    return response
 
 
 def clip(text: str, limit: int = 64) -> str:

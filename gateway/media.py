@@ -138,7 +138,7 @@ class MediaFetcher:
     async def load(self, url: str) -> bytes:
         """The bytes behind ``url``; raises MediaRefusedError or InvalidImageError."""
         media, domains = self._media, self._domains  # one set of rules for the whole fetch
-        if url[:5].lower() == "data:":
+        if is_data_url(url):
             if len(url) > DECODE_IN_THREAD_CHARS:
                 return await asyncio.to_thread(decode_data_url, url, max_bytes=media.max_image_bytes)
             return decode_data_url(url, max_bytes=media.max_image_bytes)
@@ -186,6 +186,10 @@ def _check(url: URL, media: MediaConfig, domains: tuple[str, ...], what: str) ->
         raise MediaRefusedError(
             f"{what} host '{url.host}' is not a public address (media.allow_private_networks is false)"
         )
+
+
+def is_data_url(url: str) -> bool:
+    return url[:5].lower() == "data:"
 
 
 def decode_data_url(url: str, *, max_bytes: int) -> bytes:

@@ -12,12 +12,11 @@ import logging
 import time
 import uuid
 
-import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from .body import body_too_large
-from .errors import GatewayError, HTTPStatusError, MethodNotAllowedError, NotFoundError, RequestTimeoutError, clip
+from .errors import GatewayError, HTTPStatusError, MethodNotAllowedError, NotFoundError, clip, render
 from .metrics import UNKNOWN_MODEL
 from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY
 from .upstream import RelayResponse
@@ -75,7 +74,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             r = exc.rejection
             request.app[SERVICES_KEY].metrics.rejections.labels(r.model, r.modality, r.reason).inc()
         response = render(exc)
-        if isinstance(exc, RequestTimeoutError):
+        if exc.stops_reading:
             await _send_and_close(request, response)
         return response
     except web.HTTPException as exc:
@@ -126,15 +125,6 @@ async def _send_and_close(request: web.Request, response: web.Response) -> None:
         pass
     if request.transport is not None:
         request.transport.close()  # after the buffered answer is written
-
-
-def render(error: GatewayError) -> web.Response:
-    """The only place a GatewayError becomes a response."""
-    response = web.Response(status=error.status, body=orjson.dumps(error.to_dict()), content_type="application/json")
-    response.headers.update(error.headers)
-    if error.closes_connection:
-        response.force_close()
-    return response
 
 
 def _from_http_exception(request: web.Request, exc: web.HTTPException) -> GatewayError:

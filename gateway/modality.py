@@ -142,7 +142,7 @@ def _embeds_field(key: str) -> Callable[[Mapping[str, Any]], str | None]:
 def _input_image(part: Mapping[str, Any]) -> str | None:
     if isinstance(part.get("file_id"), str) and "image_url" not in part:
         return None
-    return _input_image_url(part)
+    return _BARE_URL["image_url"](part)
 
 
 def _input_audio(part: Mapping[str, Any]) -> str | None:
@@ -157,8 +157,8 @@ def _input_audio(part: Mapping[str, Any]) -> str | None:
 
 
 _Check = Callable[[Mapping[str, Any]], str | None]
-# The Responses API sends input_image's image_url as a string.
-_input_image_url = _url_field("image_url", bare=True)
+# URL parts that may carry a bare string: untyped ones (vLLM), and input_image (the Responses API).
+_BARE_URL: Mapping[str, _Check] = {key: _url_field(key, bare=True) for key in ("image_url", "video_url", "audio_url")}
 
 # part type -> (modality, validator)
 PART_TYPES: Mapping[str, tuple[Modality, _Check]] = {
@@ -191,7 +191,7 @@ TEXT_FIELDS: Mapping[str, str] = {
 UNTYPED_MEDIA_KEYS = ("image_url", "image_embeds", "video_url", "input_audio", "audio_url", "audio_embeds")
 _UNTYPED_CHECKS: Mapping[str, _Check] = {
     **{key: check for key, (_, check) in PART_TYPES.items() if key in UNTYPED_MEDIA_KEYS},
-    **{key: _url_field(key, bare=True) for key in ("image_url", "video_url", "audio_url")},
+    **_BARE_URL,
 }
 
 

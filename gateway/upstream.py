@@ -162,12 +162,13 @@ class _Deadlines:
                 self.upstream_idle = True
                 self._upstream.content.set_exception(aiohttp.ServerTimeoutError("stream idle"))
                 return
-        due = [now + min(self.client_write, self.stream_idle or self.client_write)]
         if writing is not None:
-            due.append(writing + self.client_write)
+            due = writing + self.client_write
         elif waiting is not None and self.stream_idle is not None:
-            due.append(waiting + self.stream_idle)
-        self._handle = self._loop.call_at(min(due), self._check)
+            due = waiting + self.stream_idle
+        else:  # neither writing nor waiting between chunks yet: look again within the shorter span
+            due = now + min(self.client_write, self.stream_idle or self.client_write)
+        self._handle = self._loop.call_at(due, self._check)
 
     def cancel(self) -> None:
         self._handle.cancel()

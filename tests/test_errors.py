@@ -10,8 +10,7 @@ import orjson
 import pytest
 
 from gateway import errors
-from gateway.errors import GatewayError, Rejection
-from gateway.middlewares import render
+from gateway.errors import GatewayError, Rejection, render
 
 CLASSES = sorted(
     (

@@ -27,7 +27,7 @@ from PIL import Image
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, render
 
 from .batching import BatchStats, DynamicBatcher, QueueFullError
 from .errors import (
@@ -89,13 +89,6 @@ class EncoderMetrics:
 
 SERVICE_KEY = web.AppKey("service", EncoderService)
 METRICS_KEY = web.AppKey("metrics", EncoderMetrics)
-
-
-def render(error: GatewayError) -> web.Response:
-    """The only place an error becomes a response."""
-    return web.Response(
-        status=error.status, body=orjson.dumps(error.to_dict()), content_type="application/json", headers=error.headers
-    )
 
 
 @web.middleware

@@ -9,7 +9,7 @@ import pytest
 
 from backends.vision_encoder import errors
 from backends.vision_encoder.errors import BackendError
-from backends.vision_encoder.server import render
+from gateway.errors import render
 
 CLASSES = [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, BackendError)]
 assert CLASSES
