@@ -66,6 +66,30 @@ class GatewayError(Exception):
     # aiohttp would otherwise linger up to 10 s for it (a body that trickles in)
     stops_reading: ClassVar[bool] = False
 
+    def __init_subclass__(
+        cls,
+        *,
+        status: int | None = None,
+        type: str | None = None,  # the OpenAI field's name
+        code: str | None = None,
+        closes_connection: bool | None = None,
+        stops_reading: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """A subclass states what differs from its parent in its class line:
+        ``class TooManyItemsError(InvalidRequestError, code="too_many_items")``."""
+        super().__init_subclass__(**kwargs)
+        given = {
+            "status": status,
+            "type": type,
+            "code": code,
+            "closes_connection": closes_connection,
+            "stops_reading": stops_reading,
+        }
+        for name, value in given.items():
+            if value is not None:
+                setattr(cls, name, value)
+
     def __init__(
         self,
         message: str,
@@ -84,122 +108,87 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class InvalidRequestError(GatewayError):
-    status = 400
-    type = "invalid_request_error"
-    code = "invalid_request"
+class InvalidRequestError(GatewayError, status=400, type="invalid_request_error", code="invalid_request"): ...
 
 
-class UnreadableBodyError(InvalidRequestError):
+class UnreadableBodyError(InvalidRequestError, closes_connection=True):
     """A body that cannot be decoded (corrupt gzip); the connection cannot be reused after it."""
 
-    closes_connection = True
+
+class UnsupportedModalityError(InvalidRequestError, code="unsupported_modality"): ...
 
 
-class UnsupportedModalityError(InvalidRequestError):
-    code = "unsupported_modality"
+class TooManyItemsError(InvalidRequestError, code="too_many_items"): ...
 
 
-class TooManyItemsError(InvalidRequestError):
-    code = "too_many_items"
+class InvalidContentPartError(InvalidRequestError, code="invalid_content_part"): ...
 
 
-class InvalidContentPartError(InvalidRequestError):
-    code = "invalid_content_part"
+class InvalidImageError(InvalidRequestError, code="invalid_image"): ...
 
 
-class InvalidImageError(InvalidRequestError):
-    code = "invalid_image"
+class MediaRefusedError(InvalidRequestError, code="media_refused"): ...
 
 
-class MediaRefusedError(InvalidRequestError):
-    code = "media_refused"
+class AuthenticationError(GatewayError, status=401, type="authentication_error", code="invalid_admin_token"): ...
 
 
-class AuthenticationError(GatewayError):
-    status = 401
-    type = "authentication_error"
-    code = "invalid_admin_token"
+class PermissionDeniedError(GatewayError, status=403, type="permission_error", code="admin_disabled"): ...
 
 
-class PermissionDeniedError(GatewayError):
-    status = 403
-    type = "permission_error"
-    code = "admin_disabled"
+class NotFoundError(GatewayError, status=404, type="invalid_request_error", code="not_found"): ...
 
 
-class NotFoundError(GatewayError):
-    status = 404
-    type = "invalid_request_error"
-    code = "not_found"
+class ModelNotFoundError(NotFoundError, code="model_not_found"): ...
 
 
-class ModelNotFoundError(NotFoundError):
-    code = "model_not_found"
+class MethodNotAllowedError(GatewayError, status=405, type="invalid_request_error", code="method_not_allowed"): ...
 
 
-class MethodNotAllowedError(GatewayError):
-    status = 405
-    type = "invalid_request_error"
-    code = "method_not_allowed"
-
-
-class RequestTimeoutError(GatewayError):
+class RequestTimeoutError(
+    GatewayError,
+    status=408,
+    type="invalid_request_error",
+    code="request_timeout",
+    closes_connection=True,
+    stops_reading=True,
+):
     """The client took too long to send its request; the connection is closed after the answer."""
 
-    status = 408
-    type = "invalid_request_error"
-    code = "request_timeout"
-    closes_connection = True
-    stops_reading = True
+
+class PayloadTooLargeError(
+    GatewayError, status=413, type="invalid_request_error", code="payload_too_large", closes_connection=True
+):
+    """The body is over a limit; the rest of it is not read."""
 
 
-class PayloadTooLargeError(GatewayError):
-    status = 413
-    type = "invalid_request_error"
-    code = "payload_too_large"
-    closes_connection = True  # the rest of the body is not read
-
-
-class UnsupportedEncodingError(GatewayError):
+class UnsupportedEncodingError(
+    GatewayError,
+    status=415,
+    type="invalid_request_error",
+    code="unsupported_content_encoding",
+    closes_connection=True,
+):
     """A Content-Encoding the gateway does not decode; the body is not read."""
 
-    status = 415
-    type = "invalid_request_error"
-    code = "unsupported_content_encoding"
-    closes_connection = True
 
-
-class InvalidConfigError(GatewayError):
+class InvalidConfigError(GatewayError, status=422, type="invalid_request_error", code="invalid_config"):
     """POST /admin/reload found routing.yaml invalid; the running config stays."""
 
-    status = 422
-    type = "invalid_request_error"
-    code = "invalid_config"
+
+class UpstreamError(GatewayError, status=502, code="upstream_error"): ...
 
 
-class UpstreamError(GatewayError):
-    status = 502
-    code = "upstream_error"
+class UpstreamConnectError(UpstreamError, code="upstream_unreachable"): ...
 
 
-class UpstreamConnectError(UpstreamError):
-    code = "upstream_unreachable"
+class UpstreamTimeoutError(UpstreamError, status=504, code="upstream_timeout"): ...
 
 
-class UpstreamTimeoutError(UpstreamError):
-    status = 504
-    code = "upstream_timeout"
+class NoHealthyUpstreamError(UpstreamError, status=503, code="no_healthy_upstream"): ...
 
 
-class NoHealthyUpstreamError(UpstreamError):
-    status = 503
-    code = "no_healthy_upstream"
-
-
-class EncoderError(GatewayError):
-    status = 503
-    code = "encoder_unavailable"
+class EncoderError(GatewayError, status=503, code="encoder_unavailable"): ...
 
 
 def render(error: GatewayError) -> web.Response:

@@ -32,28 +32,16 @@ class BackendError(GatewayError):
     """The backend's own failures (500 internal_error); its 4xx and 5xx below."""
 
 
-class InvalidImageError(BackendError):
-    status = 400
-    type = "invalid_request_error"
-    code = "invalid_image"
+class InvalidImageError(BackendError, status=400, type="invalid_request_error", code="invalid_image"): ...
 
 
-class ImageTooLargeError(BackendError):
-    status = 413
-    type = "invalid_request_error"
-    code = "payload_too_large"
+class ImageTooLargeError(BackendError, status=413, type="invalid_request_error", code="payload_too_large"): ...
 
 
-class OverloadedError(BackendError):
-    status = 503
-    code = "encoder_overloaded"
+class OverloadedError(BackendError, status=503, code="encoder_overloaded"): ...
 
 
-class UnhealthyError(BackendError):
-    status = 503
-    code = "encoder_unhealthy"
+class UnhealthyError(BackendError, status=503, code="encoder_unhealthy"): ...
 
 
-class EncodeTimeoutError(BackendError):
-    status = 504
-    code = "encoder_timeout"
+class EncodeTimeoutError(BackendError, status=504, code="encoder_timeout"): ...

@@ -22,24 +22,14 @@ from typing import Any
 
 import torch
 from PIL import Image
-from torch import nn
 
 from ..preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, center_crop, resize_exact, resize_shortest_edge, to_tensor
-from .base import Prepared, TowerError, TowerInfo, checkpoint_info
-from .hf_checkpoint import (
-    PROCESSOR_FILE,
-    FixedSizeTower,
-    PixelNorm,
-    fingerprint,
-    load_model,
-    positive_int,
-    read_json,
-    resample_of,
-    vision_config,
-)
+from . import hf_checkpoint as hf
+from .base import Prepared, TowerError
 
 NAME = "clip"
 VERSION = 1  # bump when the output or the preprocessing of the same files changes
+OUTPUT = "last_hidden_state (CLS first, no post_layernorm)"  # what /health says the embeddings are
 
 
 @dataclass(frozen=True)
@@ -60,20 +50,10 @@ class ClipResize:
         return center_crop(pixels, *self.crop).contiguous() if self.crop is not None else pixels
 
 
-class ClipTower(FixedSizeTower):
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        resize: ClipResize,
-        tokens: int,
-        norm: PixelNorm,
-        info: TowerInfo,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        self.model, self.resize, self.tokens, self.norm = model, resize, tokens, norm
-        self.info, self.device, self.dtype = info, device, dtype
+@dataclass(eq=False, kw_only=True)
+class ClipTower(hf.FixedSizeTower):
+    resize: ClipResize
+    tokens: int
 
     def prepare(self, image: Image.Image) -> Prepared:
         return Prepared(self.resize(image), self.tokens)
@@ -83,26 +63,17 @@ def load_clip(path: Path, config: dict[str, Any], *, device: torch.device, dtype
     from transformers import CLIPConfig, CLIPVisionConfig, CLIPVisionModel
 
     full = config.get("model_type") == "clip"
-    vision = vision_config(path, config, CLIPConfig, CLIPVisionConfig, "clip", "CLIP")
-    processor_file = path / PROCESSOR_FILE
-    processor = read_json(processor_file)
+    vision = hf.vision_config(path, config, CLIPConfig, CLIPVisionConfig, "clip", "CLIP")
+    processor_file = path / hf.PROCESSOR_FILE
+    processor = hf.read_json(processor_file)
     resize = _resize(processor, processor_file, vision.image_size)
-    norm = PixelNorm.from_processor(processor, processor_file, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
+    norm = hf.PixelNorm.from_processor(processor, processor_file, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
 
     prefixes = ("vision_model.",) if full else ("vision_model.", "")
-    model, digest = load_model(path, lambda: CLIPVisionModel(vision), prefixes=prefixes, device=device, dtype=dtype)
+    model, digest = hf.load_model(path, lambda: CLIPVisionModel(vision), prefixes=prefixes, device=device, dtype=dtype)
     tokens = 1 + (vision.image_size // vision.patch_size) ** 2
-    info = checkpoint_info(
-        NAME,
-        source=str(path),
-        fingerprint=fingerprint(NAME, VERSION, path, digest, dtype),
-        hidden_size=vision.hidden_size,
-        image_size=vision.image_size,
-        patch_size=vision.patch_size,
-        tokens_per_image=tokens,
-        output="last_hidden_state (CLS first, no post_layernorm)",
-    )
-    return ClipTower(model, resize=resize, tokens=tokens, norm=norm, info=info, device=device, dtype=dtype)
+    info = hf.fixed_size_info(NAME, VERSION, path, vision, digest=digest, dtype=dtype, tokens=tokens, output=OUTPUT)
+    return ClipTower(model=model, resize=resize, tokens=tokens, norm=norm, info=info, device=device, dtype=dtype)
 
 
 def _resize(processor: dict[str, Any], where: Path, image_size: int) -> ClipResize:
@@ -116,9 +87,10 @@ def _resize(processor: dict[str, Any], where: Path, image_size: int) -> ClipResi
         raise TowerError(f"{where}: size must be an object, got {size!r}")
     shortest, exact = None, None
     if "shortest_edge" in size and size.get("longest_edge") is None:
-        shortest = positive_int(size["shortest_edge"], "size.shortest_edge", where)
+        shortest = hf.positive_int(size["shortest_edge"], "size.shortest_edge", where)
     elif "height" in size and "width" in size:
-        exact = positive_int(size["height"], "size.height", where), positive_int(size["width"], "size.width", where)
+        height = hf.positive_int(size["height"], "size.height", where)
+        exact = height, hf.positive_int(size["width"], "size.width", where)
     else:
         raise TowerError(f"{where}: size must be {{'shortest_edge': N}} or {{'height': H, 'width': W}}, got {size}")
     crop = None
@@ -129,11 +101,11 @@ def _resize(processor: dict[str, Any], where: Path, image_size: int) -> ClipResi
         if not isinstance(crop_size, dict) or "height" not in crop_size or "width" not in crop_size:
             raise TowerError(f"{where}: crop_size must be {{'height': H, 'width': W}}, got {crop_size!r}")
         crop = (
-            positive_int(crop_size["height"], "crop_size.height", where),
-            positive_int(crop_size["width"], "crop_size.width", where),
+            hf.positive_int(crop_size["height"], "crop_size.height", where),
+            hf.positive_int(crop_size["width"], "crop_size.width", where),
         )
     final = crop or exact
     if final != (image_size, image_size):
         made = "images of varying size" if final is None else f"{final[0]}x{final[1]}"
         raise TowerError(f"{where}: preprocessing makes {made}, the model takes {image_size}x{image_size}")
-    return ClipResize(shortest, exact, crop, resample_of(processor, where))
+    return ClipResize(shortest, exact, crop, hf.resample_of(processor, where))

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .base import Encoded, Prepared, TowerError, VisionTower
+from .base import Encoded, Prepared, TowerError, TowerInfo, VisionTower, checkpoint_info
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -250,11 +250,20 @@ def _triple(value: object) -> tuple[float, float, float]:
     return a, b, c
 
 
-class FixedSizeTower(VisionTower):
-    """A tower whose images are all resized to one shape (SigLIP, CLIP): batches stack."""
+@dataclass(eq=False, kw_only=True)
+class CheckpointTower(VisionTower):
+    """A tower read from a checkpoint directory: its module, how its pixels are normalized, and
+    where it runs. Subclasses are dataclasses too and add their preprocessing's fields."""
 
     model: nn.Module
     norm: PixelNorm
+    info: TowerInfo
+    device: torch.device
+    dtype: torch.dtype
+
+
+class FixedSizeTower(CheckpointTower):
+    """A tower whose images are all resized to one shape (SigLIP, CLIP): batches stack."""
 
     def pixel_values(self, batch: Sequence[Prepared]) -> torch.Tensor:
         """The batch as the model takes it (the processor's ``pixel_values``), on the device."""
@@ -264,6 +273,22 @@ class FixedSizeTower(VisionTower):
     def forward(self, batch: Sequence[Prepared]) -> list[Encoded]:
         out = self.model(pixel_values=self.pixel_values(batch)).last_hidden_state.to("cpu")
         return [Encoded(row.clone()) for row in out]  # each row its own storage, not a view of the batch
+
+
+def fixed_size_info(
+    name: str, version: int, path: Path, vision: Any, *, digest: str, dtype: torch.dtype, tokens: int, output: str
+) -> TowerInfo:
+    """The TowerInfo of a fixed-size ViT tower (CLIP, SigLIP) read from ``path``."""
+    return checkpoint_info(
+        name,
+        source=str(path),
+        fingerprint=fingerprint(name, version, path, digest, dtype),
+        hidden_size=vision.hidden_size,
+        image_size=vision.image_size,
+        patch_size=vision.patch_size,
+        tokens_per_image=tokens,
+        output=output,
+    )
 
 
 def vision_config(

@@ -19,16 +19,25 @@ each patch as uint8 ``(3, patch, patch)``; :meth:`forward` normalizes and repeat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
-from torch import nn
 
 from ..preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, resize_exact, smart_resize, to_tensor
-from .base import Encoded, Prepared, TowerError, TowerInfo, VisionTower, checkpoint_info
-from .hf_checkpoint import PROCESSOR_FILE, PixelNorm, fingerprint, load_model, positive_int, read_json, resample_of
+from .base import Encoded, Prepared, TowerError, checkpoint_info
+from .hf_checkpoint import (
+    PROCESSOR_FILE,
+    CheckpointTower,
+    PixelNorm,
+    fingerprint,
+    load_model,
+    positive_int,
+    read_json,
+    resample_of,
+)
 
 NAME = "qwen2_5_vl"
 VERSION = 1  # bump when the output or the preprocessing of the same files changes
@@ -38,26 +47,14 @@ DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 
 
-class Qwen25VLTower(VisionTower):
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        patch_size: int,
-        merge_size: int,
-        temporal_patch_size: int,
-        min_pixels: int,
-        max_pixels: int,
-        resample: str,
-        norm: PixelNorm,
-        info: TowerInfo,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        self.model, self.norm, self.resample = model, norm, resample
-        self.patch_size, self.merge_size, self.temporal_patch_size = patch_size, merge_size, temporal_patch_size
-        self.min_pixels, self.max_pixels = min_pixels, max_pixels
-        self.info, self.device, self.dtype = info, device, dtype
+@dataclass(eq=False, kw_only=True)
+class Qwen25VLTower(CheckpointTower):
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    min_pixels: int
+    max_pixels: int
+    resample: str
 
     def prepare(self, image: Image.Image) -> Prepared:
         p, m = self.patch_size, self.merge_size
@@ -118,7 +115,7 @@ def load_qwen2_5_vl(path: Path, config: dict[str, Any], *, device: torch.device,
         output="merger output, with image_grid_thw",
     )
     return Qwen25VLTower(
-        model,
+        model=model,
         patch_size=patch_size,
         merge_size=merge_size,
         temporal_patch_size=temporal_patch_size,

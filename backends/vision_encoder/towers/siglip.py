@@ -15,46 +15,27 @@ Weights: a full ``SiglipModel`` checkpoint (``siglip``) gives its ``vision_model
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
-from torch import nn
 
 from ..preprocess import HALF, resize_exact, to_tensor
-from .base import Prepared, TowerError, TowerInfo, checkpoint_info
-from .hf_checkpoint import (
-    PROCESSOR_FILE,
-    FixedSizeTower,
-    PixelNorm,
-    fingerprint,
-    load_model,
-    positive_int,
-    read_json,
-    resample_of,
-    vision_config,
-)
+from . import hf_checkpoint as hf
+from .base import Prepared, TowerError
 
 NAME = "siglip"
 VERSION = 1  # bump when the output or the preprocessing of the same files changes
+OUTPUT = "last_hidden_state (after post_layernorm)"  # what /health says the embeddings are
 
 
-class SiglipTower(FixedSizeTower):
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        size: tuple[int, int],
-        tokens: int,
-        resample: str,
-        norm: PixelNorm,
-        info: TowerInfo,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
-        self.model, self.size, self.tokens, self.resample, self.norm = model, size, tokens, resample, norm
-        self.info, self.device, self.dtype = info, device, dtype
+@dataclass(eq=False, kw_only=True)
+class SiglipTower(hf.FixedSizeTower):
+    size: tuple[int, int]
+    tokens: int
+    resample: str
 
     def prepare(self, image: Image.Image) -> Prepared:
         height, width = self.size
@@ -65,31 +46,22 @@ def load_siglip(path: Path, config: dict[str, Any], *, device: torch.device, dty
     from transformers import SiglipConfig, SiglipVisionConfig, SiglipVisionModel
 
     full = config.get("model_type") == "siglip"
-    vision = vision_config(path, config, SiglipConfig, SiglipVisionConfig, "siglip", "SigLIP")
+    vision = hf.vision_config(path, config, SiglipConfig, SiglipVisionConfig, "siglip", "SigLIP")
     vision.vision_use_head = False  # see the module docstring
-    processor_file = path / PROCESSOR_FILE
-    processor = read_json(processor_file)
+    processor_file = path / hf.PROCESSOR_FILE
+    processor = hf.read_json(processor_file)
     size = _size(processor, processor_file, vision.image_size)
-    norm = PixelNorm.from_processor(processor, processor_file, mean=HALF, std=HALF)
-    resample = resample_of(processor, processor_file)
+    norm = hf.PixelNorm.from_processor(processor, processor_file, mean=HALF, std=HALF)
+    resample = hf.resample_of(processor, processor_file)
 
     prefixes = ("vision_model.",) if full else ("vision_model.", "")
-    model, digest = load_model(
+    model, digest = hf.load_model(
         path, lambda: SiglipVisionModel(vision), prefixes=prefixes, skip=("head.",), device=device, dtype=dtype
     )
     tokens = (vision.image_size // vision.patch_size) ** 2
-    info = checkpoint_info(
-        NAME,
-        source=str(path),
-        fingerprint=fingerprint(NAME, VERSION, path, digest, dtype),
-        hidden_size=vision.hidden_size,
-        image_size=vision.image_size,
-        patch_size=vision.patch_size,
-        tokens_per_image=tokens,
-        output="last_hidden_state (after post_layernorm)",
-    )
+    info = hf.fixed_size_info(NAME, VERSION, path, vision, digest=digest, dtype=dtype, tokens=tokens, output=OUTPUT)
     return SiglipTower(
-        model, size=size, tokens=tokens, resample=resample, norm=norm, info=info, device=device, dtype=dtype
+        model=model, size=size, tokens=tokens, resample=resample, norm=norm, info=info, device=device, dtype=dtype
     )
 
 
@@ -99,7 +71,8 @@ def _size(processor: dict[str, Any], where: Path, image_size: int) -> tuple[int,
     size = processor.get("size", {"height": 224, "width": 224})
     if not isinstance(size, dict) or "height" not in size or "width" not in size:
         raise TowerError(f"{where}: size must be {{'height': H, 'width': W}}, got {size!r}")
-    height, width = positive_int(size["height"], "size.height", where), positive_int(size["width"], "size.width", where)
+    height = hf.positive_int(size["height"], "size.height", where)
+    width = hf.positive_int(size["width"], "size.width", where)
     if (height, width) != (image_size, image_size):
         raise TowerError(f"{where}: size {height}x{width} differs from the model's image_size {image_size}")
     return height, width
