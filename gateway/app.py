@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
@@ -16,16 +17,19 @@ from . import handlers
 from .config import GatewayConfig
 from .encoder import EncoderClient
 from .media import MediaFetcher
-from .metrics import GatewayMetrics
+from .metrics import GatewayMetrics, PoolCollector
 from .middlewares import error_middleware, expect_continue, metrics_middleware, request_id_middleware
 from .reload import ConfigStore
+from .replicas import ReplicaSet
 from .state import SERVICES_KEY, Services
 from .supervisor import DEFAULT_TIMINGS, Supervisor, Timings
-from .upstream import Replicas, UpstreamClient
+from .upstream import UpstreamClient
 
 # How the gateway must be served (web.run_app, AppRunner, TestServer): a client that leaves cancels
 # its handler, which closes the upstream request; bodies come as sent, Content-Encoding decoded by
 # gateway.body within the gateway's limits.
+log = logging.getLogger(__name__)
+
 SERVER_OPTIONS: Mapping[str, Any] = MappingProxyType({"handler_cancellation": True, "auto_decompress": False})
 
 
@@ -44,16 +48,14 @@ def create_app(
     replaces the local encoder backend's command line and ``supervisor_timings`` its watch (tests)."""
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry)
-    store = ConfigStore(config, metrics=metrics, path=config_path)
-    replicas = Replicas(cooldown_s=config.server.upstream_cooldown_s)
-    store.subscribe(replicas.update)
+    replicas = ReplicaSet(on_open=lambda model, url: _ejected(metrics, model, url))
+    store = ConfigStore(config, metrics=metrics, path=config_path, replicas=replicas)
+    registry.register(PoolCollector(lambda: store.live.pools))
     supervisor = Supervisor(config, command=encoder_command, timings=supervisor_timings)
     encoder = EncoderClient(metrics, MediaFetcher(config.media), supervisor.url)
     store.subscribe(encoder.update)
     store.subscribe(supervisor.update)
-    services = Services(
-        store, metrics, UpstreamClient(replicas, metrics), encoder, supervisor, config.server.max_body_bytes
-    )
+    services = Services(store, metrics, UpstreamClient(metrics), encoder, supervisor, config.server.max_body_bytes)
 
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
@@ -70,6 +72,7 @@ def create_app(
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_post("/admin/reload", handlers.admin_reload)
+    app.router.add_get("/admin/config", handlers.admin_config)
     app.router.add_get("/metrics", make_aiohttp_handler(registry))
     return app
 
@@ -77,7 +80,7 @@ def create_app(
 async def _clients(app: web.Application) -> AsyncIterator[None]:
     services = app[SERVICES_KEY]
     config = services.store.current
-    await services.upstream.start(config)
+    await services.upstream.start()
     await services.encoder.start(config)
     await services.supervisor.start()
     yield
@@ -92,3 +95,8 @@ async def _config_watcher(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+def _ejected(metrics: GatewayMetrics, model: str, url: str) -> None:
+    log.warning("upstream %s of model %s: circuit breaker open, skipped until a probe succeeds", url, model)
+    metrics.upstream_ejections.labels(model, url).inc()

@@ -19,9 +19,10 @@ import orjson
 from aiohttp import web
 
 from .admission import admit
-from .app import SERVER_OPTIONS, create_app
+from .app import create_app
 from .config import GatewayConfig, load_config
 from .errors import ConfigError, GatewayError
+from .lifecycle import serve
 from .state import SERVICES_KEY
 
 DEFAULT_CONFIG = "routing.yaml"
@@ -120,15 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
     log.info("serving %d models from %s on http://%s:%d", len(config.models), args.config, host, port)
-    web.run_app(
-        app,
-        host=host,
-        port=port,
-        keepalive_timeout=config.server.client_idle_timeout_s,  # also bounds headers that trickle in
-        print=None,
-        access_log_format=ACCESS_LOG,
-        **SERVER_OPTIONS,
-    )
+    asyncio.run(serve(app, host, port, config.server, access_log_format=ACCESS_LOG))
     return 0
 
 

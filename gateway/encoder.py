@@ -31,12 +31,13 @@ import aiohttp
 import orjson
 
 from .admission import RoutePlan
-from .config import EncoderConfig, GatewayConfig, ServerConfig
+from .config import BreakerConfig, EncoderConfig, GatewayConfig, ServerConfig
 from .errors import EncoderError, GatewayError, InvalidImageError, MediaRefusedError, Rejection
 from .media import MediaFetcher, is_data_url
 from .metrics import GatewayMetrics
 from .modality import Part
-from .upstream import KEEPALIVE_TIMEOUT_S, Replicas
+from .replicas import Replica, ReplicaSet
+from .upstream import KEEPALIVE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,12 @@ class EncoderClient:
         self._metrics = metrics
         self.fetcher = fetcher
         self._local_urls = local_urls  # the supervisor's answer: where a local encoder listens, once ready
-        self._replicas: dict[str, Replicas] = {}
-        self._connect_timeout_s = ServerConfig().upstream_connect_timeout_s  # until update() gives the config's
+        # every backend's load and health, by URL; a request's pool is made from the URLs of its
+        # encoder's config (the generation it was admitted under) when it encodes
+        self._replicas = ReplicaSet(on_open=self._ejected)
+        server = ServerConfig()  # until update() gives the config's
+        self._connect_timeout_s = server.upstream_connect_timeout_s
+        self._breaker = _breaker(server.upstream_cooldown_s)
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self, config: GatewayConfig) -> None:
@@ -89,10 +94,8 @@ class EncoderClient:
 
     def update(self, config: GatewayConfig) -> None:
         self._connect_timeout_s = config.server.upstream_connect_timeout_s
-        self._replicas = {
-            name: self._replicas.get(name) or Replicas(cooldown_s=config.server.upstream_cooldown_s)
-            for name in config.encoders
-        }
+        self._breaker = _breaker(config.server.upstream_cooldown_s)
+        self._replicas.retain(u for spec in config.encoders.values() for u in self.urls(spec))
         self.fetcher.update(config.media)
 
     def urls(self, spec: EncoderConfig) -> list[str]:
@@ -180,54 +183,57 @@ class EncoderClient:
     async def _encode_one(self, spec: EncoderConfig, data: bytes, part: Part, model: str, request_id: str) -> Any:
         assert self._session is not None, "EncoderClient.start() was not called"
         name = spec.name
-        # gone from the current config (a reload since admission): its health is no longer tracked
-        replicas = self._replicas.get(name) or Replicas(cooldown_s=0)
-        urls = self.urls(spec)
-        replicas.set_urls(urls)
+        pool = self._replicas.pool(name, self.urls(spec), breaker=self._breaker)
         # a backend that does not accept the connection is skipped, like an upstream replica
         timeout = aiohttp.ClientTimeout(total=spec.timeout_s, sock_connect=self._connect_timeout_s)
         headers = {"Content-Type": "application/octet-stream", "X-Request-Id": request_id}
-        tried: set[str] = set()
+        tried: list[Replica] = []
         last_status: tuple[int, bytes] | None = None
         started = time.perf_counter()
         try:
-            while (replica := replicas.choose(urls, tried)) is not None:
-                tried.add(replica.url)
-                replica.in_flight += 1
-                try:
-                    async with self._session.post(
-                        f"{replica.url}/v1/encode", data=io.BytesIO(data), headers=headers, timeout=timeout
-                    ) as resp:
-                        payload = await resp.read()
-                        status = resp.status
-                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-                    replicas.mark_down(replica, f"{type(exc).__name__}")
-                    self._count(name, "connect_error")
-                    continue
-                except (TimeoutError, aiohttp.ServerTimeoutError):
-                    self._count(name, "timeout")
-                    raise EncoderError(f"Encoder '{name}' did not answer within {spec.timeout_s:g}s") from None
-                except aiohttp.ClientError as exc:
-                    self._count(name, "error")
-                    raise EncoderError(f"Encoder '{name}' failed: {type(exc).__name__}") from None
-                finally:
-                    replica.in_flight -= 1
-                if status >= 500:  # overloaded or failing: encoding is idempotent, so try another backend
-                    replicas.mark_down(replica, f"HTTP {status}")
-                    last_status = (status, payload)
-                    self._count(name, "overloaded" if status == 503 else "error")
-                    continue
-                replicas.mark_up(replica)
+            # encoding is idempotent: every backend may be tried once
+            while (lease := pool.lease(exclude=tried)) is not None:
+                tried.append(lease.replica)
+                with lease:
+                    try:
+                        async with self._session.post(
+                            f"{lease.replica.url}/v1/encode", data=io.BytesIO(data), headers=headers, timeout=timeout
+                        ) as resp:
+                            payload = await resp.read()
+                            status = resp.status
+                    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                        lease.failure(type(exc).__name__)
+                        self._count(name, "connect_error")
+                        continue
+                    except (TimeoutError, aiohttp.ServerTimeoutError):
+                        lease.failure("timeout")
+                        self._count(name, "timeout")
+                        raise EncoderError(f"Encoder '{name}' did not answer within {spec.timeout_s:g}s") from None
+                    except aiohttp.ClientError as exc:
+                        lease.failure(type(exc).__name__)
+                        self._count(name, "error")
+                        raise EncoderError(f"Encoder '{name}' failed: {type(exc).__name__}") from None
+                    if status >= 500:  # overloaded or failing: try another backend
+                        lease.failure(f"HTTP {status}")
+                        last_status = (status, payload)
+                        self._count(name, "overloaded" if status == 503 else "error")
+                        continue
+                    lease.success()
                 return self._reply(name, status, payload, part, model)
         finally:
             self._metrics.encoder_seconds.labels(name).observe(time.perf_counter() - started)
         self._count(name, "unavailable")
+        retry_after = {"Retry-After": str(pool.retry_after())}
         if last_status is not None:
             status, payload = last_status
-            raise EncoderError(
-                f"Encoder '{name}' answered {status}{_error_detail(payload)}", headers={"Retry-After": "1"}
-            )
-        raise EncoderError(f"Encoder '{name}' has no reachable backend", headers={"Retry-After": "1"})
+            raise EncoderError(f"Encoder '{name}' answered {status}{_error_detail(payload)}", headers=retry_after)
+        if not tried:
+            raise EncoderError(f"Encoder '{name}' has no healthy backend", headers=retry_after)
+        raise EncoderError(f"Encoder '{name}' has no reachable backend", headers=retry_after)
+
+    @staticmethod
+    def _ejected(encoder: str, url: str) -> None:
+        log.warning("encoder %s backend %s: circuit breaker open, skipped until a probe succeeds", encoder, url)
 
     def _reply(self, name: str, status: int, payload: bytes, part: Part, model: str) -> Any:
         try:
@@ -250,6 +256,12 @@ class EncoderClient:
 
     def _count(self, name: str, outcome: str) -> None:
         self._metrics.encoder_requests.labels(name, outcome).inc()
+
+
+def _breaker(open_s: float) -> BreakerConfig:
+    """An encoder backend is skipped after one failure (the image goes to the next backend at once,
+    so acting on one failure costs nothing) and let back after one successful probe."""
+    return BreakerConfig(failures=1, open_s=open_s, successes=1)
 
 
 def _error_detail(payload: bytes) -> str:

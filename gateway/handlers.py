@@ -13,7 +13,7 @@ from aiohttp import web
 
 from .admission import RoutePlan, admit, lookup, rewrite
 from .body import dump_body, exact, read_json
-from .config import EncoderConfig, GatewayConfig, ModelConfig
+from .config import EncoderConfig, GatewayConfig, ModelConfig, as_dict
 from .encoder import Replacements
 from .errors import (
     AuthenticationError,
@@ -25,6 +25,7 @@ from .errors import (
     PermissionDeniedError,
 )
 from .metrics import UNKNOWN_MODEL
+from .reload import Live
 from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
 from .upstream import Timeouts
 
@@ -35,7 +36,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     services = request.app[SERVICES_KEY]
-    config = services.store.current
+    live = services.store.live  # this request's generation, to its last byte
+    config = live.config
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL  # until the body names a model: a 413 or bad JSON counts too
     raw, body = await _read_json(request, config)
     request[MODEL_LABEL_KEY] = _model_label(services, body)
@@ -52,7 +54,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         data = rewrite(plan, exact(raw, body), replacements)
     else:
         data = raw
-    return await _forward(request, services, config, plan.model, data, plan.route, headers, stream=_streams(body))
+    return await _forward(request, services, live, plan.model, data, plan.route, headers, stream=_streams(body))
 
 
 async def _encode(
@@ -75,7 +77,8 @@ async def _encode(
 async def completions(request: web.Request) -> web.StreamResponse:
     """Text-only /v1/completions: the model must exist; the body passes through."""
     services = request.app[SERVICES_KEY]
-    config = services.store.current
+    live = services.store.live
+    config = live.config
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
     raw, body = await _read_json(request, config)
     request[MODEL_LABEL_KEY] = _model_label(services, body)
@@ -84,7 +87,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = exact(raw, body)
         body["model"] = model.upstream_name
         raw = dump_body(body)
-    return await _forward(request, services, config, model, raw, "direct", stream=_streams(body))
+    return await _forward(request, services, live, model, raw, "direct", stream=_streams(body))
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -108,9 +111,11 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when every local encoder is (upstreams are reported, not required: they fail over)."""
+    """Ready when every local encoder is (upstreams are reported, not required: they fail over),
+    until SIGTERM: then 503 ``draining``, so that load balancers stop sending new requests."""
     services = request.app[SERVICES_KEY]
-    ready = services.supervisor.ready
+    draining = services.lifecycle.draining
+    ready = services.supervisor.ready and not draining
     encoders: dict[str, Any] = {
         name: {"kind": "http", "urls": list(spec.urls)}
         for name, spec in services.store.current.encoders.items()
@@ -118,24 +123,18 @@ async def readyz(request: web.Request) -> web.Response:
     }
     encoders.update({name: e.status() for name, e in services.supervisor.encoders.items()})
     payload = {
-        "status": "ready" if ready else "starting",
+        "status": "draining" if draining else "ready" if ready else "starting",
         "config_generation": services.store.generation,
         "models": [m.name for m in services.store.current.models],
         "encoders": encoders,
-        "upstreams": services.upstream.replicas.snapshot(),
+        "upstreams": services.store.replicas.snapshot(),
     }
     return _json(payload, status=200 if ready else 503)
 
 
 async def admin_reload(request: web.Request) -> web.Response:
     services = request.app[SERVICES_KEY]
-    env = services.store.current.server.admin_token_env
-    token = os.environ.get(env, "")
-    if not token:
-        raise PermissionDeniedError(f"Admin endpoints are disabled: set the {env} environment variable to enable them")
-    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), token.encode()):
-        raise AuthenticationError("Missing or wrong admin token (send 'Authorization: Bearer <token>')")
+    _check_admin(request, services)
     if services.store.path is None:
         raise InvalidRequestError("This gateway was started without a config file; there is nothing to reload")
     try:
@@ -143,6 +142,33 @@ async def admin_reload(request: web.Request) -> web.Response:
     except ConfigError as exc:
         raise InvalidConfigError(f"routing.yaml is invalid; the running config is unchanged:\n{exc}") from None
     return _json({"status": "reloaded", "config_generation": services.store.generation, "models": len(config.models)})
+
+
+async def admin_config(request: web.Request) -> web.Response:
+    """The live config as the gateway understood it, every default filled in. It holds no secret
+    (keys are named by their environment variables, never read into the config)."""
+    services = request.app[SERVICES_KEY]
+    _check_admin(request, services)
+    live = services.store.live
+    return _json(
+        {
+            "config_generation": live.generation,
+            "sha256": live.config.sha256,
+            "source": live.config.source,
+            "loaded_at": services.store.loaded_at,
+            "config": as_dict(live.config),
+        }
+    )
+
+
+def _check_admin(request: web.Request, services: Services) -> None:
+    env = services.store.current.server.admin_token_env
+    token = os.environ.get(env, "")
+    if not token:
+        raise PermissionDeniedError(f"Admin endpoints are disabled: set the {env} environment variable to enable them")
+    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise AuthenticationError("Missing or wrong admin token (send 'Authorization: Bearer <token>')")
 
 
 async def _read_json(request: web.Request, config: GatewayConfig) -> tuple[bytes, dict[str, Any]]:
@@ -184,7 +210,7 @@ def _count_plan(services: Services, plan: RoutePlan) -> None:
 async def _forward(
     request: web.Request,
     services: Services,
-    config: GatewayConfig,
+    live: Live,
     model: ModelConfig,
     data: bytes,
     route: str,
@@ -198,14 +224,22 @@ async def _forward(
         "X-Gateway-Route": route,
         **(extra_headers or {}),
     }
-    server = config.server
+    server = live.config.server
     timeouts = Timeouts(
         server.upstream_connect_timeout_s,
         server.upstream_read_timeout_s,
         server.client_write_timeout_s,
         server.upstream_stream_idle_timeout_s if stream else None,
     )
-    return await services.upstream.forward(request, model, data, timeouts=timeouts, gateway_headers=headers)
+    return await services.upstream.forward(
+        request,
+        model,
+        live.pools[model.name],
+        data,
+        timeouts=timeouts,
+        gateway_headers=headers,
+        auth=live.upstream_auth.get(model.name),
+    )
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:

@@ -7,10 +7,15 @@ HTTP status codes. Never a URL from a request or a request id.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from .config import GatewayConfig
 from .modality import MODALITY_NAMES
+from .replicas import BREAKER_STATES, Pool
 
 REJECTION_REASONS = ("unsupported", "too_many_items", "invalid_content", "media_refused")
 UNKNOWN_MODEL = "_unknown"  # the model label of requests that name no configured model
@@ -56,7 +61,8 @@ class GatewayMetrics:
         )
         self.upstream_requests = Counter(
             "gateway_upstream_requests",
-            "Requests sent to upstream replicas, by outcome: ok, http_4xx, http_5xx, connect_error, timeout, aborted.",
+            "Requests sent to upstream replicas, by outcome: ok, http_4xx, http_5xx, connect_error, reset, timeout, "
+            "aborted.",
             ["model", "upstream", "outcome"],
             registry=registry,
         )
@@ -87,6 +93,24 @@ class GatewayMetrics:
             ["model", "encoder"],
             registry=registry,
         )
+        self.retries = Counter(
+            "gateway_retries",
+            "Upstream attempts tried again on another replica, by what failed: connect_error, reset, http_<status>.",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.retries_refused = Counter(
+            "gateway_retries_refused",
+            "Retries not made because the model's retry budget was spent (the failure went to the client).",
+            ["model"],
+            registry=registry,
+        )
+        self.upstream_ejections = Counter(
+            "gateway_upstream_ejections",
+            "Times a replica's circuit breaker opened (it is skipped until a probe succeeds).",
+            ["model", "upstream"],
+            registry=registry,
+        )
         self.config_reloads = Counter(
             "gateway_config_reloads",
             "routing.yaml reloads, by result: success or failure.",
@@ -98,17 +122,60 @@ class GatewayMetrics:
             "How many times a new routing.yaml took effect since start (1 for the first).",
             registry=registry,
         )
+        self.config_info = Gauge(
+            "gateway_config_info",
+            "The live routing.yaml, by the sha256 of its text (1 for the live one; join on it in dashboards).",
+            ["sha256"],
+            registry=registry,
+        )
         self.config_reloads.labels("success")
         self.config_reloads.labels("failure")
 
     def declare(self, config: GatewayConfig) -> None:
-        """Create the series a config can produce at 0, so rate() and alerts see them from the start."""
+        """Create the series a config can produce at 0, so rate() and alerts see them from the start;
+        say which config is live."""
+        self.config_info.clear()
+        self.config_info.labels(config.sha256 or "none").set(1)
         for model in config.models:
             for modality in MODALITY_NAMES:
                 for reason in REJECTION_REASONS:
                     self.rejections.labels(model.name, modality, reason)
+            self.retries_refused.labels(model.name)
+            for url in model.upstreams:
+                self.upstream_ejections.labels(model.name, url)
             for modality, policy in model.on_unsupported.items():
                 if policy.action == "redirect" and policy.target:
                     self.redirects.labels(model.name, modality.value, policy.target)
                 elif policy.action == "strip":
                     self.stripped_parts.labels(model.name, modality.value)
+
+
+class PoolCollector(Collector):
+    """The live pools' state, read at scrape time: nothing to keep in step on every request."""
+
+    def __init__(self, pools: Callable[[], Mapping[str, Pool]]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        healthy = GaugeMetricFamily(
+            "gateway_upstream_healthy",
+            "1 when the replica takes requests (its breaker is not open), else 0.",
+            labels=["model", "upstream"],
+        )
+        state = GaugeMetricFamily(
+            "gateway_upstream_breaker_state",
+            "The replica's circuit breaker: 1 for its current state (closed, half_open, open), 0 for the others.",
+            labels=["model", "upstream", "state"],
+        )
+        in_flight = GaugeMetricFamily(
+            "gateway_upstream_in_flight",
+            "Requests being sent to or relayed from the replica now.",
+            labels=["model", "upstream"],
+        )
+        for name, pool in self._pools().items():
+            for replica in pool.replicas:
+                healthy.add_metric([name, replica.url], 1.0 if replica.healthy else 0.0)
+                in_flight.add_metric([name, replica.url], replica.in_flight)
+                for s in BREAKER_STATES:
+                    state.add_metric([name, replica.url, s], 1.0 if replica.state == s else 0.0)
+        yield from (healthy, state, in_flight)

@@ -1,10 +1,14 @@
 """The running config, and how a new routing.yaml takes its place without a restart.
 
-:class:`ConfigStore` holds the current :class:`~gateway.config.GatewayConfig`. A reload (the file
-changed, ``POST /admin/reload``, or SIGHUP) builds and validates a whole new config and swaps it in
-at once; requests in flight keep the config they started with. An invalid file changes nothing: the
-old config stays, the problems are logged, and ``gateway_config_reloads_total{result="failure"}``
-counts it. ``server.host``, ``server.port`` and ``server.max_body_bytes`` take effect at the next start.
+:class:`ConfigStore` holds the :class:`Live` generation: a :class:`~gateway.config.GatewayConfig`
+and the upstream pools made from it. A request takes ``store.live`` once, at admission, and works
+with it to its last byte. A reload (the file changed, ``POST /admin/reload``, or SIGHUP) builds and
+validates a whole new config and its pools, and swaps them in at once; requests in flight keep the
+generation they started with, whose pools and replicas stay valid for them. An invalid file
+changes nothing: the old config stays, the problems are logged, and
+``gateway_config_reloads_total{result="failure"}`` counts it. ``server.host``, ``port``,
+``max_body_bytes``, ``client_idle_timeout_s``, ``drain_grace_s`` and ``drain_timeout_s`` take effect
+at the next start.
 """
 
 from __future__ import annotations
@@ -14,22 +18,43 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from .config import GatewayConfig, load_config
 from .errors import ConfigError
 from .metrics import GatewayMetrics
+from .replicas import Pool, ReplicaSet
 
 log = logging.getLogger(__name__)
 
-_RESTART_ONLY = ("host", "port", "max_body_bytes")
+_RESTART_ONLY = ("host", "port", "max_body_bytes", "client_idle_timeout_s", "drain_grace_s", "drain_timeout_s")
+
+
+@dataclass(frozen=True, slots=True)
+class Live:
+    """One generation: what a request works with from admission to its last byte."""
+
+    config: GatewayConfig
+    generation: int
+    pools: Mapping[str, Pool]  # each model's upstream pool, by model name
+    # each model's "Authorization" value for its upstreams (models with api_key_env whose variable is set)
+    upstream_auth: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 class ConfigStore:
-    def __init__(self, config: GatewayConfig, *, metrics: GatewayMetrics, path: str | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        *,
+        metrics: GatewayMetrics,
+        path: str | None = None,
+        replicas: ReplicaSet | None = None,
+    ) -> None:
         self.path = path
-        self.current = config
-        self.generation = 1
+        self.replicas = replicas or ReplicaSet()
+        self.live = self._generation(config, 1)
         self.loaded_at = time.time()
         self._metrics = metrics
         self._listeners: list[Callable[[GatewayConfig], None]] = []
@@ -37,6 +62,31 @@ class ConfigStore:
         self._lock = asyncio.Lock()
         metrics.declare(config)
         metrics.config_generation.set(1)
+
+    @property
+    def current(self) -> GatewayConfig:
+        return self.live.config
+
+    @property
+    def generation(self) -> int:
+        return self.live.generation
+
+    def _generation(self, config: GatewayConfig, number: int) -> Live:
+        pools = {
+            m.name: self.replicas.pool(m.name, m.upstreams, weights=m.weights, balance=m.balance, breaker=m.breaker)
+            for m in config.models
+        }
+        self.replicas.retain(u for m in config.models for u in m.upstreams)
+        auth = {}
+        for m in config.models:
+            if m.api_key_env is None:
+                continue
+            key = os.environ.get(m.api_key_env)
+            if key:
+                auth[m.name] = f"Bearer {key}"
+            else:  # serve and reloads refuse this (validate_host); a config built in code may not
+                log.warning("model %s: %s is not set; its upstreams get no key", m.name, m.api_key_env)
+        return Live(config, number, MappingProxyType(pools), MappingProxyType(auth))
 
     def subscribe(self, listener: Callable[[GatewayConfig], None]) -> None:
         """Call ``listener(new_config)`` after every successful swap."""
@@ -62,8 +112,7 @@ class ConfigStore:
         for key in _RESTART_ONLY:
             if getattr(old.server, key) != getattr(new.server, key):
                 log.warning("server.%s changed; it takes effect at the next restart", key)
-        self.current = new
-        self.generation += 1
+        self.live = self._generation(new, self.generation + 1)
         self.loaded_at = time.time()
         self._metrics.declare(new)
         self._metrics.config_reloads.labels("success").inc()

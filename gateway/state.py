@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -13,6 +13,13 @@ from .supervisor import Supervisor
 from .upstream import UpstreamClient
 
 
+@dataclass(slots=True)
+class Lifecycle:
+    """Where the process stands: ``draining`` from SIGTERM on (``/readyz`` answers 503)."""
+
+    draining: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class Services:
     store: ConfigStore
@@ -21,6 +28,7 @@ class Services:
     encoder: EncoderClient
     supervisor: Supervisor
     max_body_bytes: int  # fixed at start: aiohttp reads it once
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
 
 SERVICES_KEY = web.AppKey("services", Services)

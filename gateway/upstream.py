@@ -1,10 +1,11 @@
-"""Upstream replicas, and the faithful relay of a request to one of them.
+"""The faithful relay of a request to one of a model's upstream replicas, retried where safe.
 
-Replica choice is least-in-flight with round-robin tie-break: LLM requests vary by orders of
-magnitude in length, so counting outstanding requests spreads load better than turns alone. A
-replica that refuses a connection is skipped for ``server.upstream_cooldown_s`` (unless every
-replica of the model is cooling down) and the request moves on to the next one; that retry is safe
-because nothing reached the engine. Once bytes were sent, nothing is retried.
+The replica comes from the model's :class:`~gateway.replicas.Pool` (choice, load, health); each
+attempt reports how it went to its lease, which is what ejects a failing replica. A failed attempt
+is tried again on a replica not tried yet (:mod:`gateway.retries` says when): a refused connection
+always (nothing reached the engine, so it costs no budget), a reset or a status in
+``retries.on_status`` within ``retries.attempts`` and the retry budget. Once a byte of the answer went to
+the client, nothing is retried.
 
 aiohttp's client errors are mapped to :mod:`gateway.errors` here and nowhere else. Bodies are
 relayed as they arrive (``iter_any``), so SSE streams reach the client chunk by chunk; compressed
@@ -15,20 +16,28 @@ from __future__ import annotations
 
 import asyncio
 import io
-import itertools
 import logging
+import random
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
-from .config import GatewayConfig, ModelConfig
-from .errors import NoHealthyUpstreamError, UpstreamConnectError, UpstreamError, UpstreamTimeoutError
+from .config import ModelConfig
+from .errors import (
+    GatewayError,
+    NoHealthyUpstreamError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
 from .metrics import GatewayMetrics
+from .replicas import Lease, Pool, Replica
+from .retries import RetryBudget, backoff
 
 log = logging.getLogger(__name__)
 
@@ -64,61 +73,6 @@ class Timeouts:
     # "stream": true: the longest wait for the response headers, and between two chunks once the
     # first came (the engine sends its headers at once, then queues and prefills); None otherwise
     stream_idle: float | None = None
-
-
-@dataclass(slots=True)
-class Replica:
-    url: str
-    in_flight: int = 0
-    down_until: float = 0.0
-    last_error: str = ""
-
-
-class Replicas:
-    """Health and load of every upstream URL in the config; state survives reloads by URL."""
-
-    def __init__(self, *, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._by_url: dict[str, Replica] = {}
-        self._turn = itertools.count()
-        self.cooldown_s = cooldown_s
-        self._clock = clock
-
-    def update(self, config: GatewayConfig) -> None:
-        """Track every upstream of the config's models."""
-        self.cooldown_s = config.server.upstream_cooldown_s
-        self.set_urls(u for m in config.models for u in m.upstreams)
-
-    def set_urls(self, urls: Iterable[str]) -> None:
-        self._by_url = {u: self._by_url.get(u) or Replica(u) for u in sorted(set(urls))}
-
-    def choose(self, urls: Iterable[str], tried: set[str]) -> Replica | None:
-        candidates = [self._by_url[u] for u in urls if u not in tried and u in self._by_url]
-        if not candidates:
-            return None
-        now = self._clock()
-        healthy = [r for r in candidates if r.down_until <= now] or candidates
-        least = min(r.in_flight for r in healthy)
-        best = [r for r in healthy if r.in_flight == least]
-        return best[next(self._turn) % len(best)]
-
-    def all_down(self, urls: Iterable[str]) -> bool:
-        now = self._clock()
-        return all(self._by_url[u].down_until > now for u in urls if u in self._by_url)
-
-    def mark_down(self, replica: Replica, error: str) -> None:
-        replica.down_until = self._clock() + self.cooldown_s
-        replica.last_error = error
-
-    def mark_up(self, replica: Replica) -> None:
-        replica.down_until = 0.0
-        replica.last_error = ""
-
-    def snapshot(self) -> list[dict[str, object]]:
-        now = self._clock()
-        return [
-            {"url": r.url, "in_flight": r.in_flight, "healthy": r.down_until <= now, "last_error": r.last_error}
-            for r in self._by_url.values()
-        ]
 
 
 class _Deadlines:
@@ -183,12 +137,22 @@ class RelayResponse(web.StreamResponse):
 class UpstreamClient:
     """Sends requests to a model's replicas over one shared ClientSession."""
 
-    def __init__(self, replicas: Replicas, metrics: GatewayMetrics) -> None:
-        self.replicas = replicas
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        *,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._metrics = metrics
+        self._clock = clock  # the retry budget's
+        self._rng = rng or random.Random()
+        self._sleep = sleep  # the backoff's (tests inject one)
+        self._budgets: dict[str, RetryBudget] = {}  # by model name, across reloads
         self._session: aiohttp.ClientSession | None = None
 
-    async def start(self, config: GatewayConfig) -> None:
+    async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -196,7 +160,6 @@ class UpstreamClient:
             skip_auto_headers=("User-Agent", "Content-Type"),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        self.replicas.update(config)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -206,24 +169,50 @@ class UpstreamClient:
         self,
         request: web.Request,
         model: ModelConfig,
+        pool: Pool,
         body: bytes,
         *,
         timeouts: Timeouts,
         gateway_headers: Mapping[str, str],
+        auth: str | None = None,
     ) -> RelayResponse:
-        """POST ``body`` to one of the model's replicas at the request's path; relay the answer."""
-        assert self._session is not None, "UpstreamClient.start() was not called"
+        """POST ``body`` to one of ``pool``'s replicas at the request's path; relay the answer.
+
+        ``gateway_headers`` go both ways; ``auth`` (the model's key) only upstream, in place of
+        the client's Authorization."""
+        budget = self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
+        budget.request()
+        attempts = _Attempts(model, budget)
         headers = _upstream_headers(request, gateway_headers)
+        if auth is not None:
+            headers[hdrs.AUTHORIZATION] = auth
+        return await self._forward(request, model, pool, body, attempts, timeouts, headers, gateway_headers)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        model: ModelConfig,
+        pool: Pool,
+        body: bytes,
+        attempts: _Attempts,
+        timeouts: Timeouts,
+        headers: CIMultiDict[str],
+        gateway_headers: Mapping[str, str],
+    ) -> RelayResponse:
+        assert self._session is not None, "UpstreamClient.start() was not called"
         timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read)
         # origin-form even when the client sent absolute-form (POST http://host/v1/... HTTP/1.1)
         path = request.rel_url.raw_path_qs
-        tried: set[str] = set()
-        last_error = ""  # for the replica's health record (readyz)
-        known_down = self.replicas.all_down(model.upstreams)
-        while (replica := self.replicas.choose(model.upstreams, tried)) is not None:
-            tried.add(replica.url)
-            replica.in_flight += 1
-            try:
+        while True:
+            if attempts.delay:
+                await self._sleep(attempts.delay)
+                attempts.delay = 0.0
+            lease = pool.lease(exclude=attempts.tried)
+            if lease is None:
+                break
+            attempts.tried.append(lease.replica)
+            with lease:
+                replica = lease.replica
                 started = time.perf_counter()
                 try:
                     # BytesIO: aiohttp streams it rather than warning about a large bytes body
@@ -232,49 +221,88 @@ class UpstreamClient:
                             replica.url + path, data=io.BytesIO(body), headers=headers, timeout=timeout
                         )
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-                    # nothing reached the engine: the next replica may take it
-                    last_error = _connect_failure(exc)
-                    log.warning("upstream %s of model %s: %s", replica.url, model.name, last_error)
-                    self.replicas.mark_down(replica, last_error)
-                    self._count(model, replica, "connect_error")
+                    # nothing reached the engine: the next replica may take it, whatever the budget
+                    self._failed(lease, model, "connect_error", _connect_failure(exc))
+                    attempts.failure = UpstreamConnectError(
+                        f"Could not connect to any upstream of model '{model.name}' ({len(attempts.tried)} tried)"
+                    )
+                    if pool.available(exclude=attempts.tried):
+                        self._metrics.retries.labels(model.name, "connect_error").inc()
                     continue
                 except (TimeoutError, aiohttp.ServerTimeoutError):
-                    self._count(model, replica, "timeout")
+                    self._failed(lease, model, "timeout", "read timeout")
                     waited = timeouts.stream_idle or timeouts.read
                     raise UpstreamTimeoutError(
                         f"Upstream of model '{model.name}' sent no response within {waited:g}s"
                     ) from None
-                except aiohttp.ClientError as exc:
-                    self._count(model, replica, "connect_error")
-                    raise UpstreamError(
+                except asyncio.CancelledError:  # the client left (handler cancellation)
+                    self._count(model, replica, "aborted")
+                    raise
+                except aiohttp.ClientError as exc:  # reset, or a response that is not HTTP
+                    self._failed(lease, model, "reset", type(exc).__name__)
+                    failure = UpstreamError(
                         f"Upstream of model '{model.name}' failed before responding: {type(exc).__name__}"
-                    ) from None
-                self.replicas.mark_up(replica)
+                    )
+                    reset = isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
+                    if not (reset and self._retries(pool, attempts, "reset")):
+                        raise failure from None
+                    attempts.failure = failure
+                    continue
+                status = upstream.status
+                if status in model.retries.on_status and self._retries(pool, attempts, f"http_{status}"):
+                    upstream.close()
+                    self._count(model, replica, "http_5xx" if status >= 500 else "http_4xx")
+                    if status >= 500:  # a 429 is the engine protecting itself, not failing
+                        lease.failure(f"HTTP {status}")
+                    continue
                 self._metrics.upstream_duration.labels(model.name, replica.url).observe(time.perf_counter() - started)
-                async with upstream:
-                    return await self._relay(request, model, replica, upstream, gateway_headers, timeouts)
-            except asyncio.CancelledError:  # the client left (handler cancellation); closing upstream stops the engine
-                self._count(model, replica, "aborted")
-                raise
-            finally:
-                replica.in_flight -= 1
+                if status >= 500:
+                    lease.failure(f"HTTP {status}")
+                else:
+                    lease.success()
+                try:
+                    async with upstream:
+                        return await self._relay(request, model, lease, upstream, gateway_headers, timeouts)
+                except asyncio.CancelledError:  # the client left; closing upstream stops the engine
+                    self._count(model, replica, "aborted")
+                    raise
         # Replica addresses and errors are logged, not told to clients.
-        if known_down:
+        if attempts.failure is None:
             raise NoHealthyUpstreamError(
-                f"Every upstream of model '{model.name}' is failing ({len(tried)} tried); retry later",
-                headers={"Retry-After": str(max(1, round(self.replicas.cooldown_s)))},
+                f"Every upstream of model '{model.name}' is failing; retry later",
+                headers={"Retry-After": str(pool.retry_after())},
             )
-        raise UpstreamConnectError(f"Could not connect to any upstream of model '{model.name}' ({len(tried)} tried)")
+        raise attempts.failure
+
+    def _retries(self, pool: Pool, attempts: _Attempts, reason: str) -> bool:
+        """Whether the attempt that just failed for ``reason`` is tried again; if so, count it and
+        set the backoff the next attempt waits first."""
+        model, config = attempts.model, attempts.model.retries
+        if attempts.retries >= config.attempts or not pool.available(exclude=attempts.tried):
+            return False
+        if not attempts.budget.withdraw(config):
+            self._metrics.retries_refused.labels(model.name).inc()
+            return False
+        attempts.retries += 1
+        attempts.delay = backoff(attempts.retries, config, self._rng)
+        self._metrics.retries.labels(model.name, reason).inc()
+        return True
+
+    def _failed(self, lease: Lease, model: ModelConfig, outcome: str, reason: str) -> None:
+        log.warning("upstream %s of model %s: %s", lease.replica.url, model.name, reason)
+        lease.failure(reason)
+        self._count(model, lease.replica, outcome)
 
     async def _relay(
         self,
         request: web.Request,
         model: ModelConfig,
-        replica: Replica,
+        lease: Lease,
         upstream: aiohttp.ClientResponse,
         gateway_headers: Mapping[str, str],
         timeouts: Timeouts,
     ) -> RelayResponse:
+        replica = lease.replica
         status = upstream.status
         outcome = "ok" if status < 400 else "http_4xx" if status < 500 else "http_5xx"
         response = RelayResponse(status=status, reason=upstream.reason, headers=_client_headers(upstream))
@@ -305,6 +333,7 @@ class UpstreamClient:
             outcome = "aborted"
         except (aiohttp.ClientError, TimeoutError) as exc:
             outcome = "timeout" if deadlines.upstream_idle else "aborted"
+            lease.failure("broke off mid-response")
             log.warning("upstream %s of %s broke off mid-response: %r", replica.url, model.name, exc)
             if is_sse and "Content-Encoding" not in upstream.headers:  # an event can't go into a compressed stream
                 error = (
@@ -325,6 +354,18 @@ class UpstreamClient:
 
     def _count(self, model: ModelConfig, replica: Replica, outcome: str) -> None:
         self._metrics.upstream_requests.labels(model.name, replica.url, outcome).inc()
+
+
+@dataclass(slots=True)
+class _Attempts:
+    """One request's way through its pool."""
+
+    model: ModelConfig
+    budget: RetryBudget
+    tried: list[Replica] = field(default_factory=list)
+    retries: int = 0  # retries that counted (a refused connection does not)
+    delay: float = 0.0  # the backoff before the next attempt
+    failure: GatewayError | None = None  # what the client is told when no attempt is left
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:

@@ -24,10 +24,11 @@ SERVER_KEYS = (
     "(expected one of: host, port, max_body_bytes, admin_token_env, reload_interval_s, "
     "upstream_connect_timeout_s, upstream_read_timeout_s, upstream_cooldown_s, upstream_stream_idle_timeout_s, "
     "client_body_timeout_s, client_write_timeout_s, client_idle_timeout_s, max_json_values, max_json_depth, "
-    "max_messages, max_content_parts, max_text_chars, max_upstream_body_bytes)"
+    "max_messages, max_content_parts, max_text_chars, max_upstream_body_bytes, drain_grace_s, drain_timeout_s)"
 )
 MODEL_KEYS = (
-    "(expected one of: name, upstreams, upstream_model, accepts, limits, encode, on_encoder_error, on_unsupported)"
+    "(expected one of: name, upstreams, upstream_model, accepts, limits, encode, on_encoder_error, on_unsupported, "
+    "api_key_env, balance, retries, breaker)"
 )
 # A valid models section on two lines, for documents that test the sections above it.
 MODELS = ("models:", "  - {name: a, upstreams: ['http://h:1'], accepts: [text]}")
@@ -1217,3 +1218,89 @@ def test_files_that_expand_without_end_are_refused_not_crashed_on() -> None:
     assert problems(doc("version: 1", "x: &a {<<: *a}")) == [
         "r.yaml: cannot read this file: nesting too deep (a recursive alias?)"
     ]
+
+
+def test_an_api_key_env_is_a_variable_name_and_must_be_set_where_the_gateway_runs(monkeypatch) -> None:
+    model = "  - {name: a, upstreams: ['http://h:1'], accepts: [text], api_key_env: %s}"
+    assert problems(doc("version: 1", "models:", model % "'sk-abc def'")) == [
+        "r.yaml:3:72: models[0].api_key_env: must be the name of an environment variable (like VLLM_API_KEY), "
+        "not 'sk-abc def'"
+    ]
+    text = doc("version: 1", "models:", model % "MODALITY_GATEWAY_TEST_KEY")
+    monkeypatch.delenv("MODALITY_GATEWAY_TEST_KEY", raising=False)
+    assert parse_config(text).models[0].api_key_env == "MODALITY_GATEWAY_TEST_KEY"  # `check FILE`
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, filename="r.yaml", here=True)
+    assert [str(p) for p in info.value.problems] == [
+        "r.yaml:3:72: models[0].api_key_env: the environment variable MODALITY_GATEWAY_TEST_KEY is not set"
+    ]
+    monkeypatch.setenv("MODALITY_GATEWAY_TEST_KEY", "sk-x")
+    parse_config(text, filename="r.yaml", here=True)
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        pytest.param(
+            "upstreams: ['http://h:1', {url: 'http://h:2', weight: 0}]",
+            "models[0].upstreams[1].weight: must be at least 1, not 0",
+            id="weight",
+        ),
+        pytest.param(
+            "upstreams: ['http://h:1', {url: 'http://h:2', wieght: 2}]",
+            "models[0].upstreams[1].wieght: unknown key 'wieght' (expected one of: url, weight); "
+            "did you mean 'weight'?",
+            id="weight-key",
+        ),
+        pytest.param(
+            "upstreams: ['http://h:1', {weight: 2}]", "models[0].upstreams[1].url: is required", id="weight-no-url"
+        ),
+        pytest.param(
+            "upstreams: ['http://h:1'], balance: random",
+            "models[0].balance: unknown balance policy 'random' (expected one of: p2c, round_robin)",
+            id="balance",
+        ),
+        pytest.param(
+            "upstreams: ['http://h:1'], retries: {on_status: [404]}",
+            "models[0].retries.on_status: must be a list of statuses among 429, 500, 502, 503, 504, not a list",
+            id="retry-status",
+        ),
+        pytest.param(
+            "upstreams: ['http://h:1'], retries: {attempts: 11}",
+            "models[0].retries.attempts: must be between 0 and 10, not 11",
+            id="retry-attempts",
+        ),
+        pytest.param(
+            "upstreams: ['http://h:1'], breaker: {failures: 0}",
+            "models[0].breaker.failures: must be at least 1, not 0",
+            id="breaker-failures",
+        ),
+        pytest.param(
+            "upstreams: ['http://h:1'], breaker: {opens: 3}",
+            "models[0].breaker.opens: unknown key 'opens' (expected one of: failures, open_s, successes); "
+            "did you mean 'open_s'?",
+            id="breaker-key",
+        ),
+    ],
+)
+def test_pool_keys_are_checked(model: str, expected: str) -> None:
+    found = problems(doc("version: 1", "models:", f"  - {{name: a, accepts: [text], {model}}}"))
+    assert [p.split(": ", 1)[1] for p in found] == [expected]
+
+
+def test_pool_keys_parse_with_their_defaults() -> None:
+    config = parse_config(
+        doc(
+            "version: 1",
+            "server: {upstream_cooldown_s: 7}",
+            "models:",
+            "  - {name: a, accepts: [text], upstreams: ['http://h:1', {url: 'http://h:2', weight: 3}],",
+            "     balance: round_robin, retries: {attempts: 0, on_status: [503, 500]}, breaker: {successes: 1}}",
+            "  - {name: b, accepts: [text], upstreams: ['http://h:3', {url: 'http://h:4'}]}",
+        )
+    )
+    a, b = config.models
+    assert a.upstreams == ("http://h:1", "http://h:2") and a.weights == (1, 3) and a.balance == "round_robin"
+    assert (a.retries.attempts, a.retries.on_status, a.retries.budget) == (0, (500, 503), 0.2)
+    assert (a.breaker.failures, a.breaker.open_s, a.breaker.successes) == (5, 7.0, 1)
+    assert b.upstreams == ("http://h:3", "http://h:4") and b.weights == () and b.balance == "p2c"

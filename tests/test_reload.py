@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from gateway.state import SERVICES_KEY
 from tests.conftest import Gateway, routing
 from tests.images import png
 
@@ -157,3 +159,83 @@ async def test_a_reload_between_admission_and_encoding_does_not_pull_the_encoder
             assert resp.status == 200, await resp.text()
             assert resp.headers["X-Gateway-Encoded"] == "1"
     assert upstream.received[0].json()["messages"][0]["content"][0]["type"] == "image_embeds"
+
+
+async def test_fifty_reloads_under_load_fail_no_request(gateway_factory, upstream_factory, tmp_path) -> None:
+    a, b = await upstream_factory("a"), await upstream_factory("b")
+    configs = [
+        one_model(a.url),
+        routing(f"  - {{name: m, upstreams: [{a.url}, {b.url}], accepts: [text, image], balance: round_robin}}"),
+        one_model(b.url, accepts="[text, image]"),
+    ]
+    gw = await gateway_factory(configs[0], write_file=True)
+    store = gw.app[SERVICES_KEY].store
+    done = asyncio.Event()
+
+    async def load() -> list[int]:
+        statuses: list[int] = []
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        async with aiohttp.ClientSession() as session:
+
+            async def one() -> None:
+                while not done.is_set():
+                    async with session.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+                        await resp.read()
+                        statuses.append(resp.status)
+
+            await asyncio.gather(*(one() for _ in range(6)))
+        return statuses
+
+    running = asyncio.create_task(load())
+    for i in range(50):
+        (tmp_path / "routing.yaml").write_text(configs[(i + 1) % len(configs)])
+        await store.reload()
+        await asyncio.sleep(0.005)  # let requests through between reloads
+    done.set()
+    statuses = await running
+    assert store.generation == 51
+    assert len(statuses) > 50 and set(statuses) == {200}
+    assert gw.sample("gateway_config_reloads_total", result="success") == 50
+    assert len(a.received) > 0 and len(b.received) > 0
+
+
+async def test_config_info_names_the_live_file_by_its_sha256(gateway_factory, upstream, tmp_path) -> None:
+    first = one_model(upstream.url)
+    gw = await gateway_factory(first, write_file=True)
+    assert gw.sample("gateway_config_info", sha256=hashlib.sha256(first.encode()).hexdigest()) == 1
+    second = one_model(upstream.url, name="n")
+    (tmp_path / "routing.yaml").write_text(second)
+    await gw.app[SERVICES_KEY].store.reload()
+    assert gw.sample("gateway_config_info", sha256=hashlib.sha256(second.encode()).hexdigest()) == 1
+    assert (
+        gw.registry.get_sample_value("gateway_config_info", {"sha256": hashlib.sha256(first.encode()).hexdigest()})
+        is None
+    )
+
+
+async def test_admin_config_shows_the_effective_config_to_the_admin_only(
+    gateway_factory, upstream, monkeypatch
+) -> None:
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    monkeypatch.setenv("MODALITY_GATEWAY_TEST_UPSTREAM_KEY", "sk-upstream-secret")
+    text = routing(
+        f"  - {{name: m, upstreams: [{upstream.url}, {{url: http://127.0.0.1:9, weight: 3}}], accepts: [text],"
+        " api_key_env: MODALITY_GATEWAY_TEST_UPSTREAM_KEY, on_unsupported: {image: strip}}",
+        server=f"{{admin_token_env: {TOKEN_ENV}, reload_interval_s: 0}}",
+    )
+    gw = await gateway_factory(text)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{gw.url}/admin/config") as resp:
+            assert resp.status == 401
+        async with session.get(f"{gw.url}/admin/config", headers={"Authorization": "Bearer s3cret"}) as resp:
+            assert resp.status == 200
+            raw = await resp.text()
+            shown = await resp.json()
+    assert "sk-upstream-secret" not in raw and "s3cret" not in raw
+    assert shown["config_generation"] == 1 and shown["sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    model = shown["config"]["models"][0]
+    assert model["upstreams"] == [{"url": upstream.url, "weight": 1}, {"url": "http://127.0.0.1:9", "weight": 3}]
+    assert model["api_key_env"] == "MODALITY_GATEWAY_TEST_UPSTREAM_KEY"
+    assert model["on_unsupported"] == {"image": "strip"} and model["accepts"] == ["text"]
+    assert model["retries"]["on_status"] == [429, 502, 503, 504] and model["breaker"]["failures"] == 5
+    assert shown["config"]["server"]["reload_interval_s"] == 0

@@ -13,7 +13,17 @@ import yaml
 from jsonschema import Draft202012Validator
 
 from gateway.config import EncoderConfig, MediaConfig, ServerConfig, parse_config
-from gateway.config.types import ENCODER_KEYS, MEDIA_KEYS, MODEL_KEYS, POLICY_ACTIONS, SERVER_KEYS, TOP_KEYS
+from gateway.config.types import (
+    BREAKER_KEYS,
+    ENCODER_KEYS,
+    MEDIA_KEYS,
+    MODEL_KEYS,
+    POLICY_ACTIONS,
+    RETRY_KEYS,
+    SERVER_KEYS,
+    TOP_KEYS,
+    UPSTREAM_KEYS,
+)
 from gateway.errors import ConfigError
 from gateway.modality import MODALITY_NAMES
 
@@ -54,6 +64,9 @@ def test_schema_is_a_valid_draft_2020_12_schema() -> None:
         pytest.param(DEFS["localEncoder"]["properties"], ENCODER_KEYS["local"], id="encoder-local"),
         pytest.param(DEFS["httpEncoder"]["properties"], ENCODER_KEYS["http"], id="encoder-http"),
         pytest.param(DEFS["model"]["properties"], MODEL_KEYS, id="model"),
+        pytest.param(DEFS["weightedUpstream"]["properties"], UPSTREAM_KEYS, id="upstream"),
+        pytest.param(DEFS["retries"]["properties"], RETRY_KEYS, id="retries"),
+        pytest.param(DEFS["breaker"]["properties"], BREAKER_KEYS, id="breaker"),
     ],
 )
 def test_schema_keys_match_the_parser(properties: dict[str, Any], keys: tuple[str, ...]) -> None:

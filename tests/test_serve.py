@@ -110,3 +110,61 @@ async def test_headers_that_trickle_in_are_cut_at_the_idle_timeout(upstream: Ups
     finally:
         process.kill()
         await process.wait()
+
+
+async def test_sigterm_drains_readyz_turns_503_new_requests_are_served_in_the_grace_period_and_the_long_one_ends(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    config = tmp_path / "routing.yaml"
+    config.write_text(
+        routing(
+            f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}",
+            server="{reload_interval_s: 0, drain_grace_s: 1.5, drain_timeout_s: 10}",
+        )
+    )
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def ask(headers: dict[str, str] | None = None) -> int:
+        # a new connection each time: what a load balancer that has not noticed yet would open
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+            async with session.post(f"{url}/v1/chat/completions", json=body, headers=headers or {}) as resp:
+                await resp.read()
+                return resp.status
+
+    try:
+        await wait_healthy(url, process)
+        long = asyncio.create_task(ask({"X-Standin-Delay-Ms": "3000"}))
+        while not upstream.received:
+            await asyncio.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        signalled = loop.time()
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):
+                async with session.get(f"{url}/readyz") as resp:
+                    if resp.status == 503:
+                        assert (await resp.json())["status"] == "draining"
+                        break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("/readyz did not turn 503")
+        during_grace = []
+        while loop.time() - signalled < 1.0:  # well inside the 1.5 s grace period
+            during_grace.append(await ask())
+            await asyncio.sleep(0.05)
+        assert len(during_grace) >= 5 and during_grace == [200] * len(during_grace)  # zero connection errors
+        assert await long == 200  # the 3 s request outlived the listener
+        assert await asyncio.wait_for(process.wait(), timeout=15) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.stdout is not None
+    output = (await process.stdout.read()).decode()
+    assert "SIGTERM: draining" in output and "closing the listener" in output and "stopped" in output

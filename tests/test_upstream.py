@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
 from aiohttp import web
 
-from gateway.config import parse_config
 from gateway.state import SERVICES_KEY
-from gateway.upstream import Replica, Replicas
 from tests.conftest import error_body, free_port, routing
 
 HI = [{"role": "user", "content": "hi"}]
-
-
-def url_of(replica: Replica | None) -> str:
-    assert replica is not None
-    return replica.url
 
 
 def dead_url() -> str:
@@ -27,66 +21,25 @@ def dead_url() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def replicas_for(*urls: str, cooldown: float = 5.0) -> tuple[Replicas, Clock]:
-    clock = Clock()
-    replicas = Replicas(cooldown_s=cooldown, clock=clock)
-    config = parse_config(routing(f"  - {{name: m, upstreams: [{', '.join(urls)}], accepts: [text]}}"))
-    replicas.update(config)
-    return replicas, clock
-
-
-def test_choose_prefers_the_least_loaded_then_takes_turns() -> None:
-    replicas, _ = replicas_for("http://a", "http://b", "http://c")
-    urls = ["http://a", "http://b", "http://c"]
-    first = replicas.choose(urls, set())
-    assert first is not None
-    first.in_flight = 3
-    picks = [replicas.choose(urls, set()) for _ in range(4)]
-    assert {p.url for p in picks if p} == set(urls) - {first.url}
-
-
-def test_choose_skips_tried_and_cooling_down_replicas_until_all_are_down() -> None:
-    replicas, clock = replicas_for("http://a", "http://b")
-    a = replicas.choose(["http://a"], set())
-    assert a is not None
-    replicas.mark_down(a, "refused")
-    assert [url_of(replicas.choose(["http://a", "http://b"], set())) for _ in range(3)] == ["http://b"] * 3
-    assert url_of(replicas.choose(["http://a", "http://b"], {"http://b"})) == "http://a"  # down, but all else tried
-    assert not replicas.all_down(["http://a", "http://b"])
-    clock.now += 5.0
-    assert {url_of(replicas.choose(["http://a", "http://b"], set())) for _ in range(4)} == {"http://a", "http://b"}
-
-
-def test_replica_state_survives_a_reload_by_url() -> None:
-    replicas, _ = replicas_for("http://a", "http://b")
-    a = replicas.choose(["http://a"], set())
-    replicas.mark_down(a, "refused")
-    replicas.update(parse_config(routing("  - {name: n, upstreams: ['http://a', 'http://c'], accepts: [text]}")))
-    snapshot = {r["url"]: r["healthy"] for r in replicas.snapshot()}
-    assert snapshot == {"http://a": False, "http://c": True}
-
-
 async def test_fails_over_from_a_refusing_replica(gateway_factory, upstream) -> None:
     dead = dead_url()
-    gw = await gateway_factory(routing(f"  - {{name: m, upstreams: [{dead}, {upstream.url}], accepts: [text]}}"))
+    # round robin starts with the first replica; one failure opens its breaker
+    options = "balance: round_robin, breaker: {failures: 1}"
+    gw = await gateway_factory(
+        routing(f"  - {{name: m, upstreams: [{dead}, {upstream.url}], accepts: [text], {options}}}")
+    )
     async with gw.client() as client:
         for _ in range(3):
             await client.chat.completions.create(model="m", messages=HI)
     assert len(upstream.received) == 3
     assert gw.sample("gateway_upstream_requests_total", model="m", upstream=dead, outcome="connect_error") == 1
+    assert gw.sample("gateway_retries_total", model="m", reason="connect_error") == 1
     assert gw.sample("gateway_upstream_requests_total", model="m", upstream=upstream.url, outcome="ok") == 3
 
 
-async def test_no_upstream_listening_is_502_then_503_while_cooling_down(gateway_factory) -> None:
-    gw = await gateway_factory(routing(f"  - {{name: m, upstreams: [{dead_url()}], accepts: [text]}}"))
+async def test_no_upstream_listening_is_502_then_503_while_the_breaker_is_open(gateway_factory) -> None:
+    model = f"{{name: m, upstreams: [{dead_url()}], accepts: [text], breaker: {{failures: 1, open_s: 5}}}}"
+    gw = await gateway_factory(routing(f"  - {model}"))
     async with gw.client() as client:
         with pytest.raises(openai.InternalServerError) as first:
             await client.chat.completions.create(model="m", messages=HI)
@@ -165,7 +118,7 @@ async def test_a_client_that_gives_up_before_the_response_leaks_no_load(gateway_
             break
         await asyncio.sleep(0.01)
     assert gw.sample("gateway_upstream_requests_total", model="m", upstream=upstream.url, outcome="aborted") == 3
-    replicas = gw.app[SERVICES_KEY].upstream.replicas.snapshot()
+    replicas = gw.app[SERVICES_KEY].store.replicas.snapshot()
     assert [r["in_flight"] for r in replicas] == [0]
     assert gw.sample("gateway_requests_total", model="m", code="499") == 3
 
@@ -180,3 +133,185 @@ async def test_a_413_and_bad_json_are_counted_as_unknown_model(gateway_factory, 
                 await resp.read()
     assert gw.sample("gateway_requests_total", model="_unknown", code="413") == 1
     assert gw.sample("gateway_requests_total", model="_unknown", code="400") == 1
+
+
+# --- retries, breakers, faults (docs/reliability.md) -------------------------------------------
+
+FAST = "retries: {backoff_s: 0}"  # no backoff wait in tests that retry on purpose
+
+
+def model_on(*urls: str, options: str = FAST) -> str:
+    return routing(f"  - {{name: m, upstreams: [{', '.join(urls)}], accepts: [text], {options}}}")
+
+
+async def ask_all(gw, n: int, *, concurrency: int = 8, stream: bool = False) -> list[int]:
+    """Send ``n`` chat requests, ``concurrency`` at a time; the statuses (0 for a connection error)."""
+    limit = asyncio.Semaphore(concurrency)
+    body = {"model": "m", "messages": HI, "stream": stream}
+
+    async def one(session: aiohttp.ClientSession) -> int:
+        async with limit:
+            try:
+                async with session.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+                    return resp.status
+            except aiohttp.ClientError:
+                return 0
+
+    async with aiohttp.ClientSession() as session:
+        return list(await asyncio.gather(*(one(session) for _ in range(n))))
+
+
+async def test_a_replica_answering_503_costs_no_request_and_is_ejected(upstream_factory, gateway_factory) -> None:
+    bad, good = await upstream_factory("bad"), await upstream_factory("good")
+    bad.standin.fail_status = 503
+    gw = await gateway_factory(model_on(bad.url, good.url))
+    statuses = await ask_all(gw, 60)
+    assert statuses == [200] * 60
+    # breaker.failures, plus what was already on its way when the breaker opened; then no more
+    assert 5 <= len(bad.received) < 5 + 8
+    assert len(good.received) == 60
+    assert gw.sample("gateway_retries_total", model="m", reason="http_503") == len(bad.received)
+    assert gw.sample("gateway_upstream_ejections_total", model="m", upstream=bad.url) == 1
+    assert gw.sample("gateway_upstream_healthy", model="m", upstream=bad.url) == 0
+    assert gw.sample("gateway_upstream_breaker_state", model="m", upstream=bad.url, state="open") == 1
+    assert gw.sample("gateway_upstream_healthy", model="m", upstream=good.url) == 1
+    assert gw.sample("gateway_upstream_in_flight", model="m", upstream=good.url) == 0
+
+
+async def test_a_429_is_retried_elsewhere_without_counting_against_the_replica(upstream_factory, gateway_factory):
+    busy, free = await upstream_factory("busy"), await upstream_factory("free")
+    busy.standin.fail_status = 429
+    gw = await gateway_factory(model_on(busy.url, free.url))
+    assert await ask_all(gw, 30) == [200] * 30
+    assert len(busy.received) > 5  # never ejected: a 429 is the engine protecting itself
+    assert gw.sample("gateway_upstream_healthy", model="m", upstream=busy.url) == 1
+    assert gw.sample("gateway_retries_total", model="m", reason="http_429") == len(busy.received)
+
+
+async def test_a_500_is_relayed_unless_retries_on_lists_it(upstream_factory, gateway_factory) -> None:
+    bad, good = await upstream_factory("bad"), await upstream_factory("good")
+    bad.standin.fail_status = 500
+    gw = await gateway_factory(model_on(bad.url, options=FAST))
+    async with gw.client() as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model="m", messages=HI)
+    assert caught.value.status_code == 500
+    assert error_body(caught.value)["message"] == "stand-in bad says 500"  # the engine's own answer, relayed
+    gw = await gateway_factory(model_on(bad.url, good.url, options="retries: {on_status: [500, 503], backoff_s: 0}"))
+    assert await ask_all(gw, 20) == [200] * 20
+
+
+async def test_a_reset_before_the_response_is_retried_on_another_replica(upstream_factory, gateway_factory) -> None:
+    flaky, good = await upstream_factory("flaky"), await upstream_factory("good")
+    flaky.standin.reset = True
+    gw = await gateway_factory(model_on(flaky.url, good.url))
+    assert await ask_all(gw, 30) == [200] * 30
+    assert 5 <= len(flaky.received) < 5 + 8
+    assert gw.sample("gateway_retries_total", model="m", reason="reset") == len(flaky.received)
+
+
+async def test_when_every_replica_fails_the_client_gets_the_last_answer(upstream_factory, gateway_factory) -> None:
+    a, b = await upstream_factory("a"), await upstream_factory("b")
+    a.standin.fail_status = b.standin.fail_status = 503
+    gw = await gateway_factory(model_on(a.url, b.url))
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="m", messages=HI)
+    assert caught.value.status_code == 503
+    assert error_body(caught.value)["message"].startswith("stand-in ")  # relayed: nothing left to try
+    assert len(a.received) + len(b.received) == 2
+    assert gw.sample("gateway_retries_total", model="m", reason="http_503") == 1
+
+
+async def test_all_replicas_ejected_is_503_no_healthy_upstream_with_retry_after(upstream_factory, gateway_factory):
+    a = await upstream_factory("a")
+    a.standin.fail_status = 502
+    gw = await gateway_factory(model_on(a.url, options="breaker: {failures: 2, open_s: 30}"))
+    statuses = await ask_all(gw, 4, concurrency=1)
+    assert statuses == [502, 502, 503, 503]
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="m", messages=HI)
+    assert error_body(caught.value)["code"] == "no_healthy_upstream"
+    assert caught.value.response.headers["Retry-After"] == "30"
+    assert len(a.received) == 2
+
+
+async def test_retries_stop_at_attempts_and_within_the_budget(upstream_factory, gateway_factory) -> None:
+    ups = [await upstream_factory(f"u{i}") for i in range(4)]
+    for u in ups:
+        u.standin.fail_status = 503
+    urls = [u.url for u in ups]
+    gw = await gateway_factory(model_on(*urls, options="retries: {attempts: 1, backoff_s: 0}, breaker: {failures: 9}"))
+    assert await ask_all(gw, 1) == [503]
+    assert sum(len(u.received) for u in ups) == 2  # the first try and one retry
+    gw = await gateway_factory(
+        model_on(*urls, options="retries: {budget: 0, min_per_s: 0, backoff_s: 0}, breaker: {failures: 9}")
+    )
+    assert await ask_all(gw, 1) == [503]
+    assert gw.sample("gateway_retries_refused_total", model="m") == 1
+
+
+async def test_a_replica_killed_under_load_costs_no_request(upstream_factory, gateway_factory) -> None:
+    doomed, survivor = await upstream_factory("doomed"), await upstream_factory("survivor")
+    gw = await gateway_factory(model_on(doomed.url, survivor.url))
+    load = asyncio.create_task(ask_all(gw, 400, concurrency=8))
+    while len(doomed.received) < 20:  # the load reaches both
+        await asyncio.sleep(0.005)
+    await doomed.server.close()
+    statuses = await load
+    assert statuses == [200] * 400
+    assert gw.sample("gateway_upstream_healthy", model="m", upstream=doomed.url) == 0
+
+
+async def test_a_slow_replica_gets_less_traffic(upstream_factory, gateway_factory) -> None:
+    slow, fast = await upstream_factory("slow"), await upstream_factory("fast")
+    slow.standin.delay_ms = 100
+    gw = await gateway_factory(model_on(slow.url, fast.url))
+    assert await ask_all(gw, 80, concurrency=8) == [200] * 80
+    assert len(fast.received) > 3 * len(slow.received)
+
+
+async def test_a_request_in_flight_keeps_its_generations_pool_across_a_reload(upstream_factory, gateway_factory):
+    old, new = await upstream_factory("old"), await upstream_factory("new")
+    gw = await gateway_factory(model_on(old.url), write_file=True)
+    old.standin.delay_ms = 300
+    async with gw.client() as client:
+        pending = asyncio.create_task(client.chat.completions.create(model="m", messages=HI))
+        while not old.received:
+            await asyncio.sleep(0.005)
+        store = gw.app[SERVICES_KEY].store
+        assert store.path is not None
+        Path(store.path).write_text(model_on(new.url))
+        await store.reload()
+        done = await pending
+        after = await client.chat.completions.create(model="m", messages=HI)
+    assert done.choices[0].message.content.startswith("[old]")
+    assert after.choices[0].message.content.startswith("[new]")
+    assert [r["url"] for r in gw.app[SERVICES_KEY].store.replicas.snapshot()] == [new.url]
+
+
+KEY_ENV = "MODALITY_GATEWAY_TEST_UPSTREAM_KEY"
+
+
+async def test_a_models_api_key_goes_upstream_in_place_of_the_clients_and_never_back(
+    upstream_factory, gateway_factory, monkeypatch
+) -> None:
+    keyed, open_ = await upstream_factory("keyed"), await upstream_factory("open")
+    monkeypatch.setenv(KEY_ENV, "sk-upstream-secret")
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: m, upstreams: [{keyed.url}], accepts: [text], api_key_env: {KEY_ENV}}}",
+            f"  - {{name: n, upstreams: [{open_.url}], accepts: [text]}}",
+        )
+    )
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer client-key"}) as session:
+        for model, stream in (("m", False), ("m", True), ("n", False)):
+            body = {"model": model, "messages": HI, "stream": stream}
+            async with session.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                text = await resp.text()
+                assert "sk-upstream-secret" not in text + str(resp.headers)
+    assert [r.headers["Authorization"] for r in keyed.received] == ["Bearer sk-upstream-secret"] * 2
+    assert open_.received[0].headers["Authorization"] == "Bearer client-key"  # no key: the client's passes

@@ -9,6 +9,10 @@ for and counts the content parts by type. Knobs, sent as request headers (the ga
     X-Standin-Chunk-Delay-Ms: 5  wait between streamed chunks
     X-Standin-Break-After: 2     stream this many content chunks, then drop the connection
 
+Faults of the whole replica (what resilience tests and demos set on the instance): ``fail_status``
+answers every request with that status, ``reset`` drops each connection once the request is read,
+``delay_ms`` makes every answer that much slower.
+
 Run one: ``python -m tools.standin --port 8000 --name vllm``.
 """
 
@@ -44,6 +48,9 @@ class StandIn:
     name: str = "standin"
     received: list[Received] = field(default_factory=list)
     served: int = 0
+    fail_status: int = 0
+    reset: bool = False
+    delay_ms: int = 0
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -56,10 +63,13 @@ class StandIn:
     async def _record(self, request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
         body = await request.read()
         self.received.append(Received(request.method, request.path_qs, CIMultiDict(request.headers), body))
-        delay = int(request.headers.get("X-Standin-Delay-Ms", "0"))
+        if self.reset and request.transport is not None:
+            request.transport.abort()
+            return {}, web.Response(status=500)  # never reaches anyone: the connection is gone
+        delay = int(request.headers.get("X-Standin-Delay-Ms", "0")) + self.delay_ms
         if delay:
             await asyncio.sleep(delay / 1000)
-        status = int(request.headers.get("X-Standin-Status", "200"))
+        status = self.fail_status or int(request.headers.get("X-Standin-Status", "200"))
         if status != 200:
             error = {
                 "error": {

@@ -14,24 +14,41 @@ across sections).
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import yaml
 
 from ..errors import ConfigError, ConfigProblem
+from .export import as_dict
 from .loader import TooLargeError
 from .sections import Parser
-from .types import REJECT, EncoderConfig, GatewayConfig, MediaConfig, ModelConfig, Policy, ServerConfig
+from .types import (
+    BALANCE_POLICIES,
+    REJECT,
+    BreakerConfig,
+    EncoderConfig,
+    GatewayConfig,
+    MediaConfig,
+    ModelConfig,
+    Policy,
+    RetryConfig,
+    ServerConfig,
+)
 from .validate import validate, validate_host
 
 __all__ = [
+    "BALANCE_POLICIES",
     "REJECT",
+    "BreakerConfig",
     "EncoderConfig",
     "GatewayConfig",
     "MediaConfig",
     "ModelConfig",
     "Policy",
+    "RetryConfig",
     "ServerConfig",
+    "as_dict",
     "load_config",
     "parse_config",
 ]
@@ -67,7 +84,7 @@ def parse_config(text: str, *, filename: str = "routing.yaml", here: bool = Fals
     except (TooLargeError, RecursionError) as exc:  # alias bombs, recursive aliases, absurd nesting
         what = str(exc) if isinstance(exc, TooLargeError) else "nesting too deep (a recursive alias?)"
         raise ConfigError([ConfigProblem(filename, 0, 0, "", f"cannot read this file: {what}")]) from None
-    config = parser.config(document, source=filename)
+    config = parser.config(document, source=filename, sha256=hashlib.sha256(text.encode()).hexdigest())
     if config is not None and not parser.problems:
         validate(config, parser)
         if here:

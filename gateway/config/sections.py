@@ -10,21 +10,29 @@ from ..modality import MODALITY_NAMES, Modality
 from .loader import MISSING, join_path
 from .readers import Readers, describe, show, unknown_message
 from .types import (
+    BALANCE_POLICIES,
+    BREAKER_KEYS,
     DEFAULT_ENCODE_IMAGE_LIMIT,
     ENCODER_ERROR_ACTIONS,
     ENCODER_KEYS,
+    ENV_NAME,
     MAX_JSON_DEPTH,
     MEDIA_KEYS,
     MODEL_KEYS,
     POLICY_ACTIONS,
+    RETRY_KEYS,
+    RETRYABLE_STATUSES,
     SERVER_KEYS,
     SUPPORTED_VERSION,
     TOP_KEYS,
+    UPSTREAM_KEYS,
+    BreakerConfig,
     EncoderConfig,
     GatewayConfig,
     MediaConfig,
     ModelConfig,
     Policy,
+    RetryConfig,
     ServerConfig,
 )
 
@@ -34,7 +42,7 @@ class Parser(Readers):
 
     # --- sections --------------------------------------------------------------------------
 
-    def config(self, doc: Any, *, source: str) -> GatewayConfig | None:
+    def config(self, doc: Any, *, source: str, sha256: str = "") -> GatewayConfig | None:
         top = self.mapping(doc, "", TOP_KEYS, what="the document")
         if top is None:
             return None
@@ -46,13 +54,14 @@ class Parser(Readers):
         server = self.server(top.get("server", {}))
         media = self.media(top.get("media", {}))
         encoders = self.encoders(top.get("encoders", {}))
-        models = self.models(top.get("models", MISSING))
+        models = self.models(top.get("models", MISSING), server)
         return GatewayConfig(
             models=tuple(models),
             server=server,
             media=media,
             encoders=MappingProxyType(encoders),
             source=source,
+            sha256=sha256,
         )
 
     def server(self, value: Any) -> ServerConfig:
@@ -78,6 +87,8 @@ class Parser(Readers):
             max_content_parts=self.integer(*get("max_content_parts"), minimum=1),
             max_text_chars=self.integer(*get("max_text_chars"), minimum=1),
             max_upstream_body_bytes=self.integer(*get("max_upstream_body_bytes"), minimum=1024),
+            drain_grace_s=self.number(*get("drain_grace_s"), positive=False),
+            drain_timeout_s=self.number(*get("drain_timeout_s"), positive=False),
         )
 
     def media(self, value: Any) -> MediaConfig:
@@ -159,7 +170,7 @@ class Parser(Readers):
         self.problem(path, f"unknown device {show(value)} (expected auto, cpu, cuda or cuda:N)")
         return "auto"
 
-    def models(self, value: Any) -> list[ModelConfig]:
+    def models(self, value: Any, server: ServerConfig) -> list[ModelConfig]:
         if value is MISSING:
             self.problem("models", "is required: list at least one model")
             return []
@@ -169,14 +180,14 @@ class Parser(Readers):
         if not isinstance(value, list):
             self.problem("models", f"must be a list of models, not {describe(value)}")
             return []
-        return [m for i, raw in enumerate(value) if (m := self.model(raw, f"models[{i}]")) is not None]
+        return [m for i, raw in enumerate(value) if (m := self.model(raw, f"models[{i}]", server)) is not None]
 
-    def model(self, value: Any, path: str) -> ModelConfig | None:
+    def model(self, value: Any, path: str, server: ServerConfig) -> ModelConfig | None:
         raw = self.mapping(value, path, MODEL_KEYS, what="a model")
         if raw is None:
             return None
         name = self.string(raw.get("name", MISSING), f"{path}.name")
-        upstreams = self.upstreams(raw.get("upstreams", MISSING), f"{path}.upstreams")
+        upstreams, weights = self.upstreams(raw.get("upstreams", MISSING), f"{path}.upstreams")
         accepts = self.accepts(raw.get("accepts", MISSING), f"{path}.accepts")
         upstream_model = raw.get("upstream_model", MISSING)
         upstream_model = None if upstream_model is MISSING else self.string(upstream_model, f"{path}.upstream_model")
@@ -189,6 +200,14 @@ class Parser(Readers):
         if on_encoder_error not in ENCODER_ERROR_ACTIONS:
             self.problem(f"{path}.on_encoder_error", unknown_message(on_encoder_error, ENCODER_ERROR_ACTIONS, "action"))
             on_encoder_error = "fail"
+        api_key_env = raw.get("api_key_env", MISSING)
+        api_key_env = None if api_key_env is MISSING else self.env_name(api_key_env, f"{path}.api_key_env")
+        balance = raw.get("balance", "p2c")
+        if balance not in BALANCE_POLICIES:
+            self.problem(f"{path}.balance", unknown_message(balance, BALANCE_POLICIES, "balance policy"))
+            balance = "p2c"
+        retries = self.retries(raw.get("retries", {}), f"{path}.retries")
+        breaker = self.breaker(raw.get("breaker", {}), f"{path}.breaker", server)
         if name is None or accepts is None:
             return None
         return ModelConfig(
@@ -200,15 +219,76 @@ class Parser(Readers):
             encode=MappingProxyType(encode),
             on_unsupported=MappingProxyType(policies),
             on_encoder_error=on_encoder_error,
+            api_key_env=api_key_env,
+            weights=weights if any(w != 1 for w in weights) else (),
+            balance=balance,
+            retries=retries,
+            breaker=breaker,
         )
 
-    def upstreams(self, value: Any, path: str) -> list[str]:
-        return self.url_list(
+    def upstreams(self, value: Any, path: str) -> tuple[list[str], tuple[int, ...]]:
+        """The URLs, and their weights: an item is a URL, or ``{url: URL, weight: N}``."""
+        weights: dict[int, int] = {}
+        if isinstance(value, list):
+            plain = []
+            for i, item in enumerate(value):
+                if isinstance(item, dict):
+                    entry = self.mapping(item, f"{path}[{i}]", UPSTREAM_KEYS, what="an upstream")
+                    assert entry is not None
+                    weights[i] = self.integer(entry.get("weight", MISSING), f"{path}[{i}].weight", 1, minimum=1)
+                    item = self.string(entry.get("url", MISSING), f"{path}[{i}].url")
+                    if item is None:
+                        item = MISSING  # said; keep the positions of the others
+                plain.append(item)
+            value = [v for v in plain if v is not MISSING]
+        urls = self.url_list(
             value,
             path,
             missing=(path, "is required: list the model's OpenAI-compatible servers"),
             empty="must list at least one upstream URL",
             what="upstream",
+        )
+        return urls, tuple(weights.get(i, 1) for i in range(len(urls)))
+
+    def env_name(self, value: Any, path: str) -> str | None:
+        if isinstance(value, str) and ENV_NAME.fullmatch(value):
+            return value
+        self.problem(path, f"must be the name of an environment variable (like VLLM_API_KEY), not {show(value)}")
+        return None
+
+    def retries(self, value: Any, path: str) -> RetryConfig:
+        d = RetryConfig()
+        raw = self.mapping(value, path, RETRY_KEYS, what="retries")
+        if raw is None:
+            return d
+        get = _fields(raw, path, d)
+        on = raw.get("on_status", MISSING)
+        statuses = d.on_status
+        if on is not MISSING:
+            if isinstance(on, list) and all(s in RETRYABLE_STATUSES and type(s) is int for s in on):
+                statuses = tuple(sorted(set(on)))
+            else:
+                listed = ", ".join(map(str, RETRYABLE_STATUSES))
+                self.problem(f"{path}.on_status", f"must be a list of statuses among {listed}, not {show(on)}")
+        return RetryConfig(
+            attempts=self.integer(*get("attempts"), minimum=0, maximum=10),
+            on_status=statuses,
+            budget=self.number(*get("budget"), positive=False),
+            min_per_s=self.number(*get("min_per_s"), positive=False),
+            backoff_s=self.number(*get("backoff_s"), positive=False),
+            max_backoff_s=self.number(*get("max_backoff_s"), positive=False),
+        )
+
+    def breaker(self, value: Any, path: str, server: ServerConfig) -> BreakerConfig:
+        d = BreakerConfig(open_s=server.upstream_cooldown_s)
+        raw = self.mapping(value, path, BREAKER_KEYS, what="breaker")
+        if raw is None:
+            return d
+        get = _fields(raw, path, d)
+        return BreakerConfig(
+            failures=self.integer(*get("failures"), minimum=1),
+            open_s=self.number(*get("open_s"), positive=False),
+            successes=self.integer(*get("successes"), minimum=1),
         )
 
     def url_list(self, value: Any, path: str, *, missing: tuple[str, str], empty: str, what: str) -> list[str]:

@@ -13,6 +13,7 @@ from ..modality import DEFAULT_BOUNDS, ContentBounds, Modality
 SUPPORTED_VERSION = 1
 ENCODABLE = (Modality.IMAGE,)
 BUILTIN_TOWERS = ("builtin:vit-small",)  # as backends/vision_encoder/towers knows them
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 HOST_NAME = re.compile(
     r"(?=.{1,253}$)([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*", re.I
 )
@@ -38,6 +39,8 @@ SERVER_KEYS = (
     "max_content_parts",
     "max_text_chars",
     "max_upstream_body_bytes",
+    "drain_grace_s",
+    "drain_timeout_s",
 )
 MEDIA_KEYS = ("allow_domains", "allow_private_networks", "fetch_timeout_s", "max_image_bytes")
 ENCODER_KEYS = {
@@ -53,8 +56,17 @@ MODEL_KEYS = (
     "encode",
     "on_encoder_error",
     "on_unsupported",
+    "api_key_env",
+    "balance",
+    "retries",
+    "breaker",
 )
 ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
+UPSTREAM_KEYS = ("url", "weight")
+BALANCE_POLICIES = ("p2c", "round_robin")
+RETRY_KEYS = ("attempts", "on_status", "budget", "min_per_s", "backoff_s", "max_backoff_s")
+RETRYABLE_STATUSES = (429, 500, 502, 503, 504)  # what retries.on_status may list
+BREAKER_KEYS = ("failures", "open_s", "successes")
 MAX_JSON_DEPTH = 254  # the deepest body orjson can write back
 # Images per request for a model that encodes them, unless limits.image says otherwise: every
 # image becomes an image_embeds payload upstream, often 1000x the size of the part it replaces.
@@ -68,13 +80,13 @@ class ServerConfig:
     port: int = 8080
     max_body_bytes: int = 32 * 1024 * 1024
     admin_token_env: str = "GATEWAY_ADMIN_TOKEN"
-    reload_interval_s: float = 2.0  # 0 turns off watching routing.yaml
+    reload_interval_s: float = 0.5  # 0 turns off watching routing.yaml
     upstream_connect_timeout_s: float = 5.0
     # Longest silence of a replica. A non-streamed reply comes only when the whole generation is
     # done (and a stream's first chunk after queueing and prefill), so this must exceed the longest
     # generation: the OpenAI SDK's own default. Streams are also bounded by the shorter idle timeout.
     upstream_read_timeout_s: float = 600.0
-    upstream_cooldown_s: float = 5.0  # how long a replica that refused a connection is skipped
+    upstream_cooldown_s: float = 5.0  # the default breaker.open_s of models and encoders
     # "stream": true: headers (engines send them at once) and the gaps between chunks
     upstream_stream_idle_timeout_s: float = 60.0
     # What one client may cost (docs/security.md says why each default is what it is).
@@ -87,6 +99,11 @@ class ServerConfig:
     max_content_parts: int = DEFAULT_BOUNDS.parts  # over all messages
     max_text_chars: int = DEFAULT_BOUNDS.text_chars  # one text part or string content
     max_upstream_body_bytes: int = 512 * 1024 * 1024  # a body grown by image_embeds, as sent upstream
+    # SIGTERM: /readyz turns 503 and new connections are still taken for drain_grace_s (load
+    # balancers need a moment to notice); then the listener closes and requests in flight have
+    # drain_timeout_s to finish. Together within Kubernetes' terminationGracePeriodSeconds (30).
+    drain_grace_s: float = 5.0
+    drain_timeout_s: float = 20.0
 
     @property
     def content_bounds(self) -> ContentBounds:
@@ -114,6 +131,28 @@ class EncoderConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """When a model's request is tried again on another replica (docs/reliability.md)."""
+
+    attempts: int = 2  # tries after the first, each on a replica not tried yet
+    # statuses retried, besides connect errors and resets (500 is not: it may be the request's fault)
+    on_status: tuple[int, ...] = (429, 502, 503, 504)
+    budget: float = 0.2  # retries over the last 10 s: at most this fraction of the model's requests...
+    min_per_s: float = 10.0  # ...plus this many per second
+    backoff_s: float = 0.025  # before retry n: between half and all of backoff_s * 2**(n-1)...
+    max_backoff_s: float = 0.25  # ...capped here
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    """When a replica is ejected and let back (gateway.replicas)."""
+
+    failures: int = 5  # consecutive failures that open the breaker
+    open_s: float = 5.0  # skipped this long, then one probe at a time (default: server.upstream_cooldown_s)
+    successes: int = 2  # consecutive successful probes that close it again
+
+
+@dataclass(frozen=True, slots=True)
 class Policy:
     """What to do with a modality a model does not accept."""
 
@@ -138,6 +177,11 @@ class ModelConfig:
     on_unsupported: Mapping[Modality, Policy] = field(default_factory=lambda: MappingProxyType({}))
     # when the encoder fails: 503 encoder_unavailable (fail), or send the original images (passthrough)
     on_encoder_error: Literal["fail", "passthrough"] = "fail"
+    api_key_env: str | None = None  # the env var whose value goes upstream as "Authorization: Bearer"
+    weights: tuple[int, ...] = ()  # per upstream, in order; empty: all 1
+    balance: Literal["p2c", "round_robin"] = "p2c"
+    retries: RetryConfig = RetryConfig()
+    breaker: BreakerConfig = BreakerConfig()
 
     @property
     def upstream_name(self) -> str:
@@ -158,6 +202,7 @@ class GatewayConfig:
     encoders: Mapping[str, EncoderConfig] = field(default_factory=lambda: MappingProxyType({}))
     version: int = SUPPORTED_VERSION
     source: str = "<memory>"
+    sha256: str = ""  # of the file's text: which config is live (gateway_config_info)
     _by_name: Mapping[str, ModelConfig] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

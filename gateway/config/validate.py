@@ -3,6 +3,7 @@ and the checks of the host that will run it."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,7 +108,8 @@ def _check_redirect_loops(config: GatewayConfig, p: MarkedDocument) -> None:
 
 
 def validate_host(config: GatewayConfig, p: MarkedDocument) -> None:
-    """What only the machine that runs the gateway can check: local encoders' model directories.
+    """What only the machine that runs the gateway can check: local encoders' model directories,
+    and that every ``api_key_env`` is set.
 
     `modality-gateway check FILE` answers the same on any machine; `serve`, a reload and
     `check --here` also run this."""
@@ -118,3 +120,6 @@ def validate_host(config: GatewayConfig, p: MarkedDocument) -> None:
                 f"'{encoder.model}' is not a directory on this machine (expected {', '.join(BUILTIN_TOWERS)} "
                 "or a model directory)",
             )
+    for i, model in enumerate(config.models):
+        if model.api_key_env is not None and not os.environ.get(model.api_key_env):
+            p.problem(f"models[{i}].api_key_env", f"the environment variable {model.api_key_env} is not set")
