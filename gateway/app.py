@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from . import handlers
+from .concurrency import Gates
 from .config import GatewayConfig
 from .encoder import EncoderClient
 from .media import MediaFetcher
@@ -50,12 +51,15 @@ def create_app(
     metrics = GatewayMetrics(registry)
     replicas = ReplicaSet(on_open=lambda model, url: _ejected(metrics, model, url))
     store = ConfigStore(config, metrics=metrics, path=config_path, replicas=replicas)
-    registry.register(PoolCollector(lambda: store.live.pools))
+    gates = Gates(on_shed=lambda model, reason: metrics.shed.labels(model, reason).inc())
+    registry.register(PoolCollector(lambda: store.live.pools, gates))
     supervisor = Supervisor(config, command=encoder_command, timings=supervisor_timings)
     encoder = EncoderClient(metrics, MediaFetcher(config.media), supervisor.url)
     store.subscribe(encoder.update)
     store.subscribe(supervisor.update)
-    services = Services(store, metrics, UpstreamClient(metrics), encoder, supervisor, config.server.max_body_bytes)
+    services = Services(
+        store, metrics, UpstreamClient(metrics), encoder, supervisor, config.server.max_body_bytes, gates
+    )
 
     app = web.Application(
         client_max_size=config.server.max_body_bytes,

@@ -19,6 +19,8 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     ├── PayloadTooLargeError              413 invalid_request_error payload_too_large
     ├── UnsupportedEncodingError          415 invalid_request_error unsupported_content_encoding
     ├── InvalidConfigError                422 invalid_request_error invalid_config
+    ├── QueueFullError                    429 rate_limit_error      queue_full
+    ├── QueueTimeoutError                 503 server_error          queue_timeout
     ├── UpstreamError                     502 server_error          upstream_error
     │   ├── UpstreamConnectError          502                       upstream_unreachable
     │   ├── UpstreamTimeoutError          504                       upstream_timeout
@@ -176,6 +178,10 @@ class InvalidConfigError(GatewayError, status=422, type="invalid_request_error",
     """POST /admin/reload found routing.yaml invalid; the running config stays."""
 
 
+class QueueFullError(GatewayError, status=429, type="rate_limit_error", code="queue_full"):
+    """The model's max_concurrency are in flight and its queue is full (with Retry-After)."""
+
+
 class UpstreamError(GatewayError, status=502, code="upstream_error"): ...
 
 
@@ -186,6 +192,10 @@ class UpstreamTimeoutError(UpstreamError, status=504, code="upstream_timeout"): 
 
 
 class NoHealthyUpstreamError(UpstreamError, status=503, code="no_healthy_upstream"): ...
+
+
+class QueueTimeoutError(GatewayError, status=503, code="queue_timeout"):
+    """The request waited queue.timeout_s for a slot of its model (with Retry-After)."""
 
 
 class EncoderError(GatewayError, status=503, code="encoder_unavailable"): ...

@@ -25,9 +25,9 @@ from .errors import (
     PermissionDeniedError,
 )
 from .metrics import UNKNOWN_MODEL
+from .relay import Timeouts
 from .reload import Live
 from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
-from .upstream import Timeouts
 
 log = logging.getLogger(__name__)
 JSON = "application/json"
@@ -224,22 +224,20 @@ async def _forward(
         "X-Gateway-Route": route,
         **(extra_headers or {}),
     }
-    server = live.config.server
+    t = model.timeouts
     timeouts = Timeouts(
-        server.upstream_connect_timeout_s,
-        server.upstream_read_timeout_s,
-        server.client_write_timeout_s,
-        server.upstream_stream_idle_timeout_s if stream else None,
+        t.connect_s, t.first_byte_s, live.config.server.client_write_timeout_s, t.idle_s if stream else None, t.total_s
     )
-    return await services.upstream.forward(
-        request,
-        model,
-        live.pools[model.name],
-        data,
-        timeouts=timeouts,
-        gateway_headers=headers,
-        auth=live.upstream_auth.get(model.name),
-    )
+    async with services.gates(model.name).slot(model):
+        return await services.upstream.forward(
+            request,
+            model,
+            live.pools[model.name],
+            data,
+            timeouts=timeouts,
+            gateway_headers=headers,
+            auth=live.upstream_auth.get(model.name),
+        )
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from .concurrency import Gates
 from .config import GatewayConfig
 from .modality import MODALITY_NAMES
 from .replicas import BREAKER_STATES, Pool
@@ -122,6 +123,12 @@ class GatewayMetrics:
             "How many times a new routing.yaml took effect since start (1 for the first).",
             registry=registry,
         )
+        self.shed = Counter(
+            "gateway_shed",
+            "Requests refused because their model was at max_concurrency: queue_full (429) or queue_timeout (503).",
+            ["model", "reason"],
+            registry=registry,
+        )
         self.config_info = Gauge(
             "gateway_config_info",
             "The live routing.yaml, by the sha256 of its text (1 for the live one; join on it in dashboards).",
@@ -141,6 +148,9 @@ class GatewayMetrics:
                 for reason in REJECTION_REASONS:
                     self.rejections.labels(model.name, modality, reason)
             self.retries_refused.labels(model.name)
+            if model.max_concurrency is not None:
+                for reason in ("queue_full", "queue_timeout"):
+                    self.shed.labels(model.name, reason)
             for url in model.upstreams:
                 self.upstream_ejections.labels(model.name, url)
             for modality, policy in model.on_unsupported.items():
@@ -151,10 +161,10 @@ class GatewayMetrics:
 
 
 class PoolCollector(Collector):
-    """The live pools' state, read at scrape time: nothing to keep in step on every request."""
+    """The live pools' and queues' state, read at scrape time: nothing to keep in step per request."""
 
-    def __init__(self, pools: Callable[[], Mapping[str, Pool]]) -> None:
-        self._pools = pools
+    def __init__(self, pools: Callable[[], Mapping[str, Pool]], gates: Gates) -> None:
+        self._pools, self._gates = pools, gates
 
     def collect(self) -> Iterator[Metric]:
         healthy = GaugeMetricFamily(
@@ -178,4 +188,13 @@ class PoolCollector(Collector):
                 in_flight.add_metric([name, replica.url], replica.in_flight)
                 for s in BREAKER_STATES:
                     state.add_metric([name, replica.url, s], 1.0 if replica.state == s else 0.0)
-        yield from (healthy, state, in_flight)
+        queued = GaugeMetricFamily(
+            "gateway_queue_depth", "Requests waiting for a slot of their model (max_concurrency).", labels=["model"]
+        )
+        active = GaugeMetricFamily(
+            "gateway_model_in_flight", "Requests holding a slot of their model (max_concurrency).", labels=["model"]
+        )
+        for name, gate in self._gates.items():
+            queued.add_metric([name], gate.queued)
+            active.add_metric([name], gate.active)
+        yield from (healthy, state, in_flight, queued, active)

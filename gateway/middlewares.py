@@ -18,8 +18,8 @@ from aiohttp.typedefs import Handler
 from .body import body_too_large
 from .errors import GatewayError, HTTPStatusError, MethodNotAllowedError, NotFoundError, clip, render
 from .metrics import UNKNOWN_MODEL
+from .relay import RelayResponse
 from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY
-from .upstream import RelayResponse
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from .concurrency import Gates
 from .encoder import EncoderClient
 from .metrics import GatewayMetrics
 from .reload import ConfigStore
@@ -28,6 +29,7 @@ class Services:
     encoder: EncoderClient
     supervisor: Supervisor
     max_body_bytes: int  # fixed at start: aiohttp reads it once
+    gates: Gates = field(default_factory=Gates)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
 

@@ -23,7 +23,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
-import orjson
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
@@ -36,102 +35,19 @@ from .errors import (
     UpstreamTimeoutError,
 )
 from .metrics import GatewayMetrics
+from .relay import HOP_BY_HOP, Timeouts, relay
 from .replicas import Lease, Pool, Replica
 from .retries import RetryBudget, backoff
 
 log = logging.getLogger(__name__)
 
-HOP_BY_HOP = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-    )
-)
 # Request headers the gateway sets itself (or aiohttp computes). The gateway has decoded the body
 # (gateway.body), so the client's Content-Encoding no longer describes it.
 _NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding"}
-# Response headers the gateway's own server sets.
-_NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length", "server", "date"}
 
 # vLLM and SGLang (uvicorn) close idle keep-alive connections after 5 s; reusing one at that moment
 # fails a POST that cannot be retried, so the client pool lets connections go first.
 KEEPALIVE_TIMEOUT_S = 4.0
-
-
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    connect: float  # reaching a replica
-    read: float  # the longest silence of the replica (before a non-streamed reply, before a stream's first chunk)
-    client_write: float  # the longest a client may take no bytes before it is dropped
-    # "stream": true: the longest wait for the response headers, and between two chunks once the
-    # first came (the engine sends its headers at once, then queues and prefills); None otherwise
-    stream_idle: float | None = None
-
-
-class _Deadlines:
-    """The two deadlines of a relayed response, kept by one timer rather than one per chunk.
-
-    A write that has waited ``client_write`` seconds means a client that stopped reading: its
-    connection is aborted, which ends the handler and so closes the upstream request (the engine
-    stops). An event stream whose engine sent nothing for ``stream_idle`` seconds after a chunk is
-    hung: the upstream read fails with a timeout, which the relay turns into an SSE error event.
-    """
-
-    __slots__ = ("_handle", "_loop", "_request", "_upstream", "client_stalled", "client_write", "stream_idle",
-                 "upstream_idle", "waiting_since", "writing_since")  # fmt: skip
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        request: web.Request,
-        upstream: aiohttp.ClientResponse,
-        *,
-        client_write: float,
-        stream_idle: float | None,
-    ) -> None:
-        self._loop, self._request, self._upstream = loop, request, upstream
-        self.client_write, self.stream_idle = client_write, stream_idle
-        self.writing_since: float | None = None
-        self.waiting_since: float | None = None  # None until the first chunk came
-        self.client_stalled = self.upstream_idle = False
-        self._handle = loop.call_later(min(client_write, stream_idle or client_write), self._check)
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        writing, waiting = self.writing_since, self.waiting_since
-        if writing is not None and now - writing >= self.client_write:
-            self.client_stalled = True
-            if self._request.transport is not None:
-                self._request.transport.abort()
-            return
-        if self.stream_idle is not None and writing is None and waiting is not None:
-            if now - waiting >= self.stream_idle:
-                self.upstream_idle = True
-                self._upstream.content.set_exception(aiohttp.ServerTimeoutError("stream idle"))
-                return
-        if writing is not None:
-            due = writing + self.client_write
-        elif waiting is not None and self.stream_idle is not None:
-            due = waiting + self.stream_idle
-        else:  # neither writing nor waiting between chunks yet: look again within the shorter span
-            due = now + min(self.client_write, self.stream_idle or self.client_write)
-        self._handle = self._loop.call_at(due, self._check)
-
-    def cancel(self) -> None:
-        self._handle.cancel()
-
-
-class RelayResponse(web.StreamResponse):
-    """A relayed response; ``client_gone`` tells the metrics the client left before the end."""
-
-    client_gone = False
 
 
 class UpstreamClient:
@@ -175,7 +91,7 @@ class UpstreamClient:
         timeouts: Timeouts,
         gateway_headers: Mapping[str, str],
         auth: str | None = None,
-    ) -> RelayResponse:
+    ) -> web.StreamResponse:
         """POST ``body`` to one of ``pool``'s replicas at the request's path; relay the answer.
 
         ``gateway_headers`` go both ways; ``auth`` (the model's key) only upstream, in place of
@@ -183,6 +99,8 @@ class UpstreamClient:
         budget = self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
         budget.request()
         attempts = _Attempts(model, budget)
+        if timeouts.total is not None:
+            attempts.deadline = asyncio.get_running_loop().time() + timeouts.total
         headers = _upstream_headers(request, gateway_headers)
         if auth is not None:
             headers[hdrs.AUTHORIZATION] = auth
@@ -198,8 +116,9 @@ class UpstreamClient:
         timeouts: Timeouts,
         headers: CIMultiDict[str],
         gateway_headers: Mapping[str, str],
-    ) -> RelayResponse:
+    ) -> web.StreamResponse:
         assert self._session is not None, "UpstreamClient.start() was not called"
+        loop = asyncio.get_running_loop()
         timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read)
         # origin-form even when the client sent absolute-form (POST http://host/v1/... HTTP/1.1)
         path = request.rel_url.raw_path_qs
@@ -214,9 +133,12 @@ class UpstreamClient:
             with lease:
                 replica = lease.replica
                 started = time.perf_counter()
+                wait = timeouts.stream_idle  # for the response headers
+                if attempts.deadline is not None:
+                    wait = min(wait or timeouts.read, max(0.0, attempts.deadline - loop.time()))
                 try:
                     # BytesIO: aiohttp streams it rather than warning about a large bytes body
-                    async with asyncio.timeout(timeouts.stream_idle):
+                    async with asyncio.timeout(wait):
                         upstream = await self._session.post(
                             replica.url + path, data=io.BytesIO(body), headers=headers, timeout=timeout
                         )
@@ -230,6 +152,11 @@ class UpstreamClient:
                         self._metrics.retries.labels(model.name, "connect_error").inc()
                     continue
                 except (TimeoutError, aiohttp.ServerTimeoutError):
+                    if attempts.deadline is not None and loop.time() >= attempts.deadline:
+                        self._count(model, replica, "timeout")  # the model's limit, not the replica's fault
+                        raise UpstreamTimeoutError(
+                            f"Upstream of model '{model.name}' did not finish within {timeouts.total:g}s"
+                        ) from None
                     self._failed(lease, model, "timeout", "read timeout")
                     waited = timeouts.stream_idle or timeouts.read
                     raise UpstreamTimeoutError(
@@ -262,10 +189,21 @@ class UpstreamClient:
                     lease.success()
                 try:
                     async with upstream:
-                        return await self._relay(request, model, lease, upstream, gateway_headers, timeouts)
+                        relayed = await relay(
+                            request,
+                            upstream,
+                            model=model.name,
+                            gateway_headers=gateway_headers,
+                            timeouts=timeouts,
+                            deadline=attempts.deadline,
+                        )
                 except asyncio.CancelledError:  # the client left; closing upstream stops the engine
                     self._count(model, replica, "aborted")
                     raise
+                if relayed.upstream_failed:
+                    lease.failure("broke off mid-response")
+                self._count(model, replica, relayed.outcome)
+                return relayed.response
         # Replica addresses and errors are logged, not told to clients.
         if attempts.failure is None:
             raise NoHealthyUpstreamError(
@@ -285,6 +223,8 @@ class UpstreamClient:
             return False
         attempts.retries += 1
         attempts.delay = backoff(attempts.retries, config, self._rng)
+        if attempts.deadline is not None:  # no wait past the model's total
+            attempts.delay = min(attempts.delay, max(0.0, attempts.deadline - asyncio.get_running_loop().time()))
         self._metrics.retries.labels(model.name, reason).inc()
         return True
 
@@ -292,65 +232,6 @@ class UpstreamClient:
         log.warning("upstream %s of model %s: %s", lease.replica.url, model.name, reason)
         lease.failure(reason)
         self._count(model, lease.replica, outcome)
-
-    async def _relay(
-        self,
-        request: web.Request,
-        model: ModelConfig,
-        lease: Lease,
-        upstream: aiohttp.ClientResponse,
-        gateway_headers: Mapping[str, str],
-        timeouts: Timeouts,
-    ) -> RelayResponse:
-        replica = lease.replica
-        status = upstream.status
-        outcome = "ok" if status < 400 else "http_4xx" if status < 500 else "http_5xx"
-        response = RelayResponse(status=status, reason=upstream.reason, headers=_client_headers(upstream))
-        response.headers.update(gateway_headers)
-        if upstream.content_length is not None:
-            response.content_length = upstream.content_length
-        is_sse = upstream.content_type == "text/event-stream"
-        await response.prepare(request)
-        loop = asyncio.get_running_loop()
-        deadlines = _Deadlines(
-            loop,
-            request,
-            upstream,
-            client_write=timeouts.client_write,
-            stream_idle=timeouts.stream_idle if is_sse else None,
-        )
-        try:
-            async for chunk in upstream.content.iter_any():
-                deadlines.writing_since = loop.time()
-                await response.write(chunk)
-                deadlines.writing_since = None
-                deadlines.waiting_since = loop.time()
-            deadlines.writing_since = loop.time()
-            await response.write_eof()  # within the deadline too: a full buffer waits here
-        except ConnectionResetError:  # the client left: stop the engine's work by closing upstream
-            upstream.close()
-            response.client_gone = True
-            outcome = "aborted"
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            outcome = "timeout" if deadlines.upstream_idle else "aborted"
-            lease.failure("broke off mid-response")
-            log.warning("upstream %s of %s broke off mid-response: %r", replica.url, model.name, exc)
-            if is_sse and "Content-Encoding" not in upstream.headers:  # an event can't go into a compressed stream
-                error = (
-                    UpstreamTimeoutError(f"Upstream of model '{model.name}' sent nothing for {timeouts.stream_idle:g}s")
-                    if deadlines.upstream_idle
-                    else UpstreamError(f"Upstream of model '{model.name}' broke off the stream")
-                )
-                deadlines.writing_since = loop.time()
-                await _write_quietly(response, b"data: " + orjson.dumps(error.to_dict()) + b"\n\n")
-            elif request.transport is not None:
-                request.transport.close()  # a truncated body must not look complete
-        finally:
-            deadlines.cancel()
-            if deadlines.client_stalled:
-                log.warning("client took no bytes for %gs; dropped (model %s)", timeouts.client_write, model.name)
-        self._count(model, replica, outcome)
-        return response
 
     def _count(self, model: ModelConfig, replica: Replica, outcome: str) -> None:
         self._metrics.upstream_requests.labels(model.name, replica.url, outcome).inc()
@@ -366,13 +247,7 @@ class _Attempts:
     retries: int = 0  # retries that counted (a refused connection does not)
     delay: float = 0.0  # the backoff before the next attempt
     failure: GatewayError | None = None  # what the client is told when no attempt is left
-
-
-async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
-    try:
-        await response.write(data)
-    except ConnectionResetError:
-        pass
+    deadline: float | None = None  # loop time by which the whole exchange must end (timeouts.total)
 
 
 def _connect_failure(exc: aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError) -> str:
@@ -392,7 +267,3 @@ def _upstream_headers(request: web.Request, extra: Mapping[str, str]) -> CIMulti
         headers["X-Forwarded-For"] = f"{forwarded}, {request.remote}" if forwarded else request.remote
     headers[hdrs.CONTENT_TYPE] = "application/json"
     return headers
-
-
-def _client_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _NOT_RELAYED_DOWN)

@@ -20,7 +20,7 @@ CLASSES = sorted(
     ),
     key=lambda c: c.__name__,
 )
-TYPES = {"invalid_request_error", "authentication_error", "permission_error", "server_error"}
+TYPES = {"invalid_request_error", "authentication_error", "permission_error", "rate_limit_error", "server_error"}
 # One line of the docstring's tree: name, status, type (children may leave it to their parent), code.
 TREE_LINE = re.compile(r"^\s*[├└│─ ]*(\w+Error)\s+(\d{3})\s+(?:(\w+_error)\s+)?(\w+)$", re.M)
 

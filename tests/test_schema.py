@@ -19,8 +19,10 @@ from gateway.config.types import (
     MEDIA_KEYS,
     MODEL_KEYS,
     POLICY_ACTIONS,
+    QUEUE_KEYS,
     RETRY_KEYS,
     SERVER_KEYS,
+    TIMEOUT_KEYS,
     TOP_KEYS,
     UPSTREAM_KEYS,
 )
@@ -67,6 +69,8 @@ def test_schema_is_a_valid_draft_2020_12_schema() -> None:
         pytest.param(DEFS["weightedUpstream"]["properties"], UPSTREAM_KEYS, id="upstream"),
         pytest.param(DEFS["retries"]["properties"], RETRY_KEYS, id="retries"),
         pytest.param(DEFS["breaker"]["properties"], BREAKER_KEYS, id="breaker"),
+        pytest.param(DEFS["timeouts"]["properties"], TIMEOUT_KEYS, id="timeouts"),
+        pytest.param(DEFS["queue"]["properties"], QUEUE_KEYS, id="queue"),
     ],
 )
 def test_schema_keys_match_the_parser(properties: dict[str, Any], keys: tuple[str, ...]) -> None:

@@ -315,3 +315,70 @@ async def test_a_models_api_key_goes_upstream_in_place_of_the_clients_and_never_
                 assert "sk-upstream-secret" not in text + str(resp.headers)
     assert [r.headers["Authorization"] for r in keyed.received] == ["Bearer sk-upstream-secret"] * 2
     assert open_.received[0].headers["Authorization"] == "Bearer client-key"  # no key: the client's passes
+
+
+# --- per-model concurrency and timeouts --------------------------------------------------------
+
+
+async def test_max_concurrency_queues_then_sheds_with_429(upstream, gateway_factory) -> None:
+    upstream.standin.delay_ms = 300
+    gw = await gateway_factory(model_on(upstream.url, options="max_concurrency: 2, queue: {size: 1}"))
+    async with gw.client() as client:
+        calls = [client.chat.completions.create(model="m", messages=HI) for _ in range(4)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+    refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+    assert len(refused) == 1 and len(results) - len(refused) == 3  # 2 in flight and 1 waiting are served
+    assert error_body(refused[0])["code"] == "queue_full" and refused[0].response.headers["Retry-After"] == "1"
+    assert gw.sample("gateway_shed_total", model="m", reason="queue_full") == 1
+    assert gw.sample("gateway_requests_total", model="m", code="429") == 1
+    assert gw.sample("gateway_queue_depth", model="m") == 0 and gw.sample("gateway_model_in_flight", model="m") == 0
+    assert len(upstream.received) == 3
+
+
+async def test_a_request_that_waits_past_queue_timeout_is_503(upstream, gateway_factory) -> None:
+    upstream.standin.delay_ms = 500
+    gw = await gateway_factory(model_on(upstream.url, options="max_concurrency: 1, queue: {timeout_s: 0.05}"))
+    async with gw.client() as client:
+        results = await asyncio.gather(
+            *(client.chat.completions.create(model="m", messages=HI) for _ in range(2)), return_exceptions=True
+        )
+    failed = [r for r in results if isinstance(r, openai.APIStatusError)]
+    assert len(failed) == 1 and failed[0].status_code == 503
+    assert error_body(failed[0])["code"] == "queue_timeout"
+    assert gw.sample("gateway_shed_total", model="m", reason="queue_timeout") == 1
+
+
+async def test_total_s_bounds_the_whole_exchange(upstream, gateway_factory) -> None:
+    gw = await gateway_factory(model_on(upstream.url, options="timeouts: {total_s: 0.3}"))
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="m", messages=HI, extra_headers={"X-Standin-Delay-Ms": "2000"})
+        assert caught.value.status_code == 504
+        assert error_body(caught.value)["message"] == "Upstream of model 'm' did not finish within 0.3s"
+        stream = await client.chat.completions.create(
+            model="m", messages=HI, stream=True, extra_headers={"X-Standin-Chunk-Delay-Ms": "100"}
+        )
+        with pytest.raises(openai.APIError) as mid_stream:
+            async for _ in stream:
+                pass
+    assert "did not finish within 0.3s" in str(mid_stream.value)
+    # a long generation is the model's limit, not the replica's fault
+    assert gw.sample("gateway_upstream_healthy", model="m", upstream=upstream.url) == 1
+    assert gw.app[SERVICES_KEY].store.live.pools["m"].replicas[0].failures == 0
+
+
+async def test_per_model_timeouts_default_to_the_server_keys_and_override_them(upstream, gateway_factory) -> None:
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text], timeouts: {{first_byte_s: 0.2}}}}",
+            f"  - {{name: n, upstreams: [{upstream.url}], accepts: [text]}}",
+            server="{upstream_read_timeout_s: 5}",
+        )
+    )
+    n = gw.config.model("n")
+    assert n is not None and n.timeouts.first_byte_s == 5
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="m", messages=HI, extra_headers={"X-Standin-Delay-Ms": "1000"})
+        assert caught.value.status_code == 504
+        await client.chat.completions.create(model="n", messages=HI, extra_headers={"X-Standin-Delay-Ms": "300"})

@@ -32,8 +32,10 @@ from .types import (
     MediaConfig,
     ModelConfig,
     Policy,
+    QueueConfig,
     RetryConfig,
     ServerConfig,
+    TimeoutConfig,
 )
 from .validate import validate, validate_host
 
@@ -46,8 +48,10 @@ __all__ = [
     "MediaConfig",
     "ModelConfig",
     "Policy",
+    "QueueConfig",
     "RetryConfig",
     "ServerConfig",
+    "TimeoutConfig",
     "as_dict",
     "load_config",
     "parse_config",

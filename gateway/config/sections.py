@@ -20,10 +20,12 @@ from .types import (
     MEDIA_KEYS,
     MODEL_KEYS,
     POLICY_ACTIONS,
+    QUEUE_KEYS,
     RETRY_KEYS,
     RETRYABLE_STATUSES,
     SERVER_KEYS,
     SUPPORTED_VERSION,
+    TIMEOUT_KEYS,
     TOP_KEYS,
     UPSTREAM_KEYS,
     BreakerConfig,
@@ -32,8 +34,10 @@ from .types import (
     MediaConfig,
     ModelConfig,
     Policy,
+    QueueConfig,
     RetryConfig,
     ServerConfig,
+    TimeoutConfig,
 )
 
 
@@ -208,6 +212,11 @@ class Parser(Readers):
             balance = "p2c"
         retries = self.retries(raw.get("retries", {}), f"{path}.retries")
         breaker = self.breaker(raw.get("breaker", {}), f"{path}.breaker", server)
+        timeouts = self.timeouts(raw.get("timeouts", {}), f"{path}.timeouts", server)
+        max_concurrency = raw.get("max_concurrency", MISSING)
+        if max_concurrency is not MISSING:
+            max_concurrency = self.integer(max_concurrency, f"{path}.max_concurrency", 0, minimum=1) or None
+        queue = self.queue(raw.get("queue", {}), f"{path}.queue")
         if name is None or accepts is None:
             return None
         return ModelConfig(
@@ -224,6 +233,9 @@ class Parser(Readers):
             balance=balance,
             retries=retries,
             breaker=breaker,
+            timeouts=timeouts,
+            max_concurrency=None if max_concurrency is MISSING else max_concurrency,
+            queue=queue,
         )
 
     def upstreams(self, value: Any, path: str) -> tuple[list[str], tuple[int, ...]]:
@@ -277,6 +289,34 @@ class Parser(Readers):
             min_per_s=self.number(*get("min_per_s"), positive=False),
             backoff_s=self.number(*get("backoff_s"), positive=False),
             max_backoff_s=self.number(*get("max_backoff_s"), positive=False),
+        )
+
+    def timeouts(self, value: Any, path: str, server: ServerConfig) -> TimeoutConfig:
+        d = TimeoutConfig(
+            connect_s=server.upstream_connect_timeout_s,
+            first_byte_s=server.upstream_read_timeout_s,
+            idle_s=server.upstream_stream_idle_timeout_s,
+        )
+        raw = self.mapping(value, path, TIMEOUT_KEYS, what="timeouts")
+        if raw is None:
+            return d
+        get = _fields(raw, path, d)
+        total, total_path, _ = get("total_s")
+        return TimeoutConfig(
+            connect_s=self.number(*get("connect_s")),
+            first_byte_s=self.number(*get("first_byte_s")),
+            idle_s=self.number(*get("idle_s")),
+            total_s=None if total is MISSING else self.number(total, total_path, 0.0) or None,
+        )
+
+    def queue(self, value: Any, path: str) -> QueueConfig:
+        raw = self.mapping(value, path, QUEUE_KEYS, what="queue")
+        if raw is None:
+            return QueueConfig()
+        get = _fields(raw, path, QueueConfig())
+        return QueueConfig(
+            size=self.integer(*get("size"), minimum=0),
+            timeout_s=self.number(*get("timeout_s")),
         )
 
     def breaker(self, value: Any, path: str, server: ServerConfig) -> BreakerConfig:

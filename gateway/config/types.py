@@ -60,6 +60,9 @@ MODEL_KEYS = (
     "balance",
     "retries",
     "breaker",
+    "timeouts",
+    "max_concurrency",
+    "queue",
 )
 ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
 UPSTREAM_KEYS = ("url", "weight")
@@ -67,6 +70,8 @@ BALANCE_POLICIES = ("p2c", "round_robin")
 RETRY_KEYS = ("attempts", "on_status", "budget", "min_per_s", "backoff_s", "max_backoff_s")
 RETRYABLE_STATUSES = (429, 500, 502, 503, 504)  # what retries.on_status may list
 BREAKER_KEYS = ("failures", "open_s", "successes")
+TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s", "total_s")
+QUEUE_KEYS = ("size", "timeout_s")
 MAX_JSON_DEPTH = 254  # the deepest body orjson can write back
 # Images per request for a model that encodes them, unless limits.image says otherwise: every
 # image becomes an image_embeds payload upstream, often 1000x the size of the part it replaces.
@@ -153,6 +158,24 @@ class BreakerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TimeoutConfig:
+    """A model's upstream deadlines; each defaults to its server.upstream_* key."""
+
+    connect_s: float = 5.0  # reaching a replica
+    first_byte_s: float = 600.0  # the reply's start: a non-streamed reply comes whole, after generation
+    idle_s: float = 60.0  # "stream": true: the headers, and the gaps between chunks
+    total_s: float | None = None  # the whole exchange, retries and relay included; None: no limit
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    """Where a model's requests wait when max_concurrency are in flight."""
+
+    size: int = 128  # waiting requests at most; one more: 429 queue_full
+    timeout_s: float = 30.0  # the longest wait; then 503 queue_timeout
+
+
+@dataclass(frozen=True, slots=True)
 class Policy:
     """What to do with a modality a model does not accept."""
 
@@ -182,6 +205,9 @@ class ModelConfig:
     balance: Literal["p2c", "round_robin"] = "p2c"
     retries: RetryConfig = RetryConfig()
     breaker: BreakerConfig = BreakerConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()
+    max_concurrency: int | None = None  # requests in flight upstream at most; None: no limit
+    queue: QueueConfig = QueueConfig()
 
     @property
     def upstream_name(self) -> str:

@@ -1,0 +1,208 @@
+"""The faithful relay of one upstream response to the client, under its deadlines.
+
+Bodies are relayed as they arrive (``iter_any``), so SSE streams reach the client chunk by chunk;
+compressed bodies pass through untouched (``auto_decompress=False``). Once the first byte went to
+the client, a failure can no longer be an HTTP error: an event stream ends with an SSE
+``data: {"error": ...}`` event, any other body is cut (the connection closed, so that a truncated
+body never looks complete).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from .errors import GatewayError, UpstreamError, UpstreamTimeoutError
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+    )
+)
+# Response headers the gateway's own server sets.
+_NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length", "server", "date"}
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """One request's upstream deadlines (a model's ``timeouts``, and the client's write deadline)."""
+
+    connect: float  # reaching a replica
+    read: float  # the longest silence of the replica (before a non-streamed reply, before a stream's first chunk)
+    client_write: float  # the longest a client may take no bytes before it is dropped
+    # "stream": true: the longest wait for the response headers, and between two chunks once the
+    # first came (the engine sends its headers at once, then queues and prefills); None otherwise
+    stream_idle: float | None = None
+    total: float | None = None  # the whole exchange with upstreams, retries and relay included
+
+
+class Relayed(NamedTuple):
+    response: RelayResponse
+    outcome: str  # for gateway_upstream_requests_total: ok, http_4xx, http_5xx, timeout, aborted
+    upstream_failed: bool  # the replica broke off or went silent (counts against its health)
+
+
+class RelayResponse(web.StreamResponse):
+    """A relayed response; ``client_gone`` tells the metrics the client left before the end."""
+
+    client_gone = False
+
+
+async def relay(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    *,
+    model: str,
+    gateway_headers: Mapping[str, str],
+    timeouts: Timeouts,
+    deadline: float | None = None,
+) -> Relayed:
+    """Relay ``upstream`` to the client; ``deadline`` (loop time) ends the exchange (``total``)."""
+    status = upstream.status
+    outcome = "ok" if status < 400 else "http_4xx" if status < 500 else "http_5xx"
+    response = RelayResponse(status=status, reason=upstream.reason, headers=_client_headers(upstream))
+    response.headers.update(gateway_headers)
+    if upstream.content_length is not None:
+        response.content_length = upstream.content_length
+    is_sse = upstream.content_type == "text/event-stream"
+    await response.prepare(request)
+    loop = asyncio.get_running_loop()
+    deadlines = _Deadlines(
+        loop,
+        request,
+        upstream,
+        client_write=timeouts.client_write,
+        stream_idle=timeouts.stream_idle if is_sse else None,
+        total_at=deadline,
+    )
+    failed = False
+    try:
+        async for chunk in upstream.content.iter_any():
+            deadlines.writing_since = loop.time()
+            await response.write(chunk)
+            deadlines.writing_since = None
+            deadlines.waiting_since = loop.time()
+        deadlines.writing_since = loop.time()
+        await response.write_eof()  # within the deadline too: a full buffer waits here
+    except ConnectionResetError:  # the client left: stop the engine's work by closing upstream
+        upstream.close()
+        response.client_gone = True
+        outcome = "aborted"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        failed = deadlines.expired != "total"  # a generation longer than the model allows is no fault
+        outcome = "timeout" if deadlines.expired else "aborted"
+        log.warning("upstream of %s broke off mid-response: %r", model, exc)
+        if is_sse and "Content-Encoding" not in upstream.headers:  # an event can't go into a compressed stream
+            deadlines.writing_since = loop.time()
+            event = b"data: " + orjson.dumps(_broken(model, deadlines, timeouts).to_dict()) + b"\n\n"
+            await _write_quietly(response, event)
+        elif request.transport is not None:
+            request.transport.close()  # a truncated body must not look complete
+    finally:
+        deadlines.cancel()
+        if deadlines.client_stalled:
+            log.warning("client took no bytes for %gs; dropped (model %s)", timeouts.client_write, model)
+    return Relayed(response, outcome, failed)
+
+
+def _broken(model: str, deadlines: _Deadlines, timeouts: Timeouts) -> GatewayError:
+    if deadlines.expired == "idle":
+        return UpstreamTimeoutError(f"Upstream of model '{model}' sent nothing for {timeouts.stream_idle:g}s")
+    if deadlines.expired == "total":
+        return UpstreamTimeoutError(f"Upstream of model '{model}' did not finish within {timeouts.total:g}s")
+    return UpstreamError(f"Upstream of model '{model}' broke off the stream")
+
+
+class _Deadlines:
+    """The deadlines of a relayed response, kept by one timer rather than one per chunk.
+
+    A write that has waited ``client_write`` seconds means a client that stopped reading: its
+    connection is aborted, which ends the handler and so closes the upstream request (the engine
+    stops). An event stream whose engine sent nothing for ``stream_idle`` seconds after a chunk is
+    hung, and an exchange past ``total_at`` is over: the upstream read fails with a timeout, which
+    the relay turns into an SSE error event (``expired`` says which).
+    """
+
+    __slots__ = ("_handle", "_loop", "_request", "_upstream", "client_stalled", "client_write", "expired",
+                 "stream_idle", "total_at", "waiting_since", "writing_since")  # fmt: skip
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        *,
+        client_write: float,
+        stream_idle: float | None,
+        total_at: float | None,
+    ) -> None:
+        self._loop, self._request, self._upstream = loop, request, upstream
+        self.client_write, self.stream_idle, self.total_at = client_write, stream_idle, total_at
+        self.writing_since: float | None = None
+        self.waiting_since: float | None = None  # None until the first chunk came
+        self.client_stalled = False
+        self.expired: str | None = None  # "idle" or "total"
+        self._handle = loop.call_at(self._due(loop.time()), self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        writing, waiting = self.writing_since, self.waiting_since
+        if writing is not None and now - writing >= self.client_write:
+            self.client_stalled = True
+            if self._request.transport is not None:
+                self._request.transport.abort()
+            return
+        if self.total_at is not None and now >= self.total_at:
+            self._expire("total")
+            return
+        if self.stream_idle is not None and writing is None and waiting is not None:
+            if now - waiting >= self.stream_idle:
+                self._expire("idle")
+                return
+        self._handle = self._loop.call_at(self._due(now), self._check)
+
+    def _due(self, now: float) -> float:
+        writing, waiting = self.writing_since, self.waiting_since
+        if writing is not None:
+            due = writing + self.client_write
+        elif waiting is not None and self.stream_idle is not None:
+            due = waiting + self.stream_idle
+        else:  # neither writing nor waiting between chunks yet: look again within the shorter span
+            due = now + min(self.client_write, self.stream_idle or self.client_write)
+        return due if self.total_at is None else min(due, self.total_at)
+
+    def _expire(self, which: str) -> None:
+        self.expired = which
+        self._upstream.content.set_exception(aiohttp.ServerTimeoutError(f"stream {which}"))
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except ConnectionResetError:
+        pass
+
+
+def _client_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    return CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _NOT_RELAYED_DOWN)
