@@ -12,6 +12,7 @@ import orjson
 from aiohttp import web
 
 from .admission import RoutePlan, admit, lookup, rewrite
+from .affinity import chat_key, prompt_key
 from .body import dump_body, exact, read_json
 from .config import EncoderConfig, GatewayConfig, ModelConfig, as_dict
 from .encoder import Replacements
@@ -54,7 +55,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         data = rewrite(plan, exact(raw, body), replacements)
     else:
         data = raw
-    return await _forward(request, services, live, plan.model, data, plan.route, headers, stream=_streams(body))
+    key = chat_key(body) if plan.model.balance == "affinity" else None
+    return await _forward(
+        request, services, live, plan.model, data, plan.route, headers, stream=_streams(body), affinity_key=key
+    )
 
 
 async def _encode(
@@ -87,7 +91,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         body = exact(raw, body)
         body["model"] = model.upstream_name
         raw = dump_body(body)
-    return await _forward(request, services, live, model, raw, "direct", stream=_streams(body))
+    key = prompt_key(body) if model.balance == "affinity" else None
+    return await _forward(request, services, live, model, raw, "direct", stream=_streams(body), affinity_key=key)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -217,6 +222,7 @@ async def _forward(
     extra_headers: dict[str, str] | None = None,
     *,
     stream: bool,
+    affinity_key: bytes | None = None,
 ) -> web.StreamResponse:
     headers = {
         "X-Request-Id": request[REQUEST_ID_KEY],
@@ -237,6 +243,7 @@ async def _forward(
             timeouts=timeouts,
             gateway_headers=headers,
             auth=live.upstream_auth.get(model.name),
+            affinity_key=affinity_key,
         )
 
 

@@ -29,10 +29,18 @@ says when one will.
   gateway replica does not pile onto the same "least loaded" engine at once.
 - ``round_robin``: smooth weighted round robin (nginx's): turns in proportion to the weights,
   evenly interleaved.
+- ``affinity``: requests with the same affinity key (:mod:`gateway.affinity`: the conversation's
+  opening, its first image included) go to the same replica, so that the engine's prefix and
+  multimodal caches hit turn after turn. Consistent hashing with bounded loads (Mirrokni,
+  Thorup, Zadimoghaddam 2018): the key's point on a ring of virtual nodes (``VNODES`` per unit
+  of weight), then clockwise to the first replica whose requests in flight per unit of weight stay
+  within ``AFFINITY_LOAD`` times the mean. A request with no key falls back to ``p2c``.
 """
 
 from __future__ import annotations
 
+import bisect
+import hashlib
 import math
 import random
 import time
@@ -45,6 +53,8 @@ from .config import BALANCE_POLICIES, BreakerConfig
 BreakerState = Literal["closed", "open", "half_open"]
 BREAKER_STATES: tuple[BreakerState, ...] = ("closed", "half_open", "open")
 DEFAULT_BREAKER = BreakerConfig()
+VNODES = 64  # ring points per unit of weight
+AFFINITY_LOAD = 1.25  # the most in flight a replica takes for its keys, relative to the mean
 
 
 @dataclass(eq=False, slots=True)
@@ -137,14 +147,27 @@ class Pool:
         owner = owner or ReplicaSet()  # the clock, the draws and the breaker's listener
         self.clock, self.on_open, self._rng = owner.clock, owner.on_open, owner.rng
         self._weight = {id(r): w for r, w in zip(self.replicas, self.weights, strict=True)}
+        self._ring: list[tuple[int, int]] = []  # (point, replica index), sorted; affinity only
+        if balance == "affinity":
+            self._ring = sorted(
+                (_point(f"{r.url}#{v}".encode()), i)
+                for i, (r, w) in enumerate(zip(self.replicas, self.weights, strict=True))
+                for v in range(VNODES * w)
+            )
 
-    def lease(self, exclude: Collection[Replica] = ()) -> Lease | None:
-        """A lease on the replica that should take the next attempt; None if none admits one."""
+    def lease(self, exclude: Collection[Replica] = (), *, key: bytes | None = None) -> Lease | None:
+        """A lease on the replica that should take the next attempt; None if none admits one.
+        ``key``: the request's affinity key (used by ``balance: affinity``)."""
         now = self.clock()
         candidates = [r for r in self.replicas if r not in exclude and r.admits(now, self.breaker)]
         if not candidates:
             return None
-        chosen = self._p2c(candidates) if self.balance == "p2c" else self._round_robin(candidates)
+        if self.balance == "round_robin":
+            chosen = self._round_robin(candidates)
+        elif self.balance == "affinity" and key is not None:
+            chosen = self._affinity(candidates, key)
+        else:
+            chosen = self._p2c(candidates)
         return Lease(self, chosen, probe=chosen.state == "half_open")
 
     def available(self, exclude: Collection[Replica] = ()) -> bool:
@@ -167,6 +190,18 @@ class Pool:
         second = self._rng.choices(rest, [weights[i] for i in rest])[0]
         a, b = candidates[first], candidates[second]
         return b if b.in_flight * weights[first] < a.in_flight * weights[second] else a
+
+    def _affinity(self, candidates: list[Replica], key: bytes) -> Replica:
+        weights = {id(r): self._weight[id(r)] for r in candidates}
+        # the bound, per unit of weight, counting this request
+        bound = AFFINITY_LOAD * (sum(r.in_flight for r in candidates) + 1) / sum(weights.values())
+        start = bisect.bisect(self._ring, (_point(key), -1))
+        for step in range(len(self._ring)):
+            replica = self.replicas[self._ring[(start + step) % len(self._ring)][1]]
+            weight = weights.get(id(replica))
+            if weight is not None and replica.in_flight + 1 <= math.ceil(bound * weight):
+                return replica
+        return self._p2c(candidates)  # not reached: some candidate is always within the bound
 
     def _round_robin(self, candidates: list[Replica]) -> Replica:
         total = 0
@@ -215,3 +250,7 @@ class ReplicaSet:
             {"url": u, "in_flight": r.in_flight, "healthy": r.healthy, "breaker": r.state, "last_error": r.last_error}
             for u, r in sorted(self._by_url.items())
         ]
+
+
+def _point(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")

@@ -91,6 +91,7 @@ class UpstreamClient:
         timeouts: Timeouts,
         gateway_headers: Mapping[str, str],
         auth: str | None = None,
+        affinity_key: bytes | None = None,
     ) -> web.StreamResponse:
         """POST ``body`` to one of ``pool``'s replicas at the request's path; relay the answer.
 
@@ -98,7 +99,7 @@ class UpstreamClient:
         the client's Authorization."""
         budget = self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
         budget.request()
-        attempts = _Attempts(model, budget)
+        attempts = _Attempts(model, budget, affinity_key)
         if timeouts.total is not None:
             attempts.deadline = asyncio.get_running_loop().time() + timeouts.total
         headers = _upstream_headers(request, gateway_headers)
@@ -126,7 +127,7 @@ class UpstreamClient:
             if attempts.delay:
                 await self._sleep(attempts.delay)
                 attempts.delay = 0.0
-            lease = pool.lease(exclude=attempts.tried)
+            lease = pool.lease(exclude=attempts.tried, key=attempts.key)
             if lease is None:
                 break
             attempts.tried.append(lease.replica)
@@ -243,6 +244,7 @@ class _Attempts:
 
     model: ModelConfig
     budget: RetryBudget
+    key: bytes | None  # for balance: affinity
     tried: list[Replica] = field(default_factory=list)
     retries: int = 0  # retries that counted (a refused connection does not)
     delay: float = 0.0  # the backoff before the next attempt

@@ -162,3 +162,41 @@ def test_state_is_kept_by_url_across_pools_and_generations_and_forgotten_when_un
 def test_an_unknown_balance_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown balance"):
         Pool("m", [Replica("http://a")], balance="random")
+
+
+def test_affinity_sends_a_key_to_one_replica_and_spreads_keys_over_all() -> None:
+    pool, _ = make("http://a", "http://b", "http://c", "http://d", balance="affinity")
+    for key in (b"chat-1", b"chat-2"):
+        lease = pool.lease(key=key)
+        assert lease is not None
+        with lease:
+            home = lease.replica
+        assert {take_key(pool, key) for _ in range(20)} == {home.url}
+    homes = Counter(take_key(pool, f"chat-{i}".encode()) for i in range(2000))
+    assert set(homes) == {"http://a", "http://b", "http://c", "http://d"}
+    assert all(300 < n < 700 for n in homes.values())  # about 500 each
+
+
+def test_affinity_moves_a_key_on_when_its_replica_is_over_the_load_bound_or_excluded() -> None:
+    pool, _ = make("http://a", "http://b", balance="affinity")
+    home = next(r for r in pool.replicas if r.url == take_key(pool, b"k"))
+    other = next(r for r in pool.replicas if r is not home)
+    home.in_flight = 2  # bound: ceil(1.25 * (2 + 0 + 1) / 2) = 2, and 2 + 1 > 2
+    assert take_key(pool, b"k") == other.url
+    home.in_flight = 1  # ceil(1.25 * 2 / 2) = 2: within it
+    assert take_key(pool, b"k") == home.url
+    lease = pool.lease([home], key=b"k")  # a retry goes on around the ring
+    assert lease is not None and lease.replica is other
+
+
+def test_affinity_without_a_key_is_p2c() -> None:
+    pool, _ = make("http://a", "http://b", balance="affinity")
+    pool.replicas[0].in_flight = 3
+    assert {take(pool).url for _ in range(20)} == {"http://b"}
+
+
+def take_key(pool: Pool, key: bytes) -> str:
+    lease = pool.lease(key=key)
+    assert lease is not None
+    with lease:
+        return lease.replica.url

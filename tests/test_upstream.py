@@ -382,3 +382,20 @@ async def test_per_model_timeouts_default_to_the_server_keys_and_override_them(u
             await client.chat.completions.create(model="m", messages=HI, extra_headers={"X-Standin-Delay-Ms": "1000"})
         assert caught.value.status_code == 504
         await client.chat.completions.create(model="n", messages=HI, extra_headers={"X-Standin-Delay-Ms": "300"})
+
+
+async def test_affinity_keeps_each_conversation_on_one_replica(upstream_factory, gateway_factory) -> None:
+    ups = [await upstream_factory(f"u{i}") for i in range(3)]
+    gw = await gateway_factory(model_on(*(u.url for u in ups), options="balance: affinity"))
+    async with gw.client() as client:
+        for turn in range(4):
+            for chat in range(6):
+                messages = [{"role": "user", "content": f"conversation {chat}"}]
+                for i in range(turn):
+                    messages += [{"role": "assistant", "content": f"a{i}"}, {"role": "user", "content": f"q{i}"}]
+                await client.chat.completions.create(model="m", messages=messages)
+    homes: dict[str, set[str]] = {}
+    for u in ups:
+        for r in u.received:
+            homes.setdefault(r.json()["messages"][0]["content"], set()).add(u.url)
+    assert len(homes) == 6 and all(len(h) == 1 for h in homes.values())

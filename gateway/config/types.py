@@ -66,7 +66,7 @@ MODEL_KEYS = (
 )
 ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
 UPSTREAM_KEYS = ("url", "weight")
-BALANCE_POLICIES = ("p2c", "round_robin")
+BALANCE_POLICIES = ("p2c", "round_robin", "affinity")
 RETRY_KEYS = ("attempts", "on_status", "budget", "min_per_s", "backoff_s", "max_backoff_s")
 RETRYABLE_STATUSES = (429, 500, 502, 503, 504)  # what retries.on_status may list
 BREAKER_KEYS = ("failures", "open_s", "successes")
@@ -202,7 +202,7 @@ class ModelConfig:
     on_encoder_error: Literal["fail", "passthrough"] = "fail"
     api_key_env: str | None = None  # the env var whose value goes upstream as "Authorization: Bearer"
     weights: tuple[int, ...] = ()  # per upstream, in order; empty: all 1
-    balance: Literal["p2c", "round_robin"] = "p2c"
+    balance: Literal["p2c", "round_robin", "affinity"] = "p2c"
     retries: RetryConfig = RetryConfig()
     breaker: BreakerConfig = BreakerConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
