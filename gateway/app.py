@@ -17,6 +17,7 @@ from . import handlers
 from .concurrency import Gates
 from .config import GatewayConfig
 from .encoder import EncoderClient
+from .health import HealthChecker
 from .media import MediaFetcher
 from .metrics import GatewayMetrics, PoolCollector
 from .middlewares import error_middleware, expect_continue, metrics_middleware, request_id_middleware
@@ -67,6 +68,7 @@ def create_app(
     )
     app[SERVICES_KEY] = services
     app.cleanup_ctx.append(_clients)
+    app.cleanup_ctx.append(_health_checks)
     if config_path is not None and watch:
         app.cleanup_ctx.append(_config_watcher)
 
@@ -91,6 +93,15 @@ async def _clients(app: web.Application) -> AsyncIterator[None]:
     await services.supervisor.close()
     await services.encoder.close()
     await services.upstream.close()
+
+
+async def _health_checks(app: web.Application) -> AsyncIterator[None]:
+    services = app[SERVICES_KEY]
+    task = asyncio.create_task(HealthChecker(services.store, services.metrics).run(), name="health checks")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _config_watcher(app: web.Application) -> AsyncIterator[None]:

@@ -123,6 +123,12 @@ class GatewayMetrics:
             "How many times a new routing.yaml took effect since start (1 for the first).",
             registry=registry,
         )
+        self.health_checks = Counter(
+            "gateway_health_checks",
+            "Active health checks of upstream replicas, by result: pass or fail.",
+            ["model", "upstream", "result"],
+            registry=registry,
+        )
         self.shed = Counter(
             "gateway_shed",
             "Requests refused because their model was at max_concurrency: queue_full (429) or queue_timeout (503).",

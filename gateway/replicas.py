@@ -20,7 +20,8 @@ reloads, and a URL two pools share has one state)::
 Half-open lets one request through at a time, as a probe. A failure is what the caller reports:
 a connect error or timeout, a reset, a read timeout, a 5xx. An open replica is not chosen; when no
 replica of a pool admits a request, :meth:`Pool.lease` gives None and :meth:`Pool.retry_after`
-says when one will.
+says when one will. Active health checks, where a model has them (:mod:`gateway.health`), also
+take a replica out (``checked_down``) until a probe succeeds.
 
 **Choice** (``balance``), among the replicas that admit a request and were not tried yet:
 
@@ -70,12 +71,16 @@ class Replica:
     probes: int = 0  # half-open requests in flight
     last_error: str = ""
     current_weight: float = 0.0  # smooth weighted round robin
+    probe_failures: int = 0  # consecutive failed active health checks (gateway.health)
+    checked_down: bool = False  # out until an active health check succeeds
 
     @property
     def healthy(self) -> bool:
-        return self.state != "open"
+        return self.state != "open" and not self.checked_down
 
     def admits(self, now: float, breaker: BreakerConfig) -> bool:
+        if self.checked_down:
+            return False
         if self.state == "open":
             if now < self.opened_at + breaker.open_s:
                 return False

@@ -28,7 +28,7 @@ SERVER_KEYS = (
 )
 MODEL_KEYS = (
     "(expected one of: name, upstreams, upstream_model, accepts, limits, encode, on_encoder_error, on_unsupported, "
-    "api_key_env, balance, retries, breaker, timeouts, max_concurrency, queue)"
+    "api_key_env, balance, retries, breaker, timeouts, max_concurrency, queue, health_check)"
 )
 # A valid models section on two lines, for documents that test the sections above it.
 MODELS = ("models:", "  - {name: a, upstreams: ['http://h:1'], accepts: [text]}")
@@ -1257,7 +1257,7 @@ def test_an_api_key_env_is_a_variable_name_and_must_be_set_where_the_gateway_run
         ),
         pytest.param(
             "upstreams: ['http://h:1'], balance: random",
-            "models[0].balance: unknown balance policy 'random' (expected one of: p2c, round_robin)",
+            "models[0].balance: unknown balance policy 'random' (expected one of: p2c, round_robin, affinity)",
             id="balance",
         ),
         pytest.param(

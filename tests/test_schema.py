@@ -16,6 +16,7 @@ from gateway.config import EncoderConfig, MediaConfig, ServerConfig, parse_confi
 from gateway.config.types import (
     BREAKER_KEYS,
     ENCODER_KEYS,
+    HEALTH_CHECK_KEYS,
     MEDIA_KEYS,
     MODEL_KEYS,
     POLICY_ACTIONS,
@@ -71,6 +72,7 @@ def test_schema_is_a_valid_draft_2020_12_schema() -> None:
         pytest.param(DEFS["breaker"]["properties"], BREAKER_KEYS, id="breaker"),
         pytest.param(DEFS["timeouts"]["properties"], TIMEOUT_KEYS, id="timeouts"),
         pytest.param(DEFS["queue"]["properties"], QUEUE_KEYS, id="queue"),
+        pytest.param(DEFS["healthCheck"]["properties"], HEALTH_CHECK_KEYS, id="health-check"),
     ],
 )
 def test_schema_keys_match_the_parser(properties: dict[str, Any], keys: tuple[str, ...]) -> None:

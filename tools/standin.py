@@ -11,7 +11,7 @@ for and counts the content parts by type. Knobs, sent as request headers (the ga
 
 Faults of the whole replica (what resilience tests and demos set on the instance): ``fail_status``
 answers every request with that status, ``reset`` drops each connection once the request is read,
-``delay_ms`` makes every answer that much slower.
+``delay_ms`` makes every answer that much slower, ``healthy = False`` turns ``GET /health`` to 503.
 
 Run one: ``python -m tools.standin --port 8000 --name vllm``.
 """
@@ -51,6 +51,7 @@ class StandIn:
     fail_status: int = 0
     reset: bool = False
     delay_ms: int = 0
+    healthy: bool = True  # GET /health: 200, or 503 when False
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -176,7 +177,7 @@ class StandIn:
         return web.json_response({"object": "list", "data": data})
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+        return web.Response(text="ok") if self.healthy else web.Response(status=503, text="starting")
 
 
 def describe(messages: list[Any]) -> str:

@@ -16,6 +16,7 @@ from .types import (
     ENCODER_ERROR_ACTIONS,
     ENCODER_KEYS,
     ENV_NAME,
+    HEALTH_CHECK_KEYS,
     MAX_JSON_DEPTH,
     MEDIA_KEYS,
     MODEL_KEYS,
@@ -31,6 +32,7 @@ from .types import (
     BreakerConfig,
     EncoderConfig,
     GatewayConfig,
+    HealthCheckConfig,
     MediaConfig,
     ModelConfig,
     Policy,
@@ -217,6 +219,9 @@ class Parser(Readers):
         if max_concurrency is not MISSING:
             max_concurrency = self.integer(max_concurrency, f"{path}.max_concurrency", 0, minimum=1) or None
         queue = self.queue(raw.get("queue", {}), f"{path}.queue")
+        health_check = raw.get("health_check", MISSING)
+        if health_check is not MISSING:
+            health_check = self.health_check(health_check, f"{path}.health_check")
         if name is None or accepts is None:
             return None
         return ModelConfig(
@@ -236,6 +241,7 @@ class Parser(Readers):
             timeouts=timeouts,
             max_concurrency=None if max_concurrency is MISSING else max_concurrency,
             queue=queue,
+            health_check=None if health_check is MISSING else health_check,
         )
 
     def upstreams(self, value: Any, path: str) -> tuple[list[str], tuple[int, ...]]:
@@ -307,6 +313,21 @@ class Parser(Readers):
             first_byte_s=self.number(*get("first_byte_s")),
             idle_s=self.number(*get("idle_s")),
             total_s=None if total is MISSING else self.number(total, total_path, 0.0) or None,
+        )
+
+    def health_check(self, value: Any, path: str) -> HealthCheckConfig | None:
+        raw = self.mapping(value, path, HEALTH_CHECK_KEYS, what="health_check")
+        if raw is None:
+            return None
+        get = _fields(raw, path, HealthCheckConfig())
+        probe = self.string(*get("path"))
+        if isinstance(probe, str) and not probe.startswith("/"):
+            self.problem(f"{path}.path", f"must start with '/', not {show(probe)}")
+        return HealthCheckConfig(
+            path=probe if isinstance(probe, str) else "/health",
+            interval_s=self.number(*get("interval_s")),
+            timeout_s=self.number(*get("timeout_s")),
+            failures=self.integer(*get("failures"), minimum=1),
         )
 
     def queue(self, value: Any, path: str) -> QueueConfig:

@@ -63,6 +63,7 @@ MODEL_KEYS = (
     "timeouts",
     "max_concurrency",
     "queue",
+    "health_check",
 )
 ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
 UPSTREAM_KEYS = ("url", "weight")
@@ -72,6 +73,7 @@ RETRYABLE_STATUSES = (429, 500, 502, 503, 504)  # what retries.on_status may lis
 BREAKER_KEYS = ("failures", "open_s", "successes")
 TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s", "total_s")
 QUEUE_KEYS = ("size", "timeout_s")
+HEALTH_CHECK_KEYS = ("path", "interval_s", "timeout_s", "failures")
 MAX_JSON_DEPTH = 254  # the deepest body orjson can write back
 # Images per request for a model that encodes them, unless limits.image says otherwise: every
 # image becomes an image_embeds payload upstream, often 1000x the size of the part it replaces.
@@ -176,6 +178,16 @@ class QueueConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class HealthCheckConfig:
+    """Active health checks of a model's replicas (gateway.health)."""
+
+    path: str = "/health"  # vLLM and SGLang answer 200 here when ready
+    interval_s: float = 5.0
+    timeout_s: float = 2.0
+    failures: int = 2  # consecutive failed probes that take a replica out; one success brings it back
+
+
+@dataclass(frozen=True, slots=True)
 class Policy:
     """What to do with a modality a model does not accept."""
 
@@ -208,6 +220,7 @@ class ModelConfig:
     timeouts: TimeoutConfig = TimeoutConfig()
     max_concurrency: int | None = None  # requests in flight upstream at most; None: no limit
     queue: QueueConfig = QueueConfig()
+    health_check: HealthCheckConfig | None = None  # None: passive health (the breaker) only
 
     @property
     def upstream_name(self) -> str:
