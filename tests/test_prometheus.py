@@ -6,11 +6,13 @@ import asyncio
 import os
 import shutil
 import subprocess
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Gateway, Upstream, free_port, routing
 
@@ -24,23 +26,37 @@ VIDEO = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}
 
 
 @pytest.fixture
-async def busy_gateway(gateway_factory, upstream: Upstream) -> Gateway:
+async def sick(upstream_factory: Callable[..., Awaitable[Upstream]]) -> Upstream:
+    """A replica that answers every request 503: retried elsewhere, and ejected at once."""
+    sick = await upstream_factory("sick")
+    sick.standin.fail_status = 503
+    return sick
+
+
+@pytest.fixture
+async def busy_gateway(gateway_factory, upstream: Upstream, sick: Upstream) -> Gateway:
     gw = await gateway_factory(
         routing(
             f"  - {{name: vision, upstreams: [{upstream.url}], accepts: [text, image], "
             "on_unsupported: {video: {redirect: omni}}}",
             f"  - {{name: omni, upstreams: [{upstream.url}], accepts: [text, image, video]}}",
             f"  - {{name: texty, upstreams: [{upstream.url}], accepts: [text]}}",
+            # round robin takes the first replica first: the 503 is retried on the other, and the
+            # sick one's breaker opens on its first failure (and stays open: nothing probes it)
+            f"  - {{name: pooled, upstreams: [{sick.url}, {upstream.url}], accepts: [text], balance: round_robin, "
+            "retries: {backoff_s: 0}, breaker: {failures: 1, open_s: 600}}",
         )
     )
     async with gw.client() as client:
         await client.chat.completions.create(model="vision", messages=[{"role": "user", "content": [VIDEO]}])
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(model="texty", messages=[{"role": "user", "content": [VIDEO]}])
+        await client.chat.completions.create(model="pooled", messages=[{"role": "user", "content": "hi"}])
+    assert len(sick.received) == 1
     return gw
 
 
-async def test_metrics_pass_promtool_lint(busy_gateway: Gateway) -> None:
+async def test_metrics_pass_promtool_lint(busy_gateway: Gateway, upstream: Upstream, sick: Upstream) -> None:
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{busy_gateway.url}/metrics") as resp:
             exposition = await resp.read()
@@ -48,9 +64,31 @@ async def test_metrics_pass_promtool_lint(busy_gateway: Gateway) -> None:
         ["promtool", "check", "metrics"], input=exposition, capture_output=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
+    # the replica pools' families are in it, with series (the gauges are read at scrape time)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(exposition.decode())
+        for s in family.samples
+    }
+
+    def value(name: str, **labels: str) -> float | None:
+        return samples.get((name, tuple(sorted(labels.items()))))
+
+    bad, good = {"model": "pooled", "upstream": sick.url}, {"model": "pooled", "upstream": upstream.url}
+    assert (value("gateway_upstream_healthy", **bad), value("gateway_upstream_healthy", **good)) == (0, 1)
+    states = {s: value("gateway_upstream_breaker_state", **bad, state=s) for s in ("closed", "half_open", "open")}
+    assert states == {"closed": 0, "half_open": 0, "open": 1}
+    assert value("gateway_upstream_breaker_state", **good, state="closed") == 1
+    assert (value("gateway_upstream_in_flight", **bad), value("gateway_upstream_in_flight", **good)) == (0, 0)
+    assert value("gateway_upstream_ejections_total", **bad) == 1
+    assert value("gateway_upstream_ejections_total", **good) == 0  # declared: rate() sees the first one
+    assert value("gateway_retries_total", model="pooled", reason="http_503") == 1
+    assert value("gateway_retries_refused_total", model="pooled") == 0
 
 
-async def test_a_real_prometheus_scrapes_rejections_and_redirects(busy_gateway: Gateway, tmp_path: Path) -> None:
+async def test_a_real_prometheus_scrapes_rejections_redirects_and_replica_health(
+    busy_gateway: Gateway, tmp_path: Path
+) -> None:
     target = busy_gateway.url.removeprefix("http://")
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
@@ -67,6 +105,11 @@ async def test_a_real_prometheus_scrapes_rejections_and_redirects(busy_gateway: 
         'sum(gateway_modality_rejections_total{model="texty",modality="video",reason="unsupported"})': "1",
         'sum(gateway_modality_redirects_total{model="vision",modality="video",target="omni"})': "1",
         'sum(gateway_requests_total{model="texty",code="400"})': "1",
+        'sum(gateway_retries_total{model="pooled",reason="http_503"})': "1",
+        'sum(gateway_upstream_ejections_total{model="pooled"})': "1",
+        'sum(gateway_upstream_healthy{model="pooled"})': "1",  # of 2
+        'sum(gateway_upstream_breaker_state{model="pooled",state="open"})': "1",
+        'sum(gateway_upstream_in_flight{model="pooled"})': "0",
     }
     results: dict[str, str | None] = {}
     try:
