@@ -90,9 +90,9 @@ async def _clients(app: web.Application) -> AsyncIterator[None]:
     await services.encoder.start(config)
     await services.supervisor.start()
     yield
-    await services.supervisor.close()
-    await services.encoder.close()
     await services.upstream.close()
+    await services.encoder.close()
+    await services.supervisor.close()  # supervised encoders stop last
 
 
 async def _health_checks(app: web.Application) -> AsyncIterator[None]:

@@ -62,6 +62,8 @@ class Gate:
             async with asyncio.timeout(queue.timeout_s):
                 await waiter
         except TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                return  # the slot came in the same instant the wait ran out: take it
             self._forget(waiter)
             self._on_shed(model.name, "queue_timeout")
             raise QueueTimeoutError(

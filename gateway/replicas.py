@@ -20,8 +20,9 @@ reloads, and a URL two pools share has one state)::
 Half-open lets one request through at a time, as a probe. A failure is what the caller reports:
 a connect error or timeout, a reset, a read timeout, a 5xx. An open replica is not chosen; when no
 replica of a pool admits a request, :meth:`Pool.lease` gives None and :meth:`Pool.retry_after`
-says when one will. Active health checks, where a model has them (:mod:`gateway.health`), also
-take a replica out (``checked_down``) until a probe succeeds.
+says when one will. A replica that answered 429 is passed over for its ``Retry-After`` (1 s
+if it gave none, 30 s at most) while others are free. Active health checks, where a model has
+them (:mod:`gateway.health`), also take a replica out (``checked_down``) until a probe succeeds.
 
 **Choice** (``balance``), among the replicas that admit a request and were not tried yet:
 
@@ -71,6 +72,7 @@ class Replica:
     probes: int = 0  # half-open requests in flight
     last_error: str = ""
     current_weight: float = 0.0  # smooth weighted round robin
+    busy_until: float = 0.0  # answered 429: passed over until then while others are free
     probe_failures: int = 0  # consecutive failed active health checks (gateway.health)
     checked_down: bool = False  # out until an active health check succeeds
 
@@ -127,6 +129,10 @@ class Lease:
     def success(self) -> None:
         self.replica.succeeded(self._pool.breaker)
 
+    def busy(self, seconds: float) -> None:
+        """The replica answered 429: pass it over for ``seconds`` (no breaker failure)."""
+        self.replica.busy_until = self._pool.clock() + seconds
+
     def failure(self, reason: str) -> None:
         if self.replica.failed(self._pool.clock(), self._pool.breaker, reason):
             self._pool.on_open(self._pool.name, self.replica.url)
@@ -167,6 +173,8 @@ class Pool:
         candidates = [r for r in self.replicas if r not in exclude and r.admits(now, self.breaker)]
         if not candidates:
             return None
+        # an engine that said 429 answers fast and so looks idle: without this it would draw the load
+        candidates = [r for r in candidates if r.busy_until <= now] or candidates
         if self.balance == "round_robin":
             chosen = self._round_robin(candidates)
         elif self.balance == "affinity" and key is not None:

@@ -48,6 +48,7 @@ _NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-e
 # vLLM and SGLang (uvicorn) close idle keep-alive connections after 5 s; reusing one at that moment
 # fails a POST that cannot be retried, so the client pool lets connections go first.
 KEEPALIVE_TIMEOUT_S = 4.0
+MAX_BUSY_S = 30.0  # the longest a replica that answered 429 is passed over
 
 
 class UpstreamClient:
@@ -177,6 +178,8 @@ class UpstreamClient:
                     attempts.failure = failure
                     continue
                 status = upstream.status
+                if status == 429:
+                    lease.busy(_retry_after(upstream.headers.get(hdrs.RETRY_AFTER)))
                 if status in model.retries.on_status and self._retries(pool, attempts, f"http_{status}"):
                     upstream.close()
                     self._count(model, replica, "http_5xx" if status >= 500 else "http_4xx")
@@ -250,6 +253,15 @@ class _Attempts:
     delay: float = 0.0  # the backoff before the next attempt
     failure: GatewayError | None = None  # what the client is told when no attempt is left
     deadline: float | None = None  # loop time by which the whole exchange must end (timeouts.total)
+
+
+def _retry_after(value: str | None) -> float:
+    """An engine's Retry-After in seconds (1 if absent or a date; at most MAX_BUSY_S)."""
+    try:
+        seconds = float(value) if value is not None else 1.0
+    except ValueError:
+        seconds = 1.0
+    return min(max(seconds, 0.0), MAX_BUSY_S) if seconds == seconds else 1.0
 
 
 def _connect_failure(exc: aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError) -> str:

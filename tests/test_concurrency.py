@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import AsyncExitStack
+from typing import Any
 
 import pytest
 
@@ -98,3 +99,29 @@ async def test_no_limit_means_no_gate() -> None:
     gate = Gate()
     async with gate.slot(model(limit=None)), gate.slot(model(limit=None)):
         assert gate.active == 0
+
+
+async def test_a_slot_handed_over_in_the_instant_the_wait_runs_out_is_taken_not_leaked(monkeypatch) -> None:
+    gate, m = Gate(), model(limit=1, size=4, timeout_s=0.05)
+    holder = gate.slot(m)
+    await holder.__aenter__()
+    loop = asyncio.get_running_loop()
+    call_at = loop.call_at
+    exits: list[asyncio.Task[Any]] = []
+
+    def release_then_time_out(when: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+        if type(getattr(callback, "__self__", None)).__name__ == "Timeout":
+
+            def both() -> None:
+                exits.append(asyncio.create_task(holder.__aexit__(None, None, None)))  # frees the slot...
+                loop.call_soon(callback, *args)  # ...and the waiter's time runs out in the same pass
+
+            return call_at(when, both)
+        return call_at(when, callback, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_at", release_then_time_out)
+    async with gate.slot(m):  # served: the slot came as the wait ran out
+        assert gate.active == 1
+    monkeypatch.undo()
+    await asyncio.gather(*exits)
+    assert gate.active == 0 and gate.queued == 0

@@ -200,3 +200,16 @@ def take_key(pool: Pool, key: bytes) -> str:
     assert lease is not None
     with lease:
         return lease.replica.url
+
+
+def test_a_replica_that_said_429_is_passed_over_while_another_is_free() -> None:
+    pool, clock = make("http://a", "http://b")
+    a, b = pool.replicas
+    lease = pool.lease([b])
+    assert lease is not None
+    with lease:
+        lease.busy(2.0)
+    assert a.healthy and {take(pool).url for _ in range(20)} == {"http://b"}
+    assert take(pool, (b,)).url == "http://a"  # the only one left: still tried
+    clock.now += 2.0
+    assert {take(pool).url for _ in range(40)} == {"http://a", "http://b"}

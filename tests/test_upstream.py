@@ -183,8 +183,10 @@ async def test_a_429_is_retried_elsewhere_without_counting_against_the_replica(u
     busy, free = await upstream_factory("busy"), await upstream_factory("free")
     busy.standin.fail_status = 429
     gw = await gateway_factory(model_on(busy.url, free.url))
-    assert await ask_all(gw, 30) == [200] * 30
-    assert len(busy.received) > 5  # never ejected: a 429 is the engine protecting itself
+    assert await ask_all(gw, 30, concurrency=1) == [200] * 30
+    # passed over for a second (its Retry-After, 1 s when absent) rather than drawing the load as
+    # the fastest replica; never ejected: a 429 is the engine protecting itself, not failing
+    assert 1 <= len(busy.received) <= 3  # once a second at most (30 quick requests: about once)
     assert gw.sample("gateway_upstream_healthy", model="m", upstream=busy.url) == 1
     assert gw.sample("gateway_retries_total", model="m", reason="http_429") == len(busy.received)
 

@@ -191,14 +191,19 @@ async def test_encoders_fail_over_and_spread_load(gateway_factory, upstream, bac
 
     first, second = await backend_factory(), await backend_factory()
     gw = await gateway_factory(epd_config(upstream, [dead_url(), first.url, second.url]))
+    sent = 0
     async with gw.client() as client:
-        for i in range(4):
+        # p2c draws two backends at random: both take images within a few requests
+        while not (
+            first.sample("vision_encoder_cache_misses_total") and second.sample("vision_encoder_cache_misses_total")
+        ):
+            assert sent < 40, "one backend took every image"
             await client.chat.completions.create(
-                model="vl", messages=[{"role": "user", "content": [image_part(png((i, i, i)))]}]
+                model="vl", messages=[{"role": "user", "content": [image_part(png((sent, sent, sent)))]}]
             )
-    assert first.sample("vision_encoder_cache_misses_total") + second.sample("vision_encoder_cache_misses_total") == 4
-    assert first.sample("vision_encoder_cache_misses_total") >= 1
-    assert second.sample("vision_encoder_cache_misses_total") >= 1
+            sent += 1
+    misses = first.sample("vision_encoder_cache_misses_total") + second.sample("vision_encoder_cache_misses_total")
+    assert misses == sent  # each image encoded once, the dead URL skipped
 
 
 async def test_explain_shows_the_encode_action(gw: Gateway) -> None:
@@ -224,16 +229,24 @@ async def test_an_overloaded_backend_is_skipped_for_another(gateway_factory, ups
     await busy.start_server()
     try:
         gw = await gateway_factory(epd_config(upstream, [str(busy.make_url("")).rstrip("/"), backend.url]))
+        sent = 0
         async with gw.client() as client:
+            # until p2c has drawn the busy backend once (within a few requests), then 4 more
+            while sent < 4 or gw.sample("gateway_encoder_requests_total", encoder="vision", outcome="overloaded") == 0:
+                assert sent < 40, "the busy backend was never chosen"
+                await client.chat.completions.create(
+                    model="vl", messages=[{"role": "user", "content": [image_part(png((sent, 1, 1)))]}]
+                )
+                sent += 1
             for i in range(4):
                 await client.chat.completions.create(
-                    model="vl", messages=[{"role": "user", "content": [image_part(png((i, 1, 1)))]}]
+                    model="vl", messages=[{"role": "user", "content": [image_part(png((i, 2, 1)))]}]
                 )
     finally:
         await busy.close()
-    assert len(upstream.received) == 4
-    assert backend.sample("vision_encoder_cache_misses_total") == 4
-    assert gw.sample("gateway_encoder_requests_total", encoder="vision", outcome="overloaded") == 1  # then cooled down
+    assert len(upstream.received) == sent + 4
+    assert backend.sample("vision_encoder_cache_misses_total") == sent + 4
+    assert gw.sample("gateway_encoder_requests_total", encoder="vision", outcome="overloaded") == 1  # then skipped
 
 
 async def test_many_images_in_one_request_are_encoded_with_bounded_concurrency(gateway_factory, upstream, backend):
