@@ -8,8 +8,9 @@ them are raised together as one :class:`~gateway.errors.ConfigError`, each rende
 for editors, ``docs/routing.schema.json``.
 
 The package, one step a module: ``types`` (keys, defaults, frozen types), ``loader`` (YAML with
-marks), ``readers`` (typed values), ``sections`` (one method a section), ``validate`` (checks
-across sections).
+marks), ``readers`` (typed values), ``sections`` (one method a section), ``pools`` (a model's
+replica keys: balance, retries, breaker, timeouts, concurrency, health checks), ``validate``
+(checks across sections), ``export`` (a config back to plain data, for ``GET /admin/config``).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -75,6 +76,24 @@ class Readers(MarkedDocument):
             else:
                 self.problem(f"{path}[{i}]", f"must be a non-empty string, not {describe(item)}")
         return items
+
+    def url_list(self, value: Any, path: str, *, missing: tuple[str, str], empty: str, what: str) -> list[str]:
+        if value is MISSING:
+            self.problem(*missing)
+            return []
+        items = self.string_list(value, path)
+        if isinstance(value, list) and not value:
+            self.problem(path, empty)
+        urls: list[str] = []
+        for item, item_path in items:
+            url = self.url(item, item_path)
+            if url is None:
+                continue
+            if url in urls:
+                self.problem(item_path, f"duplicate {what} '{item}'")
+            else:
+                urls.append(url)
+        return urls
 
     def url(self, value: str, path: str) -> str | None:
         try:
@@ -173,3 +192,12 @@ def unknown_message(value: Any, allowed: tuple[str, ...], what: str) -> str:
         if close:
             message += f"; did you mean '{close[0]}'?"
     return message
+
+
+def fields(raw: dict[str, Any], path: str, defaults: object) -> Callable[[str], tuple[Any, str, Any]]:
+    """For a section's typed readers: a key's raw value, its dotted path, and its default."""
+
+    def get(key: str) -> tuple[Any, str, Any]:
+        return raw.get(key, MISSING), f"{path}.{key}", getattr(defaults, key)
+
+    return get

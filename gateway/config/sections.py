@@ -8,42 +8,29 @@ from typing import Any
 
 from ..modality import MODALITY_NAMES, Modality
 from .loader import MISSING, join_path
-from .readers import Readers, describe, show, unknown_message
+from .pools import PoolReaders
+from .readers import describe, fields, show, unknown_message
 from .types import (
-    BALANCE_POLICIES,
-    BREAKER_KEYS,
     DEFAULT_ENCODE_IMAGE_LIMIT,
     ENCODER_ERROR_ACTIONS,
     ENCODER_KEYS,
-    ENV_NAME,
-    HEALTH_CHECK_KEYS,
     MAX_JSON_DEPTH,
     MEDIA_KEYS,
     MODEL_KEYS,
     POLICY_ACTIONS,
-    QUEUE_KEYS,
-    RETRY_KEYS,
-    RETRYABLE_STATUSES,
     SERVER_KEYS,
     SUPPORTED_VERSION,
-    TIMEOUT_KEYS,
     TOP_KEYS,
-    UPSTREAM_KEYS,
-    BreakerConfig,
     EncoderConfig,
     GatewayConfig,
-    HealthCheckConfig,
     MediaConfig,
     ModelConfig,
     Policy,
-    QueueConfig,
-    RetryConfig,
     ServerConfig,
-    TimeoutConfig,
 )
 
 
-class Parser(Readers):
+class Parser(PoolReaders):
     """Turns YAML nodes into config objects, collecting problems with their locations."""
 
     # --- sections --------------------------------------------------------------------------
@@ -116,7 +103,7 @@ class Parser(Readers):
     ) -> Callable[[str], tuple[Any, str, Any]] | None:
         """The field reader of a top-level section, or None when it is not a mapping (said so)."""
         raw = self.mapping(value, name, keys, what=name)
-        return None if raw is None else _fields(raw, name, defaults)
+        return None if raw is None else fields(raw, name, defaults)
 
     def encoders(self, value: Any) -> dict[str, EncoderConfig]:
         if not isinstance(value, dict):
@@ -154,7 +141,7 @@ class Parser(Readers):
             )
             return EncoderConfig(name, "http", timeout_s=timeout, urls=tuple(urls))
 
-        get = _fields(raw, path, d)
+        get = fields(raw, path, d)
 
         return EncoderConfig(
             name,
@@ -194,6 +181,7 @@ class Parser(Readers):
             return None
         name = self.string(raw.get("name", MISSING), f"{path}.name")
         upstreams, weights = self.upstreams(raw.get("upstreams", MISSING), f"{path}.upstreams")
+        pool = self.pool(raw, path, server)
         accepts = self.accepts(raw.get("accepts", MISSING), f"{path}.accepts")
         upstream_model = raw.get("upstream_model", MISSING)
         upstream_model = None if upstream_model is MISSING else self.string(upstream_model, f"{path}.upstream_model")
@@ -206,22 +194,6 @@ class Parser(Readers):
         if on_encoder_error not in ENCODER_ERROR_ACTIONS:
             self.problem(f"{path}.on_encoder_error", unknown_message(on_encoder_error, ENCODER_ERROR_ACTIONS, "action"))
             on_encoder_error = "fail"
-        api_key_env = raw.get("api_key_env", MISSING)
-        api_key_env = None if api_key_env is MISSING else self.env_name(api_key_env, f"{path}.api_key_env")
-        balance = raw.get("balance", "p2c")
-        if balance not in BALANCE_POLICIES:
-            self.problem(f"{path}.balance", unknown_message(balance, BALANCE_POLICIES, "balance policy"))
-            balance = "p2c"
-        retries = self.retries(raw.get("retries", {}), f"{path}.retries")
-        breaker = self.breaker(raw.get("breaker", {}), f"{path}.breaker", server)
-        timeouts = self.timeouts(raw.get("timeouts", {}), f"{path}.timeouts", server)
-        max_concurrency = raw.get("max_concurrency", MISSING)
-        if max_concurrency is not MISSING:
-            max_concurrency = self.integer(max_concurrency, f"{path}.max_concurrency", 0, minimum=1) or None
-        queue = self.queue(raw.get("queue", {}), f"{path}.queue")
-        health_check = raw.get("health_check", MISSING)
-        if health_check is not MISSING:
-            health_check = self.health_check(health_check, f"{path}.health_check")
         if name is None or accepts is None:
             return None
         return ModelConfig(
@@ -233,142 +205,9 @@ class Parser(Readers):
             encode=MappingProxyType(encode),
             on_unsupported=MappingProxyType(policies),
             on_encoder_error=on_encoder_error,
-            api_key_env=api_key_env,
             weights=weights if any(w != 1 for w in weights) else (),
-            balance=balance,
-            retries=retries,
-            breaker=breaker,
-            timeouts=timeouts,
-            max_concurrency=None if max_concurrency is MISSING else max_concurrency,
-            queue=queue,
-            health_check=None if health_check is MISSING else health_check,
+            **pool,
         )
-
-    def upstreams(self, value: Any, path: str) -> tuple[list[str], tuple[int, ...]]:
-        """The URLs, and their weights: an item is a URL, or ``{url: URL, weight: N}``."""
-        weights: dict[int, int] = {}
-        if isinstance(value, list):
-            plain = []
-            for i, item in enumerate(value):
-                if isinstance(item, dict):
-                    entry = self.mapping(item, f"{path}[{i}]", UPSTREAM_KEYS, what="an upstream")
-                    assert entry is not None
-                    weights[i] = self.integer(entry.get("weight", MISSING), f"{path}[{i}].weight", 1, minimum=1)
-                    item = self.string(entry.get("url", MISSING), f"{path}[{i}].url")
-                    if item is None:
-                        item = MISSING  # said; keep the positions of the others
-                plain.append(item)
-            value = [v for v in plain if v is not MISSING]
-        urls = self.url_list(
-            value,
-            path,
-            missing=(path, "is required: list the model's OpenAI-compatible servers"),
-            empty="must list at least one upstream URL",
-            what="upstream",
-        )
-        return urls, tuple(weights.get(i, 1) for i in range(len(urls)))
-
-    def env_name(self, value: Any, path: str) -> str | None:
-        if isinstance(value, str) and ENV_NAME.fullmatch(value):
-            return value
-        self.problem(path, f"must be the name of an environment variable (like VLLM_API_KEY), not {show(value)}")
-        return None
-
-    def retries(self, value: Any, path: str) -> RetryConfig:
-        d = RetryConfig()
-        raw = self.mapping(value, path, RETRY_KEYS, what="retries")
-        if raw is None:
-            return d
-        get = _fields(raw, path, d)
-        on = raw.get("on_status", MISSING)
-        statuses = d.on_status
-        if on is not MISSING:
-            if isinstance(on, list) and all(s in RETRYABLE_STATUSES and type(s) is int for s in on):
-                statuses = tuple(sorted(set(on)))
-            else:
-                listed = ", ".join(map(str, RETRYABLE_STATUSES))
-                self.problem(f"{path}.on_status", f"must be a list of statuses among {listed}, not {show(on)}")
-        return RetryConfig(
-            attempts=self.integer(*get("attempts"), minimum=0, maximum=10),
-            on_status=statuses,
-            budget=self.number(*get("budget"), positive=False),
-            min_per_s=self.number(*get("min_per_s"), positive=False),
-            backoff_s=self.number(*get("backoff_s"), positive=False),
-            max_backoff_s=self.number(*get("max_backoff_s"), positive=False),
-        )
-
-    def timeouts(self, value: Any, path: str, server: ServerConfig) -> TimeoutConfig:
-        d = TimeoutConfig(
-            connect_s=server.upstream_connect_timeout_s,
-            first_byte_s=server.upstream_read_timeout_s,
-            idle_s=server.upstream_stream_idle_timeout_s,
-        )
-        raw = self.mapping(value, path, TIMEOUT_KEYS, what="timeouts")
-        if raw is None:
-            return d
-        get = _fields(raw, path, d)
-        total, total_path, _ = get("total_s")
-        return TimeoutConfig(
-            connect_s=self.number(*get("connect_s")),
-            first_byte_s=self.number(*get("first_byte_s")),
-            idle_s=self.number(*get("idle_s")),
-            total_s=None if total is MISSING else self.number(total, total_path, 0.0) or None,
-        )
-
-    def health_check(self, value: Any, path: str) -> HealthCheckConfig | None:
-        raw = self.mapping(value, path, HEALTH_CHECK_KEYS, what="health_check")
-        if raw is None:
-            return None
-        get = _fields(raw, path, HealthCheckConfig())
-        probe = self.string(*get("path"))
-        if isinstance(probe, str) and not probe.startswith("/"):
-            self.problem(f"{path}.path", f"must start with '/', not {show(probe)}")
-        return HealthCheckConfig(
-            path=probe if isinstance(probe, str) else "/health",
-            interval_s=self.number(*get("interval_s")),
-            timeout_s=self.number(*get("timeout_s")),
-            failures=self.integer(*get("failures"), minimum=1),
-        )
-
-    def queue(self, value: Any, path: str) -> QueueConfig:
-        raw = self.mapping(value, path, QUEUE_KEYS, what="queue")
-        if raw is None:
-            return QueueConfig()
-        get = _fields(raw, path, QueueConfig())
-        return QueueConfig(
-            size=self.integer(*get("size"), minimum=0),
-            timeout_s=self.number(*get("timeout_s")),
-        )
-
-    def breaker(self, value: Any, path: str, server: ServerConfig) -> BreakerConfig:
-        d = BreakerConfig(open_s=server.upstream_cooldown_s)
-        raw = self.mapping(value, path, BREAKER_KEYS, what="breaker")
-        if raw is None:
-            return d
-        get = _fields(raw, path, d)
-        return BreakerConfig(
-            failures=self.integer(*get("failures"), minimum=1),
-            open_s=self.number(*get("open_s"), positive=False),
-            successes=self.integer(*get("successes"), minimum=1),
-        )
-
-    def url_list(self, value: Any, path: str, *, missing: tuple[str, str], empty: str, what: str) -> list[str]:
-        if value is MISSING:
-            self.problem(*missing)
-            return []
-        items = self.string_list(value, path)
-        if isinstance(value, list) and not value:
-            self.problem(path, empty)
-        urls: list[str] = []
-        for item, item_path in items:
-            url = self.url(item, item_path)
-            if url is None:
-                continue
-            if url in urls:
-                self.problem(item_path, f"duplicate {what} '{item}'")
-            else:
-                urls.append(url)
-        return urls
 
     def accepts(self, value: Any, path: str) -> tuple[Modality, ...] | None:
         if value is MISSING:
@@ -423,12 +262,3 @@ class Parser(Readers):
             return None
         self.problem(path, f"unknown policy {show(value)} (expected reject, strip, or {{redirect: MODEL}})")
         return None
-
-
-def _fields(raw: dict[str, Any], path: str, defaults: object) -> Callable[[str], tuple[Any, str, Any]]:
-    """For a section's typed readers: a key's raw value, its dotted path, and its default."""
-
-    def get(key: str) -> tuple[Any, str, Any]:
-        return raw.get(key, MISSING), f"{path}.{key}", getattr(defaults, key)
-
-    return get
