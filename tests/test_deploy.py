@@ -22,8 +22,8 @@ DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "modality-gateway.json"
 METRIC = re.compile(r"\b((?:gateway|vision_encoder)_[a-z_]+)")
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
-# The replica pools' metrics (gateway.replicas, gateway.retries): each on the dashboard's
-# "Upstream health" row; the alerted ones also in alerts.yml.
+# The replica pools' metrics (gateway.replicas, gateway.retries, gateway.health): each on the
+# dashboard's "Upstream health" row; the alerted ones also in alerts.yml.
 POOL_METRICS = (
     "gateway_upstream_healthy",
     "gateway_upstream_breaker_state",
@@ -31,12 +31,25 @@ POOL_METRICS = (
     "gateway_upstream_ejections_total",
     "gateway_retries_total",
     "gateway_retries_refused_total",
+    "gateway_health_checks_total",
 )
 POOL_ALERTED = (
     "gateway_upstream_healthy",
     "gateway_upstream_breaker_state",
     "gateway_retries_total",
     "gateway_retries_refused_total",
+    "gateway_health_checks_total",
+)
+# Per-model concurrency (gateway.concurrency): on the "Concurrency limits" row, shedding alerted.
+CONCURRENCY_METRICS = ("gateway_queue_depth", "gateway_model_in_flight", "gateway_shed_total")
+CONCURRENCY_ALERTED = ("gateway_shed_total",)
+# Which routing.yaml each instance runs: on the "Traffic" row, beside the reloads.
+CONFIG_METRICS = ("gateway_config_info", "gateway_config_generation", "gateway_config_reloads_total")
+# (the row's title, what must be on it, what alerts.yml must watch)
+ROWS = (
+    ("Upstream health", POOL_METRICS, POOL_ALERTED),
+    ("Concurrency limits (max_concurrency)", CONCURRENCY_METRICS, CONCURRENCY_ALERTED),
+    ("Traffic", CONFIG_METRICS, ("gateway_config_reloads_total",)),
 )
 
 pytestmark = pytest.mark.skipif(
@@ -108,17 +121,27 @@ def test_every_gateway_metric_named_is_one_the_gateway_exports() -> None:
     assert named and not unknown, f"queries name metrics the gateway does not export: {unknown}"
 
 
-def test_the_replica_pools_are_on_the_dashboard_and_alerted() -> None:
-    assert set(POOL_METRICS) <= gateway_metric_names()
+@pytest.mark.parametrize(("row", "metrics", "alerted"), ROWS, ids=[r[0] for r in ROWS])
+def test_each_feature_is_on_its_dashboard_row_and_alerted(
+    row: str, metrics: tuple[str, ...], alerted: tuple[str, ...]
+) -> None:
+    assert set(metrics) <= gateway_metric_names()
     panels = dashboard_panels()
-    start = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Upstream health")
+    start = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == row)
     end = next((i for i, p in enumerate(panels) if i > start and p["type"] == "row"), len(panels))
     on_row = {m for p in panels[start + 1 : end] for t in p["targets"] for m in METRIC.findall(t["expr"])}
-    missing = [m for m in POOL_METRICS if m not in on_row]
-    assert not missing, f"not on the Upstream health row: {missing}"
-    alerted = {m for q in alert_queries() for m in METRIC.findall(q)}
-    missing = [m for m in POOL_ALERTED if m not in alerted]
+    missing = [m for m in metrics if m not in on_row]
+    assert not missing, f"not on the {row} row: {missing}"
+    watched = {m for q in alert_queries() for m in METRIC.findall(q)}
+    missing = [m for m in alerted if m not in watched]
     assert not missing, f"no alert watches: {missing}"
+
+
+def test_every_alert_is_documented() -> None:
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    readme = (DEPLOY / "README.md").read_text()
+    missing = [r["alert"] for g in rules["groups"] for r in g["rules"] if f"`{r['alert']}`" not in readme]
+    assert not missing, f"alerts not described in deploy/README.md: {missing}"
 
 
 def test_the_dashboard_layout_is_sound() -> None:

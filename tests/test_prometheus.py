@@ -7,14 +7,18 @@ import os
 import shutil
 import subprocess
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Gateway, Upstream, free_port, routing
+from tools.standin import StandIn
 
 # `make test` installs Debian's prometheus package; CI must run these, a laptop without root may skip them.
 pytestmark = pytest.mark.skipif(
@@ -23,6 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 VIDEO = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
@@ -33,8 +38,33 @@ async def sick(upstream_factory: Callable[..., Awaitable[Upstream]]) -> Upstream
     return sick
 
 
+@dataclass
+class Held:
+    """A replica that keeps each chat request until ``release`` is set (its /health answers at once)."""
+
+    upstream: Upstream
+    arrived: asyncio.Event
+    release: asyncio.Event
+
+
 @pytest.fixture
-async def busy_gateway(gateway_factory, upstream: Upstream, sick: Upstream) -> Gateway:
+async def held(upstream_factory: Callable[..., Awaitable[Upstream]]) -> Held:
+    arrived, release = asyncio.Event(), asyncio.Event()
+
+    @web.middleware
+    async def hold(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/v1/chat/completions":
+            arrived.set()
+            await release.wait()
+        return await handler(request)
+
+    app = StandIn("held").app()
+    app.middlewares.append(hold)
+    return Held(await upstream_factory("held", app), arrived, release)
+
+
+@pytest.fixture
+async def busy_gateway(gateway_factory, upstream: Upstream, sick: Upstream, held: Held) -> Gateway:
     gw = await gateway_factory(
         routing(
             f"  - {{name: vision, upstreams: [{upstream.url}], accepts: [text, image], "
@@ -45,18 +75,39 @@ async def busy_gateway(gateway_factory, upstream: Upstream, sick: Upstream) -> G
             # sick one's breaker opens on its first failure (and stays open: nothing probes it)
             f"  - {{name: pooled, upstreams: [{sick.url}, {upstream.url}], accepts: [text], balance: round_robin, "
             "retries: {backoff_s: 0}, breaker: {failures: 1, open_s: 600}}",
+            # one request at a time and no queue: the second of a concurrent pair is shed (429); one
+            # health check as the gateway starts (the next would be 10 minutes later)
+            f"  - {{name: limited, upstreams: [{held.upstream.url}], accepts: [text], max_concurrency: 1, "
+            "queue: {size: 0}, health_check: {interval_s: 600}}",
         )
     )
     async with gw.client() as client:
         await client.chat.completions.create(model="vision", messages=[{"role": "user", "content": [VIDEO]}])
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(model="texty", messages=[{"role": "user", "content": [VIDEO]}])
-        await client.chat.completions.create(model="pooled", messages=[{"role": "user", "content": "hi"}])
+        await client.chat.completions.create(model="pooled", messages=HI)
+        first = asyncio.create_task(client.chat.completions.create(model="limited", messages=HI))
+        try:
+            await asyncio.wait_for(held.arrived.wait(), timeout=10)  # upstream: it holds limited's one slot
+            with pytest.raises(openai.RateLimitError) as shed:
+                await client.chat.completions.create(model="limited", messages=HI)
+            assert shed.value.code == "queue_full"
+        finally:
+            held.release.set()
+            await asyncio.wait_for(first, timeout=10)
     assert len(sick.received) == 1
+    passed = {"model": "limited", "upstream": held.upstream.url, "result": "pass"}
+    for _ in range(500):  # bounded (5 s): the probe went out as the gateway started
+        if gw.sample("gateway_health_checks_total", **passed):
+            break
+        await asyncio.sleep(0.01)
+    assert gw.sample("gateway_health_checks_total", **passed) == 1
     return gw
 
 
-async def test_metrics_pass_promtool_lint(busy_gateway: Gateway, upstream: Upstream, sick: Upstream) -> None:
+async def test_metrics_pass_promtool_lint(
+    busy_gateway: Gateway, upstream: Upstream, sick: Upstream, held: Held
+) -> None:
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{busy_gateway.url}/metrics") as resp:
             exposition = await resp.read()
@@ -65,11 +116,8 @@ async def test_metrics_pass_promtool_lint(busy_gateway: Gateway, upstream: Upstr
     )
     assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
     # the replica pools' families are in it, with series (the gauges are read at scrape time)
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(exposition.decode())
-        for s in family.samples
-    }
+    families = {f.name: f for f in text_string_to_metric_families(exposition.decode())}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
 
     def value(name: str, **labels: str) -> float | None:
         return samples.get((name, tuple(sorted(labels.items()))))
@@ -84,9 +132,20 @@ async def test_metrics_pass_promtool_lint(busy_gateway: Gateway, upstream: Upstr
     assert value("gateway_upstream_ejections_total", **good) == 0  # declared: rate() sees the first one
     assert value("gateway_retries_total", model="pooled", reason="http_503") == 1
     assert value("gateway_retries_refused_total", model="pooled") == 0
+    # concurrency (models with max_concurrency only) and health checks
+    limited = {"model": "limited"}
+    assert (
+        value("gateway_shed_total", **limited, reason="queue_full"),
+        value("gateway_shed_total", **limited, reason="queue_timeout"),
+    ) == (1, 0)
+    assert (value("gateway_queue_depth", **limited), value("gateway_model_in_flight", **limited)) == (0, 0)
+    assert value("gateway_shed_total", model="pooled", reason="queue_full") is None  # declared with a limit only
+    assert value("gateway_health_checks_total", **limited, upstream=held.upstream.url, result="pass") == 1
+    assert value("gateway_requests_total", **limited, code="429") == 1
+    assert [s.labels["sha256"] for s in families["gateway_config_info"].samples] == [busy_gateway.config.sha256]
 
 
-async def test_a_real_prometheus_scrapes_rejections_redirects_and_replica_health(
+async def test_a_real_prometheus_scrapes_admission_replica_health_and_shedding(
     busy_gateway: Gateway, tmp_path: Path
 ) -> None:
     target = busy_gateway.url.removeprefix("http://")
@@ -110,6 +169,10 @@ async def test_a_real_prometheus_scrapes_rejections_redirects_and_replica_health
         'sum(gateway_upstream_healthy{model="pooled"})': "1",  # of 2
         'sum(gateway_upstream_breaker_state{model="pooled",state="open"})': "1",
         'sum(gateway_upstream_in_flight{model="pooled"})': "0",
+        'sum(gateway_shed_total{model="limited",reason="queue_full"})': "1",
+        'sum(gateway_queue_depth{model="limited"})': "0",
+        'sum(gateway_health_checks_total{model="limited",result="pass"})': "1",
+        "count(count by (sha256) (gateway_config_info))": "1",  # the dashboard's "versions live"
     }
     results: dict[str, str | None] = {}
     try:
