@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -234,7 +235,9 @@ async def _forward(
     timeouts = Timeouts(
         t.connect_s, t.first_byte_s, live.config.server.client_write_timeout_s, t.idle_s if stream else None, t.total_s
     )
-    async with services.gates(model.name).slot(model):
+    # only models with max_concurrency have a gate (and its gauges)
+    gate = services.gates(model.name).slot(model) if model.max_concurrency is not None else contextlib.nullcontext()
+    async with gate:
         return await services.upstream.forward(
             request,
             model,
