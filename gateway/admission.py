@@ -19,9 +19,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from .body import dump_body
 from .config import GatewayConfig, ModelConfig
@@ -38,6 +38,9 @@ from .modality import Classification, Modality, Part, classify
 
 # Image parts the gateway can turn into embeddings (image_embeds parts already are).
 ENCODABLE_TYPES = frozenset({"image_url", "input_image"})
+
+# the model names a caller may use (its API key's list); None: every model
+Visible: TypeAlias = Callable[[str], bool] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,20 +122,22 @@ class RoutePlan:
         }
 
 
-def lookup(config: GatewayConfig, body: Mapping[str, Any]) -> ModelConfig:
-    """The model a request names; 400 when it names none, 404 when the table lacks it."""
+def lookup(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = None) -> ModelConfig:
+    """The model a request names; 400 when it names none, 404 when the table lacks it or
+    ``visible`` (the caller's API key) does not show it: the two are the same answer."""
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise InvalidRequestError("'model' is required and must be a non-empty string", param="model")
     model = config.model(name)
-    if model is None:
-        known = ", ".join(m.name for m in config.models)
+    if model is None or (visible is not None and not visible(name)):
+        known = ", ".join(m.name for m in config.models if visible is None or visible(m.name)) or "none"
         raise ModelNotFoundError(f"The model '{clip(name)}' does not exist (models: {known})", param="model")
     return model
 
 
-def admit(config: GatewayConfig, body: Mapping[str, Any]) -> RoutePlan:
-    requested = lookup(config, body)
+def admit(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = None) -> RoutePlan:
+    """The routing decision for a chat body; ``visible``: which model names the caller may use."""
+    requested = lookup(config, body, visible)
     classification = classify(body, model=requested.name, bounds=config.server.content_bounds)
     present = classification.present
     model = requested

@@ -20,7 +20,15 @@ from .encoder import EncoderClient
 from .health import HealthChecker
 from .media import MediaFetcher
 from .metrics import GatewayMetrics, PoolCollector
-from .middlewares import error_middleware, expect_continue, metrics_middleware, request_id_middleware
+from .middlewares import (
+    auth_middleware,
+    error_middleware,
+    expect_continue,
+    listener_middleware,
+    metrics_middleware,
+    rate_limit_headers,
+    request_id_middleware,
+)
 from .reload import ConfigStore
 from .replicas import ReplicaSet
 from .state import SERVICES_KEY, Services
@@ -64,8 +72,9 @@ def create_app(
 
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
-        middlewares=[request_id_middleware, metrics_middleware, error_middleware],
+        middlewares=[request_id_middleware, metrics_middleware, error_middleware, listener_middleware, auth_middleware],
     )
+    app.on_response_prepare.append(rate_limit_headers)
     app[SERVICES_KEY] = services
     app.cleanup_ctx.append(_clients)
     app.cleanup_ctx.append(_health_checks)

@@ -120,6 +120,13 @@ def _serve(args: argparse.Namespace) -> int:
     app.cleanup_ctx.append(_reload_on_sighup)
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
+    if config.server.admin_listen is not None and config.server.admin_listen.rpartition(":")[2] == str(port):
+        print(f"server.admin_listen ({config.server.admin_listen}) must use another port than {port}", file=sys.stderr)
+        return 2
+    if config.auth is None:
+        log.warning(
+            "no 'auth:' section: anyone who reaches http://%s:%d can use every model (docs/security.md)", host, port
+        )
     log.info("serving %d models from %s on http://%s:%d", len(config.models), args.config, host, port)
     asyncio.run(serve(app, host, port, config.server, access_log_format=ACCESS_LOG))
     return 0

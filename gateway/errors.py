@@ -11,6 +11,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     │   ├── InvalidImageError             400                       invalid_image
     │   └── MediaRefusedError             400                       media_refused
     ├── AuthenticationError               401 authentication_error  invalid_admin_token
+    │   └── InvalidApiKeyError            401                       invalid_api_key
     ├── PermissionDeniedError             403 permission_error      admin_disabled
     ├── NotFoundError                     404 invalid_request_error not_found
     │   └── ModelNotFoundError            404                       model_not_found
@@ -19,6 +20,8 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     ├── PayloadTooLargeError              413 invalid_request_error payload_too_large
     ├── UnsupportedEncodingError          415 invalid_request_error unsupported_content_encoding
     ├── InvalidConfigError                422 invalid_request_error invalid_config
+    ├── RateLimitedError                  429 rate_limit_error      rate_limit_exceeded
+    │   └── ConcurrencyLimitError         429                       concurrency_limit_exceeded
     ├── QueueFullError                    429 rate_limit_error      queue_full
     ├── QueueTimeoutError                 503 server_error          queue_timeout
     ├── UpstreamError                     502 server_error          upstream_error
@@ -135,6 +138,10 @@ class MediaRefusedError(InvalidRequestError, code="media_refused"): ...
 class AuthenticationError(GatewayError, status=401, type="authentication_error", code="invalid_admin_token"): ...
 
 
+class InvalidApiKeyError(AuthenticationError, code="invalid_api_key"):
+    """No key, or not one of auth.keys (the same answer for both)."""
+
+
 class PermissionDeniedError(GatewayError, status=403, type="permission_error", code="admin_disabled"): ...
 
 
@@ -176,6 +183,14 @@ class UnsupportedEncodingError(
 
 class InvalidConfigError(GatewayError, status=422, type="invalid_request_error", code="invalid_config"):
     """POST /admin/reload found routing.yaml invalid; the running config stays."""
+
+
+class RateLimitedError(GatewayError, status=429, type="rate_limit_error", code="rate_limit_exceeded"):
+    """The key's rate_limit is spent (with Retry-After and the x-ratelimit-* headers)."""
+
+
+class ConcurrencyLimitError(RateLimitedError, code="concurrency_limit_exceeded"):
+    """The key has max_concurrency requests in flight already."""
 
 
 class QueueFullError(GatewayError, status=429, type="rate_limit_error", code="queue_full"):

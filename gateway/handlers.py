@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from .admission import RoutePlan, admit, lookup, rewrite
+from .admission import RoutePlan, Visible, admit, lookup, rewrite
 from .affinity import chat_key, prompt_key
 from .body import dump_body, exact, read_json
 from .config import EncoderConfig, GatewayConfig, ModelConfig, as_dict
@@ -29,7 +29,7 @@ from .errors import (
 from .metrics import UNKNOWN_MODEL
 from .relay import Timeouts
 from .reload import Live
-from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
+from .state import API_KEY_KEY, MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
 
 log = logging.getLogger(__name__)
 JSON = "application/json"
@@ -42,8 +42,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     config = live.config
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL  # until the body names a model: a 413 or bad JSON counts too
     raw, body = await _read_json(request, config)
-    request[MODEL_LABEL_KEY] = _model_label(services, body)
-    plan = admit(config, body)
+    visible = _visible(request)
+    request[MODEL_LABEL_KEY] = _model_label(config, body, visible)
+    plan = admit(config, body, visible)
     _count_plan(services, plan)
     headers = {}
     replacements: Replacements = {}
@@ -86,8 +87,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     config = live.config
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
     raw, body = await _read_json(request, config)
-    request[MODEL_LABEL_KEY] = _model_label(services, body)
-    model = lookup(config, body)
+    visible = _visible(request)
+    request[MODEL_LABEL_KEY] = _model_label(config, body, visible)
+    model = lookup(config, body, visible)
     if body["model"] != model.upstream_name:
         body = exact(raw, body)
         body["model"] = model.upstream_name
@@ -99,6 +101,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def list_models(request: web.Request) -> web.Response:
     store = request.app[SERVICES_KEY].store
     created = int(store.loaded_at)
+    visible = _visible(request)
     data = [
         {
             "id": m.name,
@@ -108,6 +111,7 @@ async def list_models(request: web.Request) -> web.Response:
             "input_modalities": [str(x) for x in m.accepts],
         }
         for m in store.current.models
+        if visible is None or visible(m.name)
     ]
     return _json({"object": "list", "data": data})
 
@@ -201,9 +205,17 @@ def _embeds_size(value: Any) -> int:
     return len(value) if isinstance(value, str) else sum(len(v) for v in value.values())
 
 
-def _model_label(services: Services, body: dict[str, Any]) -> str:
+def _model_label(config: GatewayConfig, body: dict[str, Any], visible: Visible) -> str:
     name = body.get("model")
-    return name if isinstance(name, str) and services.store.current.model(name) else UNKNOWN_MODEL
+    if not isinstance(name, str) or config.model(name) is None or (visible is not None and not visible(name)):
+        return UNKNOWN_MODEL
+    return name
+
+
+def _visible(request: web.Request) -> Visible:
+    """The model names the request's API key may use (None: every one, auth off)."""
+    key = request.get(API_KEY_KEY)
+    return key.allows if key is not None else None
 
 
 def _count_plan(services: Services, plan: RoutePlan) -> None:
@@ -246,6 +258,7 @@ async def _forward(
             timeouts=timeouts,
             gateway_headers=headers,
             auth=live.upstream_auth.get(model.name),
+            forward_client_auth=live.keyring is None,  # with auth on, the client's key stays here
             affinity_key=affinity_key,
         )
 

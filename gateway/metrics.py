@@ -20,6 +20,7 @@ from .replicas import BREAKER_STATES, Pool
 
 REJECTION_REASONS = ("unsupported", "too_many_items", "invalid_content", "media_refused")
 UNKNOWN_MODEL = "_unknown"  # the model label of requests that name no configured model
+NO_KEY = "-"  # the key label of requests without auth
 
 # LLM requests run from milliseconds (rejections) to minutes (long generations).
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -30,8 +31,21 @@ class GatewayMetrics:
         self.registry = registry
         self.requests = Counter(
             "gateway_requests",
-            "Requests answered, by the model the client asked for and the HTTP status sent.",
-            ["model", "code"],
+            "Requests answered, by the model the client asked for, the HTTP status sent, and the API key's name "
+            "(- without auth).",
+            ["model", "code", "key"],
+            registry=registry,
+        )
+        self.auth_failures = Counter(
+            "gateway_auth_failures",
+            "Requests refused for their API key: missing or invalid.",
+            ["reason"],
+            registry=registry,
+        )
+        self.rate_limited = Counter(
+            "gateway_rate_limited",
+            "Requests refused by their key's limits: rate or concurrency.",
+            ["key", "reason"],
             registry=registry,
         )
         self.request_duration = Histogram(
@@ -141,6 +155,8 @@ class GatewayMetrics:
             ["sha256"],
             registry=registry,
         )
+        for reason in ("missing", "invalid"):
+            self.auth_failures.labels(reason)
         self.config_reloads.labels("success")
         self.config_reloads.labels("failure")
 
@@ -149,6 +165,9 @@ class GatewayMetrics:
         say which config is live."""
         self.config_info.clear()
         self.config_info.labels(config.sha256 or "none").set(1)
+        for key in config.auth.keys if config.auth is not None else ():
+            for reason in ("rate", "concurrency"):
+                self.rate_limited.labels(key.name, reason)
         for model in config.models:
             for modality in MODALITY_NAMES:
                 for reason in REJECTION_REASONS:

@@ -1,8 +1,9 @@
-"""Request id, metrics, and the one place where errors become HTTP responses.
+"""Request id, metrics, the one place where errors become HTTP responses, and who may come in.
 
-Order (outermost first): ``request_id_middleware`` → ``metrics_middleware`` → ``error_middleware``.
-The metrics middleware therefore sees the rendered status of every error, and every response,
-errors included, carries ``X-Request-Id``.
+Order (outermost first): ``request_id_middleware`` → ``metrics_middleware`` → ``error_middleware``
+→ ``listener_middleware`` → ``auth_middleware``. The metrics middleware therefore sees the
+rendered status of every error, every response, errors included, carries ``X-Request-Id``, and a
+request refused for its key or its port is an error like any other.
 """
 
 from __future__ import annotations
@@ -12,14 +13,24 @@ import logging
 import time
 import uuid
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
 from .body import body_too_large
-from .errors import GatewayError, HTTPStatusError, MethodNotAllowedError, NotFoundError, clip, render
-from .metrics import UNKNOWN_MODEL
+from .errors import (
+    ConcurrencyLimitError,
+    GatewayError,
+    HTTPStatusError,
+    InvalidApiKeyError,
+    MethodNotAllowedError,
+    NotFoundError,
+    RateLimitedError,
+    clip,
+    render,
+)
+from .metrics import NO_KEY, UNKNOWN_MODEL
 from .relay import RelayResponse
-from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY
+from .state import API_KEY_KEY, KEY_LABEL_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +72,7 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         metrics.in_flight.dec()
         model = request.get(MODEL_LABEL_KEY)
         if model is not None:  # only requests to a model endpoint are counted
-            metrics.requests.labels(model, str(code)).inc()
+            metrics.requests.labels(model, str(code), request.get(KEY_LABEL_KEY, NO_KEY)).inc()
             metrics.request_duration.labels(model).observe(time.perf_counter() - started)
 
 
@@ -89,6 +100,53 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return render(GatewayError(f"Internal error in the gateway (request id {rid})"))
 
 
+@web.middleware
+async def listener_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With ``server.admin_listen``: /admin/* and /metrics only there, /v1/* only on the main port
+    (health on both). A path on the wrong port is a plain 404, as if it did not exist."""
+    admin_port = request.app[SERVICES_KEY].lifecycle.admin_port
+    if admin_port is not None and request.path not in ("/healthz", "/readyz"):
+        sockname = request.get_extra_info("sockname")
+        on_admin = isinstance(sockname, tuple) and len(sockname) >= 2 and sockname[1] == admin_port
+        if on_admin != (request.path.startswith("/admin/") or request.path == "/metrics"):
+            raise NotFoundError(f"Unknown endpoint: {request.method} {clip(request.path)}")
+    return await handler(request)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """With ``auth:``, a /v1/* request needs a key of the live generation, within its limits."""
+    services = request.app[SERVICES_KEY]
+    keyring = services.store.live.keyring
+    if keyring is None or not request.path.startswith("/v1/"):
+        return await handler(request)
+    header = request.headers.get(hdrs.AUTHORIZATION)
+    try:
+        key = keyring.find(header)
+    except InvalidApiKeyError:
+        services.metrics.auth_failures.labels("missing" if not header else "invalid").inc()
+        raise
+    request[API_KEY_KEY] = key
+    request[KEY_LABEL_KEY] = key.name
+    try:
+        request[RATE_HEADERS_KEY] = services.key_limits.take(key)
+        with services.key_limits.slot(key):
+            return await handler(request)
+    except RateLimitedError as exc:
+        reason = "concurrency" if isinstance(exc, ConcurrencyLimitError) else "rate"
+        services.metrics.rate_limited.labels(key.name, reason).inc()
+        request[MODEL_LABEL_KEY] = request.get(MODEL_LABEL_KEY, UNKNOWN_MODEL)
+        raise
+
+
+async def rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: the key's x-ratelimit-* headers on every answer to it."""
+    headers = request.get(RATE_HEADERS_KEY)
+    if headers:
+        for name, value in headers.items():
+            response.headers.setdefault(name, value)
+
+
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     """``Expect: 100-continue``: say 413 instead of 100 when the declared body is over the limit,
     so a client does not send 32 MB to be refused (aiohttp's default handler always says 100).
@@ -106,7 +164,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         request.writer.output_size = 0  # the interim response is not the response's body
         return None
     request[REQUEST_ID_KEY] = _request_id(request)
-    request.app[SERVICES_KEY].metrics.requests.labels(UNKNOWN_MODEL, str(error.status)).inc()
+    request.app[SERVICES_KEY].metrics.requests.labels(UNKNOWN_MODEL, str(error.status), NO_KEY).inc()
     response = render(error)
     await _send_and_close(request, response)  # the client waits for a 100 that will not come
     return response

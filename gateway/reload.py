@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from .auth import Keyring
 from .config import GatewayConfig, load_config
 from .errors import ConfigError
 from .metrics import GatewayMetrics
@@ -41,6 +42,7 @@ class Live:
     pools: Mapping[str, Pool]  # each model's upstream pool, by model name
     # each model's "Authorization" value for its upstreams (models with api_key_env whose variable is set)
     upstream_auth: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    keyring: Keyring | None = None  # the client keys, when the config has auth
 
 
 class ConfigStore:
@@ -86,7 +88,8 @@ class ConfigStore:
                 auth[m.name] = f"Bearer {key}"
             else:  # serve and reloads refuse this (validate_host); a config built in code may not
                 log.warning("model %s: %s is not set; its upstreams get no key", m.name, m.api_key_env)
-        return Live(config, number, MappingProxyType(pools), MappingProxyType(auth))
+        keyring = Keyring.build(config.auth) if config.auth is not None else None
+        return Live(config, number, MappingProxyType(pools), MappingProxyType(auth), keyring)
 
     def subscribe(self, listener: Callable[[GatewayConfig], None]) -> None:
         """Call ``listener(new_config)`` after every successful swap."""

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from .auth import KeyLimits
 from .concurrency import Gates
+from .config import ApiKey
 from .encoder import EncoderClient
 from .metrics import GatewayMetrics
 from .reload import ConfigStore
@@ -19,6 +21,7 @@ class Lifecycle:
     """Where the process stands: ``draining`` from SIGTERM on (``/readyz`` answers 503)."""
 
     draining: bool = False
+    admin_port: int | None = None  # where server.admin_listen listens, once it does
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +33,7 @@ class Services:
     supervisor: Supervisor
     max_body_bytes: int  # fixed at start: aiohttp reads it once
     gates: Gates = field(default_factory=Gates)
+    key_limits: KeyLimits = field(default_factory=KeyLimits)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
 
@@ -37,3 +41,8 @@ SERVICES_KEY = web.AppKey("services", Services)
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
 # The model label of gateway_requests_total; set by handlers that serve a model.
 MODEL_LABEL_KEY = web.RequestKey("model_label", str)
+# The client's API key (auth on), set by the auth middleware for /v1/* requests; its name labels
+# gateway_requests_total ("-" when auth is off).
+API_KEY_KEY = web.RequestKey("api_key", ApiKey)
+KEY_LABEL_KEY = web.RequestKey("key_label", str)
+RATE_HEADERS_KEY = web.RequestKey("rate_headers", dict)  # x-ratelimit-* for the response

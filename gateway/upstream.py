@@ -92,12 +92,13 @@ class UpstreamClient:
         timeouts: Timeouts,
         gateway_headers: Mapping[str, str],
         auth: str | None = None,
+        forward_client_auth: bool = True,
         affinity_key: bytes | None = None,
     ) -> web.StreamResponse:
         """POST ``body`` to one of ``pool``'s replicas at the request's path; relay the answer.
 
         ``gateway_headers`` go both ways; ``auth`` (the model's key) only upstream, in place of
-        the client's Authorization."""
+        the client's Authorization, which is not sent either when ``forward_client_auth`` is off."""
         budget = self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
         budget.request()
         attempts = _Attempts(model, budget, affinity_key)
@@ -106,6 +107,8 @@ class UpstreamClient:
         headers = _upstream_headers(request, gateway_headers)
         if auth is not None:
             headers[hdrs.AUTHORIZATION] = auth
+        elif not forward_client_auth:
+            headers.popall(hdrs.AUTHORIZATION, None)
         return await self._forward(request, model, pool, body, attempts, timeouts, headers, gateway_headers)
 
     async def _forward(

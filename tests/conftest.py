@@ -44,8 +44,14 @@ class Gateway:
         return self.app[SERVICES_KEY].store.current
 
     def sample(self, name: str, **labels: str) -> float:
-        """A metric's value (0 when the series does not exist)."""
-        return self.registry.get_sample_value(name, labels) or 0.0
+        """A metric's value, summed over the series whose labels include ``labels`` (so a test
+        names only the labels it is about); 0 when there is none."""
+        return sum(
+            sample.value
+            for metric in self.registry.collect()
+            for sample in metric.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
 
     def client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="sk-test", max_retries=0)

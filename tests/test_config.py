@@ -24,7 +24,8 @@ SERVER_KEYS = (
     "(expected one of: host, port, max_body_bytes, admin_token_env, reload_interval_s, "
     "upstream_connect_timeout_s, upstream_read_timeout_s, upstream_cooldown_s, upstream_stream_idle_timeout_s, "
     "client_body_timeout_s, client_write_timeout_s, client_idle_timeout_s, max_json_values, max_json_depth, "
-    "max_messages, max_content_parts, max_text_chars, max_upstream_body_bytes, drain_grace_s, drain_timeout_s)"
+    "max_messages, max_content_parts, max_text_chars, max_upstream_body_bytes, drain_grace_s, drain_timeout_s, "
+    "admin_listen)"
 )
 MODEL_KEYS = (
     "(expected one of: name, upstreams, upstream_model, accepts, limits, encode, on_encoder_error, on_unsupported, "
@@ -72,13 +73,13 @@ UNKNOWN_KEYS = [
         doc("version: 1", *MODELS, "model: b"),
         [
             "r.yaml:4:1: model: unknown key 'model' "
-            "(expected one of: version, server, media, encoders, models); did you mean 'models'?"
+            "(expected one of: version, server, media, encoders, auth, models); did you mean 'models'?"
         ],
         id="top",
     ),
     pytest.param(
         doc("version: 1", *MODELS, "colour: blue"),
-        ["r.yaml:4:1: colour: unknown key 'colour' (expected one of: version, server, media, encoders, models)"],
+        ["r.yaml:4:1: colour: unknown key 'colour' (expected one of: version, server, media, encoders, auth, models)"],
         id="top-no-suggestion",
     ),
     pytest.param(
@@ -908,7 +909,7 @@ def test_problems_are_sorted_by_line_then_column() -> None:
         "r.yaml:1:10: version: unsupported version 2 (the only version is 1)",
         "r.yaml:2:16: server.host: must be a non-empty string, not int 1",
         "r.yaml:2:25: server.port: must be an integer, not string 'x'",
-        "r.yaml:5:1: extra: unknown key 'extra' (expected one of: version, server, media, encoders, models)",
+        "r.yaml:5:1: extra: unknown key 'extra' (expected one of: version, server, media, encoders, auth, models)",
     ]
 
 

@@ -309,12 +309,16 @@ def _at(root: Any, path: Path) -> Any:
 def mutated(draw: st.DrawFn, bodies: st.SearchStrategy[dict[str, Any]]) -> Any:
     """A body with 1-3 mutations at any level: wrong types, missing keys, extra keys, deep nesting."""
     root: Any = copy.deepcopy(draw(bodies))
+
+    def replacement() -> Any:  # a copy: a drawn value may be a strategy's constant, which must not change
+        return copy.deepcopy(draw(REPLACEMENTS))
+
     for _ in range(draw(st.integers(1, 3))):
         path = draw(st.sampled_from(list(paths(root))[1:] or [()]))  # not the root: mutated_byte_bodies does that
         op = draw(st.sampled_from(["replace", "delete", "add"]))
         node = _at(root, path)
         if op == "add" and isinstance(node, dict | list):
-            value = draw(REPLACEMENTS)
+            value = replacement()
             if isinstance(node, dict):
                 node[draw(KEYS)] = value
             else:
@@ -322,9 +326,9 @@ def mutated(draw: st.DrawFn, bodies: st.SearchStrategy[dict[str, Any]]) -> Any:
         elif op == "delete" and path:
             del _at(root, path[:-1])[path[-1]]
         elif path:
-            _at(root, path[:-1])[path[-1]] = draw(REPLACEMENTS)
+            _at(root, path[:-1])[path[-1]] = replacement()
         else:
-            root = draw(REPLACEMENTS)
+            root = replacement()
     return root
 
 

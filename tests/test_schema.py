@@ -14,6 +14,8 @@ from jsonschema import Draft202012Validator
 
 from gateway.config import EncoderConfig, MediaConfig, ServerConfig, parse_config
 from gateway.config.types import (
+    API_KEY_KEYS,
+    AUTH_KEYS,
     BREAKER_KEYS,
     ENCODER_KEYS,
     HEALTH_CHECK_KEYS,
@@ -21,6 +23,7 @@ from gateway.config.types import (
     MODEL_KEYS,
     POLICY_ACTIONS,
     QUEUE_KEYS,
+    RATE_LIMIT_KEYS,
     RETRY_KEYS,
     SERVER_KEYS,
     TIMEOUT_KEYS,
@@ -73,6 +76,9 @@ def test_schema_is_a_valid_draft_2020_12_schema() -> None:
         pytest.param(DEFS["timeouts"]["properties"], TIMEOUT_KEYS, id="timeouts"),
         pytest.param(DEFS["queue"]["properties"], QUEUE_KEYS, id="queue"),
         pytest.param(DEFS["healthCheck"]["properties"], HEALTH_CHECK_KEYS, id="health-check"),
+        pytest.param(DEFS["auth"]["properties"], AUTH_KEYS, id="auth"),
+        pytest.param(DEFS["apiKey"]["properties"], API_KEY_KEYS, id="api-key"),
+        pytest.param(DEFS["rateLimit"]["properties"], RATE_LIMIT_KEYS, id="rate-limit"),
     ],
 )
 def test_schema_keys_match_the_parser(properties: dict[str, Any], keys: tuple[str, ...]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -168,3 +169,48 @@ async def test_sigterm_drains_readyz_turns_503_new_requests_are_served_in_the_gr
     assert process.stdout is not None
     output = (await process.stdout.read()).decode()
     assert "SIGTERM: draining" in output and "closing the listener" in output and "stopped" in output
+
+
+async def test_admin_listen_serves_admin_and_metrics_apart_from_the_api(upstream: Upstream, tmp_path: Path) -> None:
+    port, admin = free_port(), free_port()
+    config = tmp_path / "routing.yaml"
+    config.write_text(
+        routing(
+            f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}",
+            server=f"{{reload_interval_s: 0, admin_listen: '127.0.0.1:{admin}', drain_grace_s: 0}}",
+        )
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "GATEWAY_ADMIN_TOKEN": "s3cret"},
+    )  # fmt: skip
+    main, side = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
+    try:
+        await wait_healthy(main, process)
+        await wait_healthy(side, process)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        token = {"Authorization": "Bearer s3cret"}
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{main}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+            async with session.post(f"{side}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 404  # the API is not on the admin port
+            for path in ("/metrics", "/admin/config"):
+                async with session.get(f"{main}{path}", headers=token) as resp:
+                    assert resp.status == 404, path  # nor admin on the public one
+                async with session.get(f"{side}{path}", headers=token) as resp:
+                    assert resp.status == 200, path
+            for url in (main, side):
+                async with session.get(f"{url}/readyz") as resp:
+                    assert resp.status == 200
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), timeout=15) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.stdout is not None
+    output = (await process.stdout.read()).decode()
+    assert f"admin endpoints and /metrics on http://127.0.0.1:{admin} only" in output
+    assert "no 'auth:' section: anyone who reaches" in output

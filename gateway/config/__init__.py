@@ -27,6 +27,8 @@ from .sections import Parser
 from .types import (
     BALANCE_POLICIES,
     REJECT,
+    ApiKey,
+    AuthConfig,
     BreakerConfig,
     EncoderConfig,
     GatewayConfig,
@@ -35,6 +37,7 @@ from .types import (
     ModelConfig,
     Policy,
     QueueConfig,
+    RateLimit,
     RetryConfig,
     ServerConfig,
     TimeoutConfig,
@@ -44,6 +47,8 @@ from .validate import validate, validate_host
 __all__ = [
     "BALANCE_POLICIES",
     "REJECT",
+    "ApiKey",
+    "AuthConfig",
     "BreakerConfig",
     "EncoderConfig",
     "GatewayConfig",
@@ -52,6 +57,7 @@ __all__ = [
     "ModelConfig",
     "Policy",
     "QueueConfig",
+    "RateLimit",
     "RetryConfig",
     "ServerConfig",
     "TimeoutConfig",

@@ -120,6 +120,16 @@ class Readers(MarkedDocument):
             return None
         return value.rstrip("/")
 
+    def listen_address(self, value: Any, path: str, default: str | None) -> str | None:
+        """``HOST:PORT`` (``[::1]:PORT`` for IPv6)."""
+        if value is MISSING or value is None:
+            return default
+        host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            self.problem(path, f"must be HOST:PORT (like 127.0.0.1:9090), not {show(value)}")
+            return default
+        return str(value)
+
     def host_name(self, value: str, path: str) -> bool:
         if HOST_NAME.fullmatch(value.rstrip(".")):
             return True

@@ -7,6 +7,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..modality import MODALITY_NAMES, Modality
+from .auth import AuthReaders
 from .loader import MISSING, join_path
 from .pools import PoolReaders
 from .readers import describe, fields, show, unknown_message
@@ -30,7 +31,7 @@ from .types import (
 )
 
 
-class Parser(PoolReaders):
+class Parser(PoolReaders, AuthReaders):
     """Turns YAML nodes into config objects, collecting problems with their locations."""
 
     # --- sections --------------------------------------------------------------------------
@@ -47,12 +48,14 @@ class Parser(PoolReaders):
         server = self.server(top.get("server", {}))
         media = self.media(top.get("media", {}))
         encoders = self.encoders(top.get("encoders", {}))
+        auth = self.auth(top["auth"]) if "auth" in top else None
         models = self.models(top.get("models", MISSING), server)
         return GatewayConfig(
             models=tuple(models),
             server=server,
             media=media,
             encoders=MappingProxyType(encoders),
+            auth=auth,
             source=source,
             sha256=sha256,
         )
@@ -82,6 +85,7 @@ class Parser(PoolReaders):
             max_upstream_body_bytes=self.integer(*get("max_upstream_body_bytes"), minimum=1024),
             drain_grace_s=self.number(*get("drain_grace_s"), positive=False),
             drain_timeout_s=self.number(*get("drain_timeout_s"), positive=False),
+            admin_listen=self.listen_address(*get("admin_listen")),
         )
 
     def media(self, value: Any) -> MediaConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ HOST_NAME = re.compile(
 )
 
 # Keys per section: the parser and docs/routing.schema.json must agree (tests/test_schema.py).
-TOP_KEYS = ("version", "server", "media", "encoders", "models")
+TOP_KEYS = ("version", "server", "media", "encoders", "auth", "models")
 SERVER_KEYS = (
     "host",
     "port",
@@ -41,6 +42,7 @@ SERVER_KEYS = (
     "max_upstream_body_bytes",
     "drain_grace_s",
     "drain_timeout_s",
+    "admin_listen",
 )
 MEDIA_KEYS = ("allow_domains", "allow_private_networks", "fetch_timeout_s", "max_image_bytes")
 ENCODER_KEYS = {
@@ -73,6 +75,10 @@ RETRYABLE_STATUSES = (429, 500, 502, 503, 504)  # what retries.on_status may lis
 BREAKER_KEYS = ("failures", "open_s", "successes")
 TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s", "total_s")
 QUEUE_KEYS = ("size", "timeout_s")
+AUTH_KEYS = ("keys",)
+API_KEY_KEYS = ("name", "key_env", "key_sha256", "models", "rate_limit", "max_concurrency")
+RATE_LIMIT_KEYS = ("requests_per_minute", "burst")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 HEALTH_CHECK_KEYS = ("path", "interval_s", "timeout_s", "failures")
 MAX_JSON_DEPTH = 254  # the deepest body orjson can write back
 # Images per request for a model that encodes them, unless limits.image says otherwise: every
@@ -111,6 +117,9 @@ class ServerConfig:
     # drain_timeout_s to finish. Together within Kubernetes' terminationGracePeriodSeconds (30).
     drain_grace_s: float = 5.0
     drain_timeout_s: float = 20.0
+    # "HOST:PORT": /admin/* and /metrics are served there only, and the main port serves /v1/* and
+    # health alone; None: everything on the main port
+    admin_listen: str | None = None
 
     @property
     def content_bounds(self) -> ContentBounds:
@@ -188,6 +197,35 @@ class HealthCheckConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RateLimit:
+    """A token bucket: ``requests_per_minute`` refill, room for ``burst`` at once."""
+
+    requests_per_minute: float
+    burst: int
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """One client key of ``auth.keys``. The key itself is never held: an env var names it, or
+    its sha256 is given."""
+
+    name: str  # the label in metrics and logs
+    key_env: str | None = None
+    key_sha256: str | None = None  # lowercase hex
+    models: tuple[str, ...] = ()  # names or globs (fnmatch); empty: every model
+    rate_limit: RateLimit | None = None
+    max_concurrency: int | None = None
+
+    def allows(self, model: str) -> bool:
+        return not self.models or any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    keys: tuple[ApiKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Policy:
     """What to do with a modality a model does not accept."""
 
@@ -239,6 +277,7 @@ class GatewayConfig:
     server: ServerConfig = ServerConfig()
     media: MediaConfig = MediaConfig()
     encoders: Mapping[str, EncoderConfig] = field(default_factory=lambda: MappingProxyType({}))
+    auth: AuthConfig | None = None  # None: the gateway is open to anyone who reaches it
     version: int = SUPPORTED_VERSION
     source: str = "<memory>"
     sha256: str = ""  # of the file's text: which config is live (gateway_config_info)

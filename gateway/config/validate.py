@@ -3,6 +3,7 @@ and the checks of the host that will run it."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,8 +55,28 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                     f"{where}.redirect",
                     f"redirect target '{target.name}' does not accept '{m}' (it accepts: {target.accepts_text()})",
                 )
+    if config.auth is not None:
+        _check_keys(config, p)
     if not p.problems:
         _check_redirect_loops(config, p)
+
+
+def _check_keys(config: GatewayConfig, p: MarkedDocument) -> None:
+    assert config.auth is not None
+    names: dict[str, int] = {}
+    digests: dict[str, int] = {}
+    for i, key in enumerate(config.auth.keys):
+        path = f"auth.keys[{i}]"
+        if key.name in names:
+            p.problem(f"{path}.name", f"duplicate key name '{key.name}' (first at auth.keys[{names[key.name]}])")
+        names.setdefault(key.name, i)
+        if key.key_sha256 is not None:
+            if key.key_sha256 in digests:
+                p.problem(f"{path}.key_sha256", f"the same key as auth.keys[{digests[key.key_sha256]}]")
+            digests.setdefault(key.key_sha256, i)
+        for j, pattern in enumerate(key.models):
+            if not any(fnmatch.fnmatchcase(m.name, pattern) for m in config.models):
+                p.problem(f"{path}.models[{j}]", f"'{pattern}' names no model here")
 
 
 def _check_redirect_loops(config: GatewayConfig, p: MarkedDocument) -> None:
@@ -120,6 +141,17 @@ def validate_host(config: GatewayConfig, p: MarkedDocument) -> None:
                 f"'{encoder.model}' is not a directory on this machine (expected {', '.join(BUILTIN_TOWERS)} "
                 "or a model directory)",
             )
+    seen: dict[str, str] = {}
+    for i, key in enumerate(config.auth.keys if config.auth is not None else ()):
+        if key.key_env is None:
+            continue
+        value = os.environ.get(key.key_env, "")
+        if not value:
+            p.problem(f"auth.keys[{i}].key_env", f"the environment variable {key.key_env} is not set")
+        elif value in seen:
+            p.problem(f"auth.keys[{i}].key_env", f"{key.key_env} holds the same key as key '{seen[value]}'")
+        else:
+            seen[value] = key.name
     for i, model in enumerate(config.models):
         if model.api_key_env is not None and not os.environ.get(model.api_key_env):
             p.problem(f"models[{i}].api_key_env", f"the environment variable {model.api_key_env} is not set")

@@ -1,0 +1,75 @@
+"""The ``auth:`` section: the API keys clients must present, what each may use, and its limits."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .loader import MISSING
+from .readers import Readers, describe, fields, show
+from .types import API_KEY_KEYS, AUTH_KEYS, ENV_NAME, RATE_LIMIT_KEYS, SHA256_HEX, ApiKey, AuthConfig, RateLimit
+
+
+class AuthReaders(Readers):
+    def auth(self, value: Any) -> AuthConfig | None:
+        raw = self.mapping(value, "auth", AUTH_KEYS, what="auth")
+        if raw is None:
+            return None
+        keys = raw.get("keys", MISSING)
+        if keys is MISSING or keys == []:
+            self.problem("auth", "'keys' must list at least one key (leave 'auth' out to run without keys)")
+            return None
+        if not isinstance(keys, list):
+            self.problem("auth.keys", f"must be a list of keys, not {describe(keys)}")
+            return None
+        parsed = [k for i, item in enumerate(keys) if (k := self.api_key(item, f"auth.keys[{i}]")) is not None]
+        return AuthConfig(tuple(parsed))
+
+    def api_key(self, value: Any, path: str) -> ApiKey | None:
+        raw = self.mapping(value, path, API_KEY_KEYS, what="a key")
+        if raw is None:
+            return None
+        name = self.string(raw.get("name", MISSING), f"{path}.name")
+        key_env, key_sha256 = raw.get("key_env", MISSING), raw.get("key_sha256", MISSING)
+        if (key_env is MISSING) == (key_sha256 is MISSING):
+            self.problem(path, "give exactly one of 'key_env' (an environment variable) or 'key_sha256'")
+        if key_env is not MISSING and not (isinstance(key_env, str) and ENV_NAME.fullmatch(key_env)):
+            self.problem(f"{path}.key_env", f"must be the name of an environment variable, not {show(key_env)}")
+            key_env = MISSING
+        if key_sha256 is not MISSING and not (isinstance(key_sha256, str) and SHA256_HEX.fullmatch(key_sha256)):
+            # the value is not echoed: it may be a key pasted in by mistake
+            self.problem(f"{path}.key_sha256", "must be 64 lowercase hex digits: the sha256 of the key")
+            key_sha256 = MISSING
+        models = raw.get("models", MISSING)
+        patterns = () if models is MISSING else tuple(m for m, _ in self.string_list(models, f"{path}.models"))
+        if models == []:
+            self.problem(f"{path}.models", "must list at least one model (leave it out for every model)")
+        max_concurrency = raw.get("max_concurrency", MISSING)
+        if name is None:
+            return None
+        return ApiKey(
+            name=name,
+            key_env=None if key_env is MISSING else key_env,
+            key_sha256=None if key_sha256 is MISSING else key_sha256,
+            models=patterns,
+            rate_limit=self.rate_limit(raw.get("rate_limit", MISSING), f"{path}.rate_limit"),
+            max_concurrency=None
+            if max_concurrency is MISSING
+            else self.integer(max_concurrency, f"{path}.max_concurrency", 0, minimum=1) or None,
+        )
+
+    def rate_limit(self, value: Any, path: str) -> RateLimit | None:
+        if value is MISSING:
+            return None
+        raw = self.mapping(value, path, RATE_LIMIT_KEYS, what="rate_limit")
+        if raw is None:
+            return None
+        get = fields(raw, path, RateLimit(0.0, 0))
+        rpm, rpm_path, _ = get("requests_per_minute")
+        if rpm is MISSING:
+            self.problem(path, "'requests_per_minute' is required")
+            return None
+        per_minute = self.number(rpm, rpm_path, 60.0)
+        # default burst: one second's worth, at least 1
+        burst = self.integer(raw.get("burst", MISSING), f"{path}.burst", max(1, math.ceil(per_minute / 60)), minimum=1)
+        return RateLimit(per_minute, burst)
