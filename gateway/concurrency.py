@@ -5,7 +5,9 @@ the queue full is shed at once with 429 ``queue_full``; one that waited ``queue.
 503 ``queue_timeout``; both carry ``Retry-After``, which the OpenAI SDKs honour. A slot is held
 from the first upstream attempt to the last byte relayed (the engine works the whole time), and
 handed straight to the longest waiter when it frees. Gates are kept by model name across reloads;
-a reload that changes the limit applies from the next request on.
+a reload that changes the limit applies to the gate from the model's next request on: a lowered
+limit lets no new request in until the requests in flight are under it, a raised one lets
+waiters in at once.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from .errors import QueueFullError, QueueTimeoutError
 class Gate:
     """One model's slots and its queue."""
 
-    __slots__ = ("_on_shed", "_waiters", "active")
+    __slots__ = ("_on_shed", "_waiters", "active", "limit")
 
     def __init__(self, on_shed: Callable[[str, str], None] = lambda model, reason: None) -> None:
         self.active = 0
+        self.limit = 0  # the latest request's max_concurrency: a reload changes it for all at once
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._on_shed = on_shed
 
@@ -39,11 +42,14 @@ class Gate:
         if limit is None:
             yield
             return
+        if limit != self.limit:
+            self.limit = limit
+            self._hand_over()  # a raised limit frees slots for the waiters at once
         await self._acquire(model, limit)
         try:
             yield
         finally:
-            self._release(limit)
+            self._release()
 
     async def _acquire(self, model: ModelConfig, limit: int) -> None:
         if self.active < limit and not self._waiters:
@@ -72,13 +78,16 @@ class Gate:
             ) from None
         except asyncio.CancelledError:  # the client left while waiting
             if waiter.done() and not waiter.cancelled():
-                self._release(limit)  # a slot was handed over just before: pass it on
+                self._release()  # a slot was handed over just before: pass it on
             self._forget(waiter)
             raise
 
-    def _release(self, limit: int) -> None:
+    def _release(self) -> None:
         self.active -= 1
-        while self._waiters and self.active < limit:
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        while self._waiters and self.active < self.limit:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 self.active += 1

@@ -11,6 +11,7 @@ catches what probes miss. Probes are counted in ``gateway_health_checks_total``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -38,29 +39,47 @@ class HealthChecker:
     ) -> None:
         self._store, self._metrics, self._clock, self._sleep = store, metrics, clock, sleep
         self._due: dict[str, float] = {}  # by URL: when its next probe is due
+        self._probing: dict[str, asyncio.Task[None]] = {}  # by URL: the probe running now
 
     async def run(self) -> None:
         """Probe until cancelled (an app cleanup context runs it)."""
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()) as session:
-            while True:
-                await self.check_due(session)
-                await self._sleep(TICK_S)
+            try:
+                while True:
+                    self.start_due(session)
+                    await self._sleep(TICK_S)
+            finally:
+                for task in self._probing.values():
+                    task.cancel()
 
-    async def check_due(self, session: aiohttp.ClientSession) -> None:
-        """Probe, at once and concurrently, every replica whose probe is due."""
+    def start_due(self, session: aiohttp.ClientSession) -> list[asyncio.Task[None]]:
+        """Start a probe of every replica whose probe is due and not already running (a replica
+        slow to answer its probe delays no other); the tasks started."""
         live = self._store.live
         now = self._clock()
-        probes = []
+        started = []
         for model in live.config.models:
             check = model.health_check
             if check is None:
                 continue
             for replica in live.pools[model.name].replicas:
-                if self._due.get(replica.url, 0.0) <= now:
+                if self._due.get(replica.url, 0.0) <= now and replica.url not in self._probing:
                     self._due[replica.url] = now + check.interval_s
-                    probes.append(self._probe(session, model.name, replica, check))
-        await asyncio.gather(*probes)
+                    task = asyncio.create_task(self._probe(session, model.name, replica, check))
+                    self._probing[replica.url] = task
+                    task.add_done_callback(functools.partial(self._done, replica.url))
+                    started.append(task)
+        return started
+
+    def _done(self, url: str, task: asyncio.Task[None]) -> None:
+        self._probing.pop(url, None)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("health check of %s failed unexpectedly: %r", url, exc)  # and the loop goes on
+
+    async def check_due(self, session: aiohttp.ClientSession) -> None:
+        """Probe every replica that is due, and wait for the probes (tests)."""
+        await asyncio.gather(*self.start_due(session))
 
     async def _probe(
         self, session: aiohttp.ClientSession, model: str, replica: Replica, check: HealthCheckConfig
@@ -70,7 +89,7 @@ class HealthChecker:
                 async with session.get(replica.url + check.path, allow_redirects=False) as resp:
                     await resp.read()
                     passed, why = 200 <= resp.status < 300, f"HTTP {resp.status}"
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:  # ValueError: a URL yarl refuses
             passed, why = False, "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
         self._metrics.health_checks.labels(model, replica.url, "pass" if passed else "fail").inc()
         if passed:

@@ -10,7 +10,7 @@ SIGTERM (or SIGINT) starts the drain::
     exit 0
 
 A second signal during the grace period ends it at once (the listener closes, requests in flight
-still get their ``drain_timeout_s``).
+still get their ``drain_timeout_s``); a signal after it is logged and changes nothing.
 """
 
 from __future__ import annotations
@@ -55,10 +55,12 @@ async def serve(app: web.Application, host: str, port: int, server: ServerConfig
         first = await signals.get()
         await _drain(app, signals, first, server)
     finally:
+        # closes the listener, waits for requests in flight, then app cleanup; a signal now is
+        # logged and changes nothing (the default action would kill the process mid-drain)
+        await runner.cleanup()
         for sig in STOP_SIGNALS:
             with contextlib.suppress(NotImplementedError):
                 loop.remove_signal_handler(sig)
-        await runner.cleanup()  # closes the listener, waits for requests in flight, then app cleanup
     log.info("stopped")
 
 
@@ -78,3 +80,7 @@ async def _drain(
             second = await signals.get()
             log.info("%s: grace period cut short", second.name)
     log.info("closing the listener")
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:  # later signals: said, not obeyed
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, log.info, "%s: already draining; requests in flight finish first", sig.name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -85,12 +86,14 @@ async def relay(
     is_sse = upstream.content_type == "text/event-stream"
     await response.prepare(request)
     loop = asyncio.get_running_loop()
+    streamed = timeouts.stream_idle is not None  # the client asked for a stream
     deadlines = _Deadlines(
         loop,
         request,
         upstream,
         client_write=timeouts.client_write,
-        stream_idle=timeouts.stream_idle if is_sse else None,
+        stream_idle=timeouts.stream_idle,
+        first_byte=timeouts.read if streamed else None,  # a non-streamed body: sock_read bounds it
         total_at=deadline,
     )
     failed = False
@@ -124,6 +127,8 @@ async def relay(
 
 
 def _broken(model: str, deadlines: _Deadlines, timeouts: Timeouts) -> GatewayError:
+    if deadlines.expired == "first_byte":
+        return UpstreamTimeoutError(f"Upstream of model '{model}' sent no first chunk within {timeouts.read:g}s")
     if deadlines.expired == "idle":
         return UpstreamTimeoutError(f"Upstream of model '{model}' sent nothing for {timeouts.stream_idle:g}s")
     if deadlines.expired == "total":
@@ -136,13 +141,14 @@ class _Deadlines:
 
     A write that has waited ``client_write`` seconds means a client that stopped reading: its
     connection is aborted, which ends the handler and so closes the upstream request (the engine
-    stops). An event stream whose engine sent nothing for ``stream_idle`` seconds after a chunk is
-    hung, and an exchange past ``total_at`` is over: the upstream read fails with a timeout, which
-    the relay turns into an SSE error event (``expired`` says which).
+    stops). That watch goes on to the end, the error event included. A stream whose engine sent
+    no first chunk within ``first_byte`` (queueing and prefill), or nothing for ``stream_idle``
+    seconds after a chunk, is hung, and an exchange past ``total_at`` is over: the upstream read
+    fails with a timeout, which the relay turns into an SSE error event (``expired`` says which).
     """
 
-    __slots__ = ("_handle", "_loop", "_request", "_upstream", "client_stalled", "client_write", "expired",
-                 "stream_idle", "total_at", "waiting_since", "writing_since")  # fmt: skip
+    __slots__ = ("_handle", "_loop", "_request", "_started", "_upstream", "client_stalled", "client_write",
+                 "expired", "first_byte", "stream_idle", "total_at", "waiting_since", "writing_since")  # fmt: skip
 
     def __init__(
         self,
@@ -152,42 +158,51 @@ class _Deadlines:
         *,
         client_write: float,
         stream_idle: float | None,
+        first_byte: float | None,
         total_at: float | None,
     ) -> None:
         self._loop, self._request, self._upstream = loop, request, upstream
-        self.client_write, self.stream_idle, self.total_at = client_write, stream_idle, total_at
+        self.client_write, self.stream_idle, self.first_byte = client_write, stream_idle, first_byte
+        self.total_at = total_at
+        self._started = loop.time()
         self.writing_since: float | None = None
         self.waiting_since: float | None = None  # None until the first chunk came
         self.client_stalled = False
-        self.expired: str | None = None  # "idle" or "total"
-        self._handle = loop.call_at(self._due(loop.time()), self._check)
+        self.expired: str | None = None  # "first_byte", "idle" or "total"
+        self._handle = loop.call_at(self._due(self._started), self._check)
 
     def _check(self) -> None:
         now = self._loop.time()
-        writing, waiting = self.writing_since, self.waiting_since
+        writing = self.writing_since
         if writing is not None and now - writing >= self.client_write:
             self.client_stalled = True
             if self._request.transport is not None:
                 self._request.transport.abort()
             return
-        if self.total_at is not None and now >= self.total_at:
-            self._expire("total")
-            return
-        if self.stream_idle is not None and writing is None and waiting is not None:
-            if now - waiting >= self.stream_idle:
-                self._expire("idle")
-                return
+        if self.expired is None:
+            waiting = self.waiting_since
+            if self.total_at is not None and now >= self.total_at:
+                self._expire("total")  # the next read fails, whatever the client is doing
+            elif writing is None and waiting is None and self.first_byte is not None:
+                if now - self._started >= self.first_byte:
+                    self._expire("first_byte")
+            elif writing is None and waiting is not None and self.stream_idle is not None:
+                if now - waiting >= self.stream_idle:
+                    self._expire("idle")
         self._handle = self._loop.call_at(self._due(now), self._check)
 
     def _due(self, now: float) -> float:
-        writing, waiting = self.writing_since, self.waiting_since
-        if writing is not None:
-            due = writing + self.client_write
-        elif waiting is not None and self.stream_idle is not None:
-            due = waiting + self.stream_idle
-        else:  # neither writing nor waiting between chunks yet: look again within the shorter span
-            due = now + min(self.client_write, self.stream_idle or self.client_write)
-        return due if self.total_at is None else min(due, self.total_at)
+        total = self.total_at if self.expired is None and self.total_at is not None else math.inf
+        if self.writing_since is not None:
+            return min(self.writing_since + self.client_write, total)
+        # a write or a chunk may start before the next due: look again within the shorter span
+        dues = [now + min(self.client_write, self.stream_idle or self.client_write), total]
+        if self.expired is None:
+            if self.waiting_since is None and self.first_byte is not None:
+                dues.append(self._started + self.first_byte)
+            elif self.waiting_since is not None and self.stream_idle is not None:
+                dues.append(self.waiting_since + self.stream_idle)
+        return min(dues)
 
     def _expire(self, which: str) -> None:
         self.expired = which

@@ -79,6 +79,11 @@ class ConfigStore:
             for m in config.models
         }
         self.replicas.retain(u for m in config.models for u in m.upstreams)
+        checked = {u for m in config.models if m.health_check is not None for u in m.upstreams}
+        for pool in pools.values():
+            for replica in pool.replicas:
+                if replica.url not in checked:  # no probe will ever bring it back: back in now
+                    replica.checked_down, replica.probe_failures = False, 0
         auth = {}
         for m in config.models:
             if m.api_key_env is None:

@@ -70,6 +70,7 @@ class Replica:
     successes: int = 0  # consecutive, while half-open
     opened_at: float = 0.0
     probes: int = 0  # half-open requests in flight
+    epoch: int = 0  # how many times the breaker opened: outcomes of leases from before are stale
     last_error: str = ""
     current_weight: float = 0.0  # smooth weighted round robin
     busy_until: float = 0.0  # answered 429: passed over until then while others are free
@@ -101,6 +102,7 @@ class Replica:
         self.last_error = reason
         if self.state == "half_open" or (self.state == "closed" and self.failures + 1 >= breaker.failures):
             self.state, self.opened_at, self.failures = "open", now, 0
+            self.epoch += 1
             return True
         if self.state == "closed":
             self.failures += 1
@@ -108,12 +110,18 @@ class Replica:
 
 
 class Lease:
-    """A replica taken for one attempt; see the module docstring."""
+    """A replica taken for one attempt; see the module docstring.
 
-    __slots__ = ("_pool", "_probe", "replica")
+    Its outcome counts only for the breaker state it was taken in: a request sent before the
+    breaker opened says nothing about the replica since (``epoch``), and while half-open only the
+    probe's outcome counts. A probe frees its place as soon as its outcome is known (the response
+    headers), not at the end of a long stream."""
+
+    __slots__ = ("_epoch", "_holds_probe", "_pool", "_probe", "replica")
 
     def __init__(self, pool: Pool, replica: Replica, *, probe: bool) -> None:
-        self._pool, self.replica, self._probe = pool, replica, probe
+        self._pool, self.replica, self._probe, self._epoch = pool, replica, probe, replica.epoch
+        self._holds_probe = probe
         replica.in_flight += 1
         if probe:
             replica.probes += 1
@@ -123,19 +131,29 @@ class Lease:
 
     def __exit__(self, *exc: object) -> None:
         self.replica.in_flight -= 1
-        if self._probe:
-            self.replica.probes -= 1
+        self._end_probe()
 
     def success(self) -> None:
-        self.replica.succeeded(self._pool.breaker)
+        replica = self.replica
+        if replica.epoch == self._epoch and (self._probe or replica.state == "closed"):
+            replica.succeeded(self._pool.breaker)
+        self._end_probe()
 
     def busy(self, seconds: float) -> None:
         """The replica answered 429: pass it over for ``seconds`` (no breaker failure)."""
         self.replica.busy_until = self._pool.clock() + seconds
 
     def failure(self, reason: str) -> None:
-        if self.replica.failed(self._pool.clock(), self._pool.breaker, reason):
-            self._pool.on_open(self._pool.name, self.replica.url)
+        replica = self.replica
+        if replica.epoch == self._epoch and (self._probe or replica.state == "closed"):
+            if replica.failed(self._pool.clock(), self._pool.breaker, reason):
+                self._pool.on_open(self._pool.name, replica.url)
+        self._end_probe()
+
+    def _end_probe(self) -> None:
+        if self._holds_probe:
+            self._holds_probe = False
+            self.replica.probes -= 1
 
 
 class Pool:

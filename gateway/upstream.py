@@ -124,7 +124,10 @@ class UpstreamClient:
     ) -> web.StreamResponse:
         assert self._session is not None, "UpstreamClient.start() was not called"
         loop = asyncio.get_running_loop()
-        timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=timeouts.read)
+        # a stream's first chunk and gaps are the relay's deadlines (first_byte_s, idle_s), its
+        # headers the wait below; a non-streamed reply's silence is the socket's read timeout
+        sock_read = None if timeouts.stream_idle is not None else timeouts.read
+        timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect, sock_read=sock_read)
         # origin-form even when the client sent absolute-form (POST http://host/v1/... HTTP/1.1)
         path = request.rel_url.raw_path_qs
         while True:
@@ -145,7 +148,11 @@ class UpstreamClient:
                     # BytesIO: aiohttp streams it rather than warning about a large bytes body
                     async with asyncio.timeout(wait):
                         upstream = await self._session.post(
-                            replica.url + path, data=io.BytesIO(body), headers=headers, timeout=timeout
+                            replica.url + path,
+                            data=io.BytesIO(body),
+                            headers=headers,
+                            timeout=timeout,
+                            allow_redirects=False,  # relayed as they are, like every other answer
                         )
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                     # nothing reached the engine: the next replica may take it, whatever the budget
@@ -184,6 +191,7 @@ class UpstreamClient:
                 if status == 429:
                     lease.busy(_retry_after(upstream.headers.get(hdrs.RETRY_AFTER)))
                 if status in model.retries.on_status and self._retries(pool, attempts, f"http_{status}"):
+                    attempts.failure = None  # a replica answered: if none is left, that is no_healthy_upstream
                     upstream.close()
                     self._count(model, replica, "http_5xx" if status >= 500 else "http_4xx")
                     if status >= 500:  # a 429 is the engine protecting itself, not failing

@@ -125,3 +125,25 @@ async def test_a_slot_handed_over_in_the_instant_the_wait_runs_out_is_taken_not_
     monkeypatch.undo()
     await asyncio.gather(*exits)
     assert gate.active == 0 and gate.queued == 0
+
+
+async def test_a_reload_that_changes_the_limit_applies_to_requests_already_in_and_waiting() -> None:
+    gate = Gate()
+    wide, narrow = model(limit=3, size=8), model(limit=1, size=8)
+    held = [gate.slot(narrow) for _ in range(3)]  # context managers kept: each holds its slot
+    async with AsyncExitStack() as stack:
+        for _ in range(3):
+            await stack.enter_async_context(gate.slot(wide))
+        waiter = asyncio.create_task(held[0].__aenter__())  # the limit is 1 now
+        await waiting(gate, 1)
+    # the three left: with a limit of 1, only the waiter got in (not three at once)
+    await waiter
+    assert gate.active == 1 and gate.queued == 0
+    late = [asyncio.create_task(cm.__aenter__()) for cm in held[1:]]
+    await waiting(gate, 2)
+    async with gate.slot(model(limit=4, size=8)):  # raised: the two waiters get in at once, and this one
+        await asyncio.gather(*late)
+        assert gate.active == 4
+    for cm in held:
+        await cm.__aexit__(None, None, None)
+    assert gate.active == 0

@@ -1244,7 +1244,7 @@ def test_an_api_key_env_is_a_variable_name_and_must_be_set_where_the_gateway_run
     [
         pytest.param(
             "upstreams: ['http://h:1', {url: 'http://h:2', weight: 0}]",
-            "models[0].upstreams[1].weight: must be at least 1, not 0",
+            "models[0].upstreams[1].weight: must be between 1 and 100, not 0",
             id="weight",
         ),
         pytest.param(

@@ -298,12 +298,21 @@ class EndlessStream:
         return app
 
 
-async def test_a_client_that_stops_reading_a_stream_frees_the_engine(gateway_factory, upstream_factory):
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param("", id="plain"),
+        # the total deadline passes while the write is stuck: the client must still be dropped
+        pytest.param(", timeouts: {total_s: 0.1}, max_concurrency: 1", id="total-expires-first"),
+    ],
+)
+async def test_a_client_that_stops_reading_a_stream_frees_the_engine(gateway_factory, upstream_factory, options):
     endless = EndlessStream()
     engine = await upstream_factory("endless", endless.app())
     gw = await gateway_factory(
         routing(
-            f"  - {{name: chat, upstreams: [{engine.url}], accepts: [text]}}", server="{client_write_timeout_s: 0.3}"
+            f"  - {{name: chat, upstreams: [{engine.url}], accepts: [text]{options}}}",
+            server="{client_write_timeout_s: 0.3}",
         )
     )
     body = orjson.dumps(chat_body("chat", "go", stream=True))
@@ -316,7 +325,10 @@ async def test_a_client_that_stops_reading_a_stream_frees_the_engine(gateway_fac
                 await asyncio.sleep(0.01)
     finally:
         writer.close()
-    assert gw.sample("gateway_upstream_requests_total", model="chat", upstream=engine.url, outcome="aborted") == 1
+    ended = [gw.sample("gateway_upstream_requests_total", model="chat", outcome=o) for o in ("aborted", "timeout")]
+    assert sum(ended) == 1  # aborted (the client), or timeout (the total deadline, then the client)
+    assert gw.sample("gateway_upstream_in_flight", model="chat") == 0
+    assert gw.sample("gateway_model_in_flight", model="chat") == 0  # the slot is free again
 
 
 # --- 5. slow bodies --------------------------------------------------------------------------------
@@ -558,6 +570,26 @@ async def test_a_stream_that_goes_silent_ends_with_an_sse_error_event(gateway_fa
     assert elapsed < 5.0
     assert gw.sample("gateway_upstream_requests_total", model="chat", upstream=engine.url, outcome="timeout") == 1
     never.set()
+
+
+async def test_first_byte_s_bounds_a_streams_first_chunk_and_idle_s_its_gaps(gateway_factory, upstream_factory):
+    prefill, pause = asyncio.Event(), asyncio.Event()
+    steps = (b'data: {"n":1}\n\n', pause, b'data: {"n":2}\n\n', b"data: [DONE]\n\n")
+    engine = await upstream_factory("gaps", scripted_engine(*steps))
+    timeouts = "timeouts: {first_byte_s: 0.2, idle_s: 5}"
+    gw = await gateway_factory(routing(f"  - {{name: chat, upstreams: [{engine.url}], accepts: [text], {timeouts}}}"))
+    asyncio.get_running_loop().call_later(0.5, pause.set)  # a gap longer than first_byte_s, within idle_s
+    status, text, _ = await stream_text(gw)
+    assert status == 200 and text.endswith("data: [DONE]\n\n")  # first_byte_s no longer bounds the gaps
+    slow = await upstream_factory("slow", scripted_engine(prefill, b'data: {"n":1}\n\n', b"data: [DONE]\n\n"))
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: chat, upstreams: [{slow.url}], accepts: [text], timeouts: {{first_byte_s: 0.2, idle_s: 5}}}}"
+        )
+    )
+    status, text, elapsed = await stream_text(gw)
+    prefill.set()
+    assert status == 200 and "sent no first chunk within 0.2s" in text and elapsed < 5
 
 
 async def test_a_stream_may_take_longer_than_the_idle_timeout_before_its_first_chunk(gateway_factory, upstream_factory):

@@ -115,3 +115,18 @@ def test_health_check_keys_are_checked(check: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(routing(f"  - {{name: m, upstreams: ['http://h:1'], accepts: [text], health_check: {check}}}"))
     assert [str(p).split(": ", 1)[1] for p in info.value.problems] == [expected]
+
+
+async def test_a_reload_that_drops_the_health_check_lets_its_replicas_back_in(upstream, tmp_path) -> None:
+    checked = routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text], health_check: {{failures: 1}}}}")
+    path = tmp_path / "routing.yaml"
+    path.write_text(checked)
+    metrics = GatewayMetrics(CollectorRegistry())
+    store = ConfigStore(parse_config(checked), metrics=metrics, path=str(path))
+    upstream.standin.healthy = False
+    async with aiohttp.ClientSession() as session:
+        await HealthChecker(store, metrics).check_due(session)
+    assert store.live.pools["m"].lease() is None  # out
+    path.write_text(routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}"))
+    await store.reload()
+    assert store.live.pools["m"].lease() is not None  # no probe would ever bring it back: back in now

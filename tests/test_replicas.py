@@ -213,3 +213,23 @@ def test_a_replica_that_said_429_is_passed_over_while_another_is_free() -> None:
     assert take(pool, (b,)).url == "http://a"  # the only one left: still tried
     clock.now += 2.0
     assert {take(pool).url for _ in range(40)} == {"http://a", "http://b"}
+
+
+def test_outcomes_of_requests_sent_before_the_breaker_opened_do_not_move_it() -> None:
+    pool, clock = make("http://a")
+    a = pool.replicas[0]
+    slow = pool.lease()  # sent while closed; it will answer long after
+    assert slow is not None
+    fail(pool, a, 3)
+    clock.now += 10
+    probe = pool.lease()
+    assert probe is not None and state(a) == "half_open"
+    with slow:
+        slow.success()  # stale: says nothing about the replica since it opened
+        slow.failure("late")  # nor this
+    assert state(a) == "half_open" and a.epoch == 1
+    with probe:
+        probe.success()  # the probe's outcome is known: its place frees at once
+        assert a.probes == 0 and pool.lease() is not None
+        probe.failure("broke off mid-stream")  # and a later break still counts
+    assert state(a) == "open"

@@ -178,8 +178,22 @@ def test_every_dataclass_field_is_in_the_schema() -> None:
 
 # --- valid and invalid documents --------------------------------------------------------------
 
+
+def doc_examples() -> list[Any]:
+    """Every complete routing.yaml in the docs (a ```yaml block that starts with ``version:``)."""
+    found = []
+    for page in sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")]):
+        blocks = page.read_text(encoding="utf-8").split("```yaml\n")[1:]
+        for i, block in enumerate(blocks):
+            text = block.split("```", 1)[0]
+            if text.startswith("version:"):
+                found.append(pytest.param(text, id=f"{page.name}-{i}"))
+    return found
+
+
 VALID = [
     pytest.param((ROOT / "routing.yaml").read_text(encoding="utf-8"), id="shipped-routing-yaml"),
+    *doc_examples(),
     pytest.param("version: 1\nmodels: [{name: a, upstreams: ['http://h:1'], accepts: [text]}]\n", id="minimal"),
     pytest.param(
         """\

@@ -27,6 +27,8 @@ from .types import (
     TimeoutConfig,
 )
 
+MAX_WEIGHT = 100  # affinity places 64 ring points per unit of weight; a ratio of 100 is plenty
+
 
 class PoolReaders(Readers):
     def pool(self, raw: dict[str, Any], path: str, server: ServerConfig) -> dict[str, Any]:
@@ -62,7 +64,9 @@ class PoolReaders(Readers):
                 if isinstance(item, dict):
                     entry = self.mapping(item, f"{path}[{i}]", UPSTREAM_KEYS, what="an upstream")
                     assert entry is not None
-                    weights[i] = self.integer(entry.get("weight", MISSING), f"{path}[{i}].weight", 1, minimum=1)
+                    weights[i] = self.integer(
+                        entry.get("weight", MISSING), f"{path}[{i}].weight", 1, minimum=1, maximum=MAX_WEIGHT
+                    )
                     item = self.string(entry.get("url", MISSING), f"{path}[{i}].url")
                     if item is None:
                         item = MISSING  # said; keep the positions of the others
@@ -121,7 +125,7 @@ class PoolReaders(Readers):
             connect_s=self.number(*get("connect_s")),
             first_byte_s=self.number(*get("first_byte_s")),
             idle_s=self.number(*get("idle_s")),
-            total_s=None if total is MISSING else self.number(total, total_path, 0.0) or None,
+            total_s=None if total is MISSING else self.number(total, total_path, 0.0, positive=False) or None,
         )
 
     def health_check(self, value: Any, path: str) -> HealthCheckConfig | None:
