@@ -33,6 +33,7 @@ import orjson
 from .admission import RoutePlan
 from .config import BreakerConfig, EncoderConfig, GatewayConfig, ServerConfig
 from .errors import EncoderError, GatewayError, InvalidImageError, MediaRefusedError, Rejection
+from .failures import CLIENT_ERRORS, failure_of
 from .media import MediaFetcher, is_data_url
 from .metrics import GatewayMetrics
 from .modality import Part
@@ -201,18 +202,15 @@ class EncoderClient:
                         ) as resp:
                             payload = await resp.read()
                             status = resp.status
-                    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-                        lease.failure(type(exc).__name__)
-                        self._count(name, "connect_error")
-                        continue
-                    except (TimeoutError, aiohttp.ServerTimeoutError):
-                        lease.failure("timeout")
-                        self._count(name, "timeout")
-                        raise EncoderError(f"Encoder '{name}' did not answer within {spec.timeout_s:g}s") from None
-                    except aiohttp.ClientError as exc:
-                        lease.failure(type(exc).__name__)
-                        self._count(name, "error")
-                        raise EncoderError(f"Encoder '{name}' failed: {type(exc).__name__}") from None
+                    except CLIENT_ERRORS as exc:
+                        failure = failure_of(exc)
+                        lease.failure(failure.reason)
+                        self._count(name, "error" if failure.kind in ("reset", "protocol") else failure.outcome)
+                        if failure.kind == "connect":  # nothing reached it: the next backend
+                            continue
+                        if failure.kind == "timeout":
+                            raise EncoderError(f"Encoder '{name}' did not answer within {spec.timeout_s:g}s") from None
+                        raise EncoderError(f"Encoder '{name}' failed: {failure.reason}") from None
                     if status >= 500:  # overloaded or failing: try another backend
                         lease.failure(f"HTTP {status}")
                         last_status = (status, payload)

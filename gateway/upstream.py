@@ -7,7 +7,7 @@ always (nothing reached the engine, so it costs no budget), a reset or a status 
 ``retries.on_status`` within ``retries.attempts`` and the retry budget. Once a byte of the answer went to
 the client, nothing is retried.
 
-aiohttp's client errors are mapped to :mod:`gateway.errors` here and nowhere else. Bodies are
+aiohttp's client errors are read by :mod:`gateway.failures` and become :mod:`gateway.errors` here. Bodies are
 relayed as they arrive (``iter_any``), so SSE streams reach the client chunk by chunk; compressed
 bodies pass through untouched (``auto_decompress=False``).
 """
@@ -34,6 +34,7 @@ from .errors import (
     UpstreamError,
     UpstreamTimeoutError,
 )
+from .failures import CLIENT_ERRORS, Failure, failure_of
 from .metrics import GatewayMetrics
 from .relay import HOP_BY_HOP, Timeouts, relay
 from .replicas import Lease, Pool, Replica
@@ -154,39 +155,36 @@ class UpstreamClient:
                             timeout=timeout,
                             allow_redirects=False,  # relayed as they are, like every other answer
                         )
-                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-                    # nothing reached the engine: the next replica may take it, whatever the budget
-                    self._failed(lease, model, "connect_error", _connect_failure(exc))
-                    attempts.failure = UpstreamConnectError(
-                        f"Could not connect to any upstream of model '{model.name}' ({len(attempts.tried)} tried)"
-                    )
-                    if pool.available(exclude=attempts.tried):
-                        self._metrics.retries.labels(model.name, "connect_error").inc()
-                    continue
-                except (TimeoutError, aiohttp.ServerTimeoutError):
-                    if attempts.deadline is not None and loop.time() >= attempts.deadline:
+                except asyncio.CancelledError:  # the client left (handler cancellation)
+                    self._count(model, replica, "aborted")
+                    raise
+                except CLIENT_ERRORS as exc:
+                    failure = failure_of(exc)
+                    if failure.kind == "timeout" and attempts.deadline is not None and loop.time() >= attempts.deadline:
                         self._count(model, replica, "timeout")  # the model's limit, not the replica's fault
                         raise UpstreamTimeoutError(
                             f"Upstream of model '{model.name}' did not finish within {timeouts.total:g}s"
                         ) from None
-                    self._failed(lease, model, "timeout", "read timeout")
-                    waited = timeouts.stream_idle or timeouts.read
-                    raise UpstreamTimeoutError(
-                        f"Upstream of model '{model.name}' sent no response within {waited:g}s"
-                    ) from None
-                except asyncio.CancelledError:  # the client left (handler cancellation)
-                    self._count(model, replica, "aborted")
-                    raise
-                except aiohttp.ClientError as exc:  # reset, or a response that is not HTTP
-                    self._failed(lease, model, "reset", type(exc).__name__)
-                    failure = UpstreamError(
-                        f"Upstream of model '{model.name}' failed before responding: {type(exc).__name__}"
+                    self._failed(lease, model, failure)
+                    if failure.kind == "connect":
+                        # nothing reached the engine: the next replica may take it, whatever the budget
+                        attempts.failure = UpstreamConnectError(
+                            f"Could not connect to any upstream of model '{model.name}' ({len(attempts.tried)} tried)"
+                        )
+                        if pool.available(exclude=attempts.tried):
+                            self._metrics.retries.labels(model.name, "connect_error").inc()
+                        continue
+                    if failure.kind == "timeout":
+                        waited = timeouts.stream_idle or timeouts.read
+                        raise UpstreamTimeoutError(
+                            f"Upstream of model '{model.name}' sent no response within {waited:g}s"
+                        ) from None
+                    attempts.failure = UpstreamError(
+                        f"Upstream of model '{model.name}' failed before responding: {failure.reason}"
                     )
-                    reset = isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
-                    if not (reset and self._retries(pool, attempts, "reset")):
-                        raise failure from None
-                    attempts.failure = failure
-                    continue
+                    if failure.kind == "reset" and self._retries(pool, attempts, "reset"):
+                        continue
+                    raise attempts.failure from None
                 status = upstream.status
                 if status == 429:
                     lease.busy(_retry_after(upstream.headers.get(hdrs.RETRY_AFTER)))
@@ -243,10 +241,10 @@ class UpstreamClient:
         self._metrics.retries.labels(model.name, reason).inc()
         return True
 
-    def _failed(self, lease: Lease, model: ModelConfig, outcome: str, reason: str) -> None:
-        log.warning("upstream %s of model %s: %s", lease.replica.url, model.name, reason)
-        lease.failure(reason)
-        self._count(model, lease.replica, outcome)
+    def _failed(self, lease: Lease, model: ModelConfig, failure: Failure) -> None:
+        log.warning("upstream %s of model %s: %s", lease.replica.url, model.name, failure.reason)
+        lease.failure(failure.reason)
+        self._count(model, lease.replica, failure.outcome)
 
     def _count(self, model: ModelConfig, replica: Replica, outcome: str) -> None:
         self._metrics.upstream_requests.labels(model.name, replica.url, outcome).inc()
@@ -273,15 +271,6 @@ def _retry_after(value: str | None) -> float:
     except ValueError:
         seconds = 1.0
     return min(max(seconds, 0.0), MAX_BUSY_S) if seconds == seconds else 1.0
-
-
-def _connect_failure(exc: aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError) -> str:
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return "connect timeout"
-    os_error = exc.os_error
-    if isinstance(os_error, ConnectionRefusedError):
-        return "connection refused"
-    return f"{type(os_error).__name__}: {os_error.strerror or os_error}"
 
 
 def _upstream_headers(request: web.Request, extra: Mapping[str, str]) -> CIMultiDict[str]:

@@ -1,0 +1,47 @@
+"""What an aiohttp client error means, for the upstream and encoder clients alike: the one place
+where aiohttp's exceptions are read.
+
+    connect   nothing reached the replica (refused, unreachable, connect timeout): safe to retry
+    timeout   the replica accepted the request and went silent: it may be working on it
+    reset     the connection broke before a response (the replica died, or closed a kept-alive
+              connection as it was reused): nothing came back, a retry is safe for idempotent work
+    protocol  what came back is not HTTP, or broke the client otherwise: not retried
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+
+Kind = Literal["connect", "timeout", "reset", "protocol"]
+# errors the clients catch around a request (CancelledError is not one: the client left)
+CLIENT_ERRORS = (aiohttp.ClientError, TimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    kind: Kind
+    reason: str  # for logs and a replica's last_error; never sent to clients
+
+    @property
+    def outcome(self) -> str:
+        """The ``outcome`` label of the request counters."""
+        return {"connect": "connect_error", "timeout": "timeout", "reset": "reset", "protocol": "error"}[self.kind]
+
+
+def failure_of(exc: aiohttp.ClientError | TimeoutError) -> Failure:
+    # order matters: ConnectionTimeoutError is a ServerTimeoutError, ClientConnectorError a ClientOSError
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return Failure("connect", "connect timeout")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        os_error = exc.os_error
+        if isinstance(os_error, ConnectionRefusedError):
+            return Failure("connect", "connection refused")
+        return Failure("connect", f"{type(os_error).__name__}: {os_error.strerror or os_error}")
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return Failure("timeout", "read timeout")
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+        return Failure("reset", type(exc).__name__)
+    return Failure("protocol", type(exc).__name__)
