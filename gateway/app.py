@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from types import MappingProxyType
@@ -81,14 +82,17 @@ def create_app(
     if config_path is not None and watch:
         app.cleanup_ctx.append(_config_watcher)
 
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions, expect_handler=expect_continue)
-    app.router.add_post("/v1/completions", handlers.completions, expect_handler=expect_continue)
-    app.router.add_get("/v1/models", handlers.list_models)
-    app.router.add_get("/healthz", handlers.healthz)
-    app.router.add_get("/readyz", handlers.readyz)
-    app.router.add_post("/admin/reload", handlers.admin_reload)
-    app.router.add_get("/admin/config", handlers.admin_config)
-    app.router.add_get("/metrics", make_aiohttp_handler(registry))
+    # every route answers an Expect header the gateway's way (aiohttp's own 417 is plain text)
+    post = functools.partial(app.router.add_post, expect_handler=expect_continue)
+    get = functools.partial(app.router.add_get, expect_handler=expect_continue)
+    post("/v1/chat/completions", handlers.chat_completions)
+    post("/v1/completions", handlers.completions)
+    get("/v1/models", handlers.list_models)
+    get("/healthz", handlers.healthz)
+    get("/readyz", handlers.readyz)
+    post("/admin/reload", handlers.admin_reload)
+    get("/admin/config", handlers.admin_config)
+    get("/metrics", make_aiohttp_handler(registry))
     return app
 
 

@@ -176,8 +176,8 @@ def _check_admin(request: web.Request, services: Services) -> None:
     token = os.environ.get(env, "")
     if not token:
         raise PermissionDeniedError(f"Admin endpoints are disabled: set the {env} environment variable to enable them")
-    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), token.encode()):
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
         raise AuthenticationError("Missing or wrong admin token (send 'Authorization: Bearer <token>')")
 
 

@@ -164,7 +164,8 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         request.writer.output_size = 0  # the interim response is not the response's body
         return None
     request[REQUEST_ID_KEY] = _request_id(request)
-    request.app[SERVICES_KEY].metrics.requests.labels(UNKNOWN_MODEL, str(error.status), NO_KEY).inc()
+    if request.path.startswith("/v1/"):  # gateway_requests_total counts the API's requests
+        request.app[SERVICES_KEY].metrics.requests.labels(UNKNOWN_MODEL, str(error.status), NO_KEY).inc()
     response = render(error)
     await _send_and_close(request, response)  # the client waits for a 100 that will not come
     return response

@@ -239,3 +239,22 @@ async def test_admin_config_shows_the_effective_config_to_the_admin_only(
     assert model["on_unsupported"] == {"image": "strip"} and model["accepts"] == ["text"]
     assert model["retries"]["on_status"] == [429, 502, 503, 504] and model["breaker"]["failures"] == 5
     assert shown["config"]["server"]["reload_interval_s"] == 0
+
+
+async def test_the_admin_token_is_a_bearer_token_whatever_the_schemes_case(gateway_factory, upstream, monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    gw = await gateway_factory(one_model(upstream.url))
+    async with aiohttp.ClientSession() as session:
+        for header, status in (("Bearer s3cret", 200), ("bearer s3cret", 200), ("s3cret", 401), ("Basic s3cret", 401)):
+            async with session.get(f"{gw.url}/admin/config", headers={"Authorization": header}) as resp:
+                assert resp.status == status, header
+
+
+async def test_an_unknown_expect_header_is_a_417_in_the_openai_shape_on_every_route(gateway_factory, upstream):
+    gw = await gateway_factory(one_model(upstream.url))
+    async with aiohttp.ClientSession() as session:
+        for path in ("/healthz", "/readyz", "/v1/models", "/metrics", "/admin/config"):
+            async with session.get(f"{gw.url}{path}", headers={"Expect": "teapot"}) as resp:
+                assert resp.status == 417, path
+                assert (await resp.json())["error"]["code"] == "http_417"
+                assert "X-Request-Id" in resp.headers
