@@ -28,6 +28,9 @@ demo: $(STAMP) ## run the gateway plus stand-in upstreams on :8000 (vLLM) and :3
 	$(PY) -m tools.standin --port 30000 --name sglang & \
 	$(VENV)/bin/modality-gateway serve --config $(CONFIG)
 
+cluster-demo: $(STAMP) test-deps ## 2 gateways x 2 encoders on loopback: spread, one killed, a ConfigMap edit, Prometheus
+	$(PY) -m tools.cluster_demo
+
 test: $(STAMP) test-deps ## run every test
 	$(PY) -m pytest
 
@@ -48,4 +51,4 @@ fmt: $(STAMP) ## format and fix what ruff can
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-.PHONY: help install serve demo test test-deps check fmt
+.PHONY: help install serve demo cluster-demo test test-deps check fmt

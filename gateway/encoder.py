@@ -206,7 +206,7 @@ class EncoderClient:
                         failure = failure_of(exc)
                         lease.failure(failure.reason)
                         self._count(name, "error" if failure.kind in ("reset", "protocol") else failure.outcome)
-                        if failure.kind == "connect":  # nothing reached it: the next backend
+                        if failure.kind in ("connect", "reset"):  # encoding is idempotent: the next backend
                             continue
                         if failure.kind == "timeout":
                             raise EncoderError(f"Encoder '{name}' did not answer within {spec.timeout_s:g}s") from None
