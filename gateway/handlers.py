@@ -122,23 +122,28 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     """Ready when every local encoder is (upstreams are reported, not required: they fail over),
-    until SIGTERM: then 503 ``draining``, so that load balancers stop sending new requests."""
+    until SIGTERM: then 503 ``draining``, so that load balancers stop sending new requests.
+
+    Probes get the status alone. With the admin token, the report also names the models, the
+    encoders and every upstream replica with its health and last error: addresses and errors are
+    for operators, never for clients (the port is public)."""
     services = request.app[SERVICES_KEY]
     draining = services.lifecycle.draining
     ready = services.supervisor.ready and not draining
-    encoders: dict[str, Any] = {
-        name: {"kind": "http", "urls": list(spec.urls)}
-        for name, spec in services.store.current.encoders.items()
-        if spec.kind == "http"
-    }
-    encoders.update({name: e.status() for name, e in services.supervisor.encoders.items()})
-    payload = {
+    payload: dict[str, Any] = {
         "status": "draining" if draining else "ready" if ready else "starting",
         "config_generation": services.store.generation,
-        "models": [m.name for m in services.store.current.models],
-        "encoders": encoders,
-        "upstreams": services.store.replicas.snapshot(),
     }
+    if _is_admin(request, services):
+        encoders: dict[str, Any] = {
+            name: {"kind": "http", "urls": list(spec.urls)}
+            for name, spec in services.store.current.encoders.items()
+            if spec.kind == "http"
+        }
+        encoders.update({name: e.status() for name, e in services.supervisor.encoders.items()})
+        payload["models"] = [m.name for m in services.store.current.models]
+        payload["encoders"] = encoders
+        payload["upstreams"] = services.store.replicas.snapshot()
     return _json(payload, status=200 if ready else 503)
 
 
@@ -169,6 +174,14 @@ async def admin_config(request: web.Request) -> web.Response:
             "config": as_dict(live.config),
         }
     )
+
+
+def _is_admin(request: web.Request, services: Services) -> bool:
+    try:
+        _check_admin(request, services)
+    except (PermissionDeniedError, AuthenticationError):
+        return False
+    return True
 
 
 def _check_admin(request: web.Request, services: Services) -> None:

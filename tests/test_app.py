@@ -330,11 +330,14 @@ async def test_body_over_the_limit_is_413(gateway_factory, upstream) -> None:
     assert not upstream.received
 
 
-async def test_health_ready_and_metrics_endpoints(gw: Gateway, two) -> None:
+async def test_health_ready_and_metrics_endpoints(gw: Gateway, two, monkeypatch) -> None:
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "s3cret")
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{gw.url}/healthz") as resp:
             assert resp.status == 200 and await resp.json() == {"status": "ok"}
-        async with session.get(f"{gw.url}/readyz") as resp:
+        async with session.get(f"{gw.url}/readyz") as resp:  # a probe, or anyone: the status alone
+            assert await resp.json() == {"status": "ready", "config_generation": 1}
+        async with session.get(f"{gw.url}/readyz", headers={"Authorization": "Bearer s3cret"}) as resp:
             ready = await resp.json()
         async with session.get(f"{gw.url}/metrics") as resp:
             text = await resp.text()

@@ -30,9 +30,18 @@ def local_config(upstream: Upstream) -> str:
     )
 
 
+ADMIN_ENV = "GATEWAY_ADMIN_TOKEN"  # the default server.admin_token_env
+
+
+@pytest.fixture(autouse=True)
+def _admin_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ADMIN_ENV, "s3cret")
+
+
 async def readyz(gw: Gateway) -> tuple[int, dict[str, Any]]:
+    """/readyz's full report (the admin's view)."""
     async with aiohttp.ClientSession() as session:
-        async with session.get(f"{gw.url}/readyz") as resp:
+        async with session.get(f"{gw.url}/readyz", headers={"Authorization": "Bearer s3cret"}) as resp:
             return resp.status, await resp.json()
 
 
