@@ -192,8 +192,10 @@ class EncoderClient:
         last_status: tuple[int, bytes] | None = None
         started = time.perf_counter()
         try:
-            # encoding is idempotent: every backend may be tried once
-            while (lease := pool.lease(exclude=tried)) is not None:
+            # encoding is idempotent: every backend may be tried once. With every backend skipped
+            # the first try goes anyway: one URL may be a whole fleet behind a Service, which one
+            # pod's failure must not take out of use
+            while (lease := pool.lease(exclude=tried, panic=True)) is not None:
                 tried.append(lease.replica)
                 with lease:
                     try:

@@ -184,11 +184,16 @@ class Pool:
                 for v in range(VNODES * w)
             )
 
-    def lease(self, exclude: Collection[Replica] = (), *, key: bytes | None = None) -> Lease | None:
+    def lease(
+        self, exclude: Collection[Replica] = (), *, key: bytes | None = None, panic: bool = False
+    ) -> Lease | None:
         """A lease on the replica that should take the next attempt; None if none admits one.
-        ``key``: the request's affinity key (used by ``balance: affinity``)."""
+        ``key``: the request's affinity key (used by ``balance: affinity``). ``panic``: when no
+        replica admits one, take one anyway (Envoy's panic routing: better a try than nothing)."""
         now = self.clock()
         candidates = [r for r in self.replicas if r not in exclude and r.admits(now, self.breaker)]
+        if not candidates and panic and not exclude:
+            candidates = list(self.replicas)
         if not candidates:
             return None
         # an engine that said 429 answers fast and so looks idle: without this it would draw the load
@@ -199,7 +204,7 @@ class Pool:
             chosen = self._affinity(candidates, key)
         else:
             chosen = self._p2c(candidates)
-        return Lease(self, chosen, probe=chosen.state == "half_open")
+        return Lease(self, chosen, probe=chosen.state == "half_open" and chosen.probes == 0)
 
     def available(self, exclude: Collection[Replica] = ()) -> bool:
         """Whether :meth:`lease` would find a replica now."""

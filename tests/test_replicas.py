@@ -233,3 +233,13 @@ def test_outcomes_of_requests_sent_before_the_breaker_opened_do_not_move_it() ->
         assert a.probes == 0 and pool.lease() is not None
         probe.failure("broke off mid-stream")  # and a later break still counts
     assert state(a) == "open"
+
+
+def test_panic_takes_a_replica_when_none_admits_a_request() -> None:
+    pool, _ = make("http://service")  # one URL: a whole fleet behind a Service
+    fail(pool, pool.replicas[0], 3)
+    assert pool.lease() is None
+    lease = pool.lease(panic=True)
+    assert lease is not None and lease.replica.url == "http://service"
+    with lease:
+        assert pool.lease([lease.replica], panic=True) is None  # a retry still goes elsewhere or nowhere
