@@ -27,6 +27,23 @@ async def wait_healthy(url: str, process: asyncio.subprocess.Process) -> None:
     raise AssertionError("the gateway did not become healthy")
 
 
+async def start(config: Path, port: int, env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+    """`modality-gateway serve` on a loopback port, its output piped."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+    )  # fmt: skip
+
+
+async def finish(process: asyncio.subprocess.Process) -> str:
+    """Kill the process if it is still running; what it printed."""
+    if process.returncode is None:
+        process.kill()
+        await process.wait()
+    assert process.stdout is not None
+    return (await process.stdout.read()).decode()
+
+
 async def test_serve_reloads_on_sighup_and_stops_on_sigterm(upstream: Upstream, tmp_path: Path) -> None:
     config = tmp_path / "routing.yaml"
     config.write_text(
@@ -34,10 +51,7 @@ async def test_serve_reloads_on_sighup_and_stops_on_sigterm(upstream: Upstream, 
     )
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+    process = await start(config, port)
     try:
         await wait_healthy(url, process)
         async with aiohttp.ClientSession() as session:
@@ -62,11 +76,7 @@ async def test_serve_reloads_on_sighup_and_stops_on_sigterm(upstream: Upstream, 
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), timeout=15) == 0
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert process.stdout is not None
-    output = (await process.stdout.read()).decode()
+        output = await finish(process)
     assert "serving 1 models" in output
     assert "generation 2 in effect" in output
 
@@ -125,10 +135,7 @@ async def test_sigterm_drains_readyz_turns_503_new_requests_are_served_in_the_gr
     )
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+    process = await start(config, port)
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
     async def ask(headers: dict[str, str] | None = None) -> int:
@@ -163,11 +170,7 @@ async def test_sigterm_drains_readyz_turns_503_new_requests_are_served_in_the_gr
         assert await long == 200  # the 3 s request outlived the listener
         assert await asyncio.wait_for(process.wait(), timeout=15) == 0
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert process.stdout is not None
-    output = (await process.stdout.read()).decode()
+        output = await finish(process)
     assert "SIGTERM: draining" in output and "closing the listener" in output and "stopped" in output
 
 
@@ -180,11 +183,7 @@ async def test_admin_listen_serves_admin_and_metrics_apart_from_the_api(upstream
             server=f"{{reload_interval_s: 0, admin_listen: '127.0.0.1:{admin}', drain_grace_s: 0}}",
         )
     )
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "GATEWAY_ADMIN_TOKEN": "s3cret"},
-    )  # fmt: skip
+    process = await start(config, port, env={**os.environ, "GATEWAY_ADMIN_TOKEN": "s3cret"})
     main, side = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
     try:
         await wait_healthy(main, process)
@@ -207,10 +206,6 @@ async def test_admin_listen_serves_admin_and_metrics_apart_from_the_api(upstream
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), timeout=15) == 0
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
-    assert process.stdout is not None
-    output = (await process.stdout.read()).decode()
+        output = await finish(process)
     assert f"admin endpoints and /metrics on http://127.0.0.1:{admin} only" in output
     assert "no 'auth:' section: anyone who reaches" in output
