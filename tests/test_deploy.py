@@ -45,11 +45,16 @@ CONCURRENCY_METRICS = ("gateway_queue_depth", "gateway_model_in_flight", "gatewa
 CONCURRENCY_ALERTED = ("gateway_shed_total",)
 # Which routing.yaml each instance runs: on the "Traffic" row, beside the reloads.
 CONFIG_METRICS = ("gateway_config_info", "gateway_config_generation", "gateway_config_reloads_total")
+# API keys (gateway.auth): requests, refusals for a key and by a key's limits on the "Access (API
+# keys)" row; the refusals alerted.
+ACCESS_METRICS = ("gateway_requests_total", "gateway_auth_failures_total", "gateway_rate_limited_total")
+ACCESS_ALERTED = ("gateway_auth_failures_total", "gateway_rate_limited_total")
 # (the row's title, what must be on it, what alerts.yml must watch)
 ROWS = (
     ("Upstream health", POOL_METRICS, POOL_ALERTED),
     ("Concurrency limits (max_concurrency)", CONCURRENCY_METRICS, CONCURRENCY_ALERTED),
     ("Traffic", CONFIG_METRICS, ("gateway_config_reloads_total",)),
+    ("Access (API keys)", ACCESS_METRICS, ACCESS_ALERTED),
 )
 
 pytestmark = pytest.mark.skipif(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 import subprocess
@@ -28,6 +29,13 @@ pytestmark = pytest.mark.skipif(
 
 VIDEO = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
 HI = [{"role": "user", "content": "hi"}]
+# Gateway.client's key is "ci"'s; "tight" has one request, then one a minute
+KEYS = (
+    "auth:\n  keys:\n"
+    f"    - {{name: ci, key_sha256: {hashlib.sha256(b'sk-test').hexdigest()}}}\n"
+    f"    - {{name: tight, key_sha256: {hashlib.sha256(b'sk-tight').hexdigest()}, "
+    "rate_limit: {requests_per_minute: 1, burst: 1}}\n"
+)
 
 
 @pytest.fixture
@@ -79,6 +87,7 @@ async def busy_gateway(gateway_factory, upstream: Upstream, sick: Upstream, held
             # health check as the gateway starts (the next would be 10 minutes later)
             f"  - {{name: limited, upstreams: [{held.upstream.url}], accepts: [text], max_concurrency: 1, "
             "queue: {size: 0}, health_check: {interval_s: 600}}",
+            extra=KEYS,
         )
     )
     async with gw.client() as client:
@@ -95,6 +104,14 @@ async def busy_gateway(gateway_factory, upstream: Upstream, sick: Upstream, held
         finally:
             held.release.set()
             await asyncio.wait_for(first, timeout=10)
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-wrong", max_retries=0) as wrong:
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.chat.completions.create(model="texty", messages=HI)
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-tight", max_retries=0) as tight:
+        await tight.chat.completions.create(model="texty", messages=HI)
+        with pytest.raises(openai.RateLimitError) as limited:
+            await tight.chat.completions.create(model="texty", messages=HI)
+        assert limited.value.code == "rate_limit_exceeded"
     assert len(sick.received) == 1
     passed = {"model": "limited", "upstream": held.upstream.url, "result": "pass"}
     for _ in range(500):  # bounded (5 s): the probe went out as the gateway started
@@ -141,11 +158,21 @@ async def test_metrics_pass_promtool_lint(
     assert (value("gateway_queue_depth", **limited), value("gateway_model_in_flight", **limited)) == (0, 0)
     assert value("gateway_shed_total", model="pooled", reason="queue_full") is None  # declared with a limit only
     assert value("gateway_health_checks_total", **limited, upstream=held.upstream.url, result="pass") == 1
-    assert value("gateway_requests_total", **limited, code="429", key="-") == 1
+    assert value("gateway_requests_total", **limited, code="429", key="ci") == 1
+    # API keys: a wrong one, and tight's second request within its minute
+    assert (
+        value("gateway_auth_failures_total", reason="invalid"),
+        value("gateway_auth_failures_total", reason="missing"),
+    ) == (1, 0)
+    assert value("gateway_rate_limited_total", key="tight", reason="rate") == 1
+    assert value("gateway_rate_limited_total", key="tight", reason="concurrency") == 0
+    assert value("gateway_rate_limited_total", key="ci", reason="rate") == 0  # declared per key
+    assert value("gateway_requests_total", model="_unknown", code="429", key="tight") == 1
+    assert value("gateway_requests_total", model="texty", code="200", key="tight") == 1
     assert [s.labels["sha256"] for s in families["gateway_config_info"].samples] == [busy_gateway.config.sha256]
 
 
-async def test_a_real_prometheus_scrapes_admission_replica_health_and_shedding(
+async def test_a_real_prometheus_scrapes_admission_replica_health_shedding_and_keys(
     busy_gateway: Gateway, tmp_path: Path
 ) -> None:
     target = busy_gateway.url.removeprefix("http://")
@@ -173,6 +200,9 @@ async def test_a_real_prometheus_scrapes_admission_replica_health_and_shedding(
         'sum(gateway_queue_depth{model="limited"})': "0",
         'sum(gateway_health_checks_total{model="limited",result="pass"})': "1",
         "count(count by (sha256) (gateway_config_info))": "1",  # the dashboard's "versions live"
+        'sum(gateway_auth_failures_total{reason="invalid"})': "1",
+        'sum(gateway_rate_limited_total{key="tight",reason="rate"})': "1",
+        'sum(gateway_requests_total{key="tight"})': "2",  # the one answered and the one refused
     }
     results: dict[str, str | None] = {}
     try:
