@@ -30,13 +30,16 @@ log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-async def serve(app: web.Application, host: str, port: int, server: ServerConfig, *, access_log_format: str) -> None:
-    """Serve ``app`` on host:port until a stop signal, then drain (see the module docstring)."""
+async def serve(
+    app: web.Application, host: str, port: int, server: ServerConfig, *, access_log_format: str | None
+) -> None:
+    """Serve ``app`` on host:port until a stop signal, then drain (see the module docstring);
+    ``access_log_format`` None: no access log."""
     runner = web.AppRunner(
         app,
         keepalive_timeout=server.client_idle_timeout_s,  # also bounds headers that trickle in
         shutdown_timeout=server.drain_timeout_s,
-        access_log_format=access_log_format,
+        **({"access_log_format": access_log_format} if access_log_format else {"access_log": None}),
         **SERVER_OPTIONS,
     )
     await runner.setup()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
@@ -42,7 +42,7 @@ def _request_id(request: web.Request) -> str:
     given = request.headers.get(REQUEST_ID, "")
     if 0 < len(given) <= 200 and given.isascii() and given.isprintable():
         return given
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # 128 random bits, as uuid4 has, at half its cost
 
 
 @web.middleware

@@ -38,6 +38,7 @@ _RESTART_ONLY = (
     "drain_grace_s",
     "drain_timeout_s",
     "admin_listen",
+    "access_log",
 )
 
 

@@ -172,6 +172,7 @@ async def test_sigterm_drains_readyz_turns_503_new_requests_are_served_in_the_gr
     finally:
         output = await finish(process)
     assert "SIGTERM: draining" in output and "closing the listener" in output and "stopped" in output
+    assert '"POST /v1/chat/completions HTTP/1.1" 200' in output and " rid=" in output  # the access log, by default
 
 
 async def test_admin_listen_serves_admin_and_metrics_apart_from_the_api(upstream: Upstream, tmp_path: Path) -> None:
@@ -180,7 +181,7 @@ async def test_admin_listen_serves_admin_and_metrics_apart_from_the_api(upstream
     config.write_text(
         routing(
             f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}",
-            server=f"{{reload_interval_s: 0, admin_listen: '127.0.0.1:{admin}', drain_grace_s: 0}}",
+            server=f"{{reload_interval_s: 0, admin_listen: '127.0.0.1:{admin}', drain_grace_s: 0, access_log: false}}",
         )
     )
     process = await start(config, port, env={**os.environ, "GATEWAY_ADMIN_TOKEN": "s3cret"})
@@ -209,3 +210,4 @@ async def test_admin_listen_serves_admin_and_metrics_apart_from_the_api(upstream
         output = await finish(process)
     assert f"admin endpoints and /metrics on http://127.0.0.1:{admin} only" in output
     assert "no 'auth:' section: anyone who reaches" in output
+    assert " rid=" not in output  # server.access_log: false

@@ -86,6 +86,7 @@ class Parser(PoolReaders, AuthReaders):
             drain_grace_s=self.number(*get("drain_grace_s"), positive=False),
             drain_timeout_s=self.number(*get("drain_timeout_s"), positive=False),
             admin_listen=self.listen_address(*get("admin_listen")),
+            access_log=self.boolean(*get("access_log")),
         )
 
     def media(self, value: Any) -> MediaConfig:

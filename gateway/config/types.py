@@ -43,6 +43,7 @@ SERVER_KEYS = (
     "drain_grace_s",
     "drain_timeout_s",
     "admin_listen",
+    "access_log",
 )
 MEDIA_KEYS = ("allow_domains", "allow_private_networks", "fetch_timeout_s", "max_image_bytes")
 ENCODER_KEYS = {
@@ -120,6 +121,7 @@ class ServerConfig:
     # "HOST:PORT": /admin/* and /metrics are served there only, and the main port serves /v1/* and
     # health alone; None: everything on the main port
     admin_listen: str | None = None
+    access_log: bool = True  # one line per request (request id, model, route); costs CPU per request
 
     @property
     def content_bounds(self) -> ContentBounds:
