@@ -7,7 +7,7 @@ validates a whole new config and its pools, and swaps them in at once; requests 
 generation they started with, whose pools and replicas stay valid for them. An invalid file
 changes nothing: the old config stays, the problems are logged, and
 ``gateway_config_reloads_total{result="failure"}`` counts it. ``server.host``, ``port``,
-``max_body_bytes``, ``client_idle_timeout_s``, ``drain_grace_s``, ``drain_timeout_s`` and
+``max_body_bytes``, ``client_idle_timeout_s``, ``drain_grace_s``, ``drain_timeout_s``, ``access_log`` and
 ``admin_listen`` take effect at the next start.
 """
 
