@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from .errors import GatewayError, UpstreamError, UpstreamTimeoutError
+from .errors import GatewayError, UpstreamError, UpstreamTimeoutError, render
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,9 @@ HOP_BY_HOP = frozenset(
         "Upgrade",
     )
 )
+# A non-streamed reply up to this size is read whole and sent in one write with its headers
+# (a chat completion is a few KB); larger ones, and every stream, are relayed chunk by chunk.
+SMALL_BODY_BYTES = 256 * 1024
 # Response headers the gateway's own server sets.
 _NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length", "server", "date"}
 
@@ -56,7 +59,7 @@ class Timeouts:
 
 
 class Relayed(NamedTuple):
-    response: RelayResponse
+    response: web.StreamResponse
     outcome: str  # for gateway_upstream_requests_total: ok, http_4xx, http_5xx, timeout, aborted
     upstream_failed: bool  # the replica broke off or went silent (counts against its health)
 
@@ -79,6 +82,10 @@ async def relay(
     """Relay ``upstream`` to the client; ``deadline`` (loop time) ends the exchange (``total``)."""
     status = upstream.status
     outcome = "ok" if status < 400 else "http_4xx" if status < 500 else "http_5xx"
+    length = upstream.content_length
+    if timeouts.stream_idle is None and length is not None and length <= SMALL_BODY_BYTES:
+        return await _relay_whole(upstream, model=model, outcome=outcome, gateway_headers=gateway_headers,
+                                  deadline=deadline)  # fmt: skip
     response = RelayResponse(status=status, reason=upstream.reason, headers=_client_headers(upstream))
     response.headers.update(gateway_headers)
     if upstream.content_length is not None:
@@ -124,6 +131,37 @@ async def relay(
         if deadlines.client_stalled:
             log.warning("client took no bytes for %gs; dropped (model %s)", timeouts.client_write, model)
     return Relayed(response, outcome, failed)
+
+
+async def _relay_whole(
+    upstream: aiohttp.ClientResponse,
+    *,
+    model: str,
+    outcome: str,
+    gateway_headers: Mapping[str, str],
+    deadline: float | None,
+) -> Relayed:
+    """A small reply of known length, read whole and sent with its headers in one write. Nothing
+    reached the client before the body is complete, so a replica that breaks off is a clean 502."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            body = await upstream.read()  # bounded by the socket's read timeout (first_byte_s)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        log.warning("upstream of %s broke off mid-response: %r", model, exc)
+        expired = deadline is not None and asyncio.get_running_loop().time() >= deadline
+        error = (
+            UpstreamTimeoutError(f"Upstream of model '{model}' did not finish in time")
+            if expired or isinstance(exc, TimeoutError)
+            else UpstreamError(f"Upstream of model '{model}' broke off its response")
+        )
+        failed = render(error)
+        failed.headers.update(gateway_headers)
+        return Relayed(failed, "timeout" if isinstance(error, UpstreamTimeoutError) else "aborted", not expired)
+    response = web.Response(
+        status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream), body=body
+    )
+    response.headers.update(gateway_headers)
+    return Relayed(response, outcome, False)
 
 
 def _broken(model: str, deadlines: _Deadlines, timeouts: Timeouts) -> GatewayError:

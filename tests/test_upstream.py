@@ -401,3 +401,26 @@ async def test_affinity_keeps_each_conversation_on_one_replica(upstream_factory,
         for r in u.received:
             homes.setdefault(r.json()["messages"][0]["content"], set()).add(u.url)
     assert len(homes) == 6 and all(len(h) == 1 for h in homes.values())
+
+
+async def test_a_small_reply_cut_short_is_a_clean_502_not_a_truncated_200(upstream_factory, gateway_factory) -> None:
+    async def cut(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "100"})
+        await response.prepare(request)
+        await response.write(b'{"id": "cmpl-1", ')  # then the engine dies
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", cut)
+    broken = await upstream_factory("cut", app)
+    gw = await gateway_factory(model_on(broken.url, options="retries: {attempts: 0}"))
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="m", messages=HI)
+    assert caught.value.status_code == 502
+    assert error_body(caught.value)["message"] == "Upstream of model 'm' broke off its response"
+    assert caught.value.response.headers["X-Gateway-Model"] == "m"
+    assert gw.sample("gateway_upstream_requests_total", model="m", outcome="aborted") == 1
