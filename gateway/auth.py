@@ -25,7 +25,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -35,6 +35,25 @@ from .errors import ConcurrencyLimitError, InvalidApiKeyError, RateLimitedError
 log = logging.getLogger(__name__)
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer TOKEN`` header (the scheme in any case), or None."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def digest_of(secret: str) -> bytes:
+    """The sha256 secrets are compared by: equal lengths whatever the secret, and any header
+    bytes (aiohttp hands non-UTF-8 ones over as surrogates) hash without an error."""
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+
+
+def is_bearer(authorization: str | None, secret: str) -> bool:
+    """Whether the header carries ``secret`` as its Bearer token, compared in constant time."""
+    token = bearer_token(authorization)
+    return token is not None and hmac.compare_digest(digest_of(token), digest_of(secret))
+
+
 @dataclass(frozen=True, slots=True)
 class Keyring:
     """The keys of one config generation, by the sha256 of their value."""
@@ -42,24 +61,23 @@ class Keyring:
     entries: tuple[tuple[bytes, ApiKey], ...]
 
     @classmethod
-    def build(cls, auth: AuthConfig, environ: Mapping[str, str] = os.environ) -> Keyring:
+    def build(cls, auth: AuthConfig) -> Keyring:
         entries = []
         for key in auth.keys:
             if key.key_sha256 is not None:
                 entries.append((bytes.fromhex(key.key_sha256), key))
-            elif key.key_env is not None and (value := environ.get(key.key_env)):
-                entries.append((hashlib.sha256(value.encode()).digest(), key))
+            elif key.key_env is not None and (value := os.environ.get(key.key_env)):
+                entries.append((digest_of(value), key))
             else:  # serve and reloads refuse this (validate_host); a config built in code may not
                 log.warning("API key %s: %s is not set; the key is not accepted", key.name, key.key_env)
         return cls(tuple(entries))
 
     def find(self, authorization: str | None) -> ApiKey:
         """The key an ``Authorization`` header carries; InvalidApiKeyError when none matches."""
-        scheme, _, token = (authorization or "").partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        token = bearer_token(authorization)
+        if token is None:
             raise InvalidApiKeyError("Missing API key: send 'Authorization: Bearer <key>'")
-        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+        digest = digest_of(token)
         found = None
         for known, key in self.entries:  # every one, whatever matched: the time says nothing
             if hmac.compare_digest(known, digest):

@@ -131,7 +131,8 @@ def _serve(args: argparse.Namespace) -> int:
     app.cleanup_ctx.append(_reload_on_sighup)
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
-    if config.server.admin_listen is not None and config.server.admin_listen.rpartition(":")[2] == str(port):
+    admin = config.server.admin_address
+    if admin is not None and admin[1] == port:
         print(f"server.admin_listen ({config.server.admin_listen}) must use another port than {port}", file=sys.stderr)
         return 2
     if config.auth is None:

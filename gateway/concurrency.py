@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 
 from .config import ModelConfig
 from .errors import QueueFullError, QueueTimeoutError
@@ -109,6 +109,12 @@ class Gates:
 
     def __call__(self, model: str) -> Gate:
         return self._by_model.get(model) or self._by_model.setdefault(model, Gate(self._on_shed))
+
+    def slot(self, model: ModelConfig) -> AbstractAsyncContextManager[None]:
+        """A slot of the model's gate; nothing to wait for (and no gate, no gauges) without a limit."""
+        if model.max_concurrency is None:
+            return nullcontext()
+        return self(model.name).slot(model)
 
     def items(self) -> list[tuple[str, Gate]]:
         return sorted(self._by_model.items())

@@ -37,7 +37,7 @@ from .failures import CLIENT_ERRORS, failure_of
 from .media import MediaFetcher, is_data_url
 from .metrics import GatewayMetrics
 from .modality import Part
-from .replicas import Replica, ReplicaSet
+from .replicas import Pool, Replica, ReplicaSet
 from .upstream import KEEPALIVE_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -133,9 +133,10 @@ class EncoderClient:
         for (part, _), sha in zip(located, shas, strict=True):
             first_part.setdefault(sha, part)  # an error names the first part that carries the image
         limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)
+        pool = self._replicas.pool(spec.name, self.urls(spec), breaker=self._breaker)  # once per request
         replies = await asyncio.gather(
             *(
-                self._bounded(limit, self._encode_one(spec, data, first_part[sha], model, request_id))
+                self._bounded(limit, self._encode_one(spec, pool, data, first_part[sha], model, request_id))
                 for sha, data in unique.items()
             ),
             return_exceptions=True,
@@ -181,10 +182,11 @@ class EncoderClient:
         async with limit:
             return await work
 
-    async def _encode_one(self, spec: EncoderConfig, data: bytes, part: Part, model: str, request_id: str) -> Any:
+    async def _encode_one(
+        self, spec: EncoderConfig, pool: Pool, data: bytes, part: Part, model: str, request_id: str
+    ) -> Any:
         assert self._session is not None, "EncoderClient.start() was not called"
         name = spec.name
-        pool = self._replicas.pool(name, self.urls(spec), breaker=self._breaker)
         # a backend that does not accept the connection is skipped, like an upstream replica
         timeout = aiohttp.ClientTimeout(total=spec.timeout_s, sock_connect=self._connect_timeout_s)
         headers = {"Content-Type": "application/octet-stream", "X-Request-Id": request_id}

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-import hmac
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from .admission import RoutePlan, Visible, admit, lookup, rewrite
 from .affinity import chat_key, prompt_key
+from .auth import is_bearer
 from .body import dump_body, exact, read_json
 from .config import EncoderConfig, GatewayConfig, ModelConfig, as_dict
 from .encoder import Replacements
@@ -177,20 +176,15 @@ async def admin_config(request: web.Request) -> web.Response:
 
 
 def _is_admin(request: web.Request, services: Services) -> bool:
-    try:
-        _check_admin(request, services)
-    except (PermissionDeniedError, AuthenticationError):
-        return False
-    return True
+    token = os.environ.get(services.store.current.server.admin_token_env, "")
+    return bool(token) and is_bearer(request.headers.get(hdrs.AUTHORIZATION), token)
 
 
 def _check_admin(request: web.Request, services: Services) -> None:
     env = services.store.current.server.admin_token_env
-    token = os.environ.get(env, "")
-    if not token:
+    if not os.environ.get(env):
         raise PermissionDeniedError(f"Admin endpoints are disabled: set the {env} environment variable to enable them")
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+    if not _is_admin(request, services):
         raise AuthenticationError("Missing or wrong admin token (send 'Authorization: Bearer <token>')")
 
 
@@ -260,9 +254,7 @@ async def _forward(
     timeouts = Timeouts(
         t.connect_s, t.first_byte_s, live.config.server.client_write_timeout_s, t.idle_s if stream else None, t.total_s
     )
-    # only models with max_concurrency have a gate (and its gauges)
-    gate = services.gates(model.name).slot(model) if model.max_concurrency is not None else contextlib.nullcontext()
-    async with gate:
+    async with services.gates.slot(model):
         return await services.upstream.forward(
             request,
             model,

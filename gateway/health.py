@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from .config import HealthCheckConfig
+from .failures import CLIENT_ERRORS, failure_of
 from .metrics import GatewayMetrics
 from .reload import ConfigStore
 from .replicas import Replica
@@ -59,6 +60,8 @@ class HealthChecker:
         live = self._store.live
         now = self._clock()
         started = []
+        checked = {u for m in live.config.models if m.health_check is not None for u in m.upstreams}
+        self._due = {u: due for u, due in self._due.items() if u in checked}  # forget URLs gone in a reload
         for model in live.config.models:
             check = model.health_check
             if check is None:
@@ -89,8 +92,8 @@ class HealthChecker:
                 async with session.get(replica.url + check.path, allow_redirects=False) as resp:
                     await resp.read()
                     passed, why = 200 <= resp.status < 300, f"HTTP {resp.status}"
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:  # ValueError: a URL yarl refuses
-            passed, why = False, "timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
+        except CLIENT_ERRORS as exc:
+            passed, why = False, failure_of(exc).reason
         self._metrics.health_checks.labels(model, replica.url, "pass" if passed else "fail").inc()
         if passed:
             if replica.checked_down:

@@ -50,10 +50,9 @@ async def serve(
             loop.add_signal_handler(sig, signals.put_nowait, sig)
     try:
         await web.TCPSite(runner, host, port).start()
-        if server.admin_listen is not None:
-            admin_host, _, admin_port = server.admin_listen.rpartition(":")
-            await web.TCPSite(runner, admin_host.strip("[]"), int(admin_port)).start()
-            app[SERVICES_KEY].lifecycle.admin_port = int(admin_port)
+        if (admin := server.admin_address) is not None:
+            await web.TCPSite(runner, *admin).start()
+            app[SERVICES_KEY].lifecycle.admin_port = admin[1]
             log.info("admin endpoints and /metrics on http://%s only", server.admin_listen)
         first = await signals.get()
         await _drain(app, signals, first, server)

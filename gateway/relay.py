@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from .errors import GatewayError, UpstreamError, UpstreamTimeoutError, render
+from .errors import GatewayError, UpstreamError, UpstreamTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +59,15 @@ class Timeouts:
 
 
 class Relayed(NamedTuple):
-    response: web.StreamResponse
+    response: web.StreamResponse | None  # None: nothing was sent, ``error`` is the answer
     outcome: str  # for gateway_upstream_requests_total: ok, http_4xx, http_5xx, timeout, aborted
     upstream_failed: bool  # the replica broke off or went silent (counts against its health)
+    error: GatewayError | None = None  # to raise once the attempt is counted
+
+
+def outcome_of(status: int) -> str:
+    """The ``outcome`` label of an upstream answer with this status."""
+    return "ok" if status < 400 else "http_4xx" if status < 500 else "http_5xx"
 
 
 class RelayResponse(web.StreamResponse):
@@ -81,19 +87,19 @@ async def relay(
 ) -> Relayed:
     """Relay ``upstream`` to the client; ``deadline`` (loop time) ends the exchange (``total``)."""
     status = upstream.status
-    outcome = "ok" if status < 400 else "http_4xx" if status < 500 else "http_5xx"
+    outcome = outcome_of(status)
     length = upstream.content_length
-    if timeouts.stream_idle is None and length is not None and length <= SMALL_BODY_BYTES:
+    streamed = timeouts.stream_idle is not None  # the client asked for a stream
+    if not streamed and length is not None and length <= SMALL_BODY_BYTES:
         return await _relay_whole(upstream, model=model, outcome=outcome, gateway_headers=gateway_headers,
-                                  deadline=deadline)  # fmt: skip
+                                  timeouts=timeouts, deadline=deadline)  # fmt: skip
     response = RelayResponse(status=status, reason=upstream.reason, headers=_client_headers(upstream))
     response.headers.update(gateway_headers)
-    if upstream.content_length is not None:
-        response.content_length = upstream.content_length
+    if length is not None:
+        response.content_length = length
     is_sse = upstream.content_type == "text/event-stream"
     await response.prepare(request)
     loop = asyncio.get_running_loop()
-    streamed = timeouts.stream_idle is not None  # the client asked for a stream
     deadlines = _Deadlines(
         loop,
         request,
@@ -139,24 +145,30 @@ async def _relay_whole(
     model: str,
     outcome: str,
     gateway_headers: Mapping[str, str],
+    timeouts: Timeouts,
     deadline: float | None,
 ) -> Relayed:
     """A small reply of known length, read whole and sent with its headers in one write. Nothing
-    reached the client before the body is complete, so a replica that breaks off is a clean 502."""
+    reached the client before the body is complete, so a replica that breaks off is a clean 502
+    (raised by the caller once the attempt is counted, rendered like every other error)."""
     try:
         async with asyncio.timeout_at(deadline):
             body = await upstream.read()  # bounded by the socket's read timeout (first_byte_s)
     except (aiohttp.ClientError, TimeoutError) as exc:
         log.warning("upstream of %s broke off mid-response: %r", model, exc)
         expired = deadline is not None and asyncio.get_running_loop().time() >= deadline
-        error = (
-            UpstreamTimeoutError(f"Upstream of model '{model}' did not finish in time")
-            if expired or isinstance(exc, TimeoutError)
-            else UpstreamError(f"Upstream of model '{model}' broke off its response")
-        )
-        failed = render(error)
-        failed.headers.update(gateway_headers)
-        return Relayed(failed, "timeout" if isinstance(error, UpstreamTimeoutError) else "aborted", not expired)
+        headers = dict(gateway_headers)
+        if expired:
+            error: GatewayError = UpstreamTimeoutError(
+                f"Upstream of model '{model}' did not finish within {timeouts.total:g}s", headers=headers
+            )
+        elif isinstance(exc, TimeoutError):
+            error = UpstreamTimeoutError(
+                f"Upstream of model '{model}' sent no response within {timeouts.read:g}s", headers=headers
+            )
+        else:
+            error = UpstreamError(f"Upstream of model '{model}' broke off its response", headers=headers)
+        return Relayed(None, "timeout" if isinstance(error, UpstreamTimeoutError) else "aborted", not expired, error)
     response = web.Response(
         status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream), body=body
     )

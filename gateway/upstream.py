@@ -36,7 +36,7 @@ from .errors import (
 )
 from .failures import CLIENT_ERRORS, Failure, failure_of
 from .metrics import GatewayMetrics
-from .relay import HOP_BY_HOP, Timeouts, relay
+from .relay import HOP_BY_HOP, Timeouts, outcome_of, relay
 from .replicas import Lease, Pool, Replica
 from .retries import RetryBudget, backoff
 
@@ -191,7 +191,7 @@ class UpstreamClient:
                 if status in model.retries.on_status and self._retries(pool, attempts, f"http_{status}"):
                     attempts.failure = None  # a replica answered: if none is left, that is no_healthy_upstream
                     upstream.close()
-                    self._count(model, replica, "http_5xx" if status >= 500 else "http_4xx")
+                    self._count(model, replica, outcome_of(status))
                     if status >= 500:  # a 429 is the engine protecting itself, not failing
                         lease.failure(f"HTTP {status}")
                     continue
@@ -216,6 +216,9 @@ class UpstreamClient:
                 if relayed.upstream_failed:
                     lease.failure("broke off mid-response")
                 self._count(model, replica, relayed.outcome)
+                if relayed.error is not None:
+                    raise relayed.error
+                assert relayed.response is not None
                 return relayed.response
         # Replica addresses and errors are logged, not told to clients.
         if attempts.failure is None:

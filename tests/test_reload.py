@@ -258,3 +258,17 @@ async def test_an_unknown_expect_header_is_a_417_in_the_openai_shape_on_every_ro
                 assert resp.status == 417, path
                 assert (await resp.json())["error"]["code"] == "http_417"
                 assert "X-Request-Id" in resp.headers
+
+
+async def test_an_admin_token_of_any_bytes_is_a_401_not_a_500(gateway_factory, upstream, monkeypatch) -> None:
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    gw = await gateway_factory(one_model(upstream.url))
+    for path, status in ((b"/readyz", b"200"), (b"/admin/config", b"401")):
+        reader, writer = await asyncio.open_connection(gw.server.host, gw.server.port)
+        writer.write(
+            b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\nConnection: close\r\n\r\n"
+        )
+        async with asyncio.timeout(10):
+            answer = await reader.read()
+        writer.close()
+        assert answer.split(b" ")[1] == status, answer[:200]

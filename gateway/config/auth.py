@@ -6,8 +6,8 @@ import math
 from typing import Any
 
 from .loader import MISSING
-from .readers import Readers, describe, fields, show
-from .types import API_KEY_KEYS, AUTH_KEYS, ENV_NAME, RATE_LIMIT_KEYS, SHA256_HEX, ApiKey, AuthConfig, RateLimit
+from .readers import Readers, describe, fields
+from .types import API_KEY_KEYS, AUTH_KEYS, RATE_LIMIT_KEYS, SHA256_HEX, ApiKey, AuthConfig, RateLimit
 
 
 class AuthReaders(Readers):
@@ -33,9 +33,8 @@ class AuthReaders(Readers):
         key_env, key_sha256 = raw.get("key_env", MISSING), raw.get("key_sha256", MISSING)
         if (key_env is MISSING) == (key_sha256 is MISSING):
             self.problem(path, "give exactly one of 'key_env' (an environment variable) or 'key_sha256'")
-        if key_env is not MISSING and not (isinstance(key_env, str) and ENV_NAME.fullmatch(key_env)):
-            self.problem(f"{path}.key_env", f"must be the name of an environment variable, not {show(key_env)}")
-            key_env = MISSING
+        if key_env is not MISSING:
+            key_env = self.env_name(key_env, f"{path}.key_env") or MISSING
         if key_sha256 is not MISSING and not (isinstance(key_sha256, str) and SHA256_HEX.fullmatch(key_sha256)):
             # the value is not echoed: it may be a key pasted in by mistake
             self.problem(f"{path}.key_sha256", "must be 64 lowercase hex digits: the sha256 of the key")

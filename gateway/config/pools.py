@@ -12,7 +12,6 @@ from .readers import Readers, fields, show, unknown_message
 from .types import (
     BALANCE_POLICIES,
     BREAKER_KEYS,
-    ENV_NAME,
     HEALTH_CHECK_KEYS,
     QUEUE_KEYS,
     RETRY_KEYS,
@@ -81,12 +80,6 @@ class PoolReaders(Readers):
         )
         return urls, tuple(weights.get(i, 1) for i in range(len(urls)))
 
-    def env_name(self, value: Any, path: str) -> str | None:
-        if isinstance(value, str) and ENV_NAME.fullmatch(value):
-            return value
-        self.problem(path, f"must be the name of an environment variable (like VLLM_API_KEY), not {show(value)}")
-        return None
-
     def retries(self, value: Any, path: str) -> RetryConfig:
         d = RetryConfig()
         raw = self.mapping(value, path, RETRY_KEYS, what="retries")
@@ -137,7 +130,7 @@ class PoolReaders(Readers):
         if isinstance(probe, str) and not probe.startswith("/"):
             self.problem(f"{path}.path", f"must start with '/', not {show(probe)}")
         return HealthCheckConfig(
-            path=probe if isinstance(probe, str) else "/health",
+            path=probe,
             interval_s=self.number(*get("interval_s")),
             timeout_s=self.number(*get("timeout_s")),
             failures=self.integer(*get("failures"), minimum=1),

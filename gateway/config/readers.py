@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from ..modality import MODALITY_NAMES, Modality
 from .loader import MISSING, MarkedDocument, join_path
-from .types import BUILTIN_TOWERS, HOST_NAME
+from .types import BUILTIN_TOWERS, ENV_NAME, HOST_NAME
 
 
 class Readers(MarkedDocument):
@@ -119,6 +119,12 @@ class Readers(MarkedDocument):
             self.problem(path, f"bad URL '{value}': {problem}")
             return None
         return value.rstrip("/")
+
+    def env_name(self, value: Any, path: str) -> str | None:
+        if isinstance(value, str) and ENV_NAME.fullmatch(value):
+            return value
+        self.problem(path, f"must be the name of an environment variable (like VLLM_API_KEY), not {show(value)}")
+        return None
 
     def listen_address(self, value: Any, path: str, default: str | None) -> str | None:
         """``HOST:PORT`` (``[::1]:PORT`` for IPv6)."""

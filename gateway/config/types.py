@@ -124,6 +124,14 @@ class ServerConfig:
     access_log: bool = True  # one line per request (request id, model, route); costs CPU per request
 
     @property
+    def admin_address(self) -> tuple[str, int] | None:
+        """``admin_listen`` as (host, port); IPv6 brackets removed."""
+        if self.admin_listen is None:
+            return None
+        host, _, port = self.admin_listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+    @property
     def content_bounds(self) -> ContentBounds:
         return ContentBounds(self.max_messages, self.max_content_parts, self.max_text_chars)
 
