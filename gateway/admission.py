@@ -61,6 +61,8 @@ class RoutePlan:
     @property
     def route(self) -> str:
         """The X-Gateway-Route header value."""
+        if not self.redirects and not self.stripped:
+            return "direct"
         stripped = bool(self.stripped_parts) or self.mutes_audio_in_video
         actions = [a for a, on in (("redirect", bool(self.redirects)), ("strip", stripped)) if on]
         return ", ".join(actions) or "direct"
@@ -80,7 +82,9 @@ class RoutePlan:
         )
 
     def needs_rewrite(self, body: Mapping[str, Any]) -> bool:
-        return body.get("model") != self.model.upstream_name or bool(self.stripped_parts) or self.mutes_audio_in_video
+        if body.get("model") != self.model.upstream_name:
+            return True
+        return bool(self.stripped) and (bool(self.stripped_parts) or self.mutes_audio_in_video)
 
     @property
     def encoder(self) -> str | None:
@@ -142,6 +146,9 @@ def admit(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = Non
     present = classification.present
     model = requested
     redirects: list[Redirect] = []
+    if all(m in model.accepts for m in present):  # the common case: nothing to redirect, reject or strip
+        _enforce_limits(model, classification, frozenset())
+        return RoutePlan(requested.name, model, classification)
     while True:
         redirect = _choose_redirect(config, model, present)
         if redirect is None:

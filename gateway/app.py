@@ -21,15 +21,7 @@ from .encoder import EncoderClient
 from .health import HealthChecker
 from .media import MediaFetcher
 from .metrics import GatewayMetrics, PoolCollector
-from .middlewares import (
-    auth_middleware,
-    error_middleware,
-    expect_continue,
-    listener_middleware,
-    metrics_middleware,
-    rate_limit_headers,
-    request_id_middleware,
-)
+from .middlewares import access_middleware, expect_continue, front_middleware, rate_limit_headers
 from .reload import ConfigStore
 from .replicas import ReplicaSet
 from .state import SERVICES_KEY, Services
@@ -73,7 +65,7 @@ def create_app(
 
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
-        middlewares=[request_id_middleware, metrics_middleware, error_middleware, listener_middleware, auth_middleware],
+        middlewares=[front_middleware, access_middleware],
     )
     app.on_response_prepare.append(rate_limit_headers)
     app[SERVICES_KEY] = services

@@ -34,7 +34,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
 shape; the encoder backend's errors (backends/vision_encoder/errors.py) are GatewayErrors too.
 
 Errors are raised anywhere and rendered only by :func:`render` (called by
-``middlewares.error_middleware``, and by the encoder backend's middleware). An error that rejects
+``middlewares.front_middleware``, and by the encoder backend's middleware). An error that rejects
 part of a request's content carries a :class:`Rejection`, which the middleware counts in
 ``gateway_modality_rejections_total``.
 

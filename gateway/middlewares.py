@@ -1,9 +1,11 @@
-"""Request id, metrics, the one place where errors become HTTP responses, and who may come in.
+"""Two middlewares: the front door of every request, and who may come in.
 
-Order (outermost first): ``request_id_middleware`` → ``metrics_middleware`` → ``error_middleware``
-→ ``listener_middleware`` → ``auth_middleware``. The metrics middleware therefore sees the
-rendered status of every error, every response, errors included, carries ``X-Request-Id``, and a
-request refused for its key or its port is an error like any other.
+``front_middleware`` (outermost) gives the request its id, counts it, and is the one place where
+errors become HTTP responses: every response, errors included, carries ``X-Request-Id``, and the
+metrics see the rendered status of every error. ``access_middleware`` then refuses a path on the
+wrong port (``server.admin_listen``) and, with ``auth:``, a /v1/* request without a valid key or
+over its key's limits; those refusals are errors like any other. (Two layers rather than one per
+concern: each layer is a coroutine and a lookup of the services per request.)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
+from .auth import Keyring
 from .body import body_too_large
 from .errors import (
     ConcurrencyLimitError,
@@ -30,7 +33,7 @@ from .errors import (
 )
 from .metrics import NO_KEY, UNKNOWN_MODEL
 from .relay import RelayResponse
-from .state import API_KEY_KEY, KEY_LABEL_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY
+from .state import API_KEY_KEY, KEY_LABEL_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +49,31 @@ def _request_id(request: web.Request) -> str:
 
 
 @web.middleware
-async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def front_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Request id, in-flight gauge, errors rendered, and the request counted with the status sent
+    (499 when the client left first). Only requests to a model endpoint (those whose handler set
+    a model label) are counted in gateway_requests_total."""
+    services = request.app[SERVICES_KEY]
     rid = request[REQUEST_ID_KEY] = _request_id(request)
-    response = await handler(request)
-    if not response.prepared:
-        response.headers[REQUEST_ID] = rid
-    return response
-
-
-@web.middleware
-async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    metrics = request.app[SERVICES_KEY].metrics
+    metrics = services.metrics
     started = time.perf_counter()
     code = 500
     metrics.in_flight.inc()
     try:
-        response = await handler(request)
+        try:
+            response = await handler(request)
+        except GatewayError as exc:
+            response = await _render_error(request, services, exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                code = exc.status
+                raise
+            response = render(_from_http_exception(request, exc, services))
+        except Exception:
+            log.exception("unhandled error in %s %s (request id %s)", request.method, request.path, rid)
+            response = render(GatewayError(f"Internal error in the gateway (request id {rid})"))
+        if not response.prepared:
+            response.headers[REQUEST_ID] = rid
         gone = isinstance(response, RelayResponse) and response.client_gone
         code = CLIENT_CLOSED if gone else response.status
         return response
@@ -71,55 +83,41 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
     finally:
         metrics.in_flight.dec()
         model = request.get(MODEL_LABEL_KEY)
-        if model is not None:  # only requests to a model endpoint are counted
+        if model is not None:
             metrics.requests.labels(model, str(code), request.get(KEY_LABEL_KEY, NO_KEY)).inc()
             metrics.request_duration.labels(model).observe(time.perf_counter() - started)
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except GatewayError as exc:
-        if exc.rejection is not None:
-            r = exc.rejection
-            request.app[SERVICES_KEY].metrics.rejections.labels(r.model, r.modality, r.reason).inc()
-        response = render(exc)
-        if exc.stops_reading:
-            await _send_and_close(request, response)
-        return response
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return render(_from_http_exception(request, exc))
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        rid = request.get(REQUEST_ID_KEY, "-")
-        log.exception("unhandled error in %s %s (request id %s)", request.method, request.path, rid)
-        return render(GatewayError(f"Internal error in the gateway (request id {rid})"))
+async def _render_error(request: web.Request, services: Services, exc: GatewayError) -> web.Response:
+    if exc.rejection is not None:
+        r = exc.rejection
+        services.metrics.rejections.labels(r.model, r.modality, r.reason).inc()
+    response = render(exc)
+    if exc.stops_reading:
+        await _send_and_close(request, response)
+    return response
 
 
 @web.middleware
-async def listener_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With ``server.admin_listen``: /admin/* and /metrics only there, /v1/* only on the main port
-    (health on both). A path on the wrong port is a plain 404, as if it did not exist."""
-    admin_port = request.app[SERVICES_KEY].lifecycle.admin_port
+async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Who may come in: the right port for the path, then the API key (see below)."""
+    services = request.app[SERVICES_KEY]
+    admin_port = services.lifecycle.admin_port
     if admin_port is not None and request.path not in ("/healthz", "/readyz"):
+        # with server.admin_listen: /admin/* and /metrics only there, /v1/* only on the main port
+        # (health on both); a path on the wrong port is a plain 404, as if it did not exist
         sockname = request.get_extra_info("sockname")
         on_admin = isinstance(sockname, tuple) and len(sockname) >= 2 and sockname[1] == admin_port
         if on_admin != (request.path.startswith("/admin/") or request.path == "/metrics"):
             raise NotFoundError(f"Unknown endpoint: {request.method} {clip(request.path)}")
-    return await handler(request)
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """With ``auth:``, a /v1/* request needs a key of the live generation, within its limits."""
-    services = request.app[SERVICES_KEY]
     keyring = services.store.live.keyring
     if keyring is None or not request.path.startswith("/v1/"):
         return await handler(request)
+    return await _with_key(request, handler, services, keyring)
+
+
+async def _with_key(request: web.Request, handler: Handler, services: Services, keyring: Keyring) -> web.StreamResponse:
+    """With ``auth:``, a /v1/* request needs a key of the live generation, within its limits."""
     header = request.headers.get(hdrs.AUTHORIZATION)
     try:
         key = keyring.find(header)
@@ -186,7 +184,7 @@ async def _send_and_close(request: web.Request, response: web.Response) -> None:
         request.transport.close()  # after the buffered answer is written
 
 
-def _from_http_exception(request: web.Request, exc: web.HTTPException) -> GatewayError:
+def _from_http_exception(request: web.Request, exc: web.HTTPException, services: Services) -> GatewayError:
     if isinstance(exc, web.HTTPNotFound):
         return NotFoundError(f"Unknown endpoint: {request.method} {clip(request.path)}")
     if isinstance(exc, web.HTTPMethodNotAllowed):
@@ -196,5 +194,5 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> Gatewa
             headers={"Allow": allowed},
         )
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
-        return body_too_large(request.app[SERVICES_KEY].max_body_bytes)
+        return body_too_large(services.max_body_bytes)
     return HTTPStatusError(exc.status, exc.reason)

@@ -32,7 +32,8 @@ class Modality(StrEnum):
     AUDIO = "audio"
 
 
-MODALITY_NAMES = tuple(m.value for m in Modality)
+MODALITIES = tuple(Modality)  # in order; iterating the Enum class itself costs a call per member
+MODALITY_NAMES = tuple(m.value for m in MODALITIES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +79,8 @@ class Classification:
     @property
     def present(self) -> tuple[Modality, ...]:
         """The modalities the request carries, in Modality order."""
-        return tuple(m for m in Modality if self.counts.get(m))
+        counts = self.counts
+        return tuple(m for m in MODALITIES if m in counts and counts[m])
 
     def parts_with(self, modality: Modality) -> list[Part]:
         return [p for p in self.parts if modality in p.modalities]

@@ -93,8 +93,7 @@ async def relay(
     if not streamed and length is not None and length <= SMALL_BODY_BYTES:
         return await _relay_whole(upstream, model=model, outcome=outcome, gateway_headers=gateway_headers,
                                   timeouts=timeouts, deadline=deadline)  # fmt: skip
-    response = RelayResponse(status=status, reason=upstream.reason, headers=_client_headers(upstream))
-    response.headers.update(gateway_headers)
+    response = RelayResponse(status=status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers))
     if length is not None:
         response.content_length = length
     is_sse = upstream.content_type == "text/event-stream"
@@ -152,8 +151,11 @@ async def _relay_whole(
     reached the client before the body is complete, so a replica that breaks off is a clean 502
     (raised by the caller once the attempt is counted, rendered like every other error)."""
     try:
-        async with asyncio.timeout_at(deadline):
+        if deadline is None:
             body = await upstream.read()  # bounded by the socket's read timeout (first_byte_s)
+        else:
+            async with asyncio.timeout_at(deadline):
+                body = await upstream.read()
     except (aiohttp.ClientError, TimeoutError) as exc:
         log.warning("upstream of %s broke off mid-response: %r", model, exc)
         expired = deadline is not None and asyncio.get_running_loop().time() >= deadline
@@ -170,9 +172,8 @@ async def _relay_whole(
             error = UpstreamError(f"Upstream of model '{model}' broke off its response", headers=headers)
         return Relayed(None, "timeout" if isinstance(error, UpstreamTimeoutError) else "aborted", not expired, error)
     response = web.Response(
-        status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream), body=body
+        status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers), body=body
     )
-    response.headers.update(gateway_headers)
     return Relayed(response, outcome, False)
 
 
@@ -269,5 +270,12 @@ async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
         pass
 
 
-def _client_headers(upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in _NOT_RELAYED_DOWN)
+def _client_headers(upstream: aiohttp.ClientResponse, gateway_headers: Mapping[str, str]) -> CIMultiDict[str]:
+    """The upstream's headers for the client: a copy in C, less the few the gateway's server sets,
+    plus the gateway's own (which win over an upstream's of the same name)."""
+    headers = upstream.headers.copy()
+    for name in _NOT_RELAYED_DOWN:
+        if name in headers:
+            del headers[name]
+    headers.update(gateway_headers)
+    return headers
