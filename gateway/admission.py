@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from .body import dump_body
+from .body import dump_body, exact
 from .config import GatewayConfig, ModelConfig
 from .errors import (
     GatewayError,
@@ -219,6 +219,21 @@ def _enforce_limits(model: ModelConfig, classification: Classification, stripped
                 param=parts[limit].location,
                 rejection=Rejection(model.name, modality.value, "too_many_items"),
             )
+
+
+def upstream_body(
+    plan: RoutePlan,
+    raw: bytes,
+    body: dict[str, Any],
+    replacements: Mapping[tuple[int, int], dict[str, Any]] | None = None,
+) -> bytes:
+    """The bytes to send upstream: the client's own when the plan changes nothing, else the body
+    with the plan applied, written again (``body`` is changed in place). Writing it again with
+    orjson costs no more than splicing the change into the client's bytes would (5 us for a 100 KB
+    request, ~70 us for 2 MB: a splice must scan the whole body and copy it; bench/rename.py)."""
+    if not replacements and not plan.needs_rewrite(body):
+        return raw
+    return rewrite(plan, exact(raw, body), replacements)
 
 
 def rewrite(

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 from aiohttp import hdrs, web
 
-from .admission import RoutePlan, Visible, admit, lookup, rewrite
+from .admission import RoutePlan, Visible, admit, lookup, upstream_body
 from .affinity import chat_key, prompt_key
 from .auth import is_bearer
 from .body import dump_body, exact, read_json
@@ -52,10 +52,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         headers["X-Gateway-Encoded"] = str(len(replacements))
         if replacements:
             _check_grown_size(config, raw, replacements)
-    if replacements or plan.needs_rewrite(body):
-        data = rewrite(plan, exact(raw, body), replacements)
-    else:
-        data = raw
+    data = upstream_body(plan, raw, body, replacements)
     key = chat_key(body) if plan.model.balance == "affinity" else None
     return await _forward(
         request, services, live, plan.model, data, plan.route, headers, stream=_streams(body), affinity_key=key

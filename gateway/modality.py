@@ -80,7 +80,7 @@ class Classification:
     def present(self) -> tuple[Modality, ...]:
         """The modalities the request carries, in Modality order."""
         counts = self.counts
-        return tuple(m for m in MODALITIES if m in counts and counts[m])
+        return tuple(m for m in MODALITIES if counts.get(m))
 
     def parts_with(self, modality: Modality) -> list[Part]:
         return [p for p in self.parts if modality in p.modalities]
