@@ -40,6 +40,16 @@ test-deps: ## system packages the tests use: Debian's prometheus (promtool and t
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 	  $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 
+bench: $(STAMP) bench-deps ## the gateway hop vs direct and a minimal proxy, wrk (~7 min): table, docs/bench-hop.png
+	$(PY) -m bench.hop --plot docs/bench-hop.png --profile
+
+bench-deps: $(STAMP) ## what the benchmarks use: Debian's wrk, and the bench extra (matplotlib, py-spy)
+	@command -v wrk >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  $$SUDO apt-get install -y -qq --no-install-recommends wrk >/dev/null; }
+	@$(PY) -c 'import matplotlib' 2>/dev/null && [ -x $(VENV)/bin/py-spy ] || $(PY) -m pip install -q -e '.[bench]'
+
 check: $(STAMP) ## formatting, lint, mypy --strict on gateway/, mypy on backends/ and tests/
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
@@ -51,4 +61,4 @@ fmt: $(STAMP) ## format and fix what ruff can
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-.PHONY: help install serve demo cluster-demo test test-deps check fmt
+.PHONY: help install serve demo cluster-demo test test-deps bench bench-deps check fmt

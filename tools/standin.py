@@ -9,9 +9,15 @@ for and counts the content parts by type. Knobs, sent as request headers (the ga
     X-Standin-Chunk-Delay-Ms: 5  wait between streamed chunks
     X-Standin-Break-After: 2     stream this many content chunks, then drop the connection
 
+A length, in the body as vLLM takes it: ``"ignore_eos": true`` with ``"max_tokens": N`` makes the
+reply exactly N words, streamed as exactly N content chunks (the words of the usual reply, repeated
+as needed), as vLLM generates exactly ``max_tokens`` tokens when told to ignore EOS. Being in the
+body, it reaches the stand-in through any proxy (benchmarks use it for streams of known length).
+
 Faults of the whole replica (what resilience tests and demos set on the instance): ``fail_status``
 answers every request with that status, ``reset`` drops each connection once the request is read,
 ``delay_ms`` makes every answer that much slower, ``healthy = False`` turns ``GET /health`` to 503.
+``record = False`` (``--no-record``) keeps no copy of the requests, for benchmarks that send millions.
 
 Run one: ``python -m tools.standin --port 8000 --name vllm``.
 """
@@ -52,6 +58,7 @@ class StandIn:
     reset: bool = False
     delay_ms: int = 0
     healthy: bool = True  # GET /health: 200, or 503 when False
+    record: bool = True  # False: keep nothing in ``received`` (a benchmark's millions of requests)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -63,7 +70,8 @@ class StandIn:
 
     async def _record(self, request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
         body = await request.read()
-        self.received.append(Received(request.method, request.path_qs, CIMultiDict(request.headers), body))
+        if self.record:
+            self.received.append(Received(request.method, request.path_qs, CIMultiDict(request.headers), body))
         if self.reset and request.transport is not None:
             request.transport.abort()
             return {}, web.Response(status=500)  # never reaches anyone: the connection is gone
@@ -94,14 +102,14 @@ class StandIn:
         if error is not None:
             return error
         text = f"[{self.name}] model={payload.get('model')} " + describe(payload.get("messages", []))
-        return await self._answer(request, payload, text, chat=True)
+        return await self._answer(request, payload, _fixed_length(text, payload), chat=True)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         payload, error = await self._record(request)
         if error is not None:
             return error
         text = f"[{self.name}] model={payload.get('model')} prompt={payload.get('prompt')!r}"
-        return await self._answer(request, payload, text, chat=False)
+        return await self._answer(request, payload, _fixed_length(text, payload), chat=False)
 
     async def _answer(
         self, request: web.Request, payload: dict[str, Any], text: str, *, chat: bool
@@ -180,6 +188,15 @@ class StandIn:
         return web.Response(text="ok") if self.healthy else web.Response(status=503, text="starting")
 
 
+def _fixed_length(text: str, payload: dict[str, Any]) -> str:
+    """``text``, or exactly ``max_tokens`` of its words (cycled) when the request sets ``ignore_eos``."""
+    length = payload.get("max_tokens")
+    if payload.get("ignore_eos") is not True or type(length) is not int or length < 1:
+        return text
+    words = text.split(" ")
+    return " ".join(words[i % len(words)] for i in range(length))
+
+
 def describe(messages: list[Any]) -> str:
     """'messages=2 text=1 image_url=1': the part types received, in a stable order."""
     counts: Counter[str] = Counter()
@@ -199,9 +216,10 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--name", default="standin")
+    parser.add_argument("--no-record", action="store_true", help="keep no copy of the requests (benchmarks)")
     args = parser.parse_args()
     print(f"stand-in upstream '{args.name}' on http://{args.host}:{args.port} ({time.strftime('%X')})", flush=True)
-    web.run_app(StandIn(args.name).app(), host=args.host, port=args.port, print=None)
+    web.run_app(StandIn(args.name, record=not args.no_record).app(), host=args.host, port=args.port, print=None)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,604 @@
+"""The gateway hop, side by side: straight to the upstream, through the least an aiohttp proxy can do,
+and through the gateway, for each kind of request the gateway sees (``make bench``).
+
+    .venv/bin/python -m bench.hop [--quick] [--rounds 3] [--duration 3] [--scenarios text reject ...]
+        [--gateway-workers N] [--plot docs/bench-hop.png] [--json out.json] [--profile]
+
+It starts, as separate processes on free loopback ports, the stand-in upstream (``tools.standin``),
+the minimal proxy (``bench.minimal_proxy``) and the gateway (``modality-gateway serve`` on a
+generated routing.yaml; a second one with the access log on, a third with a local encoder for EPD),
+then drives each with wrk (``bench.wrk``): every scenario runs its paths in turn, round after round
+(the order rotating), and reports medians of the rounds: req/s, p50 and p99, the CPU time the
+proxy process spent per request and its peak RSS (``bench.procstat``), and req/s as a ratio of the
+reference path's in the same round. Bounded: every run stops after ``--duration`` seconds; the
+default takes about 7 minutes, ``--quick`` under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import datetime
+import json
+import os
+import platform
+import random
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import orjson
+
+from bench import procstat, report, wrk
+from bench.common import free_port
+from bench.report import Run, Series, Summary
+
+# Text first, large bodies last: a process keeps some memory it grew for 2 MiB bodies, which would
+# show in the peak RSS of the runs after.
+SCENARIOS = ("text", "reject", "stream-20", "stream-500", "sweep", "image-100k", "image-2m", "epd")
+QUICK_SCENARIOS = ("text", "reject", "stream-20", "sweep", "image-100k")
+SWEEP = (1, 4, 16, 32, 64)
+QUICK_SWEEP = (1, 32)
+CONNECTIONS = 32
+EPD_CONNECTIONS = 8
+PROMPT = "Describe the picture in one sentence."
+DIRECT, MINIMAL, GATEWAY, GATEWAY_LOG = "direct", "minimal proxy", "gateway", "gateway, access log on"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- request bodies -------------------------------------------------------------------------------
+
+
+def chat_body(model: str, *, image_url: str | None = None, stream_chunks: int | None = None) -> bytes:
+    content: list[dict[str, object]] = [{"type": "text", "text": PROMPT}]
+    if image_url is not None:
+        content.append({"type": "image_url", "image_url": {"url": image_url}})
+    body: dict[str, object] = {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": content}]}
+    if stream_chunks is not None:  # the stand-in then streams exactly this many content chunks
+        body.update(stream=True, max_tokens=stream_chunks, ignore_eos=True)
+    return orjson.dumps(body)
+
+
+def image_body(model: str, size: int, *, seed: int = 0) -> bytes:
+    """A chat request of ``size`` bytes, nearly all of it one ``data:image/png;base64,`` URL (random bytes)."""
+    bare = len(chat_body(model, image_url="data:image/png;base64,"))
+    data = base64.b64encode(random.Random(seed).randbytes((size - bare) // 4 * 3)).decode()
+    return chat_body(model, image_url="data:image/png;base64," + data)
+
+
+def noise_png(width: int, height: int, seed: int) -> bytes:
+    """A valid RGB PNG of random pixels: each seed a distinct image (an encoder cache miss)."""
+    rng = random.Random(seed)
+    rows = b"".join(b"\x00" + rng.randbytes(width * 3) for _ in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 1)) + chunk(b"IEND", b"")
+
+
+def png_body(model: str, seed: int) -> bytes:
+    return chat_body(model, image_url="data:image/png;base64," + base64.b64encode(noise_png(224, 224, seed)).decode())
+
+
+# --- the processes --------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    name: str
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def pids(self) -> list[int]:
+        """The server and its workers; a local encoder it supervises is counted apart (``encoder_pids``)."""
+        return [self.process.pid, *(p for p in procstat.descendants(self.process.pid) if not _is_encoder(p))]
+
+    def encoder_pids(self) -> list[int]:
+        return [p for p in procstat.descendants(self.process.pid) if _is_encoder(p)]
+
+
+def _is_encoder(pid: int) -> bool:
+    try:
+        return b"vision_encoder" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def start_server(name: str, argv: Sequence[str], url: str, ready: str, tmp: Path, *, timeout_s: float = 120) -> Server:
+    """Start ``argv`` and wait (bounded) until ``url + ready`` answers 200."""
+    log_path = tmp / f"{name.replace(' ', '-').replace(',', '')}.log"
+    with log_path.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT)
+    server = Server(name, process, url, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        with contextlib.suppress(OSError, urllib.error.URLError):
+            with urllib.request.urlopen(url + ready, timeout=2) as response:
+                if response.status == 200:
+                    return server
+        time.sleep(0.1)
+    stop(server)
+    raise RuntimeError(f"{name} did not come up ({' '.join(argv)}):\n{log_path.read_text()[-3000:]}")
+
+
+def stop(server: Server) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+
+
+def gateway_config(port: int, upstream: str, *, access_log: bool, epd: bool) -> str:
+    encoders = (
+        "encoders:\n  vision: {kind: local, model: 'builtin:vit-small', device: cpu, max_batch_size: 32}\n"
+        if epd
+        else ""
+    )
+    epd_model = f"  - {{name: bench-epd, upstreams: [{upstream}], accepts: [text, image], encode: {{image: vision}}}}\n"
+    return (
+        "version: 1\n"
+        f"server: {{host: 127.0.0.1, port: {port}, max_body_bytes: 67108864, reload_interval_s: 0, "
+        "drain_grace_s: 0, drain_timeout_s: 2, "
+        f"access_log: {str(access_log).lower()}}}\n"
+        f"{encoders}"
+        "models:\n"
+        f"  - {{name: bench, upstreams: [{upstream}], accepts: [text, image]}}\n"
+        f"  - {{name: bench-text, upstreams: [{upstream}], accepts: [text]}}  # images: 400 at admission\n"
+        f"{epd_model if epd else ''}"
+    )
+
+
+def gateway_base() -> list[str]:
+    script = Path(sys.executable).parent / "modality-gateway"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "gateway"]
+
+
+def gateway_command(config: Path, workers: int) -> list[str]:
+    command = [*gateway_base(), "serve", "--config", str(config), "--log-level", "info"]
+    return [*command, "--workers", str(workers)] if workers > 1 else command
+
+
+def check_workers_option() -> None:
+    serve_help = subprocess.run([*gateway_base(), "serve", "--help"], capture_output=True, text=True, timeout=60)
+    if "--workers" not in serve_help.stdout:
+        raise SystemExit("--gateway-workers: this gateway's `serve` has no --workers option yet")
+
+
+class Stack:
+    """The servers of a run, started on demand, all stopped on exit."""
+
+    def __init__(self, tmp: Path, workers: int) -> None:
+        self.tmp, self.workers = tmp, workers
+        self._servers: dict[str, Server] = {}
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for server in self._servers.values():
+            server.process.terminate()
+        for server in self._servers.values():
+            stop(server)
+
+    def get(self, name: str) -> Server:
+        if name not in self._servers:
+            self._servers[name] = self._start(name)
+        return self._servers[name]
+
+    def _start(self, name: str) -> Server:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        log(f"starting {name} on {url}")
+        if name == "upstream":
+            argv = [sys.executable, "-m", "tools.standin", "--port", str(port), "--name", "bench", "--no-record"]
+            return start_server("stand-in upstream", argv, url, "/health", self.tmp)
+        if name == MINIMAL:
+            argv = [sys.executable, "-m", "bench.minimal_proxy", "--port", str(port), "--upstream", self.upstream]
+            return start_server(name, argv, url, "/health", self.tmp)
+        epd = name == "gateway, EPD"
+        config = self.tmp / f"routing-{port}.yaml"
+        config.write_text(gateway_config(port, self.upstream, access_log=name == GATEWAY_LOG, epd=epd))
+        return start_server(
+            name, gateway_command(config, self.workers), url, "/readyz" if epd else "/healthz", self.tmp
+        )
+
+    @property
+    def upstream(self) -> str:
+        return self.get("upstream").url
+
+
+# --- scenarios ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Arm:
+    path: str
+    target: Server
+    measured: Server | None  # whose CPU and RSS are reported; None: the upstream itself (direct)
+    script: Callable[[], Path]
+    expect_ok: bool = True  # False: every answer is a 4xx
+    counters: Callable[[], dict[str, float]] | None = None
+
+
+@dataclass
+class Plan:
+    scenario: str
+    connections: int
+    arms: list[Arm]
+    reference: str
+    direct: str | None = DIRECT
+    warmup: list[Arm] = field(default_factory=list)
+
+
+class Scripts:
+    """Request bodies and wrk scripts, written once to the run's folder."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self._made: dict[str, Path] = {}
+        self._seed = 1000
+
+    def static(self, key: str, bodies: Callable[[], Sequence[bytes]]) -> Callable[[], Path]:
+        def make() -> Path:
+            if key not in self._made:
+                self._made[key] = self._write(key, bodies())
+            return self._made[key]
+
+        return make
+
+    def fresh(self, key: str, count: int, body: Callable[[int], bytes]) -> Callable[[], Path]:
+        """A script of ``count`` bodies never sent before (new seeds at each call)."""
+
+        def make() -> Path:
+            self._seed += count
+            return self._write(f"{key}-{self._seed}", [body(self._seed + i) for i in range(count)])
+
+        return make
+
+    def _write(self, key: str, bodies: Sequence[bytes]) -> Path:
+        folder = self.tmp / "bodies" / key
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for i, data in enumerate(bodies):
+            paths.append(folder / f"{i}.json")
+            paths[-1].write_bytes(data)
+        script = folder / "post.lua"
+        script.write_text(wrk.lua_script(paths, {"Content-Type": "application/json"}))
+        return script
+
+
+def _three(scenario: str, connections: int, stack: Stack, script: Callable[[], Path]) -> Plan:
+    up, minimal, gw = stack.get("upstream"), stack.get(MINIMAL), stack.get(GATEWAY)
+    arms = [Arm(DIRECT, up, None, script), Arm(MINIMAL, minimal, minimal, script), Arm(GATEWAY, gw, gw, script)]
+    return Plan(scenario, connections, arms, reference=MINIMAL)
+
+
+def plans(name: str, stack: Stack, scripts: Scripts, *, duration: int, sweep: Sequence[int]) -> list[Plan]:
+    text = scripts.static("text", lambda: [chat_body("bench")])
+    if name == "text":
+        plan = _three("text chat", CONNECTIONS, stack, text)
+        gw_log = stack.get(GATEWAY_LOG)
+        plan.arms.append(Arm(GATEWAY_LOG, gw_log, gw_log, text))
+        return [plan]
+    if name in ("image-100k", "image-2m"):
+        size, label = (100 * 1024, "100 KiB") if name == "image-100k" else (2 * 1024 * 1024, "2 MiB")
+        body = scripts.static(name, lambda: [image_body("bench", size)])
+        return [_three(f"image, {label} body", CONNECTIONS, stack, body)]
+    if name == "reject":
+        gw = stack.get(GATEWAY)
+        tiny = "data:image/png;base64," + base64.b64encode(noise_png(1, 1, 0)).decode()
+        rejected = scripts.static("reject", lambda: [chat_body("bench-text", image_url=tiny)])
+        arms = [Arm("gateway, forwarded (text)", gw, gw, text), Arm("gateway, rejected (400)", gw, gw, rejected, False)]
+        return [Plan("rejection", CONNECTIONS, arms, reference=arms[0].path, direct=None)]
+    if name.startswith("stream-"):
+        chunks = int(name.split("-")[1])
+        body = scripts.static(name, lambda: [chat_body("bench", stream_chunks=chunks)])
+        return [_three(f"stream, {chunks} chunks", c, stack, body) for c in (1, CONNECTIONS)]
+    if name == "epd":
+        return [_epd_plan(stack, scripts, duration)]
+    if name == "sweep":
+        return [_three("sweep: text chat", c, stack, text) for c in sweep]
+    raise ValueError(name)
+
+
+def _epd_plan(stack: Stack, scripts: Scripts, duration: int) -> Plan:
+    """The gateway encoding images with its local builtin:vit-small encoder (CPU), against the same
+    gateway forwarding the same images as they are; the minimal proxy has no equivalent."""
+    gw = stack.get("gateway, EPD")
+    seen = scripts.static("epd-seen", lambda: [png_body("bench-epd", seed) for seed in range(8)])
+    forwarded = scripts.static("epd-forwarded", lambda: [png_body("bench", seed) for seed in range(8)])
+    # More distinct images than the CPU encoder gets through in a run (~20/s), so none repeats.
+    fresh = scripts.fresh("epd-fresh", 16 + 30 * duration, lambda seed: png_body("bench-epd", seed))
+
+    def counters() -> dict[str, float]:
+        outcomes = _encoder_outcomes(gw.url)
+        return {
+            "images encoded": outcomes.get("ok", 0.0),
+            "encoder cache hits": outcomes.get("cached", 0.0),
+            "encoder CPU s": procstat.cpu_seconds(gw.encoder_pids()),
+        }
+
+    arms = [
+        Arm("gateway, images forwarded", gw, gw, forwarded, counters=counters),
+        Arm("gateway, EPD, new images", gw, gw, fresh, counters=counters),
+        Arm("gateway, EPD, cached images", gw, gw, seen, counters=counters),
+    ]
+    warmup = [Arm("warm-up: encode the cached set", gw, gw, seen)]
+    return Plan("EPD, 224x224 PNG", EPD_CONNECTIONS, arms, reference=arms[0].path, direct=None, warmup=warmup)
+
+
+_OUTCOME = re.compile(r'^gateway_encoder_requests_total\{[^}]*outcome="(\w+)"[^}]*\} ([0-9.e+]+)$', re.MULTILINE)
+
+
+def _encoder_outcomes(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals: dict[str, float] = {}
+    for outcome, value in _OUTCOME.findall(text):
+        totals[outcome] = totals.get(outcome, 0.0) + float(value)
+    return totals
+
+
+# --- running --------------------------------------------------------------------------------------
+
+
+def measure(arm: Arm, connections: int, duration: int) -> Run:
+    pids = arm.measured.pids() if arm.measured else []
+    before = arm.counters() if arm.counters else {}
+    script = arm.script()
+    with procstat.measure(pids) as usage:
+        result = wrk.run(arm.target.url + "/v1/chat/completions", script, connections=connections, duration_s=duration)
+    after = arm.counters() if arm.counters else {}
+    counters = {k: after[k] - before.get(k, 0.0) for k in after}
+    wanted = 0 if arm.expect_ok else result.requests
+    if result.non_2xx != wanted or result.socket_errors:
+        log(
+            f"  ! {arm.path}: {result.non_2xx} of {result.requests} answers non-2xx, "
+            f"{result.socket_errors} socket errors"
+        )
+    return Run(result, usage.cpu_s, usage.peak_rss, counters)
+
+
+def run_plan(plan: Plan, *, rounds: int, duration: int, warm: Callable[[Server], None]) -> list[Series]:
+    series = [
+        Series(plan.scenario, plan.connections, a.path, a.measured.name if a.measured else "-") for a in plan.arms
+    ]
+    for arm in plan.arms:
+        warm(arm.target)
+    for arm in plan.warmup:
+        measure(arm, plan.connections, max(2, duration))
+    for r in range(rounds):
+        shift = r % len(plan.arms)  # a different path goes first each round
+        for i in [*range(shift, len(plan.arms)), *range(shift)]:
+            run = measure(plan.arms[i], plan.connections, duration)
+            series[i].runs.append(run)
+            log(
+                f"[{plan.scenario}, c={plan.connections}] round {r + 1}/{rounds} {plan.arms[i].path}: "
+                f"{run.result.rps:,.0f} req/s, p50 {run.result.p50_ms:.2f} ms, p99 {run.result.p99_ms:.2f} ms"
+            )
+    return series
+
+
+def warmer(scripts: Scripts, seconds: int) -> Callable[[Server], None]:
+    """Text through each server for ``seconds`` before its first measured run: connection pools,
+    caches and lazy imports warm."""
+    warmed: set[str] = set()
+    text = scripts.static("text", lambda: [chat_body("bench")])
+
+    def warm(server: Server) -> None:
+        if seconds and server.name not in warmed:
+            warmed.add(server.name)
+            wrk.run(server.url + "/v1/chat/completions", text(), connections=8, duration_s=seconds)
+
+    return warm
+
+
+# --- what it reports ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Goal:
+    what: str
+    target: str
+    measured: float
+    met: bool
+
+
+def goals(rows: Sequence[Summary]) -> list[Goal]:
+    """The issue's targets, checked against the gateway's rows."""
+    out = []
+    for r in rows:
+        if r.path == GATEWAY and r.ratio is not None:
+            if r.scenario == "text chat":
+                out.append(Goal("text chat, c=32, x minimal proxy", "≥ 0.90", r.ratio, r.ratio >= 0.90))
+            elif r.scenario.startswith("image"):
+                out.append(Goal(f"{r.scenario}, x minimal proxy", "≥ 0.85", r.ratio, r.ratio >= 0.85))
+            elif r.scenario.startswith("stream") and r.connections > 1:
+                out.append(Goal(f"{r.scenario}, c={r.connections}, x minimal proxy", "≥ 0.90", r.ratio, r.ratio >= 0.9))
+        if r.path == GATEWAY and r.scenario.startswith("stream") and r.connections == 1 and r.added_p50_ms is not None:
+            added = r.added_p50_ms
+            out.append(Goal(f"{r.scenario}, c=1, added p50 ms", "≤ 0.30", added, added <= 0.3))
+        if r.path == "gateway, rejected (400)" and r.ratio is not None:
+            out.append(Goal("rejections, x forwarded through the gateway", "≥ 3", r.ratio, r.ratio >= 3))
+    return out
+
+
+def notes(rows: Sequence[Summary]) -> list[str]:
+    out = []
+    for r in rows:
+        if (r.non_2xx and r.path != "gateway, rejected (400)") or r.socket_errors:
+            out.append(f"{r.scenario}, {r.path}: {r.non_2xx} non-2xx answers, {r.socket_errors} socket errors")
+        if r.counters.get("images encoded") or r.counters.get("encoder cache hits"):
+            encoded, hits = r.counters["images encoded"], r.counters["encoder cache hits"]
+            cpu_ms = r.counters["encoder CPU s"] / r.requests * 1000 if r.requests else float("nan")
+            out.append(
+                f"{r.path}: {encoded:.0f} images encoded, {hits:.0f} encoder cache hits over {r.requests} requests; "
+                f"the encoder process spent {cpu_ms:.1f} ms CPU a request"
+            )
+    return out
+
+
+def machine() -> dict[str, object]:
+    cpu = next((line.split(":", 1)[1].strip() for line in _lines("/proc/cpuinfo") if line.startswith("model name")), "")
+    mem = next((line.split()[1] for line in _lines("/proc/meminfo") if line.startswith("MemTotal")), "0")
+    version = subprocess.run([wrk.wrk_path(), "-v"], capture_output=True, text=True, check=False).stdout.split(" [")[0]
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True, cwd=ROOT,
+                            check=False).stdout.strip()  # fmt: skip
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "memory_gib": round(int(mem) / (1 << 20)),
+        "load_average_at_start": os.getloadavg()[0],
+        "python": platform.python_version(),
+        "wrk": version.strip(),
+        "commit": commit,
+    }
+
+
+def _lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+def profile_gateway(stack: Stack, scripts: Scripts, seconds: int, workers: int) -> tuple[dict[str, object], str]:
+    """py-spy on the gateway (its workers too) during a text run at c=32: where its CPU goes. Returns
+    the numbers and their tables."""
+    gw = stack.get(GATEWAY)
+    out = stack.tmp / "profile.txt"
+    spy = [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(gw.process.pid), "--rate", "200",
+           "--duration", str(seconds), "--format", "raw", "--output", str(out)]  # fmt: skip
+    if workers > 1:
+        spy.append("--subprocesses")
+    log(f"profiling: {' '.join(spy)}")
+    with subprocess.Popen(spy, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as recorder:
+        time.sleep(1)  # attached before the load starts
+        script = scripts.static("text", lambda: [chat_body("bench")])()
+        wrk.run(gw.url + "/v1/chat/completions", script, connections=CONNECTIONS, duration_s=seconds)
+        _, err = recorder.communicate(timeout=seconds + 60)
+    if not out.exists():
+        return {"error": err.decode(errors="replace")[-2000:]}, "Profile failed: " + err.decode(errors="replace")
+    profile = report.summarize_profile(out.read_text())
+    data = {"command": " ".join(spy), **asdict(profile)}
+    text = (
+        f"Profile of the gateway, text chat at c={CONNECTIONS} ({profile.samples} samples at 200 Hz, idle time "
+        f"left out; sampling pauses the gateway, so it serves less meanwhile). Own time by package:\n\n"
+        f"{report.area_table(profile.areas)}\n\nTop functions by own time:\n\n{report.profile_table(profile.own)}"
+        f"\n\nby time on the stack (own + callees):\n\n{report.profile_table(profile.total)}"
+    )
+    return data, text
+
+
+@dataclass
+class Results:
+    machine: dict[str, object]
+    settings: dict[str, object]
+    rows: list[Summary] = field(default_factory=list)
+    sweep: list[Summary] = field(default_factory=list)
+    profile: dict[str, object] | None = None
+    profile_text: str = ""
+
+    def render(self) -> str:
+        parts = [f"Machine: {json.dumps(self.machine)}", f"Settings: {json.dumps(self.settings)}"]
+        parts += [report.markdown_table(rows) for rows in (self.rows, self.sweep) if rows]
+        checked = goals(self.rows)
+        if checked:
+            lines = ["| goal | target | measured | met |", "|---|---|---:|---|"]
+            lines += [f"| {g.what} | {g.target} | {g.measured:.2f} | {'yes' if g.met else 'no'} |" for g in checked]
+            parts.append("\n".join(lines))
+        found = notes([*self.rows, *self.sweep])
+        if found:
+            parts.append("\n".join(f"- {note}" for note in found))
+        if self.profile_text:
+            parts.append(self.profile_text)
+        return "\n\n".join(parts) + "\n"
+
+    def to_json(self) -> str:
+        data = {
+            "machine": self.machine,
+            "settings": self.settings,
+            "rows": [asdict(r) for r in self.rows],
+            "sweep": [asdict(r) for r in self.sweep],
+            "goals": [asdict(g) for g in goals(self.rows)],
+            "profile": self.profile,
+        }
+        return json.dumps(data, indent=1) + "\n"
+
+
+def run_all(args: argparse.Namespace) -> Results:
+    rounds = args.rounds or (1 if args.quick else 3)
+    duration = args.duration or (1 if args.quick else 3)
+    names = args.scenarios or (QUICK_SCENARIOS if args.quick else SCENARIOS)
+    settings = {"rounds": rounds, "duration_s": duration, "gateway_workers": args.gateway_workers, "scenarios": names}
+    results = Results(machine(), settings)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="bench-hop-") as folder, Stack(Path(folder), args.gateway_workers) as stack:
+        scripts = Scripts(Path(folder))
+        warm = warmer(scripts, args.warmup)
+        for name in names:
+            sweep = QUICK_SWEEP if args.quick else SWEEP
+            for plan in plans(name, stack, scripts, duration=duration, sweep=sweep):
+                series = run_plan(plan, rounds=rounds, duration=duration, warm=warm)
+                summaries = report.summarize(series, reference=plan.reference, direct=plan.direct)
+                (results.sweep if name == "sweep" else results.rows).extend(summaries)
+        if args.profile:
+            results.profile, results.profile_text = profile_gateway(
+                stack, scripts, max(5, duration), args.gateway_workers
+            )
+    results.machine["load_average_at_end"] = os.getloadavg()[0]
+    results.machine["seconds"] = round(time.monotonic() - started)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="1 round of 1 s runs, fewer scenarios: under a minute")
+    parser.add_argument("--rounds", type=int, help="rounds of every scenario (default 3; --quick 1)")
+    parser.add_argument("--duration", type=int, help="seconds a run, whole (default 3; --quick 1)")
+    parser.add_argument("--warmup", type=int, default=1, help="seconds of text through each server first (0: none)")
+    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, help="default: all (--quick: some)")
+    parser.add_argument("--gateway-workers", type=int, default=1, help="`serve --workers N` (default 1)")
+    parser.add_argument("--plot", type=Path, help="PNG of the sweep: throughput and p99 against concurrency")
+    parser.add_argument("--json", type=Path, help="write every number here too")
+    parser.add_argument("--profile", action="store_true", help="py-spy the gateway during a text run; top functions")
+    args = parser.parse_args(argv)
+    if args.gateway_workers > 1:
+        check_workers_option()
+    results = run_all(args)
+    print(results.render(), end="")
+    if args.plot and results.sweep:
+        m = results.machine
+        title = f"text chat through each path, wrk -t1, {m['cores']} cores ({m['cpu']}), {m['date']}"
+        report.plot_sweep(results.sweep, args.plot, title=title)
+        log(f"wrote {args.plot}")
+    if args.json:
+        args.json.write_text(results.to_json())
+        log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
