@@ -48,6 +48,7 @@ TEXT = {"model": "m", "messages": [{"role": "user", "content": "Hello there, how
 SCENARIOS: dict[str, dict[str, Any]] = {
     "text": TEXT,
     "stream": {**TEXT, "stream": True},
+    "stream-20": {**TEXT, "stream": True, "ignore_eos": True, "max_tokens": 20},  # 20 content chunks
     "reject": {
         "model": "text-only",
         "messages": [

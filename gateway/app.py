@@ -20,8 +20,8 @@ from .config import GatewayConfig
 from .encoder import EncoderClient
 from .health import HealthChecker
 from .media import MediaFetcher
-from .metrics import GatewayMetrics, PoolCollector
-from .middlewares import access_middleware, expect_continue, front_middleware, rate_limit_headers
+from .metrics import GatewayMetrics, PoolCollector, WorkersCollector
+from .middlewares import expect_continue, front_middleware, rate_limit_headers
 from .reload import ConfigStore
 from .replicas import ReplicaSet
 from .state import SERVICES_KEY, Services
@@ -44,18 +44,27 @@ def create_app(
     watch: bool = True,
     encoder_command: Sequence[str] | None = None,
     supervisor_timings: Timings = DEFAULT_TIMINGS,
+    supervisor: Supervisor | None = None,
+    multiprocess_dir: str | None = None,
 ) -> web.Application:
     """Build the gateway, to be served with :data:`SERVER_OPTIONS`.
 
     ``config_path`` enables reloads (``watch`` also polls the file for edits); ``encoder_command``
-    replaces the local encoder backend's command line and ``supervisor_timings`` its watch (tests)."""
+    replaces the local encoder backend's command line and ``supervisor_timings`` its watch (tests).
+    A worker of ``serve --workers N`` passes the master's ``supervisor`` view, and the
+    ``multiprocess_dir`` its metrics go to (``PROMETHEUS_MULTIPROC_DIR``): /metrics sums every worker's."""
     registry = registry if registry is not None else CollectorRegistry()
-    metrics = GatewayMetrics(registry)
+    metrics = GatewayMetrics(registry, multiprocess=multiprocess_dir is not None)
+    scrape = registry
+    if multiprocess_dir is not None:
+        scrape = CollectorRegistry()
+        scrape.register(WorkersCollector(multiprocess_dir))
     replicas = ReplicaSet(on_open=lambda model, url: _ejected(metrics, model, url))
     store = ConfigStore(config, metrics=metrics, path=config_path, replicas=replicas)
     gates = Gates(on_shed=lambda model, reason: metrics.shed.labels(model, reason).inc())
-    registry.register(PoolCollector(lambda: store.live.pools, gates))
-    supervisor = Supervisor(config, command=encoder_command, timings=supervisor_timings)
+    scrape.register(PoolCollector(lambda: store.live.pools, gates))  # this process's pools, also in a worker
+    if supervisor is None:
+        supervisor = Supervisor(config, command=encoder_command, timings=supervisor_timings)
     encoder = EncoderClient(metrics, MediaFetcher(config.media), supervisor.url)
     store.subscribe(encoder.update)
     store.subscribe(supervisor.update)
@@ -65,7 +74,7 @@ def create_app(
 
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
-        middlewares=[front_middleware, access_middleware],
+        middlewares=[front_middleware],
     )
     app.on_response_prepare.append(rate_limit_headers)
     app[SERVICES_KEY] = services
@@ -84,7 +93,7 @@ def create_app(
     get("/readyz", handlers.readyz)
     post("/admin/reload", handlers.admin_reload)
     get("/admin/config", handlers.admin_config)
-    get("/metrics", make_aiohttp_handler(registry))
+    get("/metrics", make_aiohttp_handler(scrape))
     return app
 
 

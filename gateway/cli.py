@@ -7,31 +7,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
+import os
 import sys
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
-from aiohttp import web
 
 from .admission import admit
 from .app import create_app
 from .config import GatewayConfig, load_config
 from .errors import ConfigError, GatewayError
-from .lifecycle import serve
-from .state import SERVICES_KEY
+from .lifecycle import reload_on_sighup, serve
+from .workers import MULTIPROC_ENV, Master, worker_app
 
 DEFAULT_CONFIG = "routing.yaml"
-# One line a request, with what the gateway decided: the request id ties it to the upstream's logs.
-ACCESS_LOG = (
-    '%a "%r" %s %b %Tfs rid=%{X-Request-Id}o model=%{X-Gateway-Model}o route=%{X-Gateway-Route}o '
-    'encoded=%{X-Gateway-Encoded}o "%{User-Agent}i"'
-)
 log = logging.getLogger("gateway")
+T = TypeVar("T")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,7 +45,19 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=DEFAULT_CONFIG, help="routing.yaml (default: %(default)s)")
     serve.add_argument("--host", help="listen address (default: server.host, then 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (default: server.port, then 8080)")
+    serve.add_argument(
+        "--workers",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="gateway processes sharing the port (SO_REUSEPORT), about one per core (default: %(default)s)",
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # internal: how `serve --workers N` starts its workers (gateway.workers)
+    serve.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--run-dir", help=argparse.SUPPRESS)
+    serve.add_argument("--control-fd", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--master-pid", type=int, help=argparse.SUPPRESS)  # not getppid(): the master may be gone
     serve.set_defaults(command=_serve)
 
     check = sub.add_parser("check", help="validate routing.yaml files; exit 2 listing every problem")
@@ -68,6 +74,16 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("request", metavar="REQUEST.json", help="a chat completions body ('-' for stdin)")
     explain.set_defaults(command=_explain)
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, not {text!r}")
+    return value
 
 
 def _load(path: str, *, here: bool = False) -> GatewayConfig | None:
@@ -111,60 +127,73 @@ def _explain(args: argparse.Namespace) -> int:
     return status
 
 
-def run(main: Coroutine[Any, Any, None]) -> None:
+def run(main: Coroutine[Any, Any, T]) -> T:
     """Run the server on uvloop where it is installed (libuv's loop: less CPU per request than
     asyncio's own), else on asyncio's."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main)
-        return
-    uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    worker: int | None = args.worker
+    role = "" if worker is None and args.workers == 1 else "master " if worker is None else f"worker {worker} "
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {role}%(name)s: %(message)s")
     config = _load(args.config, here=True)
     if config is None:
         return 2
-    app = create_app(config, config_path=args.config)
-    app.cleanup_ctx.append(_reload_on_sighup)
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
     admin = config.server.admin_address
     if admin is not None and admin[1] == port:
         print(f"server.admin_listen ({config.server.admin_listen}) must use another port than {port}", file=sys.stderr)
         return 2
+    if worker is not None:
+        return _serve_worker(args, config, worker, host, port)
     if config.auth is None:
         log.warning(
             "no 'auth:' section: anyone who reaches http://%s:%d can use every model (docs/security.md)", host, port
         )
+    if args.workers > 1:
+        return _serve_master(args, config, host, port)
     log.info("serving %d models from %s on http://%s:%d", len(config.models), args.config, host, port)
-    access_log = ACCESS_LOG if config.server.access_log else None
-    run(serve(app, host, port, config.server, access_log_format=access_log))
+    app = create_app(config, config_path=args.config)
+    app.cleanup_ctx.append(reload_on_sighup)
+    run(serve(app, host, port, config.server, access_log=config.server.access_log))
     return 0
 
 
-async def _reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
-    store = app[SERVICES_KEY].store
-    loop = asyncio.get_running_loop()
-    tasks: set[asyncio.Task[Any]] = set()
+def _serve_master(args: argparse.Namespace, config: GatewayConfig, host: str, port: int) -> int:
+    """``serve --workers N``: this process runs the workers (gateway.workers)."""
+    admin = config.server.admin_address
+    if admin is not None and admin[1] == 0:
+        print("server.admin_listen needs a fixed port with --workers", file=sys.stderr)
+        return 2
+    log.info(
+        "serving %d models from %s on http://%s:%d with %d workers",
+        len(config.models),
+        args.config,
+        host,
+        port,
+        args.workers,
+    )
+    master = Master(
+        config, config_path=args.config, host=host, port=port, workers=args.workers, log_level=args.log_level
+    )
+    return run(master.run())
 
-    def reload() -> None:
-        task = loop.create_task(_reload_quietly(store.reload()))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
 
-    with contextlib.suppress(NotImplementedError):  # no signals on Windows
-        loop.add_signal_handler(signal.SIGHUP, reload)
-    yield
-    with contextlib.suppress(NotImplementedError):
-        loop.remove_signal_handler(signal.SIGHUP)
-
-
-async def _reload_quietly(reload: Any) -> None:
-    with contextlib.suppress(ConfigError):  # logged and counted by the store
-        await reload
+def _serve_worker(args: argparse.Namespace, config: GatewayConfig, index: int, host: str, port: int) -> int:
+    """One worker of ``serve --workers N``, started by its master (gateway.workers)."""
+    if args.run_dir is None or args.control_fd is None or args.master_pid is None or MULTIPROC_ENV not in os.environ:
+        print("--worker is internal to serve --workers N", file=sys.stderr)
+        return 2
+    app = worker_app(config, config_path=args.config, index=index, run_dir=args.run_dir, control_fd=args.control_fd)
+    access_log = config.server.access_log
+    run(serve(app, host, port, config.server, access_log=access_log, reuse_port=True, parent_pid=args.master_pid))
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

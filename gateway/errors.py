@@ -218,8 +218,8 @@ class EncoderError(GatewayError, status=503, code="encoder_unavailable"): ...
 
 def render(error: GatewayError) -> web.Response:
     """The only place a GatewayError becomes a response."""
-    response = web.Response(status=error.status, body=orjson.dumps(error.to_dict()), content_type="application/json")
-    response.headers.update(error.headers)
+    headers = {"Content-Type": "application/json", **error.headers}  # as a header: content_type= parses it
+    response = web.Response(status=error.status, body=orjson.dumps(error.to_dict()), headers=headers)
     if error.closes_connection:
         response.force_close()
     return response

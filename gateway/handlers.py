@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
@@ -54,8 +55,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             _check_grown_size(config, raw, replacements)
     data = upstream_body(plan, raw, body, replacements)
     key = chat_key(body) if plan.model.balance == "affinity" else None
+    stream = _streams(body)
+    # the parsed request (as large as the body: a 2 MB image is a 2 MB str) is not kept while the
+    # reply is relayed; the bytes sent upstream are
+    del raw, body, replacements
     return await _forward(
-        request, services, live, plan.model, data, plan.route, headers, stream=_streams(body), affinity_key=key
+        request, services, live, plan.model, data, plan.route, headers, stream=stream, affinity_key=key
     )
 
 
@@ -140,6 +145,8 @@ async def readyz(request: web.Request) -> web.Response:
         payload["models"] = [m.name for m in services.store.current.models]
         payload["encoders"] = encoders
         payload["upstreams"] = services.store.replicas.snapshot()
+        if services.lifecycle.worker is not None:  # serve --workers N: which one answered
+            payload["worker"] = {"index": services.lifecycle.worker, "pid": os.getpid()}
     return _json(payload, status=200 if ready else 503)
 
 
@@ -152,6 +159,8 @@ async def admin_reload(request: web.Request) -> web.Response:
         config = await services.store.reload()
     except ConfigError as exc:
         raise InvalidConfigError(f"routing.yaml is invalid; the running config is unchanged:\n{exc}") from None
+    if services.lifecycle.reload_others is not None:  # serve --workers N: the other workers too
+        services.lifecycle.reload_others()
     return _json({"status": "reloaded", "config_generation": services.store.generation, "models": len(config.models)})
 
 
@@ -223,13 +232,15 @@ def _visible(request: web.Request) -> Visible:
 
 
 def _count_plan(services: Services, plan: RoutePlan) -> None:
+    if not plan.redirects and not plan.stripped:
+        return
     for r in plan.redirects:
         services.metrics.redirects.labels(r.source, r.modality.value, r.target).inc()
     for part in plan.stripped_parts:
         services.metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
 
 
-async def _forward(
+def _forward(
     request: web.Request,
     services: Services,
     live: Live,
@@ -240,7 +251,9 @@ async def _forward(
     *,
     stream: bool,
     affinity_key: bytes | None = None,
-) -> web.StreamResponse:
+) -> Awaitable[web.StreamResponse]:
+    """The upstream exchange, awaited by the handler (a plain function: no coroutine frame of its
+    own for every resumption of the exchange to pass through)."""
     headers = {
         "X-Request-Id": request[REQUEST_ID_KEY],
         "X-Gateway-Model": model.name,
@@ -251,18 +264,30 @@ async def _forward(
     timeouts = Timeouts(
         t.connect_s, t.first_byte_s, live.config.server.client_write_timeout_s, t.idle_s if stream else None, t.total_s
     )
+    exchange = functools.partial(
+        services.upstream.forward,
+        request,
+        model,
+        live.pools[model.name],
+        data,
+        timeouts=timeouts,
+        gateway_headers=headers,
+        auth=live.upstream_auth.get(model.name),
+        forward_client_auth=live.keyring is None,  # with auth on, the client's key stays here
+        affinity_key=affinity_key,
+    )
+    if model.max_concurrency is None:
+        return exchange()
+    return _gated(services, model, exchange)
+
+
+async def _gated(
+    services: Services, model: ModelConfig, exchange: Callable[[], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """The exchange, begun once the model's gate gives it a slot (``max_concurrency``): its
+    deadlines and retry budget count from then."""
     async with services.gates.slot(model):
-        return await services.upstream.forward(
-            request,
-            model,
-            live.pools[model.name],
-            data,
-            timeouts=timeouts,
-            gateway_headers=headers,
-            auth=live.upstream_auth.get(model.name),
-            forward_client_auth=live.keyring is None,  # with auth on, the client's key stays here
-            affinity_key=affinity_key,
-        )
+        return await exchange()
 
 
 def _json(payload: Any, status: int = 200) -> web.Response:

@@ -1,11 +1,10 @@
-"""Two middlewares: the front door of every request, and who may come in.
+"""The front door of every request: one middleware, the one place errors become responses.
 
-``front_middleware`` (outermost) gives the request its id, counts it, and is the one place where
-errors become HTTP responses: every response, errors included, carries ``X-Request-Id``, and the
-metrics see the rendered status of every error. ``access_middleware`` then refuses a path on the
-wrong port (``server.admin_listen``) and, with ``auth:``, a /v1/* request without a valid key or
-over its key's limits; those refusals are errors like any other. (Two layers rather than one per
-concern: each layer is a coroutine and a lookup of the services per request.)
+``front_middleware`` gives the request its id, counts it, refuses a path on the wrong port
+(``server.admin_listen``) and, with ``auth:``, a /v1/* request without a valid key or over its
+key's limits, and renders every error: every response, errors included, carries
+``X-Request-Id``, and the metrics see the rendered status of every error. (One layer, not one per
+concern: each layer is a coroutine frame that every resumption of the handler passes through.)
 """
 
 from __future__ import annotations
@@ -61,7 +60,12 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
     metrics.in_flight.inc()
     try:
         try:
-            response = await handler(request)
+            _check_port(request, services)
+            keyring = services.store.live.keyring
+            if keyring is None or not request.path.startswith("/v1/"):
+                response = await handler(request)
+            else:
+                response = await _with_key(request, handler, services, keyring)
         except GatewayError as exc:
             response = await _render_error(request, services, exc)
         except web.HTTPException as exc:
@@ -84,36 +88,30 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
         metrics.in_flight.dec()
         model = request.get(MODEL_LABEL_KEY)
         if model is not None:
-            metrics.requests.labels(model, str(code), request.get(KEY_LABEL_KEY, NO_KEY)).inc()
-            metrics.request_duration.labels(model).observe(time.perf_counter() - started)
+            metrics.child(metrics.requests, model, str(code), request.get(KEY_LABEL_KEY, NO_KEY)).inc()
+            metrics.child(metrics.request_duration, model).observe(time.perf_counter() - started)
 
 
 async def _render_error(request: web.Request, services: Services, exc: GatewayError) -> web.Response:
     if exc.rejection is not None:
         r = exc.rejection
-        services.metrics.rejections.labels(r.model, r.modality, r.reason).inc()
+        services.metrics.child(services.metrics.rejections, r.model, r.modality, r.reason).inc()
     response = render(exc)
     if exc.stops_reading:
         await _send_and_close(request, response)
     return response
 
 
-@web.middleware
-async def access_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Who may come in: the right port for the path, then the API key (see below)."""
-    services = request.app[SERVICES_KEY]
+def _check_port(request: web.Request, services: Services) -> None:
+    """With ``server.admin_listen``: /admin/* and /metrics only there, /v1/* only on the main port
+    (health on both). A path on the wrong port is a plain 404, as if it did not exist."""
     admin_port = services.lifecycle.admin_port
-    if admin_port is not None and request.path not in ("/healthz", "/readyz"):
-        # with server.admin_listen: /admin/* and /metrics only there, /v1/* only on the main port
-        # (health on both); a path on the wrong port is a plain 404, as if it did not exist
-        sockname = request.get_extra_info("sockname")
-        on_admin = isinstance(sockname, tuple) and len(sockname) >= 2 and sockname[1] == admin_port
-        if on_admin != (request.path.startswith("/admin/") or request.path == "/metrics"):
-            raise NotFoundError(f"Unknown endpoint: {request.method} {clip(request.path)}")
-    keyring = services.store.live.keyring
-    if keyring is None or not request.path.startswith("/v1/"):
-        return await handler(request)
-    return await _with_key(request, handler, services, keyring)
+    if admin_port is None or request.path in ("/healthz", "/readyz"):
+        return
+    sockname = request.get_extra_info("sockname")
+    on_admin = isinstance(sockname, tuple) and len(sockname) >= 2 and sockname[1] == admin_port
+    if on_admin != (request.path.startswith("/admin/") or request.path == "/metrics"):
+        raise NotFoundError(f"Unknown endpoint: {request.method} {clip(request.path)}")
 
 
 async def _with_key(request: web.Request, handler: Handler, services: Services, keyring: Keyring) -> web.StreamResponse:

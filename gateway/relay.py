@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
@@ -76,7 +76,7 @@ class RelayResponse(web.StreamResponse):
     client_gone = False
 
 
-async def relay(
+def relay(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
     *,
@@ -84,19 +84,37 @@ async def relay(
     gateway_headers: Mapping[str, str],
     timeouts: Timeouts,
     deadline: float | None = None,
-) -> Relayed:
-    """Relay ``upstream`` to the client; ``deadline`` (loop time) ends the exchange (``total``)."""
-    status = upstream.status
-    outcome = outcome_of(status)
+) -> Coroutine[Any, Any, Relayed]:
+    """Relay ``upstream`` to the client (the coroutine that does it); ``deadline`` (loop time)
+    ends the exchange (``total``). A small non-streamed reply is read whole, any other relayed
+    chunk by chunk."""
+    outcome = outcome_of(upstream.status)
     length = upstream.content_length
     streamed = timeouts.stream_idle is not None  # the client asked for a stream
     if not streamed and length is not None and length <= SMALL_BODY_BYTES:
-        return await _relay_whole(upstream, model=model, outcome=outcome, gateway_headers=gateway_headers,
-                                  timeouts=timeouts, deadline=deadline)  # fmt: skip
-    response = RelayResponse(status=status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers))
+        return _relay_whole(upstream, model=model, outcome=outcome, gateway_headers=gateway_headers,
+                            timeouts=timeouts, deadline=deadline)  # fmt: skip
+    return _relay_stream(request, upstream, model=model, outcome=outcome, gateway_headers=gateway_headers,
+                         timeouts=timeouts, deadline=deadline)  # fmt: skip
+
+
+async def _relay_stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    *,
+    model: str,
+    outcome: str,
+    gateway_headers: Mapping[str, str],
+    timeouts: Timeouts,
+    deadline: float | None,
+) -> Relayed:
+    length = upstream.content_length
+    streamed = timeouts.stream_idle is not None
+    response = RelayResponse(
+        status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers)
+    )
     if length is not None:
         response.content_length = length
-    is_sse = upstream.content_type == "text/event-stream"
     await response.prepare(request)
     loop = asyncio.get_running_loop()
     deadlines = _Deadlines(
@@ -125,6 +143,7 @@ async def relay(
         failed = deadlines.expired != "total"  # a generation longer than the model allows is no fault
         outcome = "timeout" if deadlines.expired else "aborted"
         log.warning("upstream of %s broke off mid-response: %r", model, exc)
+        is_sse = upstream.content_type == "text/event-stream"
         if is_sse and "Content-Encoding" not in upstream.headers:  # an event can't go into a compressed stream
             deadlines.writing_since = loop.time()
             event = b"data: " + orjson.dumps(_broken(model, deadlines, timeouts).to_dict()) + b"\n\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -22,6 +23,8 @@ class Lifecycle:
 
     draining: bool = False
     admin_port: int | None = None  # where server.admin_listen listens, once it does
+    worker: int | None = None  # this process's index under `serve --workers N` (None: the only process)
+    reload_others: Callable[[], None] | None = None  # a worker's: have the master reload the other workers
 
 
 @dataclass(frozen=True, slots=True)

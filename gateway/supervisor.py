@@ -8,12 +8,16 @@ The gateway's /readyz is ready only while every local encoder is.
 A reload starts the local encoders it adds, stops those it removes, and restarts those it
 changes. A backend that stops answering its health check (three checks in a row once it was
 ready, or no answer within ``Timings.start_timeout_s`` of starting) is killed and started again.
+
+Under ``serve --workers N`` the master alone supervises, and publishes :meth:`Supervisor.snapshot`
+to a file that each worker's :class:`SupervisorView` follows: the encoders start once, not N times.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import socket
@@ -21,8 +25,11 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import aiohttp
+import orjson
 
 from .config import EncoderConfig, GatewayConfig
 
@@ -59,6 +66,11 @@ def encoder_command(spec: EncoderConfig, port: int, python: str = sys.executable
 
 def _local_specs(config: GatewayConfig) -> dict[str, EncoderConfig]:
     return {name: spec for name, spec in config.encoders.items() if spec.kind == "local"}
+
+
+def _fingerprint(spec: EncoderConfig) -> str:
+    """Tells whether a published encoder runs the spec a worker's config asks for (a reload may change it)."""
+    return hashlib.sha256(repr(spec).encode()).hexdigest()[:16]
 
 
 def _free_port() -> int:
@@ -100,6 +112,10 @@ class Supervisor:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._retired: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Each local encoder's state, as :class:`SupervisorView` reads it."""
+        return {name: {**e.status(), "fingerprint": _fingerprint(e.spec)} for name, e in sorted(self.encoders.items())}
 
     @property
     def ready(self) -> bool:
@@ -206,6 +222,70 @@ class Supervisor:
                 return resp.status == 200, f"health {resp.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
             return False, type(exc).__name__
+
+
+class SupervisorView(Supervisor):
+    """A worker's view of the master's supervisor (``serve --workers N``): it starts no process, and
+    follows the snapshot the master writes to ``status`` (replaced atomically) every ``interval_s``.
+    An encoder counts once the snapshot shows it running the spec of this worker's own config."""
+
+    def __init__(self, config: GatewayConfig, status: Path, *, interval_s: float = 0.2) -> None:
+        super().__init__(config)
+        self._status, self._interval_s = status, interval_s
+        self._published: dict[str, Any] = {}
+        self._signature: tuple[int, int, int] | None = None
+        self._follower: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._read()
+        self._follower = asyncio.create_task(self._follow(), name="local encoders' status")
+
+    def update(self, config: GatewayConfig) -> None:
+        self._specs = _local_specs(config)
+        self._refresh()
+
+    async def close(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follower
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval_s)
+            self._read()
+
+    def _read(self) -> None:
+        try:
+            st = os.stat(self._status)
+            signature = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if signature == self._signature:
+                return
+            published = orjson.loads(self._status.read_bytes())
+        except (OSError, orjson.JSONDecodeError) as exc:
+            if self._signature is not None or self._published:
+                log.warning("cannot read the local encoders' status from %s: %s", self._status, exc)
+            self._signature, self._published = None, {}
+        else:
+            self._signature, self._published = signature, published if isinstance(published, dict) else {}
+        self._refresh()
+
+    def _refresh(self) -> None:
+        encoders: dict[str, LocalEncoder] = {}
+        for name, spec in self._specs.items():
+            state = self._published.get(name)
+            if isinstance(state, dict) and state.get("fingerprint") == _fingerprint(spec):
+                encoders[name] = LocalEncoder(
+                    spec,
+                    url=state.get("url"),
+                    ready=state.get("ready") is True,
+                    restarts=int(state.get("restarts", 0)),
+                    pid=state.get("pid"),
+                    last_error=str(state.get("last_error", "")),
+                )
+            else:  # not started yet, or still running a spec this worker's config no longer has
+                encoders[name] = LocalEncoder(spec, last_error="not started by the master yet")
+        self.encoders = encoders
 
 
 async def _stop(process: asyncio.subprocess.Process) -> None:

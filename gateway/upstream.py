@@ -20,8 +20,9 @@ import io
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from aiohttp import hdrs, web
@@ -86,7 +87,7 @@ class UpstreamClient:
         if self._session is not None:
             await self._session.close()
 
-    async def forward(
+    def forward(
         self,
         request: web.Request,
         model: ModelConfig,
@@ -98,11 +99,12 @@ class UpstreamClient:
         auth: str | None = None,
         forward_client_auth: bool = True,
         affinity_key: bytes | None = None,
-    ) -> web.StreamResponse:
+    ) -> Coroutine[Any, Any, web.StreamResponse]:
         """POST ``body`` to one of ``pool``'s replicas at the request's path; relay the answer.
 
         ``gateway_headers`` go both ways; ``auth`` (the model's key) only upstream, in place of
-        the client's Authorization, which is not sent either when ``forward_client_auth`` is off."""
+        the client's Authorization, which is not sent either when ``forward_client_auth`` is off.
+        The exchange is the coroutine returned (this prepares it without a frame of its own)."""
         budget = self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
         budget.request()
         attempts = _Attempts(model, budget, affinity_key)
@@ -113,7 +115,7 @@ class UpstreamClient:
             headers[hdrs.AUTHORIZATION] = auth
         elif not forward_client_auth:
             headers.popall(hdrs.AUTHORIZATION, None)
-        return await self._forward(request, model, pool, body, attempts, timeouts, headers, gateway_headers)
+        return self._forward(request, model, pool, body, attempts, timeouts, headers, gateway_headers)
 
     async def _forward(
         self,
@@ -200,7 +202,8 @@ class UpstreamClient:
                     if status >= 500:  # a 429 is the engine protecting itself, not failing
                         lease.failure(f"HTTP {status}")
                     continue
-                self._metrics.upstream_duration.labels(model.name, replica.url).observe(time.perf_counter() - started)
+                metrics = self._metrics
+                metrics.child(metrics.upstream_duration, model.name, replica.url).observe(time.perf_counter() - started)
                 if status >= 500:
                     lease.failure(f"HTTP {status}")
                 else:
@@ -255,7 +258,7 @@ class UpstreamClient:
         self._count(model, lease.replica, failure.outcome)
 
     def _count(self, model: ModelConfig, replica: Replica, outcome: str) -> None:
-        self._metrics.upstream_requests.labels(model.name, replica.url, outcome).inc()
+        self._metrics.child(self._metrics.upstream_requests, model.name, replica.url, outcome).inc()
 
 
 @dataclass(slots=True)

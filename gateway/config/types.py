@@ -121,7 +121,7 @@ class ServerConfig:
     # "HOST:PORT": /admin/* and /metrics are served there only, and the main port serves /v1/* and
     # health alone; None: everything on the main port
     admin_listen: str | None = None
-    access_log: bool = True  # one line per request (request id, model, route); costs CPU per request
+    access_log: bool = True  # a line per request (id, model, route), written in batches (gateway/access_log.py)
 
     @property
     def admin_address(self) -> tuple[str, int] | None:

@@ -1,0 +1,45 @@
+"""A regression guard on the hop's cost that cannot flake: function calls per request, not time.
+
+``bench/calls.py`` counts every Python and C function call of the same request sent straight to
+a stand-in upstream, through the gateway and through the minimal aiohttp proxy (one process,
+one request at a time). The count moves by a call or two between runs, whatever the machine is
+doing, and it tracks CPU: every call the hop adds costs a fraction of a microsecond. A change that
+puts a per-request loop, a label lookup or a copy on the hot path shows here at once. Speed itself
+is measured by ``make bench`` (docs/benchmarks.md), never in a test.
+
+The ceilings are the ratios measured when they were set, plus a margin of about 10%. Lower them
+when the hop gets cheaper; raise one only for a feature worth its calls, and say so in the commit.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.calls import Counts, measure, run
+
+# The calls the gateway hop adds per request, over the calls the minimal aiohttp proxy's hop adds
+# for the same request (so an aiohttp or Python upgrade, which moves both, moves neither ceiling).
+# Measured 2026-12-01 on asyncio's loop: text 790 / 561 = 1.41, stream (8 chunks) 829 / 561 = 1.48,
+# reject (the gateway's own 400) 196 / 560 = 0.35. Before this guard: text 1.86 on uvloop.
+CEILINGS = {"text": 1.55, "stream": 1.62, "reject": 0.42}
+
+
+def count(scenario: str, n: int = 60) -> Counts:
+    """As ``python -m bench.calls`` counts (on asyncio's own loop)."""
+    return run(lambda: measure(scenario, n=n, warmup=20))
+
+
+@pytest.mark.parametrize("scenario", sorted(CEILINGS))
+def test_the_calls_a_request_costs_stay_under_their_ceiling(scenario: str) -> None:
+    counts = count(scenario)
+    added, least = counts.per_request(), counts.minimal_per_request()
+    worst = [(name, calls / counts.n) for name, calls in counts.added("minimal").most_common(8)]
+    assert added / least <= CEILINGS[scenario], (
+        f"{scenario}: the gateway hop now adds {added:.0f} calls a request, {added / least:.2f}x the minimal proxy's "
+        f"{least:.0f} (ceiling {CEILINGS[scenario]}x); most frequent beyond it: {worst}; see python -m bench.calls"
+    )
+
+
+def test_the_count_is_the_same_from_one_run_to_the_next() -> None:
+    first, second = count("text", n=40), count("text", n=40)
+    assert abs(first.per_request() - second.per_request()) <= 3
