@@ -34,8 +34,8 @@ from aiohttp.abc import AbstractAccessLogger
 
 BATCH_BYTES = 64 * 1024
 FLUSH_S = 0.5
+WRITE_BYTES = 4096  # PIPE_BUF: a write this small to a pipe is never torn by another process's
 _MAX_FIELD = 512  # a client-chosen field longer than this is cut (headers may be 8 KB)
-_ESCAPES = {i: f"\\x{i:02x}" for i in (*range(0x20), 0x7F)} | {ord('"'): '\\"', ord("\\"): "\\\\"}
 
 
 class AccessLogWriter:
@@ -44,7 +44,8 @@ class AccessLogWriter:
     def __init__(
         self, stream: IO[bytes] | None = None, *, batch_bytes: int = BATCH_BYTES, flush_s: float = FLUSH_S
     ) -> None:
-        self._stream = stream if stream is not None else sys.stderr.buffer
+        # sys.stderr is None when fd 2 was closed at start: lines then go nowhere
+        self._stream = stream if stream is not None else getattr(sys.stderr, "buffer", None)
         self._batch_bytes, self._flush_s = batch_bytes, flush_s
         self._lines: list[str] = []
         self._size = 0
@@ -69,12 +70,15 @@ class AccessLogWriter:
             self._timer = None
         if not self._lines:
             return
-        data = "".join(self._lines).encode("utf-8", "backslashreplace")
-        self._lines.clear()
+        lines = self._lines
+        self._lines = []
         self._size = 0
+        if self._stream is None:
+            return
         try:
-            self._stream.write(data)
-            self._stream.flush()
+            for piece in _pieces(lines):
+                self._stream.write(piece)
+                self._stream.flush()  # one write a piece: whole lines, never torn by another worker's
         except (OSError, ValueError) as exc:  # a closed or broken stderr must not fail requests
             logging.getLogger(__name__).debug("access log not written: %r", exc)
 
@@ -106,10 +110,40 @@ def access_logger(writer: AccessLogWriter) -> type[AbstractAccessLogger]:
     return AccessLog
 
 
+def _pieces(lines: list[str]) -> list[bytes]:
+    """``lines`` encoded and joined into pieces of at most :data:`WRITE_BYTES`, each ending at a
+    line's end. Workers of ``serve --workers N`` share one stderr, often a pipe: a write of up to
+    PIPE_BUF bytes reaches it whole, a larger one may be interleaved with another process's."""
+    pieces: list[bytes] = []
+    piece: list[bytes] = []
+    size = 0
+    for line in lines:
+        data = line.encode("utf-8", "backslashreplace")
+        if size + len(data) > WRITE_BYTES and piece:
+            pieces.append(b"".join(piece))
+            piece, size = [], 0
+        piece.append(data)
+        size += len(data)
+    if piece:
+        pieces.append(b"".join(piece))
+    return pieces
+
+
 def _safe(value: str) -> str:
-    """A client-chosen value, cut to a bounded length, its quotes and control characters escaped."""
+    """A client-chosen value, cut to a bounded length, with every character that is not printable
+    (controls, U+0085 and U+2028 which some tools read as line breaks, bidirectional overrides),
+    quotes and backslashes escaped."""
     if len(value) > _MAX_FIELD:
         value = value[:_MAX_FIELD] + "..."
     if value.isprintable() and '"' not in value and "\\" not in value:
         return value  # the common case: one C-speed check
-    return value.translate(_ESCAPES)
+    return "".join(_escape(c) for c in value)
+
+
+def _escape(c: str) -> str:
+    if c == '"' or c == "\\":
+        return "\\" + c
+    if c.isprintable():
+        return c
+    code = ord(c)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"

@@ -53,12 +53,12 @@ async def serve(
     ``access_log``: a line a request (gateway.access_log). ``reuse_port``: listen with SO_REUSEPORT (the
     kernel spreads connections over every process listening so); ``parent_pid``: drain as on
     SIGTERM once that process is no longer this one's parent."""
-    lines = AccessLogWriter()
+    lines = AccessLogWriter() if access_log else None
     runner = web.AppRunner(
         app,
         keepalive_timeout=server.client_idle_timeout_s,  # also bounds headers that trickle in
         shutdown_timeout=server.drain_timeout_s,
-        **({"access_log_class": access_logger(lines)} if access_log else {"access_log": None}),
+        **({"access_log_class": access_logger(lines)} if lines is not None else {"access_log": None}),
         **SERVER_OPTIONS,
     )
     await runner.setup()
@@ -83,8 +83,11 @@ async def serve(
             orphaned.cancel()
         # closes the listener, waits for requests in flight, then app cleanup; a signal now is
         # logged and changes nothing (the default action would kill the process mid-drain)
-        await runner.cleanup()
-        lines.flush()  # the access log's last lines
+        try:
+            await runner.cleanup()
+        finally:
+            if lines is not None:
+                lines.flush()  # the access log's last lines
         for sig in STOP_SIGNALS:
             with contextlib.suppress(NotImplementedError):
                 loop.remove_signal_handler(sig)
@@ -136,6 +139,9 @@ async def reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
     yield
     with contextlib.suppress(NotImplementedError):
         loop.remove_signal_handler(signal.SIGHUP)
+        # a SIGHUP while the process finishes stopping (an operator's, or a master's) is ignored;
+        # the default action would kill it
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 async def reload_quietly(reload: Awaitable[Any]) -> None:

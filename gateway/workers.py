@@ -55,6 +55,7 @@ METRICS_DIR = "metrics"
 ENCODERS_FILE = "encoders.json"
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # before starting a dead worker again, by deaths in a row
 STEADY_S = 60.0  # a worker that ran this long starts the backoff over
+KILL_MARGIN_S = 10.0  # past drain_grace_s + drain_timeout_s after the stop signal, a worker is killed
 PUBLISH_S = 0.1  # how often the master compares the encoders' state with what it published
 
 
@@ -82,7 +83,9 @@ class Master:
         self._up: set[int] = set()  # workers that said they can take SIGHUP
         self._missed_reload: set[int] = set()  # workers that were starting when a reload came
         self._stopping = asyncio.Event()
-        self._stop_signal = signal.SIGTERM
+        self._stop_signal = signal.SIGTERM  # the last one passed on (to a worker still starting)
+        self._stop_signals: set[signal.Signals] = set()  # every one passed on
+        self._kill_timer: asyncio.TimerHandle | None = None
         self._control = b""
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -144,11 +147,14 @@ class Master:
             loop.remove_reader(read_fd)
             for sig in (signal.SIGHUP, *STOP_SIGNALS):
                 loop.remove_signal_handler(sig)
-            for task in background:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            await self._supervisor.close()
+            if self._kill_timer is not None:
+                self._kill_timer.cancel()
+            try:
+                for task in background:
+                    task.cancel()
+                await asyncio.gather(*background, return_exceptions=True)  # stopped, whatever ended them
+            finally:
+                await self._supervisor.close()
         log.info("stopped")
         return 0 if all(code == 0 for code in codes) else 1
 
@@ -157,21 +163,32 @@ class Master:
         loop = asyncio.get_running_loop()
         deaths = 0
         while True:
-            process = await self._spawn(index, run_dir, control_fd)
             started = loop.time()
-            code = await process.wait()
-            del self._processes[index]
-            self._up.discard(index)
-            # its live gauges leave the sums; its counters stay in them
-            mark_process_dead(process.pid, str(run_dir / METRICS_DIR))  # type: ignore[no-untyped-call]
+            try:
+                process = await self._spawn(index, run_dir, control_fd)
+            except OSError as exc:  # no fork now (EAGAIN, ENOMEM: likely just after an OOM kill)
+                log.error("worker %d could not be started: %s", index, exc)
+                pid, code = None, -1
+            else:
+                pid = process.pid
+                code = await process.wait()
+                del self._processes[index]
+                self._up.discard(index)
+                # its live gauges leave the sums; its counters stay in them
+                mark_process_dead(pid, str(run_dir / METRICS_DIR))  # type: ignore[no-untyped-call]
             if self._stopping.is_set():
-                log.info("worker %d (pid %d) exited with code %d", index, process.pid, code)
-                return 0 if code == -self._stop_signal else code  # killed by the signal before it could drain
+                log.info("worker %d (pid %s) exited with code %d", index, pid, code)
+                # killed by a stop signal before it could take it (still starting): no failure
+                return 0 if -code in self._stop_signals else code
             deaths = 0 if loop.time() - started > STEADY_S else deaths + 1
             delay = self._backoff_s[min(deaths - 1, len(self._backoff_s) - 1)] if deaths else 0.0
-            log.error(
-                "worker %d (pid %d) died (exit code %d); starting it again in %gs", index, process.pid, code, delay
-            )
+            log.error("worker %d (pid %s) died (exit code %d); starting it again in %gs", index, pid, code, delay)
+            if code == 2:
+                log.error(
+                    "exit code 2: routing.yaml (%s) is invalid now; fix it for worker %d to start",
+                    self._config_path,
+                    index,
+                )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(delay):
                     await self._stopping.wait()
@@ -206,14 +223,29 @@ class Master:
     def _stop(self, sig: signal.Signals) -> None:
         if not self._stopping.is_set():
             log.info("%s: passed on to every worker; each drains, then the local encoders stop", sig.name)
+            server = self._config.server
+            # a worker stuck past its whole drain (a hung cleanup) must not hold the master forever
+            limit = server.drain_grace_s + server.drain_timeout_s + KILL_MARGIN_S
+            self._kill_timer = asyncio.get_running_loop().call_later(limit, self._kill_remaining, limit)
         self._stopping.set()
         self._stop_signal = sig
+        self._stop_signals.add(sig)
         for process in self._processes.values():
             _send(process, sig)  # a second signal cuts the workers' grace period short, as in one process
 
+    def _kill_remaining(self, limit: float) -> None:
+        for index, process in self._processes.items():
+            log.error(
+                "worker %d (pid %d) still running %gs after the stop signal; killing it", index, process.pid, limit
+            )
+            _send(process, signal.SIGKILL)
+
     def _reload(self, origin: int | None) -> None:
         """SIGHUP (``origin`` None) or a worker's ``POST /admin/reload``: every other worker reloads,
-        and the master, for its local encoders."""
+        and the master, for its local encoders. Not once stopping: the workers are draining."""
+        if self._stopping.is_set():
+            log.info("reload ignored: stopping")
+            return
         for index, process in self._processes.items():
             if index == origin:
                 continue
@@ -250,7 +282,11 @@ class Master:
     async def _publish_changes(self, status: Path, published: bytes) -> None:
         while True:
             await asyncio.sleep(PUBLISH_S)
-            published = _publish(self._supervisor, status, published)
+            try:
+                # written again when it went missing too (a /tmp cleaner): workers read it at start
+                published = _publish(self._supervisor, status, published if status.exists() else b"")
+            except OSError as exc:  # a full disk: workers keep the last state; try again next time
+                log.error("cannot write %s for the workers: %s", status, exc)
 
 
 def _publish(supervisor: Supervisor, status: Path, published: bytes) -> bytes:

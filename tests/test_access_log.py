@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from gateway.access_log import AccessLogWriter, _safe, access_logger
+from gateway.access_log import WRITE_BYTES, AccessLogWriter, _safe, access_logger
 from gateway.app import SERVER_OPTIONS, create_app
 from gateway.config import parse_config
 from tests.conftest import Upstream
@@ -117,3 +117,41 @@ async def test_a_served_request_gets_one_line_with_what_the_gateway_decided(upst
     assert match is not None, lines[-1]
     assert match["rid"] == rid
     assert match["ua"] == 'evil\\"agent'
+
+
+def test_a_batch_is_written_in_pieces_of_whole_lines_that_a_pipe_never_tears() -> None:
+    stream = Stream()
+    writer = AccessLogWriter(stream, flush_s=60)
+    lines = [f"{i:05d} " + "x" * (100 + i % 50) + "\n" for i in range(300)]  # ~40 KB
+    for line in lines:
+        writer.write(line)
+    writer.flush()
+    assert stream.getvalue().decode() == "".join(lines)
+    assert stream.writes >= 40_000 // WRITE_BYTES
+    # every write ended at a line's end and was at most PIPE_BUF: read the pieces back
+    pieces = Pieces()
+    writer = AccessLogWriter(pieces, flush_s=60)
+    for line in lines:
+        writer.write(line)
+    writer.flush()
+    assert all(len(p) <= WRITE_BYTES and p.endswith(b"\n") for p in pieces.pieces)
+
+
+class Pieces(io.BytesIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces: list[bytes] = []
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self.pieces.append(bytes(data))
+        return len(data)
+
+
+def test_characters_some_tools_read_as_line_breaks_are_escaped() -> None:
+    assert _safe("a\u2028b\u0085c\u202ed") == "a\\u2028b\\x85c\\u202ed"
+
+
+def test_no_stderr_at_all_drops_the_lines_quietly(monkeypatch) -> None:
+    monkeypatch.setattr("sys.stderr", None)
+    writer = AccessLogWriter()
+    writer.write("nowhere\n")  # no loop: flushed at once, to nothing
