@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import time
 
 from aiohttp import hdrs, web
@@ -37,6 +38,10 @@ from .state import API_KEY_KEY, KEY_LABEL_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY
 log = logging.getLogger(__name__)
 
 REQUEST_ID = "X-Request-Id"
+# Request ids: 128 random bits, as uuid4 has, from a generator seeded once per process from the
+# OS (os.urandom is a system call per id: 2% of the gateway's CPU under load). An id names a
+# request in logs; it guards nothing, so it needs to be unique, not unpredictable.
+_ids = random.Random(os.urandom(32))
 CLIENT_CLOSED = 499  # nginx's code for "the client went away first"
 
 
@@ -44,7 +49,7 @@ def _request_id(request: web.Request) -> str:
     given = request.headers.get(REQUEST_ID, "")
     if 0 < len(given) <= 200 and given.isascii() and given.isprintable():
         return given
-    return os.urandom(16).hex()  # 128 random bits, as uuid4 has, at half its cost
+    return f"{_ids.getrandbits(128):032x}"
 
 
 @web.middleware
