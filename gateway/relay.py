@@ -108,6 +108,8 @@ async def _relay_stream(
     timeouts: Timeouts,
     deadline: float | None,
 ) -> Relayed:
+    """A reply relayed chunk by chunk as it arrives (every stream, and a reply of unknown or large
+    length), under the deadlines of :class:`_Deadlines`."""
     length = upstream.content_length
     streamed = timeouts.stream_idle is not None
     response = RelayResponse(
