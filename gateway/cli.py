@@ -21,7 +21,7 @@ from .app import create_app
 from .config import GatewayConfig, load_config
 from .errors import ConfigError, GatewayError
 from .lifecycle import reload_on_sighup, serve
-from .workers import MULTIPROC_ENV, Master, worker_app
+from .workers import MULTIPROC_ENV, Master, worker_app, worker_config
 
 DEFAULT_CONFIG = "routing.yaml"
 log = logging.getLogger("gateway")
@@ -86,9 +86,11 @@ def _positive(text: str) -> int:
     return value
 
 
-def _load(path: str, *, here: bool = False) -> GatewayConfig | None:
+def _load(path: str, *, here: bool = False, worker_of: str | None = None) -> GatewayConfig | None:
+    """The config at ``path``, or None with its problems printed. ``worker_of``: a worker's run
+    directory (its master's last loaded routing.yaml stands in for an invalid file)."""
     try:
-        return load_config(path, here=here)
+        return load_config(path, here=here) if worker_of is None else worker_config(worker_of, path)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return None
@@ -141,7 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
     worker: int | None = args.worker
     role = "" if worker is None and args.workers == 1 else "master " if worker is None else f"worker {worker} "
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s {role}%(name)s: %(message)s")
-    config = _load(args.config, here=True)
+    config = _load(args.config, here=True, worker_of=args.run_dir if worker is not None else None)
     if config is None:
         return 2
     host = args.host or config.server.host

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -41,7 +42,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import mark_process_dead
 
 from .app import create_app
-from .config import GatewayConfig
+from .config import GatewayConfig, load_config, parse_config
+from .errors import ConfigError
 from .lifecycle import STOP_SIGNALS, reload_on_sighup, reload_quietly
 from .metrics import GatewayMetrics
 from .reload import ConfigStore
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 METRICS_DIR = "metrics"
 ENCODERS_FILE = "encoders.json"
+GOOD_CONFIG = "routing.yaml"  # the last routing.yaml the master loaded: where a new worker starts
 BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # before starting a dead worker again, by deaths in a row
 STEADY_S = 60.0  # a worker that ran this long starts the backoff over
 KILL_MARGIN_S = 10.0  # past drain_grace_s + drain_timeout_s after the stop signal, a worker is killed
@@ -126,6 +129,8 @@ class Master:
     async def _run(self, run_dir: Path, read_fd: int, write_fd: int) -> int:
         loop = asyncio.get_running_loop()
         self._store.subscribe(self._supervisor.update)
+        self._store.subscribe(functools.partial(_keep_good, self._config_path, run_dir / GOOD_CONFIG))
+        _keep_good(self._config_path, run_dir / GOOD_CONFIG, self._config)
         await self._supervisor.start()
         status = run_dir / ENCODERS_FILE
         published = _publish(self._supervisor, status, b"")  # before any worker reads it
@@ -298,6 +303,39 @@ def _publish(supervisor: Supervisor, status: Path, published: bytes) -> bytes:
         tmp.write_bytes(data)
         os.replace(tmp, status)
     return data
+
+
+def _keep_good(path: str, copy: Path, config: GatewayConfig) -> None:
+    """Keep the text ``config`` was loaded from as ``copy``: a worker started later (one that died)
+    starts from it, as its siblings run, even if the file was edited into an invalid one since
+    (it would refuse to start) or into a valid one the others have not loaded yet. Nothing is
+    written if the file changed again since ``config`` was read from it (the copy stays as it was)."""
+    try:
+        text = Path(path).read_bytes()
+        if hashlib.sha256(text).hexdigest() != config.sha256:
+            return
+        tmp = copy.with_suffix(".tmp")
+        tmp.write_bytes(text)
+        os.replace(tmp, copy)
+    except OSError as exc:
+        log.error("cannot keep a copy of %s for new workers: %s", path, exc)
+
+
+def worker_config(run_dir: str, path: str) -> GatewayConfig:
+    """A new worker's config: routing.yaml as it is now when it is valid (its siblings load it too);
+    when it is not (an edit being fixed), the one the master last loaded, which its siblings still
+    run, read as ``path`` (the file it reloads from, which errors name). ConfigError when neither
+    is there."""
+    try:
+        return load_config(path, here=True)
+    except ConfigError as invalid:
+        try:
+            text = (Path(run_dir) / GOOD_CONFIG).read_text(encoding="utf-8")
+            config = parse_config(text, filename=path, here=True)
+        except (OSError, UnicodeDecodeError, ConfigError):
+            raise invalid from None
+        log.warning("%s is invalid now; starting from the routing.yaml the other workers run:\n%s", path, invalid)
+        return config
 
 
 def _send(process: asyncio.subprocess.Process, sig: signal.Signals) -> None:

@@ -286,6 +286,41 @@ async def test_a_killed_worker_is_started_again_and_the_local_encoder_runs_once(
     assert f"worker 0 (pid {pids[0]}) died (exit code -9); starting it again" in output
 
 
+async def test_a_worker_started_while_routing_yaml_is_invalid_runs_what_its_siblings_run(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    config = tmp_path / "routing.yaml"
+    config.write_text(routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}", server=f"{{{SERVER}}}"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    served = await start(config, port, tmp_path)
+    try:
+        await wait_healthy(url, served.process)
+        workers = await each_worker(url)
+        first = workers[0]["worker"]["pid"]
+        config.write_text("version: 1\nmodels: [this is not a model]\n")  # an edit being fixed
+        os.kill(first, signal.SIGKILL)
+
+        async def replaced() -> bool:
+            status, report = await readyz(url)
+            return report["worker"]["index"] == 0 and report["worker"]["pid"] != first and status == 200
+
+        await eventually(replaced)  # it started: from the master's last loaded routing.yaml
+        async with aiohttp.ClientSession() as session:
+            for _ in range(8):  # over new connections: both workers serve model m
+                async with session.post(
+                    f"{url}/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                    headers={"Connection": "close"},
+                ) as resp:
+                    assert resp.status == 200
+        served.process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(served.process.wait(), timeout=15) == 0
+    finally:
+        output = await stop(served, tmp_path)
+    assert "is invalid now; starting from the routing.yaml the other workers run" in output
+
+
 async def test_a_reload_while_the_workers_start_reaches_them_once_they_can_take_it(
     upstream: Upstream, tmp_path: Path
 ) -> None:
