@@ -10,7 +10,7 @@ gateway's throughput is quoted as a ratio of this one's, measured side by side.
 from __future__ import annotations
 
 import argparse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
@@ -47,8 +47,9 @@ def make_app(upstream: str) -> web.Application:
     return app
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def serve(make: Callable[[str], web.Application], description: str | None) -> None:
+    """``--port P --upstream URL``: serve ``make(URL)`` on 127.0.0.1:P, on uvloop where installed."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True)
     args = parser.parse_args()
@@ -58,8 +59,12 @@ def main() -> None:
         loop_factory = uvloop.new_event_loop
     except ImportError:  # pragma: no cover
         loop_factory = None
-    web.run_app(make_app(args.upstream), host="127.0.0.1", port=args.port, access_log=None, print=None,
+    web.run_app(make(args.upstream), host="127.0.0.1", port=args.port, access_log=None, print=None,
                 loop=loop_factory() if loop_factory else None)  # fmt: skip
+
+
+def main() -> None:
+    serve(make_app, __doc__)
 
 
 if __name__ == "__main__":

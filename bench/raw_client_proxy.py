@@ -13,11 +13,12 @@ A measurement tool, not a client: no timeouts, retries, chunked bodies or error 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from urllib.parse import urlsplit
 
 from aiohttp import web
+
+from bench import minimal_proxy
 
 
 class Pool:
@@ -70,17 +71,7 @@ def make_app(upstream: str) -> web.Application:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--upstream", required=True)
-    args = parser.parse_args()
-    try:
-        import uvloop
-
-        loop = uvloop.new_event_loop()
-    except ImportError:  # pragma: no cover
-        loop = None
-    web.run_app(make_app(args.upstream), host="127.0.0.1", port=args.port, access_log=None, print=None, loop=loop)
+    minimal_proxy.serve(make_app, __doc__)
 
 
 if __name__ == "__main__":

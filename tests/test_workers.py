@@ -84,6 +84,14 @@ async def start(
     return Served(process)
 
 
+async def start_text_model(upstream: Upstream, tmp_path: Path) -> tuple[Path, str, Served]:
+    """Two workers of a one-model config (text, to ``upstream``): its file, the URL, the master."""
+    config = tmp_path / "routing.yaml"
+    config.write_text(routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}", server=f"{{{SERVER}}}"))
+    port = free_port()
+    return config, f"http://127.0.0.1:{port}", await start(config, port, tmp_path)
+
+
 async def readyz(url: str) -> tuple[int, dict[str, Any]]:
     """The admin's /readyz report, on a new connection (which the kernel gives to any worker)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True), timeout=TIMEOUT) as session:
@@ -289,11 +297,7 @@ async def test_a_killed_worker_is_started_again_and_the_local_encoder_runs_once(
 async def test_a_worker_started_while_routing_yaml_is_invalid_runs_what_its_siblings_run(
     upstream: Upstream, tmp_path: Path
 ) -> None:
-    config = tmp_path / "routing.yaml"
-    config.write_text(routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}", server=f"{{{SERVER}}}"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    served = await start(config, port, tmp_path)
+    config, url, served = await start_text_model(upstream, tmp_path)
     try:
         await wait_healthy(url, served.process)
         workers = await each_worker(url)
@@ -324,11 +328,7 @@ async def test_a_worker_started_while_routing_yaml_is_invalid_runs_what_its_sibl
 async def test_a_reload_while_the_workers_start_reaches_them_once_they_can_take_it(
     upstream: Upstream, tmp_path: Path
 ) -> None:
-    config = tmp_path / "routing.yaml"
-    config.write_text(routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}", server=f"{{{SERVER}}}"))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    served = await start(config, port, tmp_path)
+    _, url, served = await start_text_model(upstream, tmp_path)
     try:
 
         async def spawned() -> bool:
