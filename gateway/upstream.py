@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import io
 import logging
 import random
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import hdrs, web
-from aiohttp.payload import BytesIOPayload, BytesPayload, Payload
+from aiohttp.payload import BytesPayload, Payload
 from multidict import CIMultiDict
 
 from .config import ModelConfig
@@ -282,12 +281,22 @@ def _client_timeout(connect: float, sock_read: float | None) -> aiohttp.ClientTi
 
 
 def _payload(body: bytes) -> Payload:
-    """The body as aiohttp sends it: small ones as they are; large ones from a BytesIO, which aiohttp
-    writes in chunks (it warns about a large bytes body). Built here, it skips aiohttp's payload
-    registry lookup (a few microseconds a request)."""
+    """The body as aiohttp sends it, built here (skipping aiohttp's payload registry lookup)."""
     if len(body) < LARGE_BODY_BYTES:
         return BytesPayload(body, content_type="application/json")
-    return BytesIOPayload(io.BytesIO(body), content_type="application/json")
+    return _WholeBody(body)
+
+
+class _WholeBody(BytesPayload):
+    """A large body, written in one piece as a small one is. aiohttp warns about large bytes and
+    would have a BytesIO instead, which it writes 64 KiB at a time with a turn of the event loop
+    between pieces: 32 turns and writes for a 2 MiB image request. The body is in memory already,
+    so one write costs a copy into the socket's buffer (the transport keeps what the kernel does
+    not take yet); the event loop is not held any longer than by the copy."""
+
+    def __init__(self, value: bytes) -> None:
+        Payload.__init__(self, value, content_type="application/json")  # BytesPayload's warns
+        self._size = len(value)
 
 
 def _retry_after(value: str | None) -> float:
