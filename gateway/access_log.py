@@ -14,7 +14,7 @@ A line (to stderr, where the other logs go)::
         rid=9f0c... model=qwen route=direct encoded=- "OpenAI/Python 1.40.0"
 
 (one line; wrapped here): the time the answer ended (UTC), the client, the request line, the
-status, the body bytes sent, the seconds taken, then what the gateway decided, from its response
+status, the bytes sent (headers included), the seconds taken, then what the gateway decided, from its response
 headers: the request id (``X-Request-Id``, which ties the line to the engine's logs), the model
 that served it, the route and how many images were encoded (``-`` where there is none). Values a
 client chose (path, user agent) have their quotes and control characters escaped, so a line
