@@ -19,7 +19,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +78,7 @@ class UpstreamClient:
         self._session = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Content-Type"),
+            request_class=_ForwardedRequest,
             cookie_jar=aiohttp.DummyCookieJar(),
         )
 
@@ -278,6 +278,17 @@ class _Attempts:
 def _client_timeout(connect: float, sock_read: float | None) -> aiohttp.ClientTimeout:
     """One ClientTimeout per distinct pair (a model's timeouts), not one per request."""
     return aiohttp.ClientTimeout(total=None, connect=connect, sock_read=sock_read)
+
+
+class _ForwardedRequest(aiohttp.ClientRequest):
+    """A request to an upstream carries the client's headers and the gateway's, and none that
+    aiohttp would add of its own: no ``Accept: */*``, no ``User-Agent`` of aiohttp's, and no
+    ``Accept-Encoding: gzip, deflate`` the client did not send (an engine that compressed its
+    answer for it would have the gateway relay bytes the client never asked to decode).
+    ``skip_auto_headers`` would say the same at the cost of a sorted copy of the headers a request."""
+
+    def update_auto_headers(self, skip_auto_headers: Iterable[str] | None) -> None:
+        pass
 
 
 def _payload(body: bytes) -> Payload:

@@ -227,6 +227,33 @@ async def test_request_id_is_kept_or_made_and_sent_upstream(gw: Gateway, two) ->
     assert vision.received[0].headers["X-Gateway-Model"] == "vision"
 
 
+async def test_the_upstream_gets_the_clients_headers_and_the_gateways_and_nothing_of_aiohttps(gw: Gateway, two) -> None:
+    vision, _ = two
+    body = b'{"model": "vision", "messages": [{"role": "user", "content": "hi"}]}'
+    async with aiohttp.ClientSession(skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent")) as session:
+        async with session.post(  # a client that sends no Accept, Accept-Encoding or User-Agent
+            f"{gw.url}/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        ) as resp:
+            assert resp.status == 200
+        async with session.post(
+            f"{gw.url}/v1/chat/completions",
+            data=body,
+            headers={
+                "Content-Type": "application/json",
+                "Accept-Encoding": "br",
+                "User-Agent": "sdk/1",
+                "X-Custom": "y",
+            },
+        ) as resp:
+            assert resp.status == 200
+    bare, full = (r.headers for r in vision.received)
+    for name in ("Accept", "Accept-Encoding", "User-Agent"):
+        assert name not in bare  # none added on the client's behalf: no compression it did not ask for
+    assert {name.lower() for name in bare} == {"host", "content-type", "content-length", "x-request-id",
+                                               "x-gateway-model", "x-gateway-route", "x-forwarded-for"}  # fmt: skip
+    assert (full["Accept-Encoding"], full["User-Agent"], full["X-Custom"]) == ("br", "sdk/1", "y")
+
+
 async def test_completions_pass_through(gw: Gateway, two) -> None:
     async with gw.client() as client:
         completion = await client.completions.create(model="vision", prompt="say hi")

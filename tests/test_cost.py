@@ -41,5 +41,10 @@ def test_the_calls_a_request_costs_stay_under_their_ceiling(scenario: str) -> No
 
 
 def test_the_count_is_the_same_from_one_run_to_the_next() -> None:
-    first, second = count("text", n=40), count("text", n=40)
-    assert abs(first.per_request() - second.per_request()) <= 3
+    # a call or two moves (a timer firing during one run and not the other); under 1% of the count,
+    # ten times under the ceilings' margin
+    first, second = count("text", n=60), count("text", n=60)
+    assert abs(first.per_request() - second.per_request()) <= first.per_request() / 100, (
+        first.per_request(),
+        second.per_request(),
+    )
