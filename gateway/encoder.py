@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -38,8 +37,9 @@ from .media import MediaFetcher, is_data_url
 from .metrics import GatewayMetrics
 from .modality import Part
 from .replicas import Pool, Replica, ReplicaSet
-from .upstream import KEEPALIVE_TIMEOUT_S
+from .upstream import KEEPALIVE_TIMEOUT_S, whole_body
 
+OCTETS = "application/octet-stream"  # an image as sent to an encoder backend: its bytes
 log = logging.getLogger(__name__)
 
 HASH_IN_THREAD_BYTES = 1 << 20
@@ -189,7 +189,7 @@ class EncoderClient:
         name = spec.name
         # a backend that does not accept the connection is skipped, like an upstream replica
         timeout = aiohttp.ClientTimeout(total=spec.timeout_s, sock_connect=self._connect_timeout_s)
-        headers = {"Content-Type": "application/octet-stream", "X-Request-Id": request_id}
+        headers = {"Content-Type": OCTETS, "X-Request-Id": request_id}
         tried: list[Replica] = []
         last_status: tuple[int, bytes] | None = None
         started = time.perf_counter()
@@ -202,7 +202,10 @@ class EncoderClient:
                 with lease:
                     try:
                         async with self._session.post(
-                            f"{lease.replica.url}/v1/encode", data=io.BytesIO(data), headers=headers, timeout=timeout
+                            f"{lease.replica.url}/v1/encode",
+                            data=whole_body(data, OCTETS),
+                            headers=headers,
+                            timeout=timeout,
                         ) as resp:
                             payload = await resp.read()
                             status = resp.status

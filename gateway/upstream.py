@@ -293,9 +293,14 @@ class _ForwardedRequest(aiohttp.ClientRequest):
 
 def _payload(body: bytes) -> Payload:
     """The body as aiohttp sends it, built here (skipping aiohttp's payload registry lookup)."""
+    return whole_body(body, "application/json")
+
+
+def whole_body(body: bytes, content_type: str) -> Payload:
+    """``body`` as one aiohttp payload written in one piece, whatever its size (see _WholeBody)."""
     if len(body) < LARGE_BODY_BYTES:
-        return BytesPayload(body, content_type="application/json")
-    return _WholeBody(body)
+        return BytesPayload(body, content_type=content_type)
+    return _WholeBody(body, content_type)
 
 
 class _WholeBody(BytesPayload):
@@ -305,8 +310,8 @@ class _WholeBody(BytesPayload):
     so one write costs a copy into the socket's buffer (the transport keeps what the kernel does
     not take yet); the event loop is not held any longer than by the copy."""
 
-    def __init__(self, value: bytes) -> None:
-        Payload.__init__(self, value, content_type="application/json")  # BytesPayload's warns
+    def __init__(self, value: bytes, content_type: str) -> None:
+        Payload.__init__(self, value, content_type=content_type)  # BytesPayload's warns
         self._size = len(value)
 
 
