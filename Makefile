@@ -34,20 +34,16 @@ cluster-demo: $(STAMP) test-deps ## 2 gateways x 2 encoders on loopback: spread,
 test: $(STAMP) test-deps ## run every test
 	$(PY) -m pytest
 
-test-deps: ## system packages the tests use: Debian's prometheus (promtool and the server)
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+test-deps: ## system packages the tests use: Debian's prometheus (promtool and the server) and wrk (the bench harness's test)
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v wrk >/dev/null || { \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	  $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	  $$SUDO apt-get install -y -qq --no-install-recommends prometheus wrk >/dev/null; }
 
 bench: $(STAMP) bench-deps ## the gateway hop vs direct and a minimal proxy, wrk (~7 min): table, docs/bench-hop.png
 	$(PY) -m bench.hop --plot docs/bench-hop.png --profile
 
-bench-deps: $(STAMP) ## what the benchmarks use: Debian's wrk, and the bench extra (matplotlib, py-spy)
-	@command -v wrk >/dev/null || { \
-	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	  $$SUDO apt-get install -y -qq --no-install-recommends wrk >/dev/null; }
+bench-deps: $(STAMP) test-deps ## what the benchmarks use: Debian's wrk (with the tests'), and the bench extra (matplotlib, py-spy)
 	@$(PY) -c 'import matplotlib' 2>/dev/null && [ -x $(VENV)/bin/py-spy ] || $(PY) -m pip install -q -e '.[bench]'
 
 check: $(STAMP) ## formatting, lint, mypy --strict on gateway/, mypy on backends/ and tests/

@@ -139,9 +139,13 @@ def lookup(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = No
     return model
 
 
-def admit(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = None) -> RoutePlan:
-    """The routing decision for a chat body; ``visible``: which model names the caller may use."""
-    requested = lookup(config, body, visible)
+def admit(
+    config: GatewayConfig, body: Mapping[str, Any], visible: Visible = None, *, requested: ModelConfig | None = None
+) -> RoutePlan:
+    """The routing decision for a chat body; ``visible``: which model names the caller may use;
+    ``requested``: the model :func:`lookup` found for it already (else looked up here)."""
+    if requested is None:
+        requested = lookup(config, body, visible)
     classification = classify(body, model=requested.name, bounds=config.server.content_bounds)
     present = classification.present
     model = requested

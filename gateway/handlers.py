@@ -43,8 +43,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL  # until the body names a model: a 413 or bad JSON counts too
     raw, body = await _read_json(request, config)
     visible = _visible(request)
-    request[MODEL_LABEL_KEY] = _model_label(config, body, visible)
-    plan = admit(config, body, visible)
+    requested = lookup(config, body, visible)
+    request[MODEL_LABEL_KEY] = requested.name
+    plan = admit(config, body, visible, requested=requested)
     _count_plan(services, plan)
     headers = {}
     replacements: Replacements = {}
@@ -88,9 +89,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     config = live.config
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
     raw, body = await _read_json(request, config)
-    visible = _visible(request)
-    request[MODEL_LABEL_KEY] = _model_label(config, body, visible)
-    model = lookup(config, body, visible)
+    model = lookup(config, body, _visible(request))
+    request[MODEL_LABEL_KEY] = model.name
     if body["model"] != model.upstream_name:
         body = exact(raw, body)
         body["model"] = model.upstream_name
@@ -216,13 +216,6 @@ def _check_grown_size(config: GatewayConfig, raw: bytes, replacements: Replaceme
 
 def _embeds_size(value: Any) -> int:
     return len(value) if isinstance(value, str) else sum(len(v) for v in value.values())
-
-
-def _model_label(config: GatewayConfig, body: dict[str, Any], visible: Visible) -> str:
-    name = body.get("model")
-    if not isinstance(name, str) or config.model(name) is None or (visible is not None and not visible(name)):
-        return UNKNOWN_MODEL
-    return name
 
 
 def _visible(request: web.Request) -> Visible:

@@ -151,7 +151,7 @@ class UpstreamClient:
                 try:
                     sent = self._session.post(
                         replica.url + path,
-                        data=_payload(body),
+                        data=whole_body(body, "application/json"),
                         headers=headers,
                         timeout=timeout,
                         allow_redirects=False,  # relayed as they are, like every other answer
@@ -291,13 +291,9 @@ class _ForwardedRequest(aiohttp.ClientRequest):
         pass
 
 
-def _payload(body: bytes) -> Payload:
-    """The body as aiohttp sends it, built here (skipping aiohttp's payload registry lookup)."""
-    return whole_body(body, "application/json")
-
-
 def whole_body(body: bytes, content_type: str) -> Payload:
-    """``body`` as one aiohttp payload written in one piece, whatever its size (see _WholeBody)."""
+    """``body`` as one aiohttp payload written in one piece, whatever its size (see _WholeBody),
+    built here: no lookup in aiohttp's payload registry."""
     if len(body) < LARGE_BODY_BYTES:
         return BytesPayload(body, content_type=content_type)
     return _WholeBody(body, content_type)
