@@ -69,7 +69,13 @@ def create_app(
     store.subscribe(encoder.update)
     store.subscribe(supervisor.update)
     services = Services(
-        store, metrics, UpstreamClient(metrics), encoder, supervisor, config.server.max_body_bytes, gates
+        store,
+        metrics,
+        UpstreamClient(metrics, client=config.server.upstream_client),
+        encoder,
+        supervisor,
+        config.server.max_body_bytes,
+        gates,
     )
 
     app = web.Application(

@@ -1,5 +1,5 @@
-"""What an aiohttp client error means, for the upstream and encoder clients alike: the one place
-where aiohttp's exceptions are read.
+"""What a client error means, for the upstream and encoder clients alike: the one place where
+aiohttp's exceptions, and those of the gateway's own upstream client (:mod:`gateway.http1`), are read.
 
     connect   nothing reached the replica (refused, unreachable, connect timeout): safe to retry
     timeout   the replica accepted the request and went silent: it may be working on it
@@ -15,9 +15,11 @@ from typing import Literal
 
 import aiohttp
 
+from . import http1
+
 Kind = Literal["connect", "timeout", "reset", "protocol"]
 # errors the clients catch around a request (CancelledError is not one: the client left)
-CLIENT_ERRORS = (aiohttp.ClientError, TimeoutError)
+CLIENT_ERRORS = (aiohttp.ClientError, http1.Http1Error, TimeoutError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +33,9 @@ class Failure:
         return {"connect": "connect_error", "timeout": "timeout", "reset": "reset", "protocol": "error"}[self.kind]
 
 
-def failure_of(exc: aiohttp.ClientError | TimeoutError) -> Failure:
+def failure_of(exc: aiohttp.ClientError | http1.Http1Error | TimeoutError) -> Failure:
+    if isinstance(exc, http1.Http1Error):
+        return _http1_failure(exc)
     # order matters: ConnectionTimeoutError is a ServerTimeoutError, ClientConnectorError a ClientOSError
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return Failure("connect", "connect timeout")
@@ -45,3 +49,15 @@ def failure_of(exc: aiohttp.ClientError | TimeoutError) -> Failure:
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
         return Failure("reset", type(exc).__name__)
     return Failure("protocol", type(exc).__name__)
+
+
+def _http1_failure(exc: http1.Http1Error) -> Failure:
+    if isinstance(exc, http1.ConnectTimeout):
+        return Failure("connect", "connect timeout")
+    if isinstance(exc, http1.ConnectError):
+        return Failure("connect", str(exc))
+    if isinstance(exc, http1.ReadTimeout):
+        return Failure("timeout", "read timeout")
+    if isinstance(exc, http1.Disconnected):
+        return Failure("reset", str(exc))
+    return Failure("protocol", f"{type(exc).__name__}: {exc}")

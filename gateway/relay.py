@@ -12,16 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from types import TracebackType
+from typing import Any, NamedTuple, Protocol
 
 import aiohttp
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from .errors import GatewayError, UpstreamError, UpstreamTimeoutError
+from .failures import CLIENT_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,45 @@ class Timeouts:
     total: float | None = None  # the whole exchange with upstreams, retries and relay included
 
 
+class ReplyBody(Protocol):
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+    def set_exception(self, exc: BaseException) -> None: ...
+
+
+class UpstreamReply(Protocol):
+    """What the relay reads of an upstream reply: aiohttp's ``ClientResponse``, or the gateway's own
+    client's :class:`gateway.http1.Reply` (``server.upstream_client``)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def reason(self) -> str | None: ...
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]: ...
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    @property
+    def content_type(self) -> str: ...
+
+    @property
+    def content(self) -> ReplyBody: ...
+
+    async def read(self) -> bytes: ...
+
+    def close(self) -> None: ...
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+
 class Relayed(NamedTuple):
     response: web.StreamResponse | None  # None: nothing was sent, ``error`` is the answer
     outcome: str  # for gateway_upstream_requests_total: ok, http_4xx, http_5xx, timeout, aborted
@@ -78,7 +119,7 @@ class RelayResponse(web.StreamResponse):
 
 def relay(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamReply,
     *,
     model: str,
     gateway_headers: Mapping[str, str],
@@ -100,7 +141,7 @@ def relay(
 
 async def _relay_stream(
     request: web.Request,
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamReply,
     *,
     model: str,
     outcome: str,
@@ -141,7 +182,7 @@ async def _relay_stream(
         upstream.close()
         response.client_gone = True
         outcome = "aborted"
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except CLIENT_ERRORS as exc:
         failed = deadlines.expired != "total"  # a generation longer than the model allows is no fault
         outcome = "timeout" if deadlines.expired else "aborted"
         log.warning("upstream of %s broke off mid-response: %r", model, exc)
@@ -160,7 +201,7 @@ async def _relay_stream(
 
 
 async def _relay_whole(
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamReply,
     *,
     model: str,
     outcome: str,
@@ -177,7 +218,7 @@ async def _relay_whole(
         else:
             async with asyncio.timeout_at(deadline):
                 body = await upstream.read()
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except CLIENT_ERRORS as exc:
         log.warning("upstream of %s broke off mid-response: %r", model, exc)
         expired = deadline is not None and asyncio.get_running_loop().time() >= deadline
         headers = dict(gateway_headers)
@@ -226,7 +267,7 @@ class _Deadlines:
         self,
         loop: asyncio.AbstractEventLoop,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamReply,
         *,
         client_write: float,
         stream_idle: float | None,
@@ -291,7 +332,7 @@ async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
         pass
 
 
-def _client_headers(upstream: aiohttp.ClientResponse, gateway_headers: Mapping[str, str]) -> CIMultiDict[str]:
+def _client_headers(upstream: UpstreamReply, gateway_headers: Mapping[str, str]) -> CIMultiDict[str]:
     """The upstream's headers for the client: a copy in C, less the few the gateway's server sets,
     plus the gateway's own (which win over an upstream's of the same name)."""
     headers = upstream.headers.copy()

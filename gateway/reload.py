@@ -7,8 +7,8 @@ validates a whole new config and its pools, and swaps them in at once; requests 
 generation they started with, whose pools and replicas stay valid for them. An invalid file
 changes nothing: the old config stays, the problems are logged, and
 ``gateway_config_reloads_total{result="failure"}`` counts it. ``server.host``, ``port``,
-``max_body_bytes``, ``client_idle_timeout_s``, ``drain_grace_s``, ``drain_timeout_s``, ``access_log`` and
-``admin_listen`` take effect at the next start.
+``max_body_bytes``, ``client_idle_timeout_s``, ``drain_grace_s``, ``drain_timeout_s``, ``access_log``,
+``upstream_client`` and ``admin_listen`` take effect at the next start.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 _RESTART_ONLY = (
     "host",
+    "upstream_client",
     "port",
     "max_body_bytes",
     "client_idle_timeout_s",

@@ -7,9 +7,11 @@ always (nothing reached the engine, so it costs no budget), a reset or a status 
 ``retries.on_status`` within ``retries.attempts`` and the retry budget. Once a byte of the answer went to
 the client, nothing is retried.
 
-aiohttp's client errors are read by :mod:`gateway.failures` and become :mod:`gateway.errors` here. Bodies are
-relayed as they arrive (``iter_any``), so SSE streams reach the client chunk by chunk; compressed
-bodies pass through untouched (``auto_decompress=False``).
+Requests go out through the gateway's own HTTP/1.1 client (:mod:`gateway.http1`), or aiohttp's
+``ClientSession`` with ``server.upstream_client: aiohttp``; the errors of either are read by
+:mod:`gateway.failures` and become :mod:`gateway.errors` here. Bodies are relayed as they arrive
+(``iter_any``), so SSE streams reach the client chunk by chunk; compressed bodies pass through
+untouched.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from .errors import (
     UpstreamTimeoutError,
 )
 from .failures import CLIENT_ERRORS, Failure, failure_of
+from .http1 import KEEPALIVE_S, Http1Client
 from .metrics import GatewayMetrics
-from .relay import HOP_BY_HOP, Timeouts, outcome_of, relay
+from .relay import HOP_BY_HOP, Timeouts, UpstreamReply, outcome_of, relay
 from .replicas import Lease, Pool, Replica
 from .retries import RetryBudget, backoff
 
@@ -50,18 +53,20 @@ _NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-e
 
 # vLLM and SGLang (uvicorn) close idle keep-alive connections after 5 s; reusing one at that moment
 # fails a POST that cannot be retried, so the client pool lets connections go first.
-KEEPALIVE_TIMEOUT_S = 4.0
+KEEPALIVE_TIMEOUT_S = KEEPALIVE_S
 MAX_BUSY_S = 30.0  # the longest a replica that answered 429 is passed over
 LARGE_BODY_BYTES = 1 << 20  # aiohttp's own threshold for a "large" bytes body
 
 
 class UpstreamClient:
-    """Sends requests to a model's replicas over one shared ClientSession."""
+    """Sends requests to a model's replicas over one client: the gateway's own (``http1``) or
+    aiohttp's ``ClientSession`` (``aiohttp``)."""
 
     def __init__(
         self,
         metrics: GatewayMetrics,
         *,
+        client: str = "http1",
         rng: random.Random | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
@@ -72,8 +77,13 @@ class UpstreamClient:
         self._sleep = sleep  # the backoff's (tests inject one)
         self._budgets: dict[str, RetryBudget] = {}  # by model name, across reloads
         self._session: aiohttp.ClientSession | None = None
+        self._http1: Http1Client | None = None
+        self._client = client
 
     async def start(self) -> None:
+        if self._client == "http1":
+            self._http1 = Http1Client()
+            return
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -83,6 +93,8 @@ class UpstreamClient:
         )
 
     async def close(self) -> None:
+        if self._http1 is not None:
+            await self._http1.close()
         if self._session is not None:
             await self._session.close()
 
@@ -127,11 +139,13 @@ class UpstreamClient:
         headers: CIMultiDict[str],
         gateway_headers: Mapping[str, str],
     ) -> web.StreamResponse:
-        assert self._session is not None, "UpstreamClient.start() was not called"
+        http1, session = self._http1, self._session
+        assert http1 is not None or session is not None, "UpstreamClient.start() was not called"
         loop = asyncio.get_running_loop()
         # a stream's first chunk and gaps are the relay's deadlines (first_byte_s, idle_s), its
         # headers the wait below; a non-streamed reply's silence is the socket's read timeout
-        timeout = _client_timeout(timeouts.connect, None if timeouts.stream_idle is not None else timeouts.read)
+        sock_read = None if timeouts.stream_idle is not None else timeouts.read
+        timeout = _client_timeout(timeouts.connect, sock_read)
         # origin-form even when the client sent absolute-form (POST http://host/v1/... HTTP/1.1)
         path = request.rel_url.raw_path_qs
         while True:
@@ -148,19 +162,32 @@ class UpstreamClient:
                 wait = timeouts.stream_idle  # for the response headers
                 if attempts.deadline is not None:
                     wait = min(wait or timeouts.read, max(0.0, attempts.deadline - loop.time()))
+                upstream: UpstreamReply
                 try:
-                    sent = self._session.post(
-                        replica.url + path,
-                        data=whole_body(body, "application/json"),
-                        headers=headers,
-                        timeout=timeout,
-                        allow_redirects=False,  # relayed as they are, like every other answer
-                    )
-                    if wait is None:  # no timer to set: the socket's read timeout bounds the wait
-                        upstream = await sent
+                    if http1 is not None:
+                        upstream = await http1.post(
+                            replica.url,
+                            path,
+                            headers,
+                            body,
+                            connect_timeout=timeouts.connect,
+                            head_timeout=wait,  # None: sock_read bounds the wait
+                            read_timeout=sock_read,
+                        )
                     else:
-                        async with asyncio.timeout(wait):
+                        assert session is not None
+                        sent = session.post(
+                            replica.url + path,
+                            data=whole_body(body, "application/json"),
+                            headers=headers,
+                            timeout=timeout,
+                            allow_redirects=False,  # relayed as they are, like every other answer
+                        )
+                        if wait is None:  # no timer to set: the socket's read timeout bounds the wait
                             upstream = await sent
+                        else:
+                            async with asyncio.timeout(wait):
+                                upstream = await sent
                 except asyncio.CancelledError:  # the client left (handler cancellation)
                     self._count(model, replica, "aborted")
                     raise

@@ -22,6 +22,7 @@ from .types import (
     SERVER_KEYS,
     SUPPORTED_VERSION,
     TOP_KEYS,
+    UPSTREAM_CLIENTS,
     EncoderConfig,
     GatewayConfig,
     MediaConfig,
@@ -87,7 +88,16 @@ class Parser(PoolReaders, AuthReaders):
             drain_timeout_s=self.number(*get("drain_timeout_s"), positive=False),
             admin_listen=self.listen_address(*get("admin_listen")),
             access_log=self.boolean(*get("access_log")),
+            upstream_client=self.upstream_client(*get("upstream_client")),
         )
+
+    def upstream_client(self, value: Any, path: str, default: str) -> Any:
+        if value is MISSING:
+            return default
+        if value not in UPSTREAM_CLIENTS:
+            self.problem(path, unknown_message(value, UPSTREAM_CLIENTS, "client"))
+            return default
+        return value
 
     def media(self, value: Any) -> MediaConfig:
         get = self._section(value, "media", MEDIA_KEYS, MediaConfig())

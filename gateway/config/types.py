@@ -44,6 +44,7 @@ SERVER_KEYS = (
     "drain_timeout_s",
     "admin_listen",
     "access_log",
+    "upstream_client",
 )
 MEDIA_KEYS = ("allow_domains", "allow_private_networks", "fetch_timeout_s", "max_image_bytes")
 ENCODER_KEYS = {
@@ -69,6 +70,7 @@ MODEL_KEYS = (
     "health_check",
 )
 ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
+UPSTREAM_CLIENTS = ("http1", "aiohttp")
 UPSTREAM_KEYS = ("url", "weight")
 BALANCE_POLICIES = ("p2c", "round_robin", "affinity")
 RETRY_KEYS = ("attempts", "on_status", "budget", "min_per_s", "backoff_s", "max_backoff_s")
@@ -122,6 +124,8 @@ class ServerConfig:
     # health alone; None: everything on the main port
     admin_listen: str | None = None
     access_log: bool = True  # a line per request (id, model, route), written in batches (gateway/access_log.py)
+    # how requests reach upstreams: the gateway's own HTTP/1.1 client (gateway/http1.py), or aiohttp's
+    upstream_client: Literal["http1", "aiohttp"] = "http1"
 
     @property
     def admin_address(self) -> tuple[str, int] | None:
