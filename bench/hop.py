@@ -53,6 +53,9 @@ CONNECTIONS = 32
 EPD_CONNECTIONS = 8
 PROMPT = "Describe the picture in one sentence."
 DIRECT, MINIMAL, GATEWAY, GATEWAY_LOG = "direct", "minimal proxy", "gateway", "gateway, access log on"
+GATEWAY_AIOHTTP = "gateway, aiohttp client"  # server.upstream_client: aiohttp, side by side with the default
+FLOOR = "aiohttp server, fixed 400"  # bench.floor: the least an aiohttp server does to answer
+FORWARDED, REJECTED = "gateway, forwarded (text)", "gateway, rejected (400)"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -149,7 +152,7 @@ def stop(server: Server) -> None:
         server.process.wait()
 
 
-def gateway_config(port: int, upstream: str, *, access_log: bool, epd: bool) -> str:
+def gateway_config(port: int, upstream: str, *, access_log: bool, epd: bool, upstream_client: str = "http1") -> str:
     encoders = (
         "encoders:\n  vision: {kind: local, model: 'builtin:vit-small', device: cpu, max_batch_size: 32}\n"
         if epd
@@ -160,7 +163,7 @@ def gateway_config(port: int, upstream: str, *, access_log: bool, epd: bool) -> 
         "version: 1\n"
         f"server: {{host: 127.0.0.1, port: {port}, max_body_bytes: 67108864, reload_interval_s: 0, "
         "drain_grace_s: 0, drain_timeout_s: 2, "
-        f"access_log: {str(access_log).lower()}}}\n"
+        f"access_log: {str(access_log).lower()}, upstream_client: {upstream_client}}}\n"
         f"{encoders}"
         "models:\n"
         f"  - {{name: bench, upstreams: [{upstream}], accepts: [text, image]}}\n"
@@ -213,12 +216,16 @@ class Stack:
         if name == "upstream":
             argv = [sys.executable, "-m", "tools.standin", "--port", str(port), "--name", "bench", "--no-record"]
             return start_server("stand-in upstream", argv, url, "/health", self.tmp)
-        if name == MINIMAL:
-            argv = [sys.executable, "-m", "bench.minimal_proxy", "--port", str(port), "--upstream", self.upstream]
+        if name in (MINIMAL, FLOOR):
+            module = "bench.minimal_proxy" if name == MINIMAL else "bench.floor"
+            argv = [sys.executable, "-m", module, "--port", str(port), "--upstream", self.upstream]
             return start_server(name, argv, url, "/health", self.tmp)
         epd = name == "gateway, EPD"
         config = self.tmp / f"routing-{port}.yaml"
-        config.write_text(gateway_config(port, self.upstream, access_log=name == GATEWAY_LOG, epd=epd))
+        client = "aiohttp" if name == GATEWAY_AIOHTTP else "http1"
+        config.write_text(
+            gateway_config(port, self.upstream, access_log=name == GATEWAY_LOG, epd=epd, upstream_client=client)
+        )
         return start_server(
             name, gateway_command(config, self.workers), url, "/readyz" if epd else "/healthz", self.tmp
         )
@@ -298,8 +305,9 @@ def plans(name: str, stack: Stack, scripts: Scripts, *, duration: int, sweep: Se
     text = scripts.static("text", lambda: [chat_body("bench")])
     if name == "text":
         plan = _three("text chat", CONNECTIONS, stack, text)
-        gw_log = stack.get(GATEWAY_LOG)
+        gw_log, gw_aiohttp = stack.get(GATEWAY_LOG), stack.get(GATEWAY_AIOHTTP)
         plan.arms.append(Arm(GATEWAY_LOG, gw_log, gw_log, text))
+        plan.arms.append(Arm(GATEWAY_AIOHTTP, gw_aiohttp, gw_aiohttp, text))
         return [plan]
     if name in ("image-100k", "image-2m"):
         size, label = (100 * 1024, "100 KiB") if name == "image-100k" else (2 * 1024 * 1024, "2 MiB")
@@ -309,8 +317,13 @@ def plans(name: str, stack: Stack, scripts: Scripts, *, duration: int, sweep: Se
         gw = stack.get(GATEWAY)
         tiny = "data:image/png;base64," + base64.b64encode(noise_png(1, 1, 0)).decode()
         rejected = scripts.static("reject", lambda: [chat_body("bench-text", image_url=tiny)])
-        arms = [Arm("gateway, forwarded (text)", gw, gw, text), Arm("gateway, rejected (400)", gw, gw, rejected, False)]
-        return [Plan("rejection", CONNECTIONS, arms, reference=arms[0].path, direct=None)]
+        floor = stack.get(FLOOR)
+        arms = [
+            Arm(FORWARDED, gw, gw, text),
+            Arm(REJECTED, gw, gw, rejected, False),
+            Arm(FLOOR, floor, floor, rejected, False),
+        ]
+        return [Plan("rejection", CONNECTIONS, arms, reference=FORWARDED, direct=None)]
     if name.startswith("stream-"):
         chunks = int(name.split("-")[1])
         body = scripts.static(name, lambda: [chat_body("bench", stream_chunks=chunks)])
@@ -439,15 +452,23 @@ def goals(rows: Sequence[Summary]) -> list[Goal]:
         if r.path == GATEWAY and r.scenario.startswith("stream") and r.connections == 1 and r.added_p50_ms is not None:
             added = r.added_p50_ms
             out.append(Goal(f"{r.scenario}, c=1, added p50 ms", "≤ 0.30", added, added <= 0.3))
-        if r.path == "gateway, rejected (400)" and r.ratio is not None:
+        if r.path == REJECTED and r.ratio is not None:
             out.append(Goal("rejections, x forwarded through the gateway", "≥ 3", r.ratio, r.ratio >= 3))
     return out
 
 
 def notes(rows: Sequence[Summary]) -> list[str]:
     out = []
+    by_path = {r.path: r for r in rows}
+    if REJECTED in by_path and FLOOR in by_path and FORWARDED in by_path:
+        rejected, floor, forwarded = by_path[REJECTED], by_path[FLOOR], by_path[FORWARDED]
+        out.append(
+            f"rejection: the gateway spends {rejected.cpu_us:.0f} µs CPU a rejected request, {forwarded.cpu_us:.0f} a "
+            f"forwarded one; an aiohttp server answering a fixed 400 (the floor) {floor.cpu_us:.0f}, and answers "
+            f"{floor.rps / forwarded.rps if forwarded.rps else float('nan'):.2f}x the forwarded throughput"
+        )
     for r in rows:
-        if (r.non_2xx and r.path != "gateway, rejected (400)") or r.socket_errors:
+        if (r.non_2xx and r.path not in (REJECTED, FLOOR)) or r.socket_errors:
             out.append(f"{r.scenario}, {r.path}: {r.non_2xx} non-2xx answers, {r.socket_errors} socket errors")
         if r.counters.get("images encoded") or r.counters.get("encoder cache hits"):
             encoded, hits = r.counters["images encoded"], r.counters["encoder cache hits"]

@@ -505,6 +505,16 @@ def _parse_head(raw: bytes, conn: _Connection) -> Reply | None:
     return Reply(conn, status, reason, CIMultiDictProxy(headers), framing, length, keep_alive)
 
 
+def _chunk_size(line: bytes) -> int:
+    """The size a chunk-size line gives (extensions ignored), or -1 when it is not one."""
+    if 0 < len(line) <= 15 and not line.strip(_HEX):  # the common case: hex digits alone
+        return int(line, 16)
+    size = line.partition(b";")[0].rstrip(b" \t")
+    if not size or len(size) > 15 or size.strip(_HEX):
+        return -1
+    return int(size, 16)
+
+
 class Reply:
     """An upstream reply, its head read; the body comes through ``iter_any()`` or ``read()``.
 
@@ -591,67 +601,90 @@ class Reply:
             self._finish()
 
     def _feed_chunked(self, data: bytes) -> None:
+        """Decode what came of a chunked body; the decoded pieces are passed on together, once."""
         if self._line:
             data = self._line + data
             self._line = b""
         pos, end = 0, len(data)
+        state, left = self._cstate, self._chunk_left
+        pieces: list[bytes] = []
+        error: str | None = None
+        finished = False
         while pos < end:
-            state = self._cstate
             if state == _DATA:
-                take = min(self._chunk_left, end - pos)
-                self._append(data if take == end and pos == 0 else data[pos : pos + take])
-                pos += take
-                self._chunk_left -= take
-                if self._chunk_left == 0:
-                    self._cstate = _DATA_END
+                stop = pos + left
+                if stop <= end:
+                    pieces.append(data[pos:stop])
+                    pos, left, state = stop, 0, _DATA_END
+                else:
+                    pieces.append(data[pos:] if pos else data)
+                    left -= end - pos
+                    pos = end
+            elif state == _DATA_END:
+                if end - pos < 2:
+                    self._line = data[pos:]
+                    break
+                if data[pos] != 13 or data[pos + 1] != 10:
+                    error = "no CRLF after chunk data"
+                    break
+                pos += 2
+                state = _SIZE
             elif state == _SIZE:
                 eol = data.find(b"\r\n", pos)
                 if eol < 0:
                     if end - pos > MAX_CHUNK_LINE:
-                        return self._broken("chunk-size line too long")
-                    self._line = data[pos:]
-                    return None
-                size = data[pos:eol].partition(b";")[0].rstrip(b" \t")
-                if not size or len(size) > 15 or size.strip(_HEX):
-                    return self._broken(f"bad chunk size {data[pos:eol][:40]!r}")
+                        error = "chunk-size line too long"
+                    else:
+                        self._line = data[pos:]
+                    break
+                left = _chunk_size(data[pos:eol])
+                if left < 0:
+                    error = f"bad chunk size {data[pos:eol][:40]!r}"
+                    break
                 pos = eol + 2
-                self._chunk_left = int(size, 16)
-                self._cstate = _DATA if self._chunk_left else _TRAILER
-            elif state == _DATA_END:
-                if end - pos < 2:
-                    self._line = data[pos:]
-                    return None
-                if data[pos : pos + 2] != b"\r\n":
-                    return self._broken("no CRLF after chunk data")
-                pos += 2
-                self._cstate = _SIZE
+                state = _DATA if left else _TRAILER
             else:  # _TRAILER: header lines after the last chunk, then a blank line
                 eol = data.find(b"\r\n", pos)
                 if eol < 0:
                     self._line = data[pos:]
                     if len(self._line) > MAX_TRAILERS:
-                        return self._broken("trailers too long")
-                    return None
+                        error = "trailers too long"
+                    break
                 if eol == pos:
                     if eol + 2 < end:  # bytes after the end of the body
                         self._keep_alive = False
-                    self._finish()
-                    return None
+                    finished = True
+                    break
                 self._trailer_bytes += eol + 2 - pos
                 if self._trailer_bytes > MAX_TRAILERS:
-                    return self._broken("trailers too long")
+                    error = "trailers too long"
+                    break
                 pos = eol + 2
-        return None
+        self._cstate, self._chunk_left = state, left
+        if pieces:
+            self._extend(pieces)
+        if error is not None:
+            self._broken(error)
+        elif finished:
+            self._finish()
 
     def _broken(self, why: str) -> None:
         self.fail(ProtocolError(why))
         self._conn.abort()
+
+    def _extend(self, pieces: list[bytes]) -> None:
+        self._chunks += pieces
+        self._buffered += sum(map(len, pieces))
+        self._arrived()
 
     def _append(self, data: bytes) -> None:
         if not data:
             return
         self._chunks.append(data)
         self._buffered += len(data)
+        self._arrived()
+
+    def _arrived(self) -> None:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
