@@ -6,6 +6,7 @@ import aiohttp
 import pytest
 from aiohttp.client_reqrep import ConnectionKey
 
+from gateway import http1
 from gateway.failures import failure_of
 
 KEY = ConnectionKey("127.0.0.1", 9, False, True, None, None, None)
@@ -24,6 +25,14 @@ KEY = ConnectionKey("127.0.0.1", 9, False, True, None, None, None)
         (aiohttp.ServerDisconnectedError(), "reset", "reset", "ServerDisconnectedError"),
         (aiohttp.ClientOSError(104, "Connection reset by peer"), "reset", "reset", "ClientOSError"),
         (aiohttp.ClientPayloadError("bad chunk"), "protocol", "error", "ClientPayloadError"),
+        # the gateway's own upstream client (gateway/http1.py)
+        (http1.ConnectError("connection refused", ConnectionRefusedError(111, "refused")), "connect",
+         "connect_error", "connection refused"),
+        (http1.ConnectTimeout("connect to 10.0.0.1:8000 timed out after 5s"), "connect", "connect_error",
+         "connect timeout"),
+        (http1.ReadTimeout("no bytes for 600s"), "timeout", "timeout", "read timeout"),
+        (http1.Disconnected("the server closed the connection"), "reset", "reset", "the server closed the connection"),
+        (http1.ProtocolError("bad Content-Length"), "protocol", "error", "ProtocolError: bad Content-Length"),
     ],
 )  # fmt: skip
 def test_each_client_error_has_one_meaning(exc, kind, outcome, reason) -> None:
