@@ -32,11 +32,12 @@ Errors are :class:`Http1Error`; :mod:`gateway.failures` reads them as it reads a
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from collections.abc import Coroutine, Mapping
 from types import TracebackType
 from typing import Any, cast
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -46,6 +47,12 @@ MAX_HEAD_BYTES = 64 * 1024  # status line and headers of a reply
 MAX_CHUNK_LINE = 1024  # a chunk-size line with its extensions
 MAX_TRAILERS = 64 * 1024
 LARGE_BODY_BYTES = 1 << 20  # written after the head rather than copied into it
+# A reused connection that ends with nothing received within this long of the request was closed
+# by the engine as the request went (a FIN in flight): sent again on a fresh connection. Later,
+# the engine may have been working on it (and died): that is a reset, for gateway.upstream's
+# retry policy and budget.
+STALE_WINDOW_S = 0.05
+MAX_INTERIM = 16  # 1xx answers before the real one
 _HEX = b"0123456789abcdefABCDEF"
 
 
@@ -65,8 +72,8 @@ class ConnectTimeout(ConnectError):
     pass
 
 
-class ReadTimeout(Http1Error):
-    """The replica went silent for longer than the exchange allows."""
+class ReadTimeout(Http1Error, TimeoutError):
+    """The replica went silent for longer than the exchange allows (a TimeoutError, as aiohttp's)."""
 
 
 class Disconnected(Http1Error):
@@ -75,6 +82,11 @@ class Disconnected(Http1Error):
 
 class ProtocolError(Http1Error):
     """What came back is not HTTP/1.1 the client can read."""
+
+
+class UnsendableHeader(ValueError):
+    """A header value holds a line break: the gateway's own fault (its config), never the replica's,
+    so not an :class:`Http1Error`."""
 
 
 class Http1Client:
@@ -114,7 +126,7 @@ class Http1Client:
             try:
                 return await conn.exchange(data, body, head_timeout, read_timeout)
             except Disconnected:
-                if not conn.nothing_received:
+                if not conn.closed_as_sent():
                     raise
                 # the engine closed the kept-alive connection as the request went: a fresh one
         conn = await origin.connect(connect_timeout)
@@ -167,7 +179,7 @@ class _Origin:
         self.tls = parts.scheme == "https"
         self.host = parts.hostname
         self.port = parts.port or (443 if self.tls else 80)
-        self.prefix = parts.path.rstrip("/")
+        self.prefix = quote(parts.path.rstrip("/"), safe="/%:@!$&'()*+,;=-._~")
         self._host_line = f"\r\nHost: {parts.netloc}\r\n"
         self.idle: list[_Connection] = []  # most recently used last
         self.live: set[_Connection] = set()
@@ -181,7 +193,7 @@ class _Origin:
         # would split it into a header of someone else's choosing
         lines_expected = len(headers) + 4 + ("Content-Type" not in headers)
         if head.count("\n") != lines_expected or head.count("\r") != lines_expected:
-            raise ProtocolError("a header value holds a line break; not sent")
+            raise UnsendableHeader("a header value holds a line break; not sent")
         return head.encode("utf-8", "surrogateescape")
 
     def idle_connection(self) -> _Connection | None:
@@ -217,7 +229,6 @@ class _Origin:
         except BaseException:  # cancelled while connecting: nothing is left open
             conn.close()
             raise
-        self.live.add(conn)
         return conn
 
     def release(self, conn: _Connection) -> None:
@@ -251,8 +262,9 @@ _SIZE, _DATA, _DATA_END, _TRAILER = 0, 1, 2, 3
 class _Connection(asyncio.Protocol):
     """One TCP (or TLS) connection and the one exchange on it at a time."""
 
-    __slots__ = ("_head", "_head_future", "_limit", "_loop", "_origin", "_read_at", "_read_timeout", "_timer",
-                 "closed", "last_used", "nothing_received", "reply", "transport")  # fmt: skip
+    __slots__ = ("_due", "_head", "_head_future", "_interim", "_limit", "_loop", "_origin", "_paused", "_read_at",
+                 "_read_timeout", "_sent_at", "_timer", "closed", "last_used", "nothing_received", "reply",
+                 "transport")  # fmt: skip
 
     def __init__(self, origin: _Origin) -> None:
         self._origin = origin
@@ -263,23 +275,28 @@ class _Connection(asyncio.Protocol):
         self.reply: Reply | None = None
         self._head = bytearray()
         self._head_future: asyncio.Future[Reply] | None = None
+        self._interim = 0  # 1xx answers of this exchange
         self.nothing_received = True  # in this exchange
+        self._sent_at = 0.0
+        self._paused = False  # reading paused (a slow client)
         self._limit: float | None = None  # the longest silence allowed now
         self._read_timeout: float | None = None  # the longest silence once the head came
-        self._read_at = 0.0  # when bytes last came (or the exchange began)
+        self._read_at = 0.0  # when body bytes last came (the head's wait counts from the request)
         self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0  # when the timer fires
 
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
+        self._origin.live.add(self)
 
     def data_received(self, data: bytes) -> None:
         self.nothing_received = False
-        if self._limit is not None:
-            self._read_at = self._loop.time()
         reply = self.reply
         if reply is not None:
+            if self._limit is not None:
+                self._read_at = self._loop.time()
             reply.feed(data)
         elif self._head_future is not None:
             self._feed_head(data)
@@ -320,6 +337,7 @@ class _Connection(asyncio.Protocol):
         if transport is None or self.closed:
             raise Disconnected("connection closed")
         self.reply = None
+        self._interim = 0
         future: asyncio.Future[Reply] = self._loop.create_future()
         self._head_future = future
         self._read_timeout = read_timeout
@@ -328,9 +346,14 @@ class _Connection(asyncio.Protocol):
         else:
             transport.write(head)
             transport.write(body)
-        limit = head_timeout if head_timeout is not None else read_timeout
-        self._watch(limit)
+        self._sent_at = self._loop.time()
+        self._watch(head_timeout if head_timeout is not None else read_timeout)
         return self._await_head(future)
+
+    def closed_as_sent(self) -> bool:
+        """Whether this exchange's connection ended with nothing received so soon after the
+        request went that the engine closed it as it went (see STALE_WINDOW_S)."""
+        return self.nothing_received and self._loop.time() - self._sent_at <= STALE_WINDOW_S
 
     async def _await_head(self, future: asyncio.Future[Reply]) -> Reply:
         try:
@@ -341,32 +364,37 @@ class _Connection(asyncio.Protocol):
 
     def _feed_head(self, data: bytes) -> None:
         head = self._head
-        start = max(0, len(head) - 3)
         head += data
-        end = head.find(b"\r\n\r\n", start)
-        if end < 0:
-            if len(head) > MAX_HEAD_BYTES:
-                self._fail_head(ProtocolError(f"reply head over {MAX_HEAD_BYTES} bytes"))
-            return
-        raw = bytes(head[:end])
+        start = 0
+        while True:
+            end = head.find(b"\r\n\r\n", start)
+            if end < 0:
+                if len(head) > MAX_HEAD_BYTES:
+                    self._fail_head(ProtocolError(f"reply head over {MAX_HEAD_BYTES} bytes"))
+                return
+            try:
+                reply = _parse_head(bytes(head[:end]), self)
+            except ProtocolError as exc:
+                self._fail_head(exc)
+                return
+            if reply is not None:
+                break
+            # a 1xx interim answer: the real one follows (its wait still counts from the request)
+            self._interim += 1
+            if self._interim > MAX_INTERIM:
+                self._fail_head(ProtocolError(f"over {MAX_INTERIM} interim answers"))
+                return
+            del head[: end + 4]
         rest = bytes(head[end + 4 :])
         head.clear()
-        try:
-            reply = _parse_head(raw, self)
-        except ProtocolError as exc:
-            self._fail_head(exc)
-            return
-        if reply is None:  # a 1xx interim answer: the real one follows
-            if rest:
-                self._feed_head(rest)
+        future = self._head_future
+        self._head_future = None
+        if future is None or future.done():  # the caller gave up (cancelled) as the reply came
+            self.abort()
             return
         self.reply = reply
         self._watch(self._read_timeout)
-        future = self._head_future
-        self._head_future = None
-        assert future is not None
-        if not future.done():
-            future.set_result(reply)
+        future.set_result(reply)
         reply.begin(rest)
 
     def _fail_head(self, exc: Http1Error) -> None:
@@ -383,9 +411,12 @@ class _Connection(asyncio.Protocol):
         if limit is None:
             self._stop_timer()
             return
-        self._read_at = self._loop.time()
+        now = self._read_at = self._loop.time()
+        if self._timer is not None and self._due > now + limit:  # a shorter limit than the armed one
+            self._stop_timer()
         if self._timer is None:
-            self._timer = self._loop.call_at(self._read_at + limit, self._check_silence)
+            self._due = now + limit
+            self._timer = self._loop.call_at(self._due, self._check_silence)
 
     def _check_silence(self) -> None:
         self._timer = None
@@ -394,18 +425,19 @@ class _Connection(asyncio.Protocol):
             return
         now = self._loop.time()
         due = self._read_at + limit
-        reply = self.reply
-        if reply is not None and reply.paused:  # waiting for the client, not the replica
+        if self._paused:  # waiting for the client, not the replica
             self._read_at = now
             due = now + limit
         elif now >= due:
             error = ReadTimeout(f"no bytes for {limit:g}s")
+            reply = self.reply
             if reply is None:
                 self._fail_head(error)
             else:
                 reply.fail(error)
                 self.abort()
             return
+        self._due = due
         self._timer = self._loop.call_at(due, self._check_silence)
 
     def _stop_timer(self) -> None:
@@ -416,10 +448,12 @@ class _Connection(asyncio.Protocol):
     # the end of an exchange
 
     def done(self, reusable: bool) -> None:
-        """The reply was read to its end."""
+        """The reply came to its end (its body may still wait in the reply's buffer)."""
         self._limit = None
         self._stop_timer()
         self.reply = None
+        if self._paused:  # the next exchange reads from the start
+            self.resume()
         if reusable and not self.closed:
             self._origin.release(self)
         else:
@@ -439,26 +473,36 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
     def pause(self) -> None:
-        if self.transport is not None and not self.closed:
+        if self.transport is not None and not self.closed and not self._paused:
+            self._paused = True
             self.transport.pause_reading()
 
     def resume(self) -> None:
-        if self.transport is not None and not self.closed:
+        if self._paused:
+            self._paused = False
             self._read_at = self._loop.time()
-            self.transport.resume_reading()
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
+
+
+# a reply's status line and header lines (names tokens; values without control characters but
+# HTAB), each ending in CRLF: anything else is refused, never relayed (aiohttp's server would
+# refuse to write it, and drop the client's connection)
+_HEAD = re.compile(
+    rb"HTTP/1\.[01] [0-9]{3}(?: [\t\x20-\x7e\x80-\xff]*)?\r\n"
+    rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*\r\n)*"
+)
 
 
 def _parse_head(raw: bytes, conn: _Connection) -> Reply | None:
     """The reply a head (without its blank line) begins, or None for a 1xx interim answer."""
+    if _HEAD.fullmatch(raw + b"\r\n") is None:
+        raise ProtocolError(f"not an HTTP/1.1 reply head: {raw[:80]!r}")
     text = raw.decode("utf-8", "replace")
-    if text.count("\r") != text.count("\n"):  # a bare CR or LF would end up in a header relayed on
-        raise ProtocolError("bare CR or LF in the reply head")
     lines = text.split("\r\n")
     status_line = lines[0]
-    version, _, rest = status_line.partition(" ")
+    version, _, rest = status_line.partition(" ")  # the pattern checked their form
     code, _, reason = rest.partition(" ")
-    if version not in ("HTTP/1.1", "HTTP/1.0") or len(code) != 3 or not code.isdigit() or not code.isascii():
-        raise ProtocolError(f"not an HTTP/1.1 status line: {status_line[:80]!r}")
     status = int(code)
     if status < 200:
         if status == 101:
@@ -466,9 +510,7 @@ def _parse_head(raw: bytes, conn: _Connection) -> Reply | None:
         return None
     fields = []
     for line in lines[1:]:
-        name, colon, value = line.partition(":")
-        if not colon or not name or name != name.strip() or " " in name or "\t" in name:
-            raise ProtocolError(f"malformed header line: {line[:80]!r}")
+        name, _, value = line.partition(":")
         fields.append((name, value.strip(" \t")))
     headers = CIMultiDict(fields)
     keep_alive = version == "HTTP/1.1"
@@ -480,7 +522,8 @@ def _parse_head(raw: bytes, conn: _Connection) -> Reply | None:
         elif "keep-alive" in tokens:
             keep_alive = True
     length: int | None = None
-    coding = headers.get("Transfer-Encoding")
+    codings = headers.getall("Transfer-Encoding", None)
+    coding = ",".join(codings) if codings else None  # fields of one name are one list (RFC 9110 5.3)
     if status in (204, 304):
         framing = _NONE
         length = 0
@@ -490,7 +533,7 @@ def _parse_head(raw: bytes, conn: _Connection) -> Reply | None:
         else:  # another coding last: the body runs to the end of the connection
             framing = _UNTIL_CLOSE
             keep_alive = False
-        if "Content-Length" in headers:  # both: the coding wins, and the connection is not trusted again
+        if "Content-Length" in headers or version == "HTTP/1.0":  # the coding wins; not trusted again
             keep_alive = False
     elif "Content-Length" in headers:
         values = {v.strip() for v in headers.getall("Content-Length")}
@@ -697,7 +740,9 @@ class Reply:
     def _finish(self) -> None:
         self._done = True
         self._wake()
-        # the connection is free once the body is in; reading it out of the buffer needs no socket
+        # the connection is free once the body is in; reading it out of the buffer needs no socket,
+        # and this reply no longer touches it (done() resumes reading if this reply paused it)
+        self.paused = False
         self._conn.done(self._keep_alive)
 
     def eof(self) -> None:

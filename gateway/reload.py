@@ -98,7 +98,7 @@ class ConfigStore:
         for m in config.models:
             if m.api_key_env is None:
                 continue
-            key = os.environ.get(m.api_key_env)
+            key = os.environ.get(m.api_key_env, "").strip()  # a secret file's trailing newline is no part of it
             if key:
                 auth[m.name] = f"Bearer {key}"
             else:  # serve and reloads refuse this (validate_host); a config built in code may not

@@ -1237,6 +1237,15 @@ def test_an_api_key_env_is_a_variable_name_and_must_be_set_where_the_gateway_run
     ]
     monkeypatch.setenv("MODALITY_GATEWAY_TEST_KEY", "sk-x")
     parse_config(text, filename="r.yaml", here=True)
+    monkeypatch.setenv("MODALITY_GATEWAY_TEST_KEY", "sk-x\n")  # a secret file's newline: stripped, fine
+    parse_config(text, filename="r.yaml", here=True)
+    monkeypatch.setenv("MODALITY_GATEWAY_TEST_KEY", "sk-x\nX-Evil: 1")
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, filename="r.yaml", here=True)
+    assert [str(p) for p in info.value.problems] == [
+        "r.yaml:3:72: models[0].api_key_env: the value of MODALITY_GATEWAY_TEST_KEY holds a line break or another "
+        "control character; it cannot go into an Authorization header"
+    ]
 
 
 @pytest.mark.parametrize(

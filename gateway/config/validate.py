@@ -153,5 +153,13 @@ def validate_host(config: GatewayConfig, p: MarkedDocument) -> None:
         else:
             seen[value] = key.name
     for i, model in enumerate(config.models):
-        if model.api_key_env is not None and not os.environ.get(model.api_key_env):
-            p.problem(f"models[{i}].api_key_env", f"the environment variable {model.api_key_env} is not set")
+        if model.api_key_env is not None:
+            upstream_key = os.environ.get(model.api_key_env, "").strip()  # a secret file's trailing newline
+            if not upstream_key:
+                p.problem(f"models[{i}].api_key_env", f"the environment variable {model.api_key_env} is not set")
+            elif not upstream_key.isprintable():
+                p.problem(
+                    f"models[{i}].api_key_env",
+                    f"the value of {model.api_key_env} holds a line break or another control character; "
+                    "it cannot go into an Authorization header",
+                )
