@@ -24,11 +24,12 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
 import orjson
 
+from . import epd
 from .admission import RoutePlan
 from .config import BreakerConfig, EncoderConfig, GatewayConfig, ServerConfig
 from .errors import EncoderError, GatewayError, InvalidImageError, MediaRefusedError, Rejection
@@ -50,6 +51,16 @@ PER_REQUEST_CONCURRENCY = 16
 MAX_ENCODER_CONNECTIONS = 256
 T = TypeVar("T")
 Replacements = dict[tuple[int, int], dict[str, Any]]
+
+
+class Encoded(NamedTuple):
+    """What encoding a request's images gave: the new parts, and fields to add to the body."""
+
+    replacements: Replacements
+    fields: dict[str, Any]
+
+
+NOTHING = Encoded({}, {})
 
 
 def image_url(part: Mapping[str, Any]) -> str | None:
@@ -79,6 +90,7 @@ class EncoderClient:
         self._connect_timeout_s = server.upstream_connect_timeout_s
         self._breaker = _breaker(server.upstream_cooldown_s)
         self._session: aiohttp.ClientSession | None = None
+        self._rings: dict[tuple[str, tuple[str, ...]], Pool] = {}  # kind vllm: affinity pools, by URLs
 
     async def start(self, config: GatewayConfig) -> None:
         self._session = aiohttp.ClientSession(
@@ -97,17 +109,18 @@ class EncoderClient:
         self._connect_timeout_s = config.server.upstream_connect_timeout_s
         self._breaker = _breaker(config.server.upstream_cooldown_s)
         self._replicas.retain(u for spec in config.encoders.values() for u in self.urls(spec))
+        self._rings.clear()
         self.fetcher.update(config.media)
 
     def urls(self, spec: EncoderConfig) -> list[str]:
-        if spec.kind == "http":
+        if spec.kind in ("http", "vllm"):
             return list(spec.urls)
         url = self._local_urls(spec.name)
         return [url] if url else []
 
     async def encode(
         self, plan: RoutePlan, body: Mapping[str, Any], *, request_id: str, encoders: Mapping[str, EncoderConfig]
-    ) -> Replacements:
+    ) -> Encoded:
         """New parts for the request's encodable images. Raises 400s for bad media, EncoderError.
 
         ``encoders`` is the table of the config the request was admitted under: a reload that
@@ -124,10 +137,12 @@ class EncoderClient:
             if url is not None:
                 located.append((part, url))
         if not located:
-            return {}
+            return NOTHING
         model = plan.model.name
         blobs = await self._load_all(located, model)
         shas = await asyncio.gather(*(_sha256(b) for b in blobs))
+        if spec.kind == "vllm":
+            return await self._prime(spec, plan, body, located, shas, request_id)
         unique = dict(zip(shas, blobs, strict=True))
         first_part: dict[str, Part] = {}
         for (part, _), sha in zip(located, shas, strict=True):
@@ -143,11 +158,55 @@ class EncoderClient:
         )
         _raise_first(replies)
         by_sha = dict(zip(unique, replies, strict=True))
-        return {
+        replacements = {
             (part.message, part.index): {"type": "image_embeds", "image_embeds": by_sha[sha], "uuid": sha}
             for (part, _), sha in zip(located, shas, strict=True)
             if part.index is not None
         }
+        return Encoded(replacements, {})
+
+    async def _prime(
+        self,
+        spec: EncoderConfig,
+        plan: RoutePlan,
+        body: Mapping[str, Any],
+        located: list[tuple[Part, str]],
+        shas: list[str],
+        request_id: str,
+    ) -> Encoded:
+        """Images to vLLM encoder instances (gateway.epd); the parts rewritten for the consumer."""
+        assert self._session is not None, "EncoderClient.start() was not called"
+        urls = tuple(self.urls(spec))
+        pool = self._rings.get((spec.name, urls))
+        if pool is None:  # the ring is made once per encoder and URL list, not per request
+            pool = self._rings[(spec.name, urls)] = self._replicas.pool(
+                spec.name, urls, balance="affinity", breaker=self._breaker
+            )
+        items: dict[str, epd.Item] = {}
+        for (_, url), sha in zip(located, shas, strict=True):
+            items.setdefault(sha, epd.Item(sha, url))
+        try:
+            primed = await epd.prime(
+                self._session,
+                spec,
+                pool,
+                list(items.values()),
+                upstream_model=plan.model.upstream_name,
+                body=body,
+                request_id=request_id,
+                metrics=self._metrics,
+                concurrency=PER_REQUEST_CONCURRENCY,
+            )
+        except InvalidImageError as exc:
+            raise _at_part(exc, located[0][0], plan.model.name) from None
+        messages = body["messages"]
+        positions = [
+            ((part.message, part.index), messages[part.message]["content"][part.index], sha)
+            for (part, _), sha in zip(located, shas, strict=True)
+            if part.index is not None
+        ]
+        fields = {"ec_transfer_params": primed.transfer_params} if primed.transfer_params else {}
+        return Encoded(epd.parts_for_consumer(positions, primed), fields)
 
     async def _load_all(self, located: list[tuple[Part, str]], model: str) -> list[bytes]:
         # Each distinct fetched URL once. Data URLs are not compared (hashing a 30 MB string holds

@@ -16,7 +16,7 @@ from .affinity import chat_key, prompt_key
 from .auth import is_bearer
 from .body import dump_body, exact, read_json
 from .config import EncoderConfig, GatewayConfig, ModelConfig, as_dict
-from .encoder import Replacements
+from .encoder import NOTHING, Encoded, Replacements
 from .errors import (
     AuthenticationError,
     ConfigError,
@@ -48,18 +48,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     plan = admit(config, body, visible, requested=requested)
     _count_plan(services, plan)
     headers = {}
-    replacements: Replacements = {}
+    encoded = NOTHING
     if plan.encode_parts:
-        replacements = await _encode(request, services, plan, body, config.encoders)
-        headers["X-Gateway-Encoded"] = str(len(replacements))
-        if replacements:
-            _check_grown_size(config, raw, replacements)
-    data = upstream_body(plan, raw, body, replacements)
+        encoded = await _encode(request, services, plan, body, config.encoders)
+        headers["X-Gateway-Encoded"] = str(len(encoded.replacements))
+        if encoded.replacements:
+            _check_grown_size(config, raw, encoded.replacements)
+    data = upstream_body(plan, raw, body, encoded.replacements, encoded.fields)
     key = chat_key(body) if plan.model.balance == "affinity" else None
     stream = _streams(body)
     # the parsed request (as large as the body: a 2 MB image is a 2 MB str) is not kept while the
     # reply is relayed; the bytes sent upstream are
-    del raw, body, replacements
+    del raw, body, encoded
     return await _forward(
         request, services, live, plan.model, data, plan.route, headers, stream=stream, affinity_key=key
     )
@@ -71,7 +71,7 @@ async def _encode(
     plan: RoutePlan,
     body: dict[str, Any],
     encoders: Mapping[str, EncoderConfig],
-) -> Replacements:
+) -> Encoded:
     try:
         return await services.encoder.encode(plan, body, request_id=request[REQUEST_ID_KEY], encoders=encoders)
     except EncoderError as exc:
@@ -79,7 +79,7 @@ async def _encode(
             raise
         log.warning("encoder failed for model %s, sending the original images: %s", plan.model.name, exc.message)
         services.metrics.encoder_passthrough.labels(plan.model.name, plan.encoder or "").inc()
-        return {}
+        return NOTHING
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -137,9 +137,9 @@ async def readyz(request: web.Request) -> web.Response:
     }
     if _is_admin(request, services):
         encoders: dict[str, Any] = {
-            name: {"kind": "http", "urls": list(spec.urls)}
+            name: {"kind": spec.kind, "urls": list(spec.urls)}
             for name, spec in services.store.current.encoders.items()
-            if spec.kind == "http"
+            if spec.kind in ("http", "vllm")
         }
         encoders.update({name: e.status() for name, e in services.supervisor.encoders.items()})
         payload["models"] = [m.name for m in services.store.current.models]
@@ -206,7 +206,7 @@ def _check_grown_size(config: GatewayConfig, raw: bytes, replacements: Replaceme
     """413 before writing a body that encoding grew past ``server.max_upstream_body_bytes``."""
     limit = config.server.max_upstream_body_bytes
     # at most: the client's bytes, plus each payload (the parts they replace are left counted)
-    size = len(raw) + sum(_embeds_size(part["image_embeds"]) + 128 for part in replacements.values())
+    size = len(raw) + sum(_embeds_size(part.get("image_embeds", "")) + 128 for part in replacements.values())
     if size > limit:
         raise PayloadTooLargeError(
             f"With its {len(replacements)} image(s) encoded, this request would be {size} bytes upstream, over "

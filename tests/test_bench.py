@@ -179,13 +179,14 @@ def test_procstat_sees_cpu_spent_and_resets_the_peak_rss() -> None:
         deadline = time.process_time() + 0.1
         while time.process_time() < deadline:
             pass
-        ballast = bytearray(64 << 20)
+        ballast = bytearray(256 << 20)
         ballast[:: 1 << 12] = b"x" * len(ballast[:: 1 << 12])  # touch every page: resident
     assert usage.cpu_s >= 0.05
-    assert usage.peak_rss >= 64 << 20
+    assert usage.peak_rss >= 256 << 20
     del ballast
     procstat.reset_peak_rss(me)
-    assert procstat.peak_rss_bytes(me) < usage.peak_rss - (32 << 20)  # the reset forgot the ballast
+    # the reset forgot the ballast (a margin of half of it: other threads of a long test run allocate too)
+    assert procstat.peak_rss_bytes(me) < usage.peak_rss - (128 << 20)
 
 
 def test_procstat_finds_the_children_of_a_process() -> None:

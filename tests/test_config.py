@@ -155,13 +155,13 @@ UNKNOWN_KEYS = [
         doc("version: 1", "encoders:", "  v: {kind: locale}", *MODELS),
         [
             "r.yaml:3:13: encoders.v.kind: unknown encoder kind 'locale' "
-            "(expected one of: local, http); did you mean 'local'?"
+            "(expected one of: local, http, vllm); did you mean 'local'?"
         ],
         id="encoder-kind",
     ),
     pytest.param(
         doc("version: 1", "encoders:", "  v: {model: builtin:vit-small}", *MODELS),
-        ["r.yaml:3:6: encoders.v: 'kind' is required (local or http)"],
+        ["r.yaml:3:6: encoders.v: 'kind' is required (local, http or vllm)"],
         id="encoder-kind-missing",
     ),
     pytest.param(
@@ -925,7 +925,7 @@ def test_every_problem_of_every_section_is_reported() -> None:
     assert problems(text) == [
         "r.yaml:2:16: server.port: must be between 0 and 65535, not 99999",
         "r.yaml:3:26: media.fetch_timeout_s: must be greater than 0, not 0",
-        "r.yaml:4:22: encoders.v.kind: unknown encoder kind 'ftp' (expected one of: local, http)",
+        "r.yaml:4:22: encoders.v.kind: unknown encoder kind 'ftp' (expected one of: local, http, vllm)",
         "r.yaml:6:27: models[0].upstreams[0]: bad URL 'ftp://h': must be an http:// or https:// URL",
         f"r.yaml:6:55: models[0].accepts[1]: unknown modality 'vidoe' {MODALITIES}; did you mean 'video'?",
     ]
@@ -1110,12 +1110,12 @@ def test_full_model_is_read() -> None:
 ODD_VALUES = [
     pytest.param(
         doc("version: 1", "encoders: {v: {kind: [local]}}", *MODELS),
-        ["r.yaml:2:22: encoders.v.kind: unknown encoder kind a list (expected one of: local, http)"],
+        ["r.yaml:2:22: encoders.v.kind: unknown encoder kind a list (expected one of: local, http, vllm)"],
         id="encoder-kind-list",
     ),
     pytest.param(
         doc("version: 1", "encoders: {v: {kind: {local: 1}}}", *MODELS),
-        ["r.yaml:2:22: encoders.v.kind: unknown encoder kind a mapping (expected one of: local, http)"],
+        ["r.yaml:2:22: encoders.v.kind: unknown encoder kind a mapping (expected one of: local, http, vllm)"],
         id="encoder-kind-mapping",
     ),
     pytest.param(

@@ -137,7 +137,7 @@ class Parser(PoolReaders, AuthReaders):
             return None
         kind = value.get("kind", MISSING)
         if kind is MISSING:
-            self.problem(path, "'kind' is required (local or http)")
+            self.problem(path, "'kind' is required (local, http or vllm)")
             return None
         if not isinstance(kind, str) or kind not in ENCODER_KEYS:
             self.problem(f"{path}.kind", unknown_message(kind, tuple(ENCODER_KEYS), "encoder kind"))
@@ -146,15 +146,18 @@ class Parser(PoolReaders, AuthReaders):
         assert raw is not None
         d = EncoderConfig(name, "local")
         timeout = self.number(raw.get("timeout_s", MISSING), f"{path}.timeout_s", d.timeout_s)
-        if kind == "http":
+        if kind in ("http", "vllm"):
             urls = self.url_list(
                 raw.get("urls", MISSING),
                 f"{path}.urls",
-                missing=(path, "'urls' is required for an http encoder"),
+                missing=(path, f"'urls' is required for {'an http' if kind == 'http' else 'a vllm'} encoder"),
                 empty="must list at least one URL",
                 what="encoder URL",
             )
-            return EncoderConfig(name, "http", timeout_s=timeout, urls=tuple(urls))
+            if kind == "http":
+                return EncoderConfig(name, "http", timeout_s=timeout, urls=tuple(urls))
+            batch = self.integer(raw.get("max_batch_size", MISSING), f"{path}.max_batch_size", 8, minimum=1)
+            return EncoderConfig(name, "vllm", timeout_s=timeout, urls=tuple(urls), max_batch_size=batch)
 
         get = fields(raw, path, d)
 

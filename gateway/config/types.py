@@ -50,6 +50,7 @@ MEDIA_KEYS = ("allow_domains", "allow_private_networks", "fetch_timeout_s", "max
 ENCODER_KEYS = {
     "local": ("kind", "model", "device", "max_batch_size", "max_batch_delay_ms", "timeout_s"),
     "http": ("kind", "urls", "timeout_s"),
+    "vllm": ("kind", "urls", "timeout_s", "max_batch_size"),
 }
 MODEL_KEYS = (
     "name",
@@ -151,10 +152,10 @@ class MediaConfig:
 @dataclass(frozen=True, slots=True)
 class EncoderConfig:
     name: str
-    kind: Literal["local", "http"]
+    kind: Literal["local", "http", "vllm"]  # vllm: encoder-only vLLM instances (EC connector producers)
     model: str = "builtin:vit-small"
     device: str = "auto"
-    max_batch_size: int = 32
+    max_batch_size: int = 32  # local: a batch's images; vllm: images primed in one request (default 8)
     max_batch_delay_ms: float = 0.0
     timeout_s: float = 30.0
     urls: tuple[str, ...] = ()

@@ -1,0 +1,269 @@
+"""Priming vLLM's own encoder instances (Encode/Prefill/Decode with vLLM's EC connector).
+
+An encoder of ``kind: vllm`` is a set of encoder-only vLLM instances (``--ec-transfer-config``
+with ``ec_role: ec_producer``): given a chat request holding media, each computes the
+embeddings, stores them in the encoder cache under the media's hash, and answers without
+generating. The model's upstreams are ``ec_consumer`` instances: they load cached embeddings
+instead of encoding. This module does what must happen in between, the wire protocol of vLLM's
+reference proxy (``examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py``):
+
+- every image gets a content-derived ``uuid``, the sha256 of its bytes, which vLLM uses as the
+  cache key (``multi_modal_uuids``); the same uuid goes to the encoder and to the consumer;
+- identical images of a request are primed once; each image goes to the instance its uuid hashes
+  to (bounded-load consistent hashing over the healthy instances: the same image, the same
+  instance, whose cache then hits); images for one instance go together, ``max_batch_size`` to
+  a request, as a text-free chat request (``stream: false``, the model's upstream name, the
+  request's ``mm_processor_kwargs`` and ``media_io_kwargs``, without which both sides size images
+  differently); the requests run concurrently, bounded;
+- a failing instance (refused, reset, timed out, 5xx) is passed over: its images go to the next
+  instance on the ring, until every instance was tried (then :class:`~gateway.errors.EncoderError`,
+  which ``on_encoder_error`` turns into a passthrough or a 503);
+- each reply's ``ec_transfer_params`` (per cached item: the key and the ``metadata`` the
+  encoder's processor produced, e.g. ``image_grid_thw``) says how the consumer may refer to
+  the item: :func:`parts_for_consumer` rewrites every primed part as a metadata-only reference
+  (``{"type": "image_embeds", "image_embeds": {<metadata>}, "uuid": ...}``), so the pixels never
+  travel twice. vLLM refuses a request that mixes raw images and embeddings, so when any image
+  came back without metadata (an older vLLM, ``--mm-processor-cache-type shm``) every image goes
+  as its original media, with its uuid (the consumer's connector still finds the cached
+  embedding by it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from .config import EncoderConfig
+from .errors import EncoderError, InvalidImageError
+from .failures import CLIENT_ERRORS, failure_of
+from .metrics import GatewayMetrics
+from .replicas import Lease, Pool, Replica
+
+log = logging.getLogger(__name__)
+JSON = "application/json"
+# The request's fields an encoder instance must see to process images as the consumer will.
+CARRIED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
+
+
+@dataclass(slots=True)
+class Item:
+    """One distinct image of a request."""
+
+    uuid: str  # sha256 of its bytes
+    url: str  # as the client sent it (a data URL, or an http(s) URL)
+    tried: list[Replica] = field(default_factory=list)
+    entry: dict[str, Any] | None = None  # its ec_transfer_params entry, once primed
+    key: str = ""  # the entry's key: the cache key the encoder reported
+
+
+@dataclass(frozen=True, slots=True)
+class Primed:
+    """What priming gave: per uuid its entry, and the ``ec_transfer_params`` for the consumer."""
+
+    entries: Mapping[str, dict[str, Any]]  # uuid -> the encoder's entry ({} when it reported none)
+    transfer_params: dict[str, Any]  # key -> entry, as vLLM's proxy passes them on
+
+
+async def prime(
+    session: aiohttp.ClientSession,
+    spec: EncoderConfig,
+    pool: Pool,
+    items: list[Item],
+    *,
+    upstream_model: str,
+    body: Mapping[str, Any],
+    request_id: str,
+    metrics: GatewayMetrics,
+    concurrency: int,
+) -> Primed:
+    """Prime every item on the instances of ``spec`` (see the module docstring)."""
+    carried = {k: body[k] for k in CARRIED_FIELDS if k in body}
+    limit = asyncio.Semaphore(concurrency)
+    pending = list(items)
+    failure: str | None = None
+    started = time.perf_counter()
+    try:
+        while pending:
+            groups: list[_Group] = []
+            open_group: dict[str, _Group] = {}  # by instance URL: the group still taking images
+            unplaced: list[Item] = []
+            for item in pending:
+                # panic: with every instance's breaker open the first try goes anyway (one URL
+                # may be a fleet behind a Service)
+                lease = pool.lease(exclude=item.tried, key=item.uuid.encode(), panic=True)
+                if lease is None:
+                    unplaced.append(item)
+                    continue
+                item.tried.append(lease.replica)
+                group = open_group.get(lease.replica.url)
+                if group is None or len(group.items) >= spec.max_batch_size:
+                    group = open_group[lease.replica.url] = _Group(lease.replica, [])
+                    groups.append(group)
+                group.items.append(item)
+                group.leases.append(lease)
+            if unplaced:  # an image no instance is left to take: the request cannot be primed
+                for g in groups:
+                    for lease in g.leases:
+                        lease.__exit__(None, None, None)
+                break
+            results = await asyncio.gather(
+                *(
+                    _bounded(limit, _send(session, spec, g, upstream_model, carried, request_id, metrics))
+                    for g in groups
+                )
+            )
+            pending = [item for g, failed in zip(groups, results, strict=True) if failed for item in g.items]
+            failure = next((f for f in results if f), failure)
+    finally:
+        metrics.encoder_seconds.labels(spec.name).observe(time.perf_counter() - started)
+    if pending:
+        metrics.encoder_requests.labels(spec.name, "unavailable").inc(len(pending))
+        retry_after = {"Retry-After": str(pool.retry_after())}
+        detail = f": {failure}" if failure else ""
+        raise EncoderError(f"Encoder '{spec.name}' could not prime the images on any instance{detail}",
+                           headers=retry_after)  # fmt: skip
+    entries = {item.uuid: item.entry or {} for item in items}
+    params = {item.key: item.entry for item in items if item.entry}
+    return Primed(entries, params)
+
+
+@dataclass(slots=True)
+class _Group:
+    replica: Replica
+    items: list[Item]
+    leases: list[Lease] = field(default_factory=list)
+
+
+async def _bounded(limit: asyncio.Semaphore, work: Any) -> Any:
+    async with limit:
+        return await work
+
+
+async def _send(
+    session: aiohttp.ClientSession,
+    spec: EncoderConfig,
+    group: _Group,
+    upstream_model: str,
+    carried: Mapping[str, Any],
+    request_id: str,
+    metrics: GatewayMetrics,
+) -> str | None:
+    """One priming request; None when it went through (each item's entry set), else why it failed
+    (the items are tried on another instance). A 400 is the images' fault: raised."""
+    url = group.replica.url
+    content = [{"type": "image_url", "image_url": {"url": item.url}, "uuid": item.uuid} for item in group.items]
+    payload = {"model": upstream_model, "messages": [{"role": "user", "content": content}], "stream": False, **carried}
+    timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
+    first = group.leases[0]  # one request: one outcome for the breaker
+    try:
+        try:
+            async with session.post(
+                f"{url}/v1/chat/completions",
+                data=orjson.dumps(payload),
+                headers={"Content-Type": JSON, "X-Request-Id": request_id},
+                timeout=timeout,
+            ) as resp:
+                status, data = resp.status, await resp.read()
+        except CLIENT_ERRORS as exc:
+            why = failure_of(exc)
+            first.failure(why.reason)
+            outcome = "error" if why.kind in ("reset", "protocol") else why.outcome
+            metrics.encoder_requests.labels(spec.name, outcome).inc(len(group.items))
+            log.warning("encoder %s instance %s: %s", spec.name, url, why.reason)
+            return why.reason
+        if status >= 500 or status == 429:
+            if status != 429:
+                first.failure(f"HTTP {status}")
+            metrics.encoder_requests.labels(spec.name, "overloaded" if status in (429, 503) else "error").inc(
+                len(group.items)
+            )
+            log.warning("encoder %s instance %s answered %d", spec.name, url, status)
+            return f"HTTP {status}"
+        first.success()
+        if status != 200:  # the instance refused the images: the client's
+            metrics.encoder_requests.labels(spec.name, "invalid").inc(len(group.items))
+            raise InvalidImageError(f"encoder '{spec.name}' refused the image(s){_detail(data)}")
+        _match(group.items, data)
+        metrics.encoder_requests.labels(spec.name, "ok").inc(len(group.items))
+        return None
+    finally:
+        for lease in group.leases:
+            lease.__exit__(None, None, None)
+
+
+def _match(items: list[Item], data: bytes) -> None:
+    """Set each item's entry from a reply's ``ec_transfer_params``, matched as vLLM's proxy does:
+    by ``item_indices`` (positions in the request) when several went together, else by the uuid
+    as key, else the one entry of a one-item request. An item left unmatched gets ``{}``."""
+    try:
+        reply = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        reply = None
+    params = reply.get("ec_transfer_params") if isinstance(reply, dict) else None
+    if not isinstance(params, dict):
+        params = {}
+    by_index: dict[int, tuple[str, dict[str, Any]]] = {}
+    for key, entry in params.items():
+        if not isinstance(entry, dict):
+            continue
+        indices = entry.get("item_indices")
+        if isinstance(indices, list):
+            for i in indices:
+                if isinstance(i, int) and 0 <= i < len(items) and i not in by_index:
+                    by_index[i] = (key, entry)
+    for i, item in enumerate(items):
+        found = by_index.get(i)
+        if found is None and isinstance(params.get(item.uuid), dict):
+            found = (item.uuid, params[item.uuid])
+        if found is None and len(items) == 1 and len(params) == 1:
+            key, entry = next(iter(params.items()))
+            if isinstance(entry, dict):
+                found = (key, entry)
+        if found is None:
+            item.key, item.entry = item.uuid, {}
+        else:
+            item.key, item.entry = found
+
+
+def metadata_of(entry: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The metadata a consumer takes in place of the pixels (one level of nesting flattened, as
+    vLLM's proxy does: ``[[1, 32, 48]]`` becomes ``[1, 32, 48]``), or None when the encoder gave none."""
+    metadata = entry.get("metadata")
+    if not isinstance(metadata, dict) or not metadata:
+        return None
+    flat: dict[str, Any] = {}
+    for key, value in metadata.items():
+        if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+            value = [x for sub in value for x in sub]
+        flat[key] = value
+    return flat
+
+
+def parts_for_consumer(
+    located: list[tuple[tuple[int, int], dict[str, Any], str]], primed: Primed
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """The new part at each position: a metadata-only ``image_embeds`` reference when every image
+    has metadata; else every image as the client sent it, with its uuid (vLLM refuses a request
+    that mixes raw images and embeddings)."""
+    metadata = {uuid: metadata_of(entry) for uuid, entry in primed.entries.items()}
+    if all(m is not None for m in metadata.values()):
+        return {
+            position: {"type": "image_embeds", "image_embeds": metadata[uuid], "uuid": uuid}
+            for position, _, uuid in located
+        }
+    return {position: {**part, "uuid": uuid} for position, part, uuid in located}
+
+
+def _detail(data: bytes) -> str:
+    try:
+        message = orjson.loads(data)["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return ""
+    return f": {message}" if isinstance(message, str) else ""

@@ -1,0 +1,239 @@
+"""vLLM's own encoder instances behind the gateway (encoders of ``kind: vllm``, gateway/epd.py).
+
+Real servers on loopback: stand-in encoder-only instances that record what they prime into a
+cache shared with a stand-in ec_consumer, which refuses raw images mixed with embeddings (as
+vLLM does) and records whether every ``image_embeds`` reference it got was primed first; the
+real openai SDK as the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+import pytest
+
+from gateway.config import parse_config
+from gateway.errors import ConfigError
+from tests.conftest import Gateway, Upstream, error_body, free_port, routing
+from tests.images import data_url, flat_png
+from tools.standin import StandIn
+from tools.vllm_epd import ConsumerLog, EncoderInstance, consumer, grid
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class Cluster:
+    encoders: list[EncoderInstance]
+    encoder_urls: list[str]
+    standin: StandIn
+    log: ConsumerLog
+    consumer_url: str
+    cache: set[str] = field(default_factory=set)
+
+
+@pytest.fixture
+async def cluster(upstream_factory: Callable[..., Awaitable[Upstream]]) -> Cluster:
+    cache: set[str] = set()
+    encoders = [EncoderInstance(f"enc-{i}", cache) for i in range(2)]
+    urls = [(await upstream_factory(e.name, e.app())).url for e in encoders]
+    standin, log = StandIn("pd"), ConsumerLog()
+    pd = await upstream_factory("pd", consumer(standin, cache, log))
+    return Cluster(encoders, urls, standin, log, pd.url, cache)
+
+
+def table(c: Cluster, *, options: str = "", encoder: str = "") -> str:
+    urls = ", ".join(c.encoder_urls)
+    encoders = f"encoders:\n  vision: {{kind: vllm, urls: [{urls}]{encoder}}}\n"
+    model = (
+        f"  - {{name: kimi, upstream_model: kimi-k3, upstreams: [{c.consumer_url}], accepts: [text, image], "
+        f"encode: {{image: vision}}{options}}}"
+    )
+    return routing(model, extra=encoders)
+
+
+def image(seed: int) -> bytes:
+    return flat_png(8, 8, bytes([seed % 256, 7, 11]))
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def ask(*images: bytes, text: str = "what is this?") -> list[dict[str, Any]]:
+    content: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    content += [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
+    return [{"role": "user", "content": content}]
+
+
+def parts_received(c: Cluster, n: int = -1) -> list[dict[str, Any]]:
+    body = c.standin.received[n].json()
+    return [p for m in body["messages"] if isinstance(m["content"], list) for p in m["content"]]
+
+
+async def test_images_are_primed_on_the_encoders_and_reach_the_consumer_as_metadata(gateway_factory, cluster):
+    gw: Gateway = await gateway_factory(table(cluster))
+    images = [image(i) for i in range(6)]
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(model="kimi", messages=ask(*images))
+    assert raw.headers["X-Gateway-Encoded"] == "6"
+    primes = [p for e in cluster.encoders for p in e.primes]
+    assert sorted(p.uuid for p in primes) == sorted(sha(i) for i in images)  # each once
+    assert all(p.model == "kimi-k3" for p in primes)  # the model's upstream name
+    assert all(p.url.startswith("data:image/png;base64,") for p in primes)
+    parts = parts_received(cluster)
+    assert parts[0] == {"type": "text", "text": "what is this?"}
+    assert parts[1:] == [
+        {"type": "image_embeds", "image_embeds": {"image_grid_thw": grid(sha(i))[0]}, "uuid": sha(i)} for i in images
+    ]  # metadata-only references, one level of nesting flattened, in the client's order
+    assert cluster.log.misses == [] and len(cluster.log.hits) == 6  # every one primed before the consumer
+    body = cluster.standin.received[-1].json()
+    assert sorted(body["ec_transfer_params"]) == sorted(sha(i) for i in images)
+    assert body["model"] == "kimi-k3"
+
+
+async def test_the_same_image_always_goes_to_the_same_instance(gateway_factory, cluster):
+    gw = await gateway_factory(table(cluster))
+    images = [image(i) for i in range(8)]
+    async with gw.client() as client:
+        for _ in range(3):
+            await client.chat.completions.create(model="kimi", messages=ask(*images))
+    where: dict[str, set[str]] = {}
+    for e in cluster.encoders:
+        for p in e.primes:
+            where.setdefault(p.uuid, set()).add(e.name)
+    assert len(where) == 8 and all(len(names) == 1 for names in where.values())  # affinity: its cache hits
+    assert all(e.primes for e in cluster.encoders)  # and the images spread over both
+
+
+async def test_identical_images_in_one_request_are_primed_once(gateway_factory, cluster):
+    gw = await gateway_factory(table(cluster))
+    same = image(1)
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=ask(same, same, same))
+    assert [p.uuid for e in cluster.encoders for p in e.primes] == [sha(same)]
+    assert [p["uuid"] for p in parts_received(cluster)[1:]] == [sha(same)] * 3
+
+
+async def test_images_for_one_instance_go_together_up_to_max_batch_size(gateway_factory, cluster):
+    gw = await gateway_factory(table(cluster, encoder=", max_batch_size: 2"))
+    images = [image(i) for i in range(10)]
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=ask(*images))
+    for e in cluster.encoders:
+        assert e.requests == -(-len(e.primes) // 2)  # ceil: groups of at most 2
+    assert sum(len(e.primes) for e in cluster.encoders) == 10
+
+
+async def test_processor_kwargs_go_to_the_encoders_too(gateway_factory, cluster):
+    gw = await gateway_factory(table(cluster))
+    kwargs = {"mm_processor_kwargs": {"max_pixels": 4096}, "media_io_kwargs": {"image": {"mode": "RGB"}}}
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=ask(image(3)), extra_body=kwargs)
+    (prime,) = [p for e in cluster.encoders for p in e.primes]
+    assert prime.carried == kwargs  # both sides size the image alike
+    assert cluster.standin.received[-1].json()["mm_processor_kwargs"] == {"max_pixels": 4096}
+
+
+async def test_a_failing_instance_is_passed_over(gateway_factory, cluster):
+    cluster.encoders[0].fail_status = 503
+    cluster.encoders[1].reset = False
+    gw = await gateway_factory(table(cluster))
+    images = [image(i) for i in range(6)]
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=ask(*images))
+    assert sorted(p.uuid for p in cluster.encoders[1].primes) == sorted(sha(i) for i in images)
+    assert cluster.log.misses == [] and len(cluster.log.hits) == 6
+    assert gw.sample("gateway_encoder_requests_total", encoder="vision", outcome="overloaded") >= 1
+
+
+async def test_an_instance_that_is_not_listening_is_passed_over(gateway_factory, cluster):
+    cluster.encoder_urls[0] = f"http://127.0.0.1:{free_port()}"
+    gw = await gateway_factory(table(cluster))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=ask(*(image(i) for i in range(4))))
+    assert len(cluster.encoders[1].primes) == 4 and cluster.log.misses == []
+
+
+@pytest.mark.parametrize("fault", ["fail_status", "reset"])
+async def test_every_instance_failing_is_a_503_with_on_encoder_error_fail(gateway_factory, cluster, fault):
+    for e in cluster.encoders:
+        setattr(e, fault, 500 if fault == "fail_status" else True)
+    gw = await gateway_factory(table(cluster))
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="kimi", messages=ask(image(1)))
+    assert caught.value.status_code == 503
+    assert error_body(caught.value)["code"] == "encoder_unavailable"
+    assert cluster.standin.received == []  # the consumer was never asked
+
+
+async def test_every_instance_failing_forwards_the_media_with_passthrough(gateway_factory, cluster):
+    for e in cluster.encoders:
+        e.fail_status = 500
+    gw = await gateway_factory(table(cluster, options=", on_encoder_error: passthrough"))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=ask(image(1), image(2)))
+    parts = parts_received(cluster)
+    assert [p["type"] for p in parts] == ["text", "image_url", "image_url"]  # the consumer encodes them itself
+    assert gw.sample("gateway_encoder_passthrough_total", model="kimi", encoder="vision") == 1
+
+
+async def test_without_metadata_every_image_goes_raw_with_its_uuid(gateway_factory, cluster):
+    cluster.encoders[0].metadata = False  # an older vLLM on one instance
+    gw = await gateway_factory(table(cluster))
+    images = [image(i) for i in range(6)]
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=ask(*images))
+    assert cluster.encoders[0].primes, "the test needs images on the instance without metadata"
+    parts = parts_received(cluster)[1:]
+    assert [p["type"] for p in parts] == ["image_url"] * 6  # never mixed with embeddings
+    assert [p["uuid"] for p in parts] == [sha(i) for i in images]  # the connector finds them by uuid
+    assert cluster.log.raw_with_uuid == [sha(i) for i in images]
+
+
+async def test_a_stream_is_relayed_after_priming(gateway_factory, cluster):
+    gw = await gateway_factory(table(cluster))
+    async with gw.client() as client:
+        stream = await client.chat.completions.create(model="kimi", messages=ask(image(5)), stream=True)
+        chunks = [c async for c in stream]
+    assert chunks and chunks[-1].choices[0].finish_reason == "stop"
+    assert cluster.log.hits == [sha(image(5))]
+
+
+async def test_a_client_that_leaves_while_priming_cancels_the_primes(gateway_factory, cluster):
+    for e in cluster.encoders:
+        e.delay_s = 30.0
+    gw = await gateway_factory(table(cluster))
+    async with gw.client() as client:
+        with pytest.raises(openai.APITimeoutError):
+            await client.chat.completions.create(model="kimi", messages=ask(*(image(i) for i in range(4))), timeout=0.3)
+    for _ in range(200):  # the gateway's handler is cancelled, its priming requests closed
+        if sum(e.cancelled for e in cluster.encoders) == sum(e.requests for e in cluster.encoders):
+            break
+        await asyncio.sleep(0.01)
+    assert sum(e.requests for e in cluster.encoders) >= 1
+    assert sum(e.cancelled for e in cluster.encoders) == sum(e.requests for e in cluster.encoders)
+    assert cluster.standin.received == []
+
+
+def test_a_vllm_encoder_takes_urls_timeout_and_batch_size() -> None:
+    config = parse_config(
+        "version: 1\nencoders:\n  v: {kind: vllm, urls: ['http://e:8000'], max_batch_size: 4, timeout_s: 9}\n"
+        "models:\n  - {name: m, upstreams: ['http://pd:8000'], accepts: [text, image], encode: {image: v}}\n"
+    )
+    spec = config.encoders["v"]
+    assert (spec.kind, spec.urls, spec.max_batch_size, spec.timeout_s) == ("vllm", ("http://e:8000",), 4, 9.0)
+    model = "models:\n  - {name: m, upstreams: ['http://pd:8000'], accepts: [text]}\n"
+    default = parse_config(f"version: 1\nencoders:\n  v: {{kind: vllm, urls: ['http://e:8000']}}\n{model}")
+    assert default.encoders["v"].max_batch_size == 8
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"version: 1\nencoders:\n  v: {{kind: vllm, model: x}}\n{model}", filename="r.yaml")
+    text = str(caught.value)
+    assert "'urls' is required for a vllm encoder" in text
+    assert "encoders.v.model: unknown key 'model'" in text
