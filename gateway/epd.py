@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 JSON = "application/json"
 # The request's fields an encoder instance must see to process images as the consumer will.
 CARRIED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
+MAX_REPLY_BYTES = 4 << 20  # a priming reply: metadata, a few KB
 
 
 @dataclass(slots=True)
@@ -113,12 +114,20 @@ async def prime(
                     for lease in g.leases:
                         lease.__exit__(None, None, None)
                 break
-            results = await asyncio.gather(
-                *(
-                    _bounded(limit, _send(session, spec, g, upstream_model, carried, request_id, metrics))
-                    for g in groups
-                )
-            )
+            tasks = [
+                asyncio.ensure_future(_limited(limit, session, spec, g, upstream_model, carried, request_id, metrics))
+                for g in groups
+            ]
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:  # an image refused, or the client left: the other primes stop too
+                for task in tasks:
+                    task.cancel()
+                raise
+            finally:  # every lease exited once, whether or not its request ever started
+                for g in groups:
+                    for lease in g.leases:
+                        lease.__exit__(None, None, None)
             pending = [item for g, failed in zip(groups, results, strict=True) if failed for item in g.items]
             failure = next((f for f in results if f), failure)
     finally:
@@ -141,9 +150,10 @@ class _Group:
     leases: list[Lease] = field(default_factory=list)
 
 
-async def _bounded(limit: asyncio.Semaphore, work: Any) -> Any:
+async def _limited(limit: asyncio.Semaphore, *args: Any) -> str | None:
+    """:func:`_send`, once one of the request's places is free (its coroutine made only then)."""
     async with limit:
-        return await work
+        return await _send(*args)
 
 
 async def _send(
@@ -170,7 +180,7 @@ async def _send(
                 headers={"Content-Type": JSON, "X-Request-Id": request_id},
                 timeout=timeout,
             ) as resp:
-                status, data = resp.status, await resp.read()
+                status, data = resp.status, await _read_bounded(resp)
         except CLIENT_ERRORS as exc:
             why = failure_of(exc)
             first.failure(why.reason)
@@ -178,8 +188,10 @@ async def _send(
             metrics.encoder_requests.labels(spec.name, outcome).inc(len(group.items))
             log.warning("encoder %s instance %s: %s", spec.name, url, why.reason)
             return why.reason
-        if status >= 500 or status == 429:
-            if status != 429:
+        if status not in (200, 400, 422):  # failing, overloaded, or not an encoder the gateway can use
+            if status == 429:
+                first.busy(1.0)
+            else:
                 first.failure(f"HTTP {status}")
             metrics.encoder_requests.labels(spec.name, "overloaded" if status in (429, 503) else "error").inc(
                 len(group.items)
@@ -187,15 +199,32 @@ async def _send(
             log.warning("encoder %s instance %s answered %d", spec.name, url, status)
             return f"HTTP {status}"
         first.success()
-        if status != 200:  # the instance refused the images: the client's
+        if status != 200:  # 400, 422: the instance refused the images, the client's fault
             metrics.encoder_requests.labels(spec.name, "invalid").inc(len(group.items))
             raise InvalidImageError(f"encoder '{spec.name}' refused the image(s){_detail(data)}")
         _match(group.items, data)
         metrics.encoder_requests.labels(spec.name, "ok").inc(len(group.items))
         return None
-    finally:
-        for lease in group.leases:
-            lease.__exit__(None, None, None)
+    except ReplyTooLarge:
+        first.failure("reply too large")
+        metrics.encoder_requests.labels(spec.name, "error").inc(len(group.items))
+        return "reply too large"
+
+
+class ReplyTooLarge(Exception):
+    pass
+
+
+async def _read_bounded(resp: aiohttp.ClientResponse) -> bytes:
+    """A priming reply (a few KB of metadata), refused past MAX_REPLY_BYTES."""
+    if resp.content_length is not None and resp.content_length > MAX_REPLY_BYTES:
+        raise ReplyTooLarge
+    data = bytearray()
+    async for chunk in resp.content.iter_any():
+        data += chunk
+        if len(data) > MAX_REPLY_BYTES:
+            raise ReplyTooLarge
+    return bytes(data)
 
 
 def _match(items: list[Item], data: bytes) -> None:
@@ -216,7 +245,7 @@ def _match(items: list[Item], data: bytes) -> None:
         indices = entry.get("item_indices")
         if isinstance(indices, list):
             for i in indices:
-                if isinstance(i, int) and 0 <= i < len(items) and i not in by_index:
+                if type(i) is int and 0 <= i < len(items) and i not in by_index:
                     by_index[i] = (key, entry)
     for i, item in enumerate(items):
         found = by_index.get(i)

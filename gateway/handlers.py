@@ -16,7 +16,7 @@ from .affinity import chat_key, prompt_key
 from .auth import is_bearer
 from .body import dump_body, exact, read_json
 from .config import EncoderConfig, GatewayConfig, ModelConfig, as_dict
-from .encoder import NOTHING, Encoded, Replacements
+from .encoder import NOTHING, Encoded
 from .errors import (
     AuthenticationError,
     ConfigError,
@@ -53,7 +53,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         encoded = await _encode(request, services, plan, body, config.encoders)
         headers["X-Gateway-Encoded"] = str(len(encoded.replacements))
         if encoded.replacements:
-            _check_grown_size(config, raw, encoded.replacements)
+            _check_grown_size(config, raw, encoded)
     data = upstream_body(plan, raw, body, encoded.replacements, encoded.fields)
     key = chat_key(body) if plan.model.balance == "affinity" else None
     stream = _streams(body)
@@ -202,20 +202,29 @@ def _streams(body: dict[str, Any]) -> bool:
     return body.get("stream") is True
 
 
-def _check_grown_size(config: GatewayConfig, raw: bytes, replacements: Replacements) -> None:
+def _check_grown_size(config: GatewayConfig, raw: bytes, encoded: Encoded) -> None:
     """413 before writing a body that encoding grew past ``server.max_upstream_body_bytes``."""
     limit = config.server.max_upstream_body_bytes
-    # at most: the client's bytes, plus each payload (the parts they replace are left counted)
-    size = len(raw) + sum(_embeds_size(part.get("image_embeds", "")) + 128 for part in replacements.values())
+    # at most: the client's bytes, plus each new part and field (the parts they replace are left counted)
+    size = len(raw) + sum(_part_size(part) for part in encoded.replacements.values())
+    if encoded.fields:
+        size += len(orjson.dumps(encoded.fields))
     if size > limit:
         raise PayloadTooLargeError(
-            f"With its {len(replacements)} image(s) encoded, this request would be {size} bytes upstream, over "
-            f"the limit of {limit} bytes (server.max_upstream_body_bytes); send fewer or smaller images"
+            f"With its {len(encoded.replacements)} image(s) encoded, this request would be {size} bytes upstream, "
+            f"over the limit of {limit} bytes (server.max_upstream_body_bytes); send fewer or smaller images"
         )
 
 
-def _embeds_size(value: Any) -> int:
-    return len(value) if isinstance(value, str) else sum(len(v) for v in value.values())
+def _part_size(part: dict[str, Any]) -> int:
+    """A new part's size as written, near enough: embeddings are base64 strings (their length,
+    without writing megabytes again); anything else (metadata, a raw image's uuid) is small, written."""
+    embeds = part.get("image_embeds")
+    if isinstance(embeds, str):
+        return len(embeds) + 128
+    if isinstance(embeds, dict) and all(isinstance(v, str) for v in embeds.values()):
+        return sum(len(v) for v in embeds.values()) + 128
+    return len(orjson.dumps({k: v for k, v in part.items() if k not in ("image_url", "input_image")})) + 128
 
 
 def _visible(request: web.Request) -> Visible:

@@ -19,6 +19,7 @@ import pytest
 
 from gateway.config import parse_config
 from gateway.errors import ConfigError
+from gateway.state import SERVICES_KEY
 from tests.conftest import Gateway, Upstream, error_body, free_port, routing
 from tests.images import data_url, flat_png
 from tools.standin import StandIn
@@ -152,6 +153,24 @@ async def test_a_failing_instance_is_passed_over(gateway_factory, cluster):
     assert gw.sample("gateway_encoder_requests_total", encoder="vision", outcome="overloaded") >= 1
 
 
+async def test_an_instance_that_answers_404_is_passed_over_not_blamed_on_the_client(gateway_factory, cluster):
+    cluster.encoders[0].fail_status = 404  # e.g. serving another model name
+    gw = await gateway_factory(table(cluster))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=ask(*(image(i) for i in range(4))))
+    assert len(cluster.encoders[1].primes) == 4 and cluster.log.misses == []
+
+
+async def test_numeric_metadata_goes_through(gateway_factory, cluster):
+    for e in cluster.encoders:
+        e.extra_metadata = {"num_tokens": 256}
+    gw = await gateway_factory(table(cluster))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=ask(image(1)))
+    (_, part) = parts_received(cluster)
+    assert part["image_embeds"] == {"image_grid_thw": grid(sha(image(1)))[0], "num_tokens": 256}
+
+
 async def test_an_instance_that_is_not_listening_is_passed_over(gateway_factory, cluster):
     cluster.encoder_urls[0] = f"http://127.0.0.1:{free_port()}"
     gw = await gateway_factory(table(cluster))
@@ -220,6 +239,8 @@ async def test_a_client_that_leaves_while_priming_cancels_the_primes(gateway_fac
     assert sum(e.requests for e in cluster.encoders) >= 1
     assert sum(e.cancelled for e in cluster.encoders) == sum(e.requests for e in cluster.encoders)
     assert cluster.standin.received == []
+    snapshot = gw.app[SERVICES_KEY].encoder._replicas.snapshot()
+    assert [r["in_flight"] for r in snapshot] == [0, 0]  # every lease given back, started or not
 
 
 def test_a_vllm_encoder_takes_urls_timeout_and_batch_size() -> None:

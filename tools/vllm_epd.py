@@ -54,6 +54,7 @@ class EncoderInstance:
     reset: bool = False
     delay_s: float = 0.0
     metadata: bool = True  # False: entries without metadata (an older vLLM)
+    extra_metadata: dict[str, Any] = field(default_factory=dict)  # more fields in every item's metadata
     cancelled: int = 0  # requests whose client (the gateway) left before the answer
 
     def app(self) -> web.Application:
@@ -92,7 +93,8 @@ class EncoderInstance:
             url = part.get("image_url", {}).get("url", "") if isinstance(part.get("image_url"), dict) else ""
             self.primes.append(Prime(uuid, url, body["model"], carried))
             self.cache.add(uuid)
-            entry: dict[str, Any] = {"metadata": {"image_grid_thw": grid(uuid)} if self.metadata else {}}
+            metadata = {"image_grid_thw": grid(uuid), **self.extra_metadata} if self.metadata else {}
+            entry: dict[str, Any] = {"metadata": metadata}
             if len(items) > 1:
                 entry["item_indices"] = [i]
             params[uuid] = entry
