@@ -88,14 +88,30 @@ class RoutePlan:
 
     @property
     def encoder(self) -> str | None:
-        """The encoder that turns this request's images into embeddings, if the model has one."""
-        return self.model.encode.get(Modality.IMAGE)
+        """The encoder that turns this request's images into embeddings: the model's, unless the
+        request has fewer images than its ``encode.min_images`` (then they go upstream raw)."""
+        name = self.model.encode.get(Modality.IMAGE)
+        if name is None or self.model.encode_min_images <= 1:
+            return name
+        return name if len(self._encodable) >= self.model.encode_min_images else None
+
+    @property
+    def encode_decision(self) -> str | None:
+        """For a request with images to a model that encodes them: ``encoded``, or ``direct``
+        (under ``encode.min_images``); None otherwise."""
+        if Modality.IMAGE not in self.model.encode or not self._encodable:
+            return None
+        return "encoded" if self.encoder is not None else "direct"
+
+    @property
+    def _encodable(self) -> tuple[Part, ...]:
+        return tuple(p for p in self.classification.parts if p.type in ENCODABLE_TYPES)
 
     @property
     def encode_parts(self) -> tuple[Part, ...]:
         if self.encoder is None:
             return ()
-        return tuple(p for p in self.classification.parts if p.type in ENCODABLE_TYPES)
+        return self._encodable
 
     def action(self, part: Part) -> str:
         if part.modality in self.stripped:
@@ -112,6 +128,7 @@ class RoutePlan:
             "upstreams": list(self.model.upstreams),
             "route": self.route,
             "encoder": self.encoder,
+            "encode_decision": self.encode_decision,
             "redirects": [{"from": r.source, "modality": r.modality.value, "to": r.target} for r in self.redirects],
             "counts": {m.value: n for m, n in self.classification.counts.items()},
             "parts": [

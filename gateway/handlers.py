@@ -234,6 +234,10 @@ def _visible(request: web.Request) -> Visible:
 
 
 def _count_plan(services: Services, plan: RoutePlan) -> None:
+    if plan.model.encode:
+        decision = plan.encode_decision
+        if decision is not None:
+            services.metrics.encode_decisions.labels(plan.model.name, decision).inc()
     if not plan.redirects and not plan.stripped:
         return
     for r in plan.redirects:

@@ -115,6 +115,13 @@ class GatewayMetrics:
             buckets=DURATION_BUCKETS,
             registry=registry,
         )
+        self.encode_decisions = Counter(
+            "gateway_encode_decisions",
+            "Requests with images to a model that encodes them, by decision: encoded, or direct (fewer images than "
+            "its encode.min_images: sent upstream raw).",
+            ["model", "decision"],
+            registry=registry,
+        )
         self.encoder_passthrough = Counter(
             "gateway_encoder_passthrough",
             "Requests whose images went upstream unencoded because the encoder failed (on_encoder_error: passthrough).",
@@ -205,6 +212,9 @@ class GatewayMetrics:
                 for reason in REJECTION_REASONS:
                     self.rejections.labels(model.name, modality, reason)
             self.retries_refused.labels(model.name)
+            if model.encode:
+                for decision in ("encoded", "direct"):
+                    self.encode_decisions.labels(model.name, decision)
             if model.max_concurrency is not None:
                 for reason in ("queue_full", "queue_timeout"):
                     self.shed.labels(model.name, reason)

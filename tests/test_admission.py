@@ -508,6 +508,7 @@ def test_explain_redirect_and_strip() -> None:
         "upstreams": ["http://127.0.0.1:30001", "http://127.0.0.1:30002"],
         "route": "redirect, strip",
         "encoder": None,
+        "encode_decision": None,
         "redirects": [{"from": "a", "modality": "video", "to": "b"}],
         "counts": {"text": 2, "video": 1, "audio": 1},
         "parts": [
@@ -529,6 +530,7 @@ def test_explain_direct_is_json() -> None:
         "upstreams": ["http://127.0.0.1:30003"],
         "route": "direct",
         "encoder": None,
+        "encode_decision": None,
         "redirects": [],
         "counts": {"text": 1},
         "parts": [{"location": "messages[0].content[0]", "type": "text", "modalities": ["text"], "action": "accept"}],

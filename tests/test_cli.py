@@ -148,6 +148,7 @@ def test_explain_direct(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
         "upstreams": ["http://127.0.0.1:30000"],
         "route": "direct",
         "encoder": None,
+        "encode_decision": None,
         "redirects": [],
         "counts": {"text": 1, "image": 1},
         "parts": [

@@ -258,3 +258,35 @@ def test_a_vllm_encoder_takes_urls_timeout_and_batch_size() -> None:
     text = str(caught.value)
     assert "'urls' is required for a vllm encoder" in text
     assert "encoders.v.model: unknown key 'model'" in text
+
+
+async def test_requests_under_min_images_go_straight_to_the_engine(gateway_factory, cluster):
+    gw = await gateway_factory(
+        table(cluster, options="").replace("encode: {image: vision}", "encode: {image: vision, min_images: 2}")
+    )
+    async with gw.client() as client:
+        one = await client.chat.completions.with_raw_response.create(model="kimi", messages=ask(image(1)))
+        two = await client.chat.completions.with_raw_response.create(model="kimi", messages=ask(image(2), image(3)))
+    assert "X-Gateway-Encoded" not in one.headers and two.headers["X-Gateway-Encoded"] == "2"
+    assert sorted(p.uuid for e in cluster.encoders for p in e.primes) == sorted([sha(image(2)), sha(image(3))])
+    first = [p for m in cluster.standin.received[0].json()["messages"] for p in m["content"]]
+    assert [p["type"] for p in first] == ["text", "image_url"] and "uuid" not in first[1]  # raw, as sent
+    assert gw.sample("gateway_encode_decisions_total", model="kimi", decision="direct") == 1
+    assert gw.sample("gateway_encode_decisions_total", model="kimi", decision="encoded") == 1
+
+
+@pytest.mark.parametrize(
+    ("encode", "problem"),
+    [
+        ("{image: v, min_images: 0}", "models[0].encode.min_images: must be"),
+        ("{min_images: 2}", "models[0].encode.min_images: min_images needs an image encoder"),
+    ],
+)
+def test_min_images_is_checked(encode: str, problem: str) -> None:
+    text = (
+        "version: 1\nencoders:\n  v: {kind: vllm, urls: ['http://e:8000']}\n"
+        f"models:\n  - {{name: m, upstreams: ['http://pd:8000'], accepts: [text, image], encode: {encode}}}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, filename="r.yaml")
+    assert problem in str(caught.value)

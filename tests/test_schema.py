@@ -141,7 +141,8 @@ def test_policy_enum_matches_the_parser() -> None:
 def test_encode_allows_only_encodable_modalities() -> None:
     from gateway.config.types import ENCODABLE
 
-    assert tuple(DEFS["model"]["properties"]["encode"]["properties"]) == tuple(m.value for m in ENCODABLE)
+    # the encodable modalities, and min_images
+    assert tuple(DEFS["model"]["properties"]["encode"]["properties"]) == (*(m.value for m in ENCODABLE), "min_images")
 
 
 # --- defaults ---------------------------------------------------------------------------------

@@ -204,7 +204,14 @@ class Parser(PoolReaders, AuthReaders):
         upstream_model = raw.get("upstream_model", MISSING)
         upstream_model = None if upstream_model is MISSING else self.string(upstream_model, f"{path}.upstream_model")
         limits = self.modality_map(raw.get("limits", {}), f"{path}.limits", self.limit)
-        encode = self.modality_map(raw.get("encode", {}), f"{path}.encode", self.string)
+        raw_encode = raw.get("encode", {})
+        min_images = 1
+        if isinstance(raw_encode, dict) and "min_images" in raw_encode:
+            raw_encode = dict(raw_encode)
+            min_images = self.integer(raw_encode.pop("min_images"), f"{path}.encode.min_images", 1, minimum=1)
+            if Modality.IMAGE not in raw_encode:
+                self.problem(f"{path}.encode.min_images", "min_images needs an image encoder (encode: {image: NAME})")
+        encode = self.modality_map(raw_encode, f"{path}.encode", self.string)
         policies = self.modality_map(raw.get("on_unsupported", {}), f"{path}.on_unsupported", self.policy)
         if Modality.IMAGE in encode and Modality.IMAGE in (accepts or ()):
             limits.setdefault(Modality.IMAGE, DEFAULT_ENCODE_IMAGE_LIMIT)
@@ -223,6 +230,7 @@ class Parser(PoolReaders, AuthReaders):
             encode=MappingProxyType(encode),
             on_unsupported=MappingProxyType(policies),
             on_encoder_error=on_encoder_error,
+            encode_min_images=min_images,
             weights=weights if any(w != 1 for w in weights) else (),
             **pool,
         )

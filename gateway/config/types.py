@@ -262,6 +262,9 @@ class ModelConfig:
     upstream_model: str | None = None
     limits: Mapping[Modality, int] = field(default_factory=lambda: MappingProxyType({}))
     encode: Mapping[Modality, str] = field(default_factory=lambda: MappingProxyType({}))
+    # encode.min_images: a request with fewer images goes to the upstreams with its raw images
+    # (Encode/Prefill/Decode costs image-light requests more than it saves them)
+    encode_min_images: int = 1
     on_unsupported: Mapping[Modality, Policy] = field(default_factory=lambda: MappingProxyType({}))
     # when the encoder fails: 503 encoder_unavailable (fail), or send the original images (passthrough)
     on_encoder_error: Literal["fail", "passthrough"] = "fail"
