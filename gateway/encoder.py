@@ -258,6 +258,7 @@ class EncoderClient:
             # pod's failure must not take out of use
             while (lease := pool.lease(exclude=tried, panic=True)) is not None:
                 tried.append(lease.replica)
+                attempt = time.perf_counter()
                 with lease:
                     try:
                         async with self._session.post(
@@ -271,7 +272,9 @@ class EncoderClient:
                     except CLIENT_ERRORS as exc:
                         failure = failure_of(exc)
                         lease.failure(failure.reason)
-                        self._count(name, "error" if failure.kind in ("reset", "protocol") else failure.outcome)
+                        outcome = "error" if failure.kind in ("reset", "protocol") else failure.outcome
+                        self._count(name, outcome)
+                        self._instance(name, lease.replica.url, outcome, attempt)
                         if failure.kind in ("connect", "reset"):  # encoding is idempotent: the next backend
                             continue
                         if failure.kind == "timeout":
@@ -281,8 +284,11 @@ class EncoderClient:
                         lease.failure(f"HTTP {status}")
                         last_status = (status, payload)
                         self._count(name, "overloaded" if status == 503 else "error")
+                        self._instance(name, lease.replica.url, "overloaded" if status == 503 else "error", attempt)
                         continue
                     lease.success()
+                    outcome = "ok" if status == 200 else "invalid" if status in (400, 413) else "error"
+                    self._instance(name, lease.replica.url, outcome, attempt)
                 return self._reply(name, status, payload, part, model)
         finally:
             self._metrics.encoder_seconds.labels(name).observe(time.perf_counter() - started)
@@ -320,6 +326,11 @@ class EncoderClient:
 
     def _count(self, name: str, outcome: str) -> None:
         self._metrics.encoder_requests.labels(name, outcome).inc()
+
+    def _instance(self, name: str, url: str, outcome: str, started: float) -> None:
+        metrics = self._metrics
+        metrics.child(metrics.encoder_backend_requests, name, url, outcome).inc()
+        metrics.child(metrics.encoder_backend_seconds, name, url).observe(time.perf_counter() - started)
 
 
 def _breaker(open_s: float) -> BreakerConfig:

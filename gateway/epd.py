@@ -172,6 +172,8 @@ async def _send(
     payload = {"model": upstream_model, "messages": [{"role": "user", "content": content}], "stream": False, **carried}
     timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
     first = group.leases[0]  # one request: one outcome for the breaker
+    outcome = "error"
+    started = time.perf_counter()
     try:
         try:
             async with session.post(
@@ -193,22 +195,32 @@ async def _send(
                 first.busy(1.0)
             else:
                 first.failure(f"HTTP {status}")
-            metrics.encoder_requests.labels(spec.name, "overloaded" if status in (429, 503) else "error").inc(
-                len(group.items)
-            )
+            outcome = "overloaded" if status in (429, 503) else "error"
+            metrics.encoder_requests.labels(spec.name, outcome).inc(len(group.items))
             log.warning("encoder %s instance %s answered %d", spec.name, url, status)
             return f"HTTP {status}"
         first.success()
         if status != 200:  # 400, 422: the instance refused the images, the client's fault
+            outcome = "invalid"
             metrics.encoder_requests.labels(spec.name, "invalid").inc(len(group.items))
             raise InvalidImageError(f"encoder '{spec.name}' refused the image(s){_detail(data)}")
         _match(group.items, data)
+        outcome = "ok"
         metrics.encoder_requests.labels(spec.name, "ok").inc(len(group.items))
         return None
     except ReplyTooLarge:
         first.failure("reply too large")
         metrics.encoder_requests.labels(spec.name, "error").inc(len(group.items))
         return "reply too large"
+    finally:  # a request cancelled (the client left) is not counted: it says nothing of the instance
+        if not _cancelling():
+            metrics.child(metrics.encoder_backend_requests, spec.name, url, outcome).inc()
+            metrics.child(metrics.encoder_backend_seconds, spec.name, url).observe(time.perf_counter() - started)
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class ReplyTooLarge(Exception):

@@ -115,6 +115,20 @@ class GatewayMetrics:
             buckets=DURATION_BUCKETS,
             registry=registry,
         )
+        self.encoder_backend_requests = Counter(
+            "gateway_encoder_backend_requests",
+            "Requests to each encoder backend or vLLM encoder instance (an image, or a priming request's images), "
+            "by outcome: ok, invalid, connect_error, timeout, overloaded, error.",
+            ["encoder", "backend", "outcome"],
+            registry=registry,
+        )
+        self.encoder_backend_seconds = Histogram(
+            "gateway_encoder_backend_seconds",
+            "Time of one request to an encoder backend or vLLM encoder instance, to its whole answer.",
+            ["encoder", "backend"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
         self.encode_decisions = Counter(
             "gateway_encode_decisions",
             "Requests with images to a model that encodes them, by decision: encoded, or direct (fewer images than "

@@ -151,6 +151,10 @@ async def test_a_failing_instance_is_passed_over(gateway_factory, cluster):
     assert sorted(p.uuid for p in cluster.encoders[1].primes) == sorted(sha(i) for i in images)
     assert cluster.log.misses == [] and len(cluster.log.hits) == 6
     assert gw.sample("gateway_encoder_requests_total", encoder="vision", outcome="overloaded") >= 1
+    failing, working = cluster.encoder_urls
+    assert gw.sample("gateway_encoder_backend_requests_total", backend=failing, outcome="overloaded") >= 1
+    assert gw.sample("gateway_encoder_backend_requests_total", backend=working, outcome="ok") >= 1
+    assert gw.sample("gateway_encoder_backend_seconds_count", encoder="vision", backend=working) >= 1
 
 
 async def test_an_instance_that_answers_404_is_passed_over_not_blamed_on_the_client(gateway_factory, cluster):

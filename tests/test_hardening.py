@@ -695,6 +695,8 @@ async def test_an_encoder_that_accepts_no_connection_is_skipped_at_the_connect_t
             assert status == 200
             assert elapsed < 10.0  # the encode timeout (30 s) was spent waiting for it before
         assert fake.calls == sent
+        assert gw.sample("gateway_encoder_backend_requests_total", backend=hole, outcome="connect_error") == 1
+        assert gw.sample("gateway_encoder_backend_requests_total", backend=good_url, outcome="ok") == sent
     finally:
         for sock in (server, *fillers):
             sock.close()
