@@ -27,7 +27,7 @@ from .errors import (
     PermissionDeniedError,
 )
 from .metrics import UNKNOWN_MODEL
-from .relay import Timeouts
+from .relay import EmbeddingsNotDelivered, Timeouts
 from .reload import Live
 from .state import API_KEY_KEY, MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
 
@@ -54,12 +54,48 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         headers["X-Gateway-Encoded"] = str(len(encoded.replacements))
         if encoded.replacements:
             _check_grown_size(config, raw, encoded)
+    primed = bool(encoded.replacements) and config.encoders[plan.encoder or ""].kind == "vllm"
     data = upstream_body(plan, raw, body, encoded.replacements, encoded.fields)
     key = chat_key(body) if plan.model.balance == "affinity" else None
     stream = _streams(body)
+    if primed:  # vLLM's encoder instances: the consumer may not find what was primed
+        return await _forward_primed(request, services, live, plan, raw, data, headers, stream=stream, key=key)
     # the parsed request (as large as the body: a 2 MB image is a 2 MB str) is not kept while the
     # reply is relayed; the bytes sent upstream are
     del raw, body, encoded
+    return await _forward(
+        request, services, live, plan.model, data, plan.route, headers, stream=stream, affinity_key=key
+    )
+
+
+async def _forward_primed(
+    request: web.Request,
+    services: Services,
+    live: Live,
+    plan: RoutePlan,
+    raw: bytes,
+    data: bytes,
+    headers: dict[str, str],
+    *,
+    stream: bool,
+    key: bytes | None,
+) -> web.StreamResponse:
+    """A request whose images were primed on vLLM encoder instances. A consumer that failed for
+    want of them (a 500, or an answer that ends at once in ``finish_reason: "error"``: the
+    connector could not deliver an embedding, evicted or lost) before any byte reached the client
+    gets the request once more, its images primed again."""
+    try:
+        return await _forward(
+            request, services, live, plan.model, data, plan.route, headers, stream=stream, affinity_key=key,
+            ec_check=True,
+        )  # fmt: skip
+    except EmbeddingsNotDelivered as exc:
+        log.warning("model %s: %s; priming its images again", plan.model.name, exc.message)
+    services.metrics.retries.labels(plan.model.name, "ec_error").inc()
+    body = exact(raw, orjson.loads(raw))  # the client's request again: the first try rewrote its parts
+    encoded = await _encode(request, services, plan, body, live.config.encoders)
+    data = upstream_body(plan, raw, body, encoded.replacements, encoded.fields)
+    del raw, body
     return await _forward(
         request, services, live, plan.model, data, plan.route, headers, stream=stream, affinity_key=key
     )
@@ -257,6 +293,7 @@ def _forward(
     *,
     stream: bool,
     affinity_key: bytes | None = None,
+    ec_check: bool = False,
 ) -> Awaitable[web.StreamResponse]:
     """The upstream exchange, awaited by the handler (a plain function: no coroutine frame of its
     own for every resumption of the exchange to pass through)."""
@@ -281,6 +318,7 @@ def _forward(
         auth=live.upstream_auth.get(model.name),
         forward_client_auth=live.keyring is None,  # with auth on, the client's key stays here
         affinity_key=affinity_key,
+        ec_check=ec_check,
     )
     if model.max_concurrency is None:
         return exchange()

@@ -111,6 +111,21 @@ def outcome_of(status: int) -> str:
     return "ok" if status < 400 else "http_4xx" if status < 500 else "http_5xx"
 
 
+# How a vLLM ec_consumer says an embedding the connector should have delivered was not there: a
+# 500 before any byte, or a generation that ends at once with finish_reason "error".
+_EC_ERROR_MARKS = (b'"finish_reason":"error"', b'"finish_reason": "error"')
+
+
+class EmbeddingsNotDelivered(UpstreamError):
+    """The consumer failed for want of the primed embeddings, before any byte reached the client:
+    the handler primes again and sends the request once more (never rendered to a client unless
+    that is impossible; then it is a 502 like any upstream failure)."""
+
+
+def ec_error(status: int, data: bytes) -> bool:
+    return status == 500 or any(mark in data for mark in _EC_ERROR_MARKS)
+
+
 class RelayResponse(web.StreamResponse):
     """A relayed response; ``client_gone`` tells the metrics the client left before the end."""
 
@@ -125,18 +140,21 @@ def relay(
     gateway_headers: Mapping[str, str],
     timeouts: Timeouts,
     deadline: float | None = None,
+    ec_check: bool = False,
 ) -> Coroutine[Any, Any, Relayed]:
     """Relay ``upstream`` to the client (the coroutine that does it); ``deadline`` (loop time)
     ends the exchange (``total``). A small non-streamed reply is read whole, any other relayed
-    chunk by chunk."""
+    chunk by chunk. ``ec_check``: a reply that says the primed embeddings were missing (see
+    :func:`ec_error`: the status, the whole small body or a stream's first chunk) is not relayed
+    but answered :class:`EmbeddingsNotDelivered`."""
     outcome = outcome_of(upstream.status)
     length = upstream.content_length
     streamed = timeouts.stream_idle is not None  # the client asked for a stream
     if not streamed and length is not None and length <= SMALL_BODY_BYTES:
         return _relay_whole(upstream, model=model, outcome=outcome, gateway_headers=gateway_headers,
-                            timeouts=timeouts, deadline=deadline)  # fmt: skip
+                            timeouts=timeouts, deadline=deadline, ec_check=ec_check)  # fmt: skip
     return _relay_stream(request, upstream, model=model, outcome=outcome, gateway_headers=gateway_headers,
-                         timeouts=timeouts, deadline=deadline)  # fmt: skip
+                         timeouts=timeouts, deadline=deadline, ec_check=ec_check)  # fmt: skip
 
 
 async def _relay_stream(
@@ -148,11 +166,29 @@ async def _relay_stream(
     gateway_headers: Mapping[str, str],
     timeouts: Timeouts,
     deadline: float | None,
+    ec_check: bool = False,
 ) -> Relayed:
     """A reply relayed chunk by chunk as it arrives (every stream, and a reply of unknown or large
     length), under the deadlines of :class:`_Deadlines`."""
     length = upstream.content_length
     streamed = timeouts.stream_idle is not None
+    first = b""
+    if ec_check:  # the first chunk decides, before anything goes to the client
+        if ec_error(upstream.status, b""):
+            return Relayed(None, outcome, False, EmbeddingsNotDelivered(f"Upstream of model '{model}' answered 500"))
+        try:
+            async with asyncio.timeout(timeouts.read):
+                first = await anext(aiter(upstream.content.iter_any()), b"")
+        except CLIENT_ERRORS as exc:
+            log.warning("upstream of %s broke off before its first chunk: %r", model, exc)
+            if isinstance(exc, TimeoutError):
+                error: GatewayError = UpstreamTimeoutError(
+                    f"Upstream of model '{model}' sent no first chunk within {timeouts.read:g}s"
+                )
+                return Relayed(None, "timeout", True, error)
+            return Relayed(None, "aborted", True, UpstreamError(f"Upstream of model '{model}' broke off its response"))
+        if ec_error(upstream.status, first):
+            return Relayed(None, "error", False, EmbeddingsNotDelivered(f"Upstream of model '{model}' ended in error"))
     response = RelayResponse(
         status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers)
     )
@@ -171,6 +207,11 @@ async def _relay_stream(
     )
     failed = False
     try:
+        if first:
+            deadlines.writing_since = loop.time()
+            await response.write(first)
+            deadlines.writing_since = None
+            deadlines.waiting_since = loop.time()
         async for chunk in upstream.content.iter_any():
             deadlines.writing_since = loop.time()
             await response.write(chunk)
@@ -208,6 +249,7 @@ async def _relay_whole(
     gateway_headers: Mapping[str, str],
     timeouts: Timeouts,
     deadline: float | None,
+    ec_check: bool = False,
 ) -> Relayed:
     """A small reply of known length, read whole and sent with its headers in one write. Nothing
     reached the client before the body is complete, so a replica that breaks off is a clean 502
@@ -233,6 +275,8 @@ async def _relay_whole(
         else:
             error = UpstreamError(f"Upstream of model '{model}' broke off its response", headers=headers)
         return Relayed(None, "timeout" if isinstance(error, UpstreamTimeoutError) else "aborted", not expired, error)
+    if ec_check and ec_error(upstream.status, body):
+        return Relayed(None, outcome, False, EmbeddingsNotDelivered(f"Upstream of model '{model}' ended in error"))
     response = web.Response(
         status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers), body=body
     )

@@ -110,6 +110,7 @@ class UpstreamClient:
         auth: str | None = None,
         forward_client_auth: bool = True,
         affinity_key: bytes | None = None,
+        ec_check: bool = False,
     ) -> Coroutine[Any, Any, web.StreamResponse]:
         """POST ``body`` to one of ``pool``'s replicas at the request's path; relay the answer.
 
@@ -126,7 +127,7 @@ class UpstreamClient:
             headers[hdrs.AUTHORIZATION] = auth
         elif not forward_client_auth:
             headers.popall(hdrs.AUTHORIZATION, None)
-        return self._forward(request, model, pool, body, attempts, timeouts, headers, gateway_headers)
+        return self._forward(request, model, pool, body, attempts, timeouts, headers, gateway_headers, ec_check)
 
     async def _forward(
         self,
@@ -138,6 +139,7 @@ class UpstreamClient:
         timeouts: Timeouts,
         headers: CIMultiDict[str],
         gateway_headers: Mapping[str, str],
+        ec_check: bool = False,
     ) -> web.StreamResponse:
         http1, session = self._http1, self._session
         assert http1 is not None or session is not None, "UpstreamClient.start() was not called"
@@ -243,6 +245,7 @@ class UpstreamClient:
                             gateway_headers=gateway_headers,
                             timeouts=timeouts,
                             deadline=attempts.deadline,
+                            ec_check=ec_check,
                         )
                 except asyncio.CancelledError:  # the client left; closing upstream stops the engine
                     self._count(model, replica, "aborted")

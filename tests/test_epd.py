@@ -294,3 +294,32 @@ def test_min_images_is_checked(encode: str, problem: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(text, filename="r.yaml")
     assert problem in str(caught.value)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_consumer_that_misses_an_embedding_gets_the_request_again_primed_again(
+    gateway_factory, cluster, stream
+):
+    cluster.log.evict_next = 1  # evicted between priming and the consumer's load
+    gw = await gateway_factory(table(cluster))
+    async with gw.client() as client:
+        if stream:
+            chunks = [c async for c in await client.chat.completions.create(
+                model="kimi", messages=ask(image(1), image(2)), stream=True)]  # fmt: skip
+            assert chunks[-1].choices[0].finish_reason == "stop"
+        else:
+            reply = await client.chat.completions.create(model="kimi", messages=ask(image(1), image(2)))
+            assert reply.choices[0].finish_reason == "stop"
+    assert cluster.log.errors == 1  # the client saw none of it
+    assert sum(len(e.primes) for e in cluster.encoders) == 4  # primed twice
+    assert len(cluster.standin.received) == 1  # the middleware answered the first; the engine the second
+    assert gw.sample("gateway_retries_total", model="kimi", reason="ec_error") == 1
+
+
+async def test_a_consumer_that_misses_twice_is_answered_as_it_answered(gateway_factory, cluster):
+    cluster.log.evict_next = 2
+    gw = await gateway_factory(table(cluster))
+    async with gw.client() as client:
+        with pytest.raises(openai.InternalServerError):
+            await client.chat.completions.create(model="kimi", messages=ask(image(1)))
+    assert cluster.log.errors == 2  # once more, not more

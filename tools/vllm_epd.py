@@ -115,6 +115,8 @@ class ConsumerLog:
     hits: list[str] = field(default_factory=list)  # uuids of image_embeds found in the cache
     misses: list[str] = field(default_factory=list)  # image_embeds whose uuid was never primed
     raw_with_uuid: list[str] = field(default_factory=list)  # raw images sent with their uuid
+    evict_next: int = 0  # the next N requests find the cache emptied (evicted, or a connector that lost it)
+    errors: int = 0  # requests answered in error for a missing embedding
 
 
 def consumer(standin: StandIn, cache: set[str], log: ConsumerLog) -> web.Application:
@@ -133,9 +135,27 @@ def consumer(standin: StandIn, cache: set[str], log: ConsumerLog) -> web.Applica
                 error = {"message": "Mixing raw image and embedding inputs is not allowed", "type": "BadRequestError",
                          "param": None, "code": 400}  # fmt: skip
                 return web.json_response({"error": error}, status=400)
+            if embeds and log.evict_next:
+                log.evict_next -= 1
+                cache.clear()
+            missing = [p.get("uuid", "") for p in embeds if p.get("uuid") not in cache]
             for part in embeds:
                 (log.hits if part.get("uuid") in cache else log.misses).append(part.get("uuid", ""))
             log.raw_with_uuid.extend(p["uuid"] for p in raw if "uuid" in p)
+            if missing:  # as vLLM answers an embedding the connector could not deliver
+                log.errors += 1
+                if body.get("stream"):
+                    choice = {"index": 0, "delta": {}, "finish_reason": "error"}
+                    chunk = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0,
+                             "model": body.get("model"), "choices": [choice]}  # fmt: skip
+                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                    await response.prepare(request)
+                    await response.write(b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n")
+                    await response.write_eof()
+                    return response
+                error = {"message": f"Encoder cache miss for {missing[0]}", "type": "InternalServerError",
+                         "param": None, "code": 500}  # fmt: skip
+                return web.json_response({"error": error}, status=500)
         return await handler(request)
 
     app = standin.app()
