@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import logging
 import os
 import sys
@@ -16,11 +17,14 @@ from typing import Any, TypeVar
 
 import orjson
 
-from .admission import admit
+from . import epd
+from .admission import RoutePlan, admit
 from .app import create_app
 from .config import GatewayConfig, load_config
+from .encoder import image_url
 from .errors import ConfigError, GatewayError
 from .lifecycle import reload_on_sighup, serve
+from .media import decode_data_url, is_data_url
 from .workers import MULTIPROC_ENV, Master, worker_app, worker_config
 
 DEFAULT_CONFIG = "routing.yaml"
@@ -120,13 +124,38 @@ def _explain(args: argparse.Namespace) -> int:
         print(f"{args.request}: the request must be a JSON object", file=sys.stderr)
         return 2
     try:
-        decision = admit(config, body).explain()
+        plan = admit(config, body)
+        decision = plan.explain()
+        if plan.encoder is not None:
+            decision["encoding"] = _encoding(config, plan, body)
         status = 0
     except GatewayError as exc:
         decision = {"decision": "reject", "status": exc.status, **exc.to_dict()}
         status = 1
     sys.stdout.buffer.write(orjson.dumps(decision, option=orjson.OPT_INDENT_2) + b"\n")
     return status
+
+
+def _encoding(config: GatewayConfig, plan: RoutePlan, body: dict[str, Any]) -> dict[str, Any]:
+    """The encoder of an explained request: its kind and, for vLLM's encoder instances, the
+    priming plan (where each image would go)."""
+    assert plan.encoder is not None
+    spec = config.encoders[plan.encoder]
+    encoding: dict[str, Any] = {"encoder": spec.name, "kind": spec.kind}
+    if spec.kind == "vllm":
+        images: list[tuple[str, str | None]] = []
+        for part in plan.encode_parts:
+            assert part.index is not None
+            url = image_url(body["messages"][part.message]["content"][part.index])
+            uuid = None
+            if url is not None and is_data_url(url):
+                try:
+                    uuid = hashlib.sha256(decode_data_url(url, max_bytes=config.media.max_image_bytes)).hexdigest()
+                except GatewayError:
+                    uuid = None
+            images.append((part.location, uuid))
+        encoding["priming"] = epd.plan(spec, images)
+    return encoding
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

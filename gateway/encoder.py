@@ -23,7 +23,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
@@ -111,6 +111,11 @@ class EncoderClient:
         self._replicas.retain(u for spec in config.encoders.values() for u in self.urls(spec))
         self._rings.clear()
         self.fetcher.update(config.media)
+
+    def backends(self, urls: Sequence[str]) -> list[dict[str, object]]:
+        """The health of these backends (or vLLM encoder instances), as /readyz reports upstreams."""
+        wanted = set(urls)
+        return [entry for entry in self._replicas.snapshot() if entry["url"] in wanted]
 
     def urls(self, spec: EncoderConfig) -> list[str]:
         if spec.kind in ("http", "vllm"):

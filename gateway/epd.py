@@ -273,6 +273,23 @@ def _match(items: list[Item], data: bytes) -> None:
             item.key, item.entry = found
 
 
+def plan(spec: EncoderConfig, images: list[tuple[str, str | None]]) -> dict[str, Any]:
+    """The priming plan of a request's images, for ``modality-gateway explain``: per image (its
+    location and uuid; None for a URL, fetched when served), the instance its uuid hashes to while
+    every instance is healthy and idle (affinity; load and health move it when served)."""
+    pool = Pool(spec.name, [Replica(u) for u in spec.urls], balance="affinity")
+    placed = []
+    for location, uuid in images:
+        instance = None
+        if uuid is not None:
+            lease = pool.lease(key=uuid.encode())
+            if lease is not None:
+                instance = lease.replica.url
+                lease.__exit__(None, None, None)
+        placed.append({"location": location, "uuid": uuid, "instance": instance})
+    return {"instances": list(spec.urls), "max_batch_size": spec.max_batch_size, "images": placed}
+
+
 def metadata_of(entry: Mapping[str, Any]) -> dict[str, Any] | None:
     """The metadata a consumer takes in place of the pixels (one level of nesting flattened, as
     vLLM's proxy does: ``[[1, 32, 48]]`` becomes ``[1, 32, 48]``), or None when the encoder gave none."""

@@ -173,7 +173,7 @@ async def readyz(request: web.Request) -> web.Response:
     }
     if _is_admin(request, services):
         encoders: dict[str, Any] = {
-            name: {"kind": spec.kind, "urls": list(spec.urls)}
+            name: {"kind": spec.kind, "urls": list(spec.urls), "backends": services.encoder.backends(spec.urls)}
             for name, spec in services.store.current.encoders.items()
             if spec.kind in ("http", "vllm")
         }

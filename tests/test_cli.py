@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import base64
+import hashlib
 import io
 import json
 import subprocess
@@ -270,3 +272,24 @@ def test_explain_with_a_missing_config(capsys: pytest.CaptureFixture[str], tmp_p
     status, decision, err = explain(capsys, write_request(tmp_path, chat("a")), config=str(config))
     assert (status, decision) == (2, None)
     assert err == f"{config}: cannot read file: [Errno 2] No such file or directory: '{config}'\n"
+
+
+def test_explain_shows_the_encoder_kind_and_the_priming_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path):
+    config = tmp_path / "routing.yaml"
+    config.write_text(
+        "version: 1\nencoders:\n"
+        "  v: {kind: vllm, urls: ['http://enc-0:8000', 'http://enc-1:8000'], max_batch_size: 4}\n"
+        "models:\n  - {name: m, upstreams: ['http://pd:8000'], accepts: [text, image], encode: {image: v}}\n"
+    )
+    png = b"\x89PNG\r\n\x1a\n-not-decoded-by-explain"
+    inline = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
+    status, decision, err = explain(capsys, write_request(tmp_path, chat("m", inline, IMAGE)), str(config))
+    assert (status, err) == (0, "")
+    assert decision["encode_decision"] == "encoded"
+    encoding = decision["encoding"]
+    assert (encoding["encoder"], encoding["kind"]) == ("v", "vllm")
+    priming = encoding["priming"]
+    assert priming["instances"] == ["http://enc-0:8000", "http://enc-1:8000"] and priming["max_batch_size"] == 4
+    first, second = priming["images"]
+    assert first["uuid"] == hashlib.sha256(png).hexdigest() and first["instance"] in priming["instances"]
+    assert second == {"location": "messages[0].content[2]", "uuid": None, "instance": None}  # fetched when served

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
@@ -323,3 +324,19 @@ async def test_a_consumer_that_misses_twice_is_answered_as_it_answered(gateway_f
         with pytest.raises(openai.InternalServerError):
             await client.chat.completions.create(model="kimi", messages=ask(image(1)))
     assert cluster.log.errors == 2  # once more, not more
+
+
+async def test_readyz_shows_the_instances_their_kind_and_health(gateway_factory, cluster, monkeypatch):
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "s3cret")
+    cluster.encoders[0].fail_status = 503
+    gw = await gateway_factory(table(cluster))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=ask(*(image(i) for i in range(6))))
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{gw.url}/readyz", headers={"Authorization": "Bearer s3cret"}) as resp:
+            report = await resp.json()
+    vision = report["encoders"]["vision"]
+    assert (vision["kind"], vision["urls"]) == ("vllm", cluster.encoder_urls)
+    health = {b["url"]: b for b in vision["backends"]}
+    assert health[cluster.encoder_urls[0]]["breaker"] == "open"  # one failure: passed over from then on
+    assert health[cluster.encoder_urls[1]]["breaker"] == "closed"
