@@ -96,24 +96,26 @@ async def prime(
             open_group: dict[str, _Group] = {}  # by instance URL: the group still taking images
             unplaced: list[Item] = []
             for item in pending:
-                # panic: with every instance's breaker open the first try goes anyway (one URL
-                # may be a fleet behind a Service)
-                lease = pool.lease(exclude=item.tried, key=item.uuid.encode(), panic=True)
-                if lease is None:
+                # placement alone (the lease given back at once): this request's own images must
+                # not push each other off their instances by the load bound. panic: with every
+                # instance's breaker open the first try goes anyway (one URL may be a fleet)
+                placed = pool.lease(exclude=item.tried, key=item.uuid.encode(), panic=True)
+                if placed is None:
                     unplaced.append(item)
                     continue
-                item.tried.append(lease.replica)
-                group = open_group.get(lease.replica.url)
+                placed.__exit__(None, None, None)
+                replica = placed.replica
+                item.tried.append(replica)
+                group = open_group.get(replica.url)
                 if group is None or len(group.items) >= spec.max_batch_size:
-                    group = open_group[lease.replica.url] = _Group(lease.replica, [])
+                    group = open_group[replica.url] = _Group(replica, [])
                     groups.append(group)
                 group.items.append(item)
-                group.leases.append(lease)
             if unplaced:  # an image no instance is left to take: the request cannot be primed
-                for g in groups:
-                    for lease in g.leases:
-                        lease.__exit__(None, None, None)
                 break
+            for g in groups:  # one lease a priming request: its load, and its outcome for the breaker
+                replica = g.replica
+                g.leases.append(Lease(pool, replica, probe=replica.state == "half_open" and replica.probes == 0))
             tasks = [
                 asyncio.ensure_future(_limited(limit, session, spec, g, upstream_model, carried, request_id, metrics))
                 for g in groups

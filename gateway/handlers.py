@@ -90,10 +90,16 @@ async def _forward_primed(
             ec_check=True,
         )  # fmt: skip
     except EmbeddingsNotDelivered as exc:
+        # within retries.attempts and the retry budget: a consumer failing for another reason
+        # must not double every request's load
+        if not services.upstream.may_retry(plan.model, "ec_error"):
+            raise
         log.warning("model %s: %s; priming its images again", plan.model.name, exc.message)
-    services.metrics.retries.labels(plan.model.name, "ec_error").inc()
     body = exact(raw, orjson.loads(raw))  # the client's request again: the first try rewrote its parts
     encoded = await _encode(request, services, plan, body, live.config.encoders)
+    headers["X-Gateway-Encoded"] = str(len(encoded.replacements))
+    if encoded.replacements:
+        _check_grown_size(live.config, raw, encoded)
     data = upstream_body(plan, raw, body, encoded.replacements, encoded.fields)
     del raw, body
     return await _forward(

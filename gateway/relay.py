@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -112,8 +113,12 @@ def outcome_of(status: int) -> str:
 
 
 # How a vLLM ec_consumer says an embedding the connector should have delivered was not there: a
-# 500 before any byte, or a generation that ends at once with finish_reason "error".
-_EC_ERROR_MARKS = (b'"finish_reason":"error"', b'"finish_reason": "error"')
+# 500 before any byte, or a generation that ends at once with finish_reason "error" (model text
+# cannot forge it: inside a string its quotes are escaped).
+_EC_ERROR = re.compile(rb'"finish_reason":\s*"error"')
+# A stream's opening that says the generation is under way: content, a tool call, another finish.
+_EC_UNDER_WAY = re.compile(rb'"content":\s*"[^"]|"tool_calls":\s*\[\s*\{|"finish_reason":\s*"|\[DONE\]')
+EC_PEEK_BYTES = 64 * 1024  # the most of a stream's opening read before deciding
 
 
 class EmbeddingsNotDelivered(UpstreamError):
@@ -123,7 +128,7 @@ class EmbeddingsNotDelivered(UpstreamError):
 
 
 def ec_error(status: int, data: bytes) -> bool:
-    return status == 500 or any(mark in data for mark in _EC_ERROR_MARKS)
+    return status == 500 or _EC_ERROR.search(data) is not None
 
 
 class RelayResponse(web.StreamResponse):
@@ -173,22 +178,25 @@ async def _relay_stream(
     length = upstream.content_length
     streamed = timeouts.stream_idle is not None
     first = b""
-    if ec_check:  # the first chunk decides, before anything goes to the client
+    if ec_check:  # the stream's opening decides, before anything goes to the client
         if ec_error(upstream.status, b""):
             return Relayed(None, outcome, False, EmbeddingsNotDelivered(f"Upstream of model '{model}' answered 500"))
+        loop = asyncio.get_running_loop()
+        wait = timeouts.read if deadline is None else min(timeouts.read, max(0.0, deadline - loop.time()))
         try:
-            async with asyncio.timeout(timeouts.read):
-                first = await anext(aiter(upstream.content.iter_any()), b"")
+            async with asyncio.timeout(wait):
+                first = await _opening(upstream)
         except CLIENT_ERRORS as exc:
             log.warning("upstream of %s broke off before its first chunk: %r", model, exc)
             if isinstance(exc, TimeoutError):
-                error: GatewayError = UpstreamTimeoutError(
-                    f"Upstream of model '{model}' sent no first chunk within {timeouts.read:g}s"
-                )
-                return Relayed(None, "timeout", True, error)
+                if deadline is not None and loop.time() >= deadline:
+                    message = f"Upstream of model '{model}' did not finish within {timeouts.total:g}s"
+                    return Relayed(None, "timeout", False, UpstreamTimeoutError(message))
+                message = f"Upstream of model '{model}' sent no first chunk within {timeouts.read:g}s"
+                return Relayed(None, "timeout", True, UpstreamTimeoutError(message))
             return Relayed(None, "aborted", True, UpstreamError(f"Upstream of model '{model}' broke off its response"))
         if ec_error(upstream.status, first):
-            return Relayed(None, "error", False, EmbeddingsNotDelivered(f"Upstream of model '{model}' ended in error"))
+            return Relayed(None, outcome, False, EmbeddingsNotDelivered(f"Upstream of model '{model}' ended in error"))
     response = RelayResponse(
         status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers)
     )
@@ -239,6 +247,17 @@ async def _relay_stream(
         if deadlines.client_stalled:
             log.warning("client took no bytes for %gs; dropped (model %s)", timeouts.client_write, model)
     return Relayed(response, outcome, failed)
+
+
+async def _opening(upstream: UpstreamReply) -> bytes:
+    """A reply's first chunks, up to the one that says whether the generation is under way or
+    ended in error (vLLM sends the assistant's role first, alone), or EC_PEEK_BYTES, or the end."""
+    opening = b""
+    async for chunk in upstream.content.iter_any():
+        opening += chunk
+        if _EC_ERROR.search(opening) or _EC_UNDER_WAY.search(opening) or len(opening) >= EC_PEEK_BYTES:
+            break
+    return opening
 
 
 async def _relay_whole(

@@ -265,6 +265,18 @@ class UpstreamClient:
             )
         raise attempts.failure
 
+    def may_retry(self, model: ModelConfig, reason: str) -> bool:
+        """Whether one more try of a whole exchange (a handler's own retry: ``ec_error``) fits in
+        the model's ``retries.attempts`` and its retry budget; counted either way."""
+        budget = self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
+        if model.retries.attempts < 1:
+            return False
+        if not budget.withdraw(model.retries):
+            self._metrics.retries_refused.labels(model.name).inc()
+            return False
+        self._metrics.retries.labels(model.name, reason).inc()
+        return True
+
     def _retries(self, pool: Pool, attempts: _Attempts, reason: str) -> bool:
         """Whether the attempt that just failed for ``reason`` is tried again; if so, count it and
         set the backoff the next attempt waits first."""

@@ -608,3 +608,20 @@ def test_the_reject_message_names_every_redirect_hop() -> None:
     assert caught.value.message.startswith(
         "Model 'c' (redirected from 'a' for video input, then from 'b' for audio input) does not accept image input"
     )
+
+
+def test_min_images_keeps_image_light_requests_off_the_encoder_whatever_its_kind() -> None:
+    for kind in ("local", "http: urls: [http://127.0.0.1:9001]", "vllm: urls: [http://127.0.0.1:9001]"):
+        name, _, more = kind.partition(": ")
+        spec = f"{{kind: {name}{', ' + more if more else ''}}}"
+        config = parse_config(
+            f"version: 1\nencoders:\n  enc: {spec}\nmodels:\n"
+            + model("m", "text, image", "encode: {image: enc, min_images: 2}")
+        )
+        one = admit(config, request("m", user(txt(), IMG)))
+        two = admit(config, request("m", user(txt(), IMG, IMG)))
+        text_only = admit(config, request("m", user(txt())))
+        assert (one.encoder, one.encode_parts, one.encode_decision) == (None, (), "direct"), kind
+        assert (two.encoder, len(two.encode_parts), two.encode_decision) == ("enc", 2, "encoded"), kind
+        assert text_only.encode_decision is None
+        assert [p["action"] for p in one.explain()["parts"]] == ["accept", "accept"]

@@ -340,3 +340,27 @@ async def test_readyz_shows_the_instances_their_kind_and_health(gateway_factory,
     health = {b["url"]: b for b in vision["backends"]}
     assert health[cluster.encoder_urls[0]]["breaker"] == "open"  # one failure: passed over from then on
     assert health[cluster.encoder_urls[1]]["breaker"] == "closed"
+
+
+async def test_a_request_of_many_images_puts_each_where_it_would_go_alone(gateway_factory, cluster):
+    gw = await gateway_factory(table(cluster))
+    images = [image(i) for i in range(8)]
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=ask(*images))
+        for one in images:
+            await client.chat.completions.create(model="kimi", messages=ask(one))
+    where: dict[str, set[str]] = {}
+    for e in cluster.encoders:
+        for p in e.primes:
+            where.setdefault(p.uuid, set()).add(e.name)
+    assert all(len(names) == 1 for names in where.values()), where  # the load bound never split them
+
+
+async def test_the_consumer_retry_keeps_to_retries_attempts(gateway_factory, cluster):
+    cluster.log.evict_next = 1
+    gw = await gateway_factory(table(cluster, options=", retries: {attempts: 0}"))
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="kimi", messages=ask(image(1)))
+    assert caught.value.status_code == 502 and cluster.log.errors == 1
+    assert gw.sample("gateway_retries_total", model="kimi", reason="ec_error") == 0

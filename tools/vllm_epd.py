@@ -145,12 +145,21 @@ def consumer(standin: StandIn, cache: set[str], log: ConsumerLog) -> web.Applica
             if missing:  # as vLLM answers an embedding the connector could not deliver
                 log.errors += 1
                 if body.get("stream"):
-                    choice = {"index": 0, "delta": {}, "finish_reason": "error"}
-                    chunk = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0,
-                             "model": body.get("model"), "choices": [choice]}  # fmt: skip
+                    # as vLLM streams: the assistant's role alone first, then the end in error
+                    head = {
+                        "id": "chatcmpl-x",
+                        "object": "chat.completion.chunk",
+                        "created": 0,
+                        "model": body.get("model"),
+                    }
+                    role = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                 "finish_reason": None}]}  # fmt: skip
+                    end = {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "error"}]}
                     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                     await response.prepare(request)
-                    await response.write(b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n")
+                    await response.write(b"data: " + orjson.dumps(role) + b"\n\n")
+                    await asyncio.sleep(0.01)  # its own packet
+                    await response.write(b"data: " + orjson.dumps(end) + b"\n\ndata: [DONE]\n\n")
                     await response.write_eof()
                     return response
                 error = {"message": f"Encoder cache miss for {missing[0]}", "type": "InternalServerError",
