@@ -57,15 +57,31 @@ class RoutePlan:
     classification: Classification
     redirects: tuple[Redirect, ...] = ()
     stripped: frozenset[Modality] = frozenset()
+    transcribed: frozenset[Modality] = frozenset()  # audio sent to a transcription model, as text
 
     @property
     def route(self) -> str:
         """The X-Gateway-Route header value."""
-        if not self.redirects and not self.stripped:
+        if not self.redirects and not self.stripped and not self.transcribed:
             return "direct"
         stripped = bool(self.stripped_parts) or self.mutes_audio_in_video
-        actions = [a for a, on in (("redirect", bool(self.redirects)), ("strip", stripped)) if on]
+        actions = [
+            a
+            for a, on in (
+                ("redirect", bool(self.redirects)),
+                ("strip", stripped),
+                ("transcribe", bool(self.transcribe_parts)),
+            )
+            if on
+        ]
         return ", ".join(actions) or "direct"
+
+    @property
+    def transcribe_parts(self) -> tuple[Part, ...]:
+        """Audio parts to replace by their transcript (``on_unsupported: {audio: {transcribe: M}}``)."""
+        if not self.transcribed:
+            return ()
+        return tuple(p for p in self.classification.parts if p.modality in self.transcribed and p.index is not None)
 
     @property
     def stripped_parts(self) -> tuple[Part, ...]:
@@ -73,9 +89,10 @@ class RoutePlan:
 
     @property
     def mutes_audio_in_video(self) -> bool:
-        """Audio is stripped while kept videos carry their audio track: the flag must go off."""
+        """Audio is stripped (or transcribed: a video's track cannot be) while kept videos carry
+        their audio track: the flag must go off."""
         return (
-            Modality.AUDIO in self.stripped
+            (Modality.AUDIO in self.stripped or Modality.AUDIO in self.transcribed)
             and self.classification.audio_in_video
             and Modality.VIDEO not in self.stripped
             and Modality.VIDEO in self.classification.counts
@@ -84,7 +101,9 @@ class RoutePlan:
     def needs_rewrite(self, body: Mapping[str, Any]) -> bool:
         if body.get("model") != self.model.upstream_name:
             return True
-        return bool(self.stripped) and (bool(self.stripped_parts) or self.mutes_audio_in_video)
+        if self.transcribe_parts:
+            return True
+        return bool(self.stripped or self.transcribed) and (bool(self.stripped_parts) or self.mutes_audio_in_video)
 
     @property
     def encoder(self) -> str | None:
@@ -116,6 +135,8 @@ class RoutePlan:
     def action(self, part: Part) -> str:
         if part.modality in self.stripped:
             return "strip"
+        if part.modality in self.transcribed:
+            return "transcribe"
         return "encode" if self.encoder is not None and part.type in ENCODABLE_TYPES else "accept"
 
     def explain(self) -> dict[str, Any]:
@@ -184,9 +205,10 @@ def admit(
         model = target
     unsupported = [m for m in present if m not in model.accepts]
     stripped = frozenset(m for m in unsupported if model.policy(m).action == "strip")
-    _reject_unsupported(model, classification, unsupported, stripped, redirects)
-    _enforce_limits(model, classification, stripped)
-    return RoutePlan(requested.name, model, classification, tuple(redirects), stripped)
+    transcribed = frozenset(m for m in unsupported if model.policy(m).action == "transcribe")
+    _reject_unsupported(model, classification, unsupported, stripped | transcribed, redirects)
+    _enforce_limits(model, classification, stripped | transcribed)
+    return RoutePlan(requested.name, model, classification, tuple(redirects), stripped, transcribed)
 
 
 def _choose_redirect(config: GatewayConfig, model: ModelConfig, present: tuple[Modality, ...]) -> Redirect | None:

@@ -26,6 +26,7 @@ from .reload import ConfigStore
 from .replicas import ReplicaSet
 from .state import SERVICES_KEY, Services
 from .supervisor import DEFAULT_TIMINGS, Supervisor, Timings
+from .transcribe import Transcriber
 from .upstream import UpstreamClient
 
 # How the gateway must be served (web.run_app, AppRunner, TestServer): a client that leaves cancels
@@ -76,6 +77,7 @@ def create_app(
         supervisor,
         config.server.max_body_bytes,
         gates,
+        transcriber=Transcriber(metrics, encoder.fetcher),
     )
 
     app = web.Application(
@@ -108,10 +110,14 @@ async def _clients(app: web.Application) -> AsyncIterator[None]:
     config = services.store.current
     await services.upstream.start()
     await services.encoder.start(config)
+    if services.transcriber is not None:
+        await services.transcriber.start()
     await services.supervisor.start()
     yield
     await services.upstream.close()
     await services.encoder.close()
+    if services.transcriber is not None:
+        await services.transcriber.close()
     await services.supervisor.close()  # supervised encoders stop last
 
 

@@ -16,7 +16,7 @@ from .affinity import chat_key, prompt_key
 from .auth import is_bearer
 from .body import dump_body, exact, read_json
 from .config import EncoderConfig, GatewayConfig, ModelConfig, as_dict
-from .encoder import NOTHING, Encoded
+from .encoder import NOTHING, Encoded, Replacements
 from .errors import (
     AuthenticationError,
     ConfigError,
@@ -49,17 +49,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _count_plan(services, plan)
     headers = {}
     encoded = NOTHING
+    transcripts: Replacements = {}
+    if plan.transcribe_parts:  # before encoding: a failure here costs no encoder work
+        assert services.transcriber is not None
+        transcripts = await services.transcriber.transcribe(plan, body, live, request_id=request[REQUEST_ID_KEY])
+        encoded = Encoded(transcripts, {})
+    primed = False
     if plan.encode_parts:
-        encoded = await _encode(request, services, plan, body, config.encoders)
-        headers["X-Gateway-Encoded"] = str(len(encoded.replacements))
-        if encoded.replacements:
+        images = await _encode(request, services, plan, body, config.encoders)
+        headers["X-Gateway-Encoded"] = str(len(images.replacements))
+        encoded = Encoded({**transcripts, **images.replacements}, images.fields)
+        if images.replacements:
             _check_grown_size(config, raw, encoded)
-    primed = bool(encoded.replacements) and config.encoders[plan.encoder or ""].kind == "vllm"
+            primed = config.encoders[plan.encoder or ""].kind == "vllm"
     data = upstream_body(plan, raw, body, encoded.replacements, encoded.fields)
     key = chat_key(body) if plan.model.balance == "affinity" else None
     stream = _streams(body)
     if primed:  # vLLM's encoder instances: the consumer may not find what was primed
-        return await _forward_primed(request, services, live, plan, raw, data, headers, stream=stream, key=key)
+        return await _forward_primed(
+            request, services, live, plan, raw, data, headers, transcripts, stream=stream, key=key
+        )
     # the parsed request (as large as the body: a 2 MB image is a 2 MB str) is not kept while the
     # reply is relayed; the bytes sent upstream are
     del raw, body, encoded
@@ -76,6 +85,7 @@ async def _forward_primed(
     raw: bytes,
     data: bytes,
     headers: dict[str, str],
+    transcripts: Replacements,
     *,
     stream: bool,
     key: bytes | None,
@@ -96,9 +106,10 @@ async def _forward_primed(
             raise
         log.warning("model %s: %s; priming its images again", plan.model.name, exc.message)
     body = exact(raw, orjson.loads(raw))  # the client's request again: the first try rewrote its parts
-    encoded = await _encode(request, services, plan, body, live.config.encoders)
-    headers["X-Gateway-Encoded"] = str(len(encoded.replacements))
-    if encoded.replacements:
+    images = await _encode(request, services, plan, body, live.config.encoders)
+    headers["X-Gateway-Encoded"] = str(len(images.replacements))
+    encoded = Encoded({**transcripts, **images.replacements}, images.fields)  # the transcripts stand
+    if images.replacements:
         _check_grown_size(live.config, raw, encoded)
     data = upstream_body(plan, raw, body, encoded.replacements, encoded.fields)
     del raw, body

@@ -129,6 +129,13 @@ class GatewayMetrics:
             buckets=DURATION_BUCKETS,
             registry=registry,
         )
+        self.audio_transcribed_seconds = Counter(
+            "gateway_audio_transcribed_seconds",
+            "Seconds of audio replaced by its transcript (on_unsupported: {audio: {transcribe: M}}), by the "
+            "request's model; from the transcription's duration, or a WAV's header (0 when neither says).",
+            ["model"],
+            registry=registry,
+        )
         self.encode_decisions = Counter(
             "gateway_encode_decisions",
             "Requests with images to a model that encodes them, by decision: encoded, or direct (fewer images than "
@@ -239,6 +246,8 @@ class GatewayMetrics:
                     self.redirects.labels(model.name, modality.value, policy.target)
                 elif policy.action == "strip":
                     self.stripped_parts.labels(model.name, modality.value)
+                elif policy.action == "transcribe":
+                    self.audio_transcribed_seconds.labels(model.name)
 
 
 class PoolCollector(Collector):

@@ -14,6 +14,7 @@ from .encoder import EncoderClient
 from .metrics import GatewayMetrics
 from .reload import ConfigStore
 from .supervisor import Supervisor
+from .transcribe import Transcriber
 from .upstream import UpstreamClient
 
 
@@ -38,6 +39,7 @@ class Services:
     gates: Gates = field(default_factory=Gates)
     key_limits: KeyLimits = field(default_factory=KeyLimits)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    transcriber: Transcriber | None = None  # audio to text (on_unsupported: {audio: {transcribe: M}})
 
 
 SERVICES_KEY = web.AppKey("services", Services)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 from multidict import CIMultiDict
 
 CREATED = 1_700_000_000  # fixed, so replies are byte-for-byte repeatable
@@ -65,6 +65,7 @@ class StandIn:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/audio/transcriptions", self._transcribe)
         app.router.add_get("/health", self._health)
         return app
 
@@ -96,6 +97,34 @@ class StandIn:
                 {"error": {"message": "bad json", "type": "BadRequestError", "param": None, "code": 400}}, status=400
             )
         return payload, None
+
+    async def _transcribe(self, request: web.Request) -> web.Response:
+        """The OpenAI transcription API (what vLLM serves for Whisper): multipart ``file`` and
+        ``model``; the transcript names the file, its size and the model, so tests can tell them apart."""
+        if self.reset and request.transport is not None:
+            request.transport.abort()
+            return web.Response(status=500)
+        delay = int(request.headers.get("X-Standin-Delay-Ms", "0")) + self.delay_ms
+        if delay:
+            await asyncio.sleep(delay / 1000)
+        fields: dict[str, Any] = {}
+        async for part in await request.multipart():
+            if isinstance(part, BodyPartReader) and part.name:
+                data = await part.read()
+                fields[part.name] = (part.filename, part.headers.get("Content-Type"), data)
+        if self.record:
+            body = orjson.dumps({k: [v[0], v[1], len(v[2])] for k, v in fields.items()})
+            self.received.append(Received(request.method, request.path_qs, CIMultiDict(request.headers), body))
+        if self.fail_status:
+            error = {"message": f"stand-in {self.name} says {self.fail_status}", "type": "InternalServerError",
+                     "param": None, "code": self.fail_status}  # fmt: skip
+            return web.json_response({"error": error}, status=self.fail_status)
+        if "file" not in fields or "model" not in fields:
+            error = {"message": "file and model are required", "type": "BadRequestError", "param": None, "code": 400}
+            return web.json_response({"error": error}, status=400)
+        filename, _, audio = fields["file"]
+        model = fields["model"][2].decode()
+        return web.json_response({"text": f"[{self.name}] {model} heard {filename} ({len(audio)} bytes)"})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         payload, error = await self._record(request)

@@ -281,10 +281,20 @@ class Parser(PoolReaders, AuthReaders):
         if isinstance(value, dict) and set(value) == {"redirect"}:
             target = self.string(value["redirect"], f"{path}.redirect")
             return Policy("redirect", target) if target else None
+        if isinstance(value, dict) and "transcribe" in value and set(value) <= {"transcribe", "on_error"}:
+            target = self.string(value["transcribe"], f"{path}.transcribe")
+            on_error = value.get("on_error", "fail")
+            if on_error not in ("fail", "reject"):
+                self.problem(f"{path}.on_error", unknown_message(on_error, ("fail", "reject"), "action"))
+                return None
+            return Policy("transcribe", target, on_error) if target else None
         if isinstance(value, dict) and value:
+            allowed = ("transcribe", "on_error") if "transcribe" in value else ("redirect",)
             for key in value:
-                if key != "redirect":
-                    self.problem(join_path(path, key), unknown_message(key, ("redirect",), "key"), at_key=True)
+                if key not in allowed:
+                    self.problem(join_path(path, key), unknown_message(key, allowed, "key"), at_key=True)
             return None
-        self.problem(path, f"unknown policy {show(value)} (expected reject, strip, or {{redirect: MODEL}})")
+        self.problem(
+            path, f"unknown policy {show(value)} (expected reject, strip, {{redirect: MODEL}} or {{transcribe: MODEL}})"
+        )
         return None

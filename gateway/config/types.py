@@ -244,11 +244,16 @@ class AuthConfig:
 class Policy:
     """What to do with a modality a model does not accept."""
 
-    action: Literal["reject", "strip", "redirect"]
-    target: str | None = None  # the model to redirect to
+    action: Literal["reject", "strip", "redirect", "transcribe"]
+    target: str | None = None  # the model to redirect to, or whose upstreams transcribe (audio)
+    on_error: Literal["fail", "reject"] = "fail"  # transcribe: when it fails, 502/504 or 400 as if rejected
 
     def __str__(self) -> str:
-        return f"redirect to '{self.target}'" if self.action == "redirect" else self.action
+        if self.action == "redirect":
+            return f"redirect to '{self.target}'"
+        if self.action == "transcribe":
+            return f"transcribe with '{self.target}'"
+        return self.action
 
 
 REJECT = Policy("reject")

@@ -42,6 +42,15 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
             if m in model.accepts:
                 p.problem(where, f"'{m}' is accepted by this model, so this policy would never apply", at_key=True)
                 continue
+            if policy.action == "transcribe":
+                if m != Modality.AUDIO:
+                    p.problem(f"{where}.transcribe", f"only audio can be transcribed, not '{m}'")
+                elif config.model(policy.target or "") is None:
+                    names = ", ".join(mm.name for mm in config.models)
+                    p.problem(
+                        f"{where}.transcribe", f"transcription model '{policy.target}' is not a model here ({names})"
+                    )
+                continue
             if policy.action != "redirect":
                 continue
             target = config.model(policy.target or "")

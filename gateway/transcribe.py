@@ -1,0 +1,227 @@
+"""Audio a model cannot take, served as its transcript (``on_unsupported: {audio: {transcribe: M}}``).
+
+Each audio part of the request (``input_audio``: base64 data with its format; ``audio_url``: a
+data URL or an http(s) URL fetched under the ``media:`` rules) goes to one of model M's upstreams
+as the OpenAI transcription request, ``POST /v1/audio/transcriptions`` with a multipart ``file``
+and ``model`` (M's upstream name), as vLLM serves Whisper. The part is replaced by a text part
+holding the transcript, marked as such. A replica that refuses, resets, times out or answers 5xx
+is passed over to the next (M's pool: its choice, breakers and timeouts); a 4xx is the audio's
+fault (400 ``invalid_audio``). When every replica failed: 502 ``upstream_error`` / 504
+``upstream_timeout`` naming the part, or, with ``on_error: reject``, the 400 the model's
+rejection would have been. What is lost: everything but the words (tone, speakers, music,
+timing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+import wave
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from .admission import RoutePlan
+from .errors import (
+    GatewayError,
+    InvalidRequestError,
+    Rejection,
+    UnsupportedModalityError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
+from .failures import CLIENT_ERRORS, failure_of
+from .media import MediaFetcher
+from .metrics import GatewayMetrics
+from .modality import Modality, Part
+from .reload import Live
+from .replicas import Replica
+
+log = logging.getLogger(__name__)
+TRANSCRIPT = "[Transcript of the user's audio] "  # marks the text part that replaced an audio part
+CONCURRENCY = 4  # audio parts of one request transcribed at once
+FORMATS = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg", "webm": "audio/webm",
+           "m4a": "audio/mp4", "mp4": "audio/mp4", "mpeg": "audio/mpeg", "mpga": "audio/mpeg"}  # fmt: skip
+
+
+class InvalidAudioError(InvalidRequestError, code="invalid_audio"): ...
+
+
+class Transcriber:
+    """Sends audio parts to a transcription model's upstreams over one ClientSession."""
+
+    def __init__(self, metrics: GatewayMetrics, fetcher: MediaFetcher) -> None:
+        self._metrics = metrics
+        self._fetcher = fetcher
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def transcribe(
+        self, plan: RoutePlan, body: Mapping[str, Any], live: Live, *, request_id: str
+    ) -> dict[tuple[int, int], dict[str, Any]]:
+        """The text part that replaces each audio part of ``plan.transcribe_parts``."""
+        policy = plan.model.policy(Modality.AUDIO)
+        target = live.config.model(policy.target or "")
+        if target is None:  # validation forbids it; a config built in code may not
+            raise UpstreamError(f"Transcription model '{policy.target}' does not exist")
+        limit = asyncio.Semaphore(CONCURRENCY)
+        messages = body["messages"]
+
+        async def one(part: Part) -> tuple[tuple[int, int], dict[str, Any]]:
+            assert part.index is not None
+            async with limit:
+                try:
+                    text = await self._one(messages[part.message]["content"][part.index], part, plan, live, request_id)
+                except (UpstreamError, UpstreamTimeoutError) as exc:
+                    if policy.on_error != "reject":
+                        raise
+                    raise UnsupportedModalityError(
+                        f"Model '{plan.model.name}' does not accept audio input, and its transcription failed: "
+                        f"{part.location} is '{part.type}' ({exc.message})",
+                        param=part.location,
+                        rejection=Rejection(plan.model.name, "audio", "unsupported_modality"),
+                    ) from None
+            return (part.message, part.index), {"type": "text", "text": TRANSCRIPT + text}
+
+        results = await asyncio.gather(*(one(p) for p in plan.transcribe_parts))
+        return dict(results)
+
+    async def _one(self, value: Mapping[str, Any], part: Part, plan: RoutePlan, live: Live, request_id: str) -> str:
+        assert self._session is not None, "Transcriber.start() was not called"
+        audio, fmt = await self._audio(value, part, plan.model.name)
+        policy = plan.model.policy(Modality.AUDIO)
+        target = live.config.model(policy.target or "")
+        assert target is not None
+        pool = live.pools[target.name]
+        headers = {"X-Request-Id": request_id}
+        auth = live.upstream_auth.get(target.name)
+        if auth is not None:
+            headers["Authorization"] = auth
+        t = target.timeouts
+        timeout = aiohttp.ClientTimeout(total=t.total_s, connect=t.connect_s, sock_read=t.first_byte_s)
+        tried: list[Replica] = []
+        why = "no replica admits a request"
+        while (lease := pool.lease(exclude=tried, panic=True)) is not None:
+            tried.append(lease.replica)
+            url = lease.replica.url
+            form = aiohttp.FormData()
+            form.add_field("model", target.upstream_name)
+            form.add_field("response_format", "json")
+            form.add_field(
+                "file", audio, filename=f"audio.{fmt}", content_type=FORMATS.get(fmt, "application/octet-stream")
+            )
+            with lease:
+                try:
+                    async with self._session.post(
+                        f"{url}/v1/audio/transcriptions", data=form, headers=headers, timeout=timeout
+                    ) as resp:
+                        status, data = resp.status, await resp.read()
+                except CLIENT_ERRORS as exc:
+                    failure = failure_of(exc)
+                    lease.failure(failure.reason)
+                    log.warning("transcription upstream %s of model %s: %s", url, target.name, failure.reason)
+                    if failure.kind == "timeout":
+                        raise UpstreamTimeoutError(
+                            f"{part.location}: transcription model '{target.name}' sent no transcript within "
+                            f"{t.first_byte_s:g}s",
+                            param=part.location,
+                        ) from None
+                    why = failure.reason
+                    continue
+                if status >= 500 or status == 429:
+                    if status != 429:
+                        lease.failure(f"HTTP {status}")
+                    why = f"HTTP {status}"
+                    continue
+                lease.success()
+            text = _transcript(data)
+            if status != 200 or text is None:
+                raise InvalidAudioError(
+                    f"{part.location}: transcription model '{target.name}' could not transcribe the audio "
+                    f"(HTTP {status}{_detail(data)})",
+                    param=part.location,
+                )
+            seconds = _duration(data, audio, fmt)
+            self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)
+            return text
+        raise UpstreamError(
+            f"{part.location}: no upstream of transcription model '{target.name}' could transcribe the audio ({why})",
+            param=part.location,
+        )
+
+    async def _audio(self, value: Mapping[str, Any], part: Part, model: str) -> tuple[bytes, str]:
+        """The audio's bytes and format (wav, mp3, ...)."""
+        if part.type == "input_audio":
+            inner = value["input_audio"]  # classification checked its shape
+            fmt = str(inner.get("format", "wav")).lower()
+            try:
+                return base64.b64decode(inner["data"], validate=True), fmt
+            except ValueError:
+                raise InvalidAudioError(
+                    f"{part.location}: 'input_audio.data' is not base64", param=part.location
+                ) from None
+        audio_url = value.get("audio_url")
+        url = audio_url.get("url") if isinstance(audio_url, dict) else audio_url
+        if not isinstance(url, str) or not url:
+            raise InvalidAudioError(f"{part.location}: the audio part carries no URL", param=part.location)
+        try:
+            data = await self._fetcher.load(url)
+        except GatewayError as exc:
+            raise type(exc)(f"{part.location}: {exc.message}", param=part.location) from None
+        return data, _format_of(url)
+
+
+def _format_of(url: str) -> str:
+    if url.startswith("data:"):
+        mime = url[5:].split(";", 1)[0].split(",", 1)[0].lower()
+        sub = mime.split("/", 1)[-1] if "/" in mime else ""
+        return {"mpeg": "mp3", "x-wav": "wav", "wave": "wav", "x-flac": "flac"}.get(sub, sub or "wav")
+    path = url.split("?", 1)[0].rsplit("/", 1)[-1]
+    ext = path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    return ext if ext in FORMATS else "wav"
+
+
+def _transcript(data: bytes) -> str | None:
+    try:
+        reply = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    text = reply.get("text") if isinstance(reply, dict) else None
+    return text if isinstance(text, str) else None
+
+
+def _duration(data: bytes, audio: bytes, fmt: str) -> float:
+    """Seconds of audio: the reply's ``duration`` (verbose replies), else a WAV's header, else 0."""
+    try:
+        reply = orjson.loads(data)
+        duration: Any = reply.get("duration") if isinstance(reply, dict) else None
+        if isinstance(duration, int | float) and duration >= 0:
+            return float(duration)
+    except orjson.JSONDecodeError:
+        pass
+    if fmt == "wav":
+        try:
+            with wave.open(io.BytesIO(audio)) as w:
+                frames, rate = int(w.getnframes()), int(w.getframerate())
+            return frames / rate if rate else 0.0
+        except (wave.Error, EOFError):
+            return 0.0
+    return 0.0
+
+
+def _detail(data: bytes) -> str:
+    try:
+        message = orjson.loads(data)["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return ""
+    return f": {message}" if isinstance(message, str) else ""

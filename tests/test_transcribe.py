@@ -1,0 +1,170 @@
+"""Audio served as its transcript (``on_unsupported: {audio: {transcribe: M}}``, gateway/transcribe.py).
+
+Real WAV files written with the standard library, a stand-in transcription server speaking the
+OpenAI API (``POST /v1/audio/transcriptions``, multipart) and the real openai SDK as the client.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+from typing import Any
+
+import openai
+import orjson
+import pytest
+
+from gateway.admission import admit
+from gateway.config import parse_config
+from gateway.errors import ConfigError
+from gateway.transcribe import TRANSCRIPT as TRANSCRIPT_MARK
+from tests.conftest import Upstream, error_body, free_port, routing
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def wav(seconds: float, rate: int = 16000) -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(b"\x00\x01" * int(seconds * rate))
+    return out.getvalue()
+
+
+def input_audio(data: bytes, fmt: str = "wav") -> dict[str, Any]:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+
+
+def ask(*parts: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "text", "text": "what was said?"}, *parts]}]
+
+
+def table(chat: Upstream, *whisper_urls: str, policy: str = "{transcribe: whisper}") -> str:
+    urls = ", ".join(whisper_urls)
+    return routing(
+        f"  - {{name: texty, upstreams: [{chat.url}], accepts: [text, image], on_unsupported: {{audio: {policy}}}}}",
+        f"  - {{name: whisper, upstream_model: openai/whisper-large-v3, upstreams: [{urls}], accepts: [text, audio]}}",
+    )
+
+
+def chat_parts(chat: Upstream) -> list[dict[str, Any]]:
+    (message,) = chat.received[-1].json()["messages"]
+    parts: list[dict[str, Any]] = message["content"]
+    return parts
+
+
+async def test_audio_parts_become_their_transcript(gateway_factory, upstream_factory) -> None:
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper")
+    gw = await gateway_factory(table(chat, whisper.url))
+    one, two = wav(1.0), wav(0.5)
+    data_url = {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + base64.b64encode(two).decode()}}
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="texty", messages=ask(input_audio(one), data_url)
+        )
+    assert raw.headers["X-Gateway-Route"] == "transcribe"
+    assert chat_parts(chat) == [
+        {"type": "text", "text": "what was said?"},
+        {
+            "type": "text",
+            "text": f"{TRANSCRIPT_MARK}[whisper] openai/whisper-large-v3 heard audio.wav ({len(one)} bytes)",
+        },
+        {
+            "type": "text",
+            "text": f"{TRANSCRIPT_MARK}[whisper] openai/whisper-large-v3 heard audio.wav ({len(two)} bytes)",
+        },
+    ]
+    assert chat.received[-1].json()["model"] == "texty"
+    sent = [orjson.loads(r.body) for r in whisper.received]
+    assert all(s["file"][1] == "audio/wav" and s["model"][2] > 0 for s in sent)
+    assert whisper.received[0].path == "/v1/audio/transcriptions"
+    assert gw.sample("gateway_audio_transcribed_seconds_total", model="texty") == pytest.approx(1.5)
+
+
+async def test_a_failing_transcription_replica_is_passed_over(gateway_factory, upstream_factory) -> None:
+    chat, bad, good = await upstream_factory("chat"), await upstream_factory("bad"), await upstream_factory("good")
+    bad.standin.fail_status = 503
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = await gateway_factory(table(chat, dead, bad.url, good.url))
+    async with gw.client() as client:
+        for _ in range(3):
+            await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.1))))
+    assert len(good.standin.received) == 3
+    assert all("[good]" in chat_parts(chat)[1]["text"] for _ in range(1))
+
+
+@pytest.mark.parametrize(
+    ("policy", "status", "code"),
+    [("{transcribe: whisper}", 502, "upstream_error"), ("{transcribe: whisper, on_error: reject}", 400,
+                                                          "unsupported_modality")],
+)  # fmt: skip
+async def test_when_no_replica_can_transcribe(gateway_factory, upstream_factory, policy, status, code) -> None:
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper")
+    whisper.standin.fail_status = 500
+    gw = await gateway_factory(table(chat, whisper.url, policy=policy))
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.1))))
+    assert caught.value.status_code == status
+    body = error_body(caught.value)
+    assert body["code"] == code and body["param"] == "messages[0].content[1]"
+    assert chat.received == []  # the model was never asked
+
+
+async def test_audio_that_is_not_base64_is_a_400(gateway_factory, upstream_factory) -> None:
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper")
+    gw = await gateway_factory(table(chat, whisper.url))
+    bad = {"type": "input_audio", "input_audio": {"data": "not base64!!", "format": "wav"}}
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask(bad))
+    assert error_body(caught.value)["code"] == "invalid_audio"
+    assert whisper.received == [] and chat.received == []
+
+
+async def test_a_stream_is_served_after_transcription(gateway_factory, upstream_factory) -> None:
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper")
+    gw = await gateway_factory(table(chat, whisper.url))
+    async with gw.client() as client:
+        stream = await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.2))), stream=True)
+        chunks = [c async for c in stream]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chat_parts(chat)[1]["text"].startswith(TRANSCRIPT_MARK)
+
+
+@pytest.mark.parametrize(
+    ("policy", "problem"),
+    [
+        ("image: {transcribe: whisper}", "models[0].on_unsupported.image.transcribe: only audio can be transcribed"),
+        ("audio: {transcribe: nobody}", "transcription model 'nobody' is not a model here"),
+        ("audio: {transcribe: whisper, on_error: shrug}", "models[0].on_unsupported.audio.on_error: unknown action"),
+        ("audio: {transcribe: whisper, redirect: x}", "unknown key 'redirect'"),
+    ],
+)
+def test_a_transcribe_policy_is_checked(policy: str, problem: str) -> None:
+    text = (
+        "version: 1\nmodels:\n"
+        f"  - {{name: texty, upstreams: ['http://c:1'], accepts: [text], on_unsupported: {{{policy}}}}}\n"
+        "  - {name: whisper, upstreams: ['http://w:1'], accepts: [text, audio]}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, filename="r.yaml")
+    assert problem in str(caught.value)
+
+
+def test_explain_says_which_parts_are_transcribed() -> None:
+    config = parse_config(
+        "version: 1\nmodels:\n"
+        "  - {name: texty, upstreams: ['http://c:1'], accepts: [text],\n"
+        "     on_unsupported: {audio: {transcribe: whisper}}}\n"
+        "  - {name: whisper, upstreams: ['http://w:1'], accepts: [text, audio]}\n"
+    )
+    body = {"model": "texty", "messages": ask(input_audio(wav(0.1)))}
+    plan = admit(config, body)
+    decision = plan.explain()
+    assert decision["route"] == "transcribe"
+    assert [p["action"] for p in decision["parts"]] == ["accept", "transcribe"]
+    assert [p.location for p in plan.transcribe_parts] == ["messages[0].content[1]"]
