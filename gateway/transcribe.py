@@ -29,6 +29,7 @@ from .admission import RoutePlan
 from .errors import (
     GatewayError,
     InvalidRequestError,
+    MediaRefusedError,
     Rejection,
     UnsupportedModalityError,
     UpstreamError,
@@ -44,6 +45,7 @@ from .replicas import Replica
 log = logging.getLogger(__name__)
 TRANSCRIPT = "[Transcript of the user's audio] "  # marks the text part that replaced an audio part
 CONCURRENCY = 4  # audio parts of one request transcribed at once
+MAX_REPLY_BYTES = 4 << 20  # a transcript: words, a few KB
 FORMATS = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg", "webm": "audio/webm",
            "m4a": "audio/mp4", "mp4": "audio/mp4", "mpeg": "audio/mpeg", "mpga": "audio/mpeg"}  # fmt: skip
 
@@ -89,7 +91,7 @@ class Transcriber:
                         f"Model '{plan.model.name}' does not accept audio input, and its transcription failed: "
                         f"{part.location} is '{part.type}' ({exc.message})",
                         param=part.location,
-                        rejection=Rejection(plan.model.name, "audio", "unsupported_modality"),
+                        rejection=Rejection(plan.model.name, "audio", "unsupported"),
                     ) from None
             return (part.message, part.index), {"type": "text", "text": TRANSCRIPT + text}
 
@@ -111,6 +113,7 @@ class Transcriber:
         timeout = aiohttp.ClientTimeout(total=t.total_s, connect=t.connect_s, sock_read=t.first_byte_s)
         tried: list[Replica] = []
         why = "no replica admits a request"
+        timed_out = False
         while (lease := pool.lease(exclude=tried, panic=True)) is not None:
             tried.append(lease.replica)
             url = lease.replica.url
@@ -125,35 +128,36 @@ class Transcriber:
                     async with self._session.post(
                         f"{url}/v1/audio/transcriptions", data=form, headers=headers, timeout=timeout
                     ) as resp:
-                        status, data = resp.status, await resp.read()
+                        status, data = resp.status, await _read_capped(resp)
                 except CLIENT_ERRORS as exc:
                     failure = failure_of(exc)
                     lease.failure(failure.reason)
                     log.warning("transcription upstream %s of model %s: %s", url, target.name, failure.reason)
-                    if failure.kind == "timeout":
-                        raise UpstreamTimeoutError(
-                            f"{part.location}: transcription model '{target.name}' sent no transcript within "
-                            f"{t.first_byte_s:g}s",
-                            param=part.location,
-                        ) from None
+                    timed_out = failure.kind == "timeout"
                     why = failure.reason
-                    continue
-                if status >= 500 or status == 429:
+                    continue  # the next replica, a timeout too: transcribing is idempotent
+                text = _transcript(data) if status == 200 else None
+                if status in (400, 413, 415, 422):  # the audio's fault
+                    lease.success()
+                    raise InvalidAudioError(
+                        f"{part.location}: transcription model '{target.name}' could not transcribe the audio "
+                        f"(HTTP {status}{_detail(data)})",
+                        param=part.location,
+                    )
+                if text is None:  # failing, busy, not a transcription server, or a reply that is not one
                     if status != 429:
-                        lease.failure(f"HTTP {status}")
-                    why = f"HTTP {status}"
+                        lease.failure(f"HTTP {status}" if status != 200 else "not a transcription reply")
+                    why, timed_out = f"HTTP {status}", False
                     continue
                 lease.success()
-            text = _transcript(data)
-            if status != 200 or text is None:
-                raise InvalidAudioError(
-                    f"{part.location}: transcription model '{target.name}' could not transcribe the audio "
-                    f"(HTTP {status}{_detail(data)})",
-                    param=part.location,
-                )
             seconds = _duration(data, audio, fmt)
             self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)
             return text
+        if timed_out:
+            raise UpstreamTimeoutError(
+                f"{part.location}: transcription model '{target.name}' sent no transcript in time ({why})",
+                param=part.location,
+            )
         raise UpstreamError(
             f"{part.location}: no upstream of transcription model '{target.name}' could transcribe the audio ({why})",
             param=part.location,
@@ -161,6 +165,14 @@ class Transcriber:
 
     async def _audio(self, value: Mapping[str, Any], part: Part, model: str) -> tuple[bytes, str]:
         """The audio's bytes and format (wav, mp3, ...)."""
+        if part.type not in ("input_audio", "audio_url") or value.get(part.type) is None:
+            what = "embeddings" if part.type == "audio_embeds" else "a cached reference (no audio)"
+            raise UnsupportedModalityError(
+                f"Model '{model}' does not accept audio input, and {part.location} ('{part.type}') cannot be "
+                f"transcribed: it carries {what}",
+                param=part.location,
+                rejection=Rejection(model, "audio", "unsupported"),
+            )
         if part.type == "input_audio":
             inner = value["input_audio"]  # classification checked its shape
             fmt = str(inner.get("format", "wav")).lower()
@@ -177,8 +189,22 @@ class Transcriber:
         try:
             data = await self._fetcher.load(url)
         except GatewayError as exc:
-            raise type(exc)(f"{part.location}: {exc.message}", param=part.location) from None
+            message = exc.message.replace("Image URL", "Audio URL").replace("the image", "the audio")
+            kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidAudioError
+            raise kind(f"{part.location}: {message}", param=part.location, rejection=exc.rejection) from None
         return data, _format_of(url)
+
+
+async def _read_capped(resp: aiohttp.ClientResponse) -> bytes:
+    """A reply of at most MAX_REPLY_BYTES (a transcript is words: a few KB); more is a failure."""
+    if (resp.content_length or 0) > MAX_REPLY_BYTES:
+        raise aiohttp.ClientPayloadError("transcription reply too large")
+    data = bytearray()
+    async for chunk in resp.content.iter_any():
+        data += chunk
+        if len(data) > MAX_REPLY_BYTES:
+            raise aiohttp.ClientPayloadError("transcription reply too large")
+    return bytes(data)
 
 
 def _format_of(url: str) -> str:

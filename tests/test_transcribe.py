@@ -168,3 +168,50 @@ def test_explain_says_which_parts_are_transcribed() -> None:
     assert decision["route"] == "transcribe"
     assert [p["action"] for p in decision["parts"]] == ["accept", "transcribe"]
     assert [p.location for p in plan.transcribe_parts] == ["messages[0].content[1]"]
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "input_audio", "input_audio": None, "uuid": "cached-1"},
+        {"type": "audio_embeds", "audio_embeds": "AAAA"},
+    ],
+    ids=["cached-reference", "embeddings"],
+)
+async def test_audio_without_its_sound_is_rejected_not_transcribed(gateway_factory, upstream_factory, part) -> None:
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper")
+    gw = await gateway_factory(table(chat, whisper.url))
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask(part))
+    body = error_body(caught.value)
+    assert (body["code"], body["param"]) == ("unsupported_modality", "messages[0].content[1]")
+    assert whisper.received == [] and chat.received == []
+
+
+async def test_replicas_that_are_not_transcription_servers_or_time_out_are_passed_over(
+    gateway_factory, upstream_factory
+) -> None:
+    from aiohttp import web
+
+    async def not_found(request: web.Request) -> web.Response:
+        return web.Response(status=404, text="no such route")
+
+    async def not_json(request: web.Request) -> web.Response:
+        return web.Response(text="<html>a proxy page</html>")
+
+    apps = []
+    for handler in (not_found, not_json):
+        app = web.Application()
+        app.router.add_post("/v1/audio/transcriptions", handler)
+        apps.append(await upstream_factory(handler.__name__, app))
+    slow, good = await upstream_factory("slow"), await upstream_factory("good")
+    slow.standin.delay_ms = 5000
+    chat = await upstream_factory("chat")
+    text = table(chat, apps[0].url, apps[1].url, slow.url, good.url).replace(
+        "accepts: [text, audio]}", "accepts: [text, audio], timeouts: {first_byte_s: 0.2}, balance: round_robin}"
+    )
+    gw = await gateway_factory(text)
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.1))))
+    assert "[good]" in chat_parts(chat)[1]["text"]
