@@ -14,7 +14,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,encoder]'
+	$(PY) -m pip install -q -e '.[dev,encoder,video]'
 	touch $@
 
 install: $(STAMP) ## create .venv and install the gateway with its dev tools

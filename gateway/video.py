@@ -1,0 +1,130 @@
+"""A video as a few sampled frames (issue 13: video served to models that take images only).
+
+:func:`sample_frames` decodes a video with PyAV (FFmpeg, shipped in the ``av`` wheel: the
+``video`` extra) and returns N frames spread evenly over its duration (or ``fps`` a second,
+capped by N), each scaled to fit ``max_side`` and encoded as JPEG, with its timestamp. It seeks
+to each sample's time rather than decoding the whole file: a long video costs N seeks and the
+frames between a keyframe and each sample. It is synchronous and CPU-bound (callers run it in a
+thread, bounded); hostile input is bounded by the byte size the caller allows, ``max_seconds``,
+``max_pixels`` (one frame) and the decode budget: undecodable, truncated or oversized files are
+:class:`InvalidVideoError` (400 ``invalid_video``), never a crash.
+
+What a model loses this way: motion between the samples, and the sound.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from .errors import InvalidRequestError
+
+MAX_SECONDS = 3600.0  # a longer video is refused before any frame is decoded
+MAX_PIXELS = 3840 * 2160  # one frame's width x height
+MAX_DECODED = 20_000  # frames decoded in all (between keyframes and samples), whatever the file says
+
+
+class InvalidVideoError(InvalidRequestError, code="invalid_video"): ...
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    seconds: float  # its time in the video
+    jpeg: bytes
+    width: int
+    height: int
+
+
+def sample_frames(
+    data: bytes,
+    *,
+    frames: int,
+    fps: float | None = None,
+    max_side: int = 768,
+    max_seconds: float = MAX_SECONDS,
+    max_pixels: int = MAX_PIXELS,
+) -> list[Frame]:
+    """``frames`` frames of the video in ``data``, evenly spread (each in the middle of its
+    share of the duration), or ``fps`` a second when that gives fewer; in time order."""
+    try:
+        import av
+    except ImportError as exc:  # pragma: no cover - the video extra is installed with the gateway
+        raise RuntimeError("video sampling needs PyAV: pip install 'modality-gateway[video]'") from exc
+    try:
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    except (av.FFmpegError, ValueError, OSError) as exc:
+        raise InvalidVideoError(f"the video cannot be decoded ({_reason(exc)})") from None
+    try:
+        return _sample(container, av, frames, fps, max_side, max_seconds, max_pixels)
+    except (av.FFmpegError, ValueError, OSError, EOFError, MemoryError) as exc:
+        raise InvalidVideoError(f"the video cannot be decoded ({_reason(exc)})") from None
+    finally:
+        container.close()
+
+
+def _sample(
+    container: Any, av: Any, frames: int, fps: float | None, max_side: int, max_seconds: float, max_pixels: int
+) -> list[Frame]:
+    if not container.streams.video:
+        raise InvalidVideoError("the file has no video stream")
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"
+    width, height = stream.codec_context.width, stream.codec_context.height
+    if width <= 0 or height <= 0 or width * height > max_pixels:
+        raise InvalidVideoError(f"the video's frames are {width}x{height}, over the {max_pixels} pixels allowed")
+    duration = _duration(container, stream)
+    if duration > max_seconds:
+        raise InvalidVideoError(f"the video lasts {duration:.0f}s, over the {max_seconds:g}s allowed")
+    count = frames if fps is None or duration <= 0 else max(1, min(frames, math.floor(duration * fps)))
+    times = [duration * (i + 0.5) / count for i in range(count)] if duration > 0 else [0.0]
+    scale = min(1.0, max_side / max(width, height))
+    out_w, out_h = max(2, round(width * scale) // 2 * 2), max(2, round(height * scale) // 2 * 2)
+    encoder = av.CodecContext.create("mjpeg", "w")
+    encoder.width, encoder.height, encoder.pix_fmt = out_w, out_h, "yuvj420p"
+    encoder.time_base = Fraction(1, 1000)
+    time_base = float(stream.time_base) if stream.time_base else 0.0
+    start = float(stream.start_time * stream.time_base) if stream.start_time is not None and time_base else 0.0
+    sampled: list[Frame] = []
+    decoded = 0
+    for t in times:
+        frame = None
+        if time_base:
+            container.seek(int((start + t) / time_base), stream=stream, backward=True, any_frame=False)
+        for candidate in container.decode(stream):
+            decoded += 1
+            if decoded > MAX_DECODED:
+                raise InvalidVideoError(f"the video needs more than {MAX_DECODED} frames decoded to sample")
+            frame = candidate
+            if candidate.time is None or candidate.time - start >= t - 1e-6:
+                break
+        if frame is None:
+            if sampled:  # a file that ends before its stated duration: the frames it had
+                break
+            raise InvalidVideoError("the video has no frame that decodes")
+        seconds = (frame.time - start) if frame.time is not None else t
+        image = frame.reformat(width=out_w, height=out_h, format="yuvj420p")
+        packets = list(encoder.encode(image))
+        jpeg = b"".join(bytes(p) for p in packets)
+        if not jpeg:  # mjpeg emits one packet a frame; flush if it held one back
+            jpeg = b"".join(bytes(p) for p in encoder.encode(None))
+        sampled.append(Frame(max(0.0, seconds), jpeg, out_w, out_h))
+    return sampled
+
+
+def _duration(container: Any, stream: Any) -> float:
+    if stream.duration is not None and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return float(container.duration) / 1_000_000
+    if stream.frames and stream.average_rate:
+        return float(stream.frames / stream.average_rate)
+    return 0.0
+
+
+def _reason(exc: BaseException) -> str:
+    """FFmpeg's words, without its errno and the file name it never had."""
+    text = getattr(exc, "strerror", None) or str(exc).strip() or type(exc).__name__
+    return str(text)[:200]

@@ -1,0 +1,92 @@
+"""Sampling a video's frames (gateway/video.py) on small real videos made here with PyAV: a solid
+shade per second, so that every sampled frame says which second it came from."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from gateway.video import InvalidVideoError, sample_frames
+
+av = pytest.importorskip("av")
+np = pytest.importorskip("numpy")
+
+SHADES = (30, 130, 230)
+
+
+def video(seconds: int = 3, fps: int = 10, size: tuple[int, int] = (64, 48), codec: str = "mpeg4") -> bytes:
+    """``seconds`` seconds at ``fps``, second i a solid shade SHADES[i % 3], in an MP4."""
+    width, height = size
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(seconds * fps):
+            pixels = np.full((height, width, 3), SHADES[(i // fps) % 3], dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return out.getvalue()
+
+
+def shade(jpeg: bytes) -> int:
+    with av.open(io.BytesIO(jpeg), format="mjpeg") as container:
+        frame = next(container.decode(video=0))
+        return int(frame.to_ndarray(format="rgb24").mean())
+
+
+def test_frames_are_spread_evenly_in_order_each_from_its_second() -> None:
+    frames = sample_frames(video(), frames=6)
+    assert [round(f.seconds, 1) for f in frames] == [0.3, 0.8, 1.3, 1.8, 2.3, 2.8]  # the first frame at/after each
+    expected = [30, 30, 130, 130, 230, 230]
+    assert all(abs(shade(f.jpeg) - s) < 8 for f, s in zip(frames, expected, strict=True))  # JPEG: within a few
+    assert all(f.jpeg.startswith(b"\xff\xd8\xff") for f in frames)
+
+
+def test_fps_samples_fewer_when_it_gives_fewer() -> None:
+    frames = sample_frames(video(), frames=8, fps=1.0)
+    assert len(frames) == 3
+    assert [abs(shade(f.jpeg) - s) < 8 for f, s in zip(frames, SHADES, strict=True)] == [True] * 3
+    assert len(sample_frames(video(), frames=2, fps=10.0)) == 2  # capped by frames
+
+
+def test_frames_are_scaled_to_max_side_keeping_the_aspect() -> None:
+    (frame,) = sample_frames(video(seconds=1, size=(320, 180)), frames=1, max_side=64)
+    assert (frame.width, frame.height) == (64, 36)
+    (small,) = sample_frames(video(seconds=1, size=(64, 48)), frames=1, max_side=768)
+    assert (small.width, small.height) == (64, 48)  # never scaled up
+
+
+def test_h264_is_read_too() -> None:
+    frames = sample_frames(video(codec="libx264"), frames=3)
+    assert [abs(shade(f.jpeg) - s) < 8 for f, s in zip(frames, SHADES, strict=True)] == [True] * 3
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"not a video at all" * 100, b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 500],
+    ids=["empty", "text", "a-bare-mp4-header"],
+)
+def test_what_is_not_a_video_is_invalid_video(data: bytes) -> None:
+    with pytest.raises(InvalidVideoError) as caught:
+        sample_frames(data, frames=4)
+    assert caught.value.code == "invalid_video" and caught.value.status == 400
+
+
+def test_a_truncated_video_is_invalid_or_gives_the_frames_it_has() -> None:
+    whole = video()
+    for cut in (len(whole) // 3, len(whole) * 2 // 3, len(whole) - 10):
+        try:
+            frames = sample_frames(whole[:cut], frames=6)
+        except InvalidVideoError:
+            continue
+        assert 1 <= len(frames) <= 6
+
+
+def test_long_or_huge_videos_are_refused_before_decoding() -> None:
+    with pytest.raises(InvalidVideoError, match="over the 2s allowed"):
+        sample_frames(video(seconds=3), frames=2, max_seconds=2)
+    with pytest.raises(InvalidVideoError, match="over the 1000 pixels allowed"):
+        sample_frames(video(seconds=1), frames=2, max_pixels=1000)
