@@ -58,11 +58,12 @@ class RoutePlan:
     redirects: tuple[Redirect, ...] = ()
     stripped: frozenset[Modality] = frozenset()
     transcribed: frozenset[Modality] = frozenset()  # audio sent to a transcription model, as text
+    frames_per_video: int = 0  # on_unsupported: {video: {frames: N}}: each video as this many images
 
     @property
     def route(self) -> str:
         """The X-Gateway-Route header value."""
-        if not self.redirects and not self.stripped and not self.transcribed:
+        if not self.redirects and not self.stripped and not self.transcribed and not self.frames_per_video:
             return "direct"
         stripped = bool(self.stripped_parts) or self.mutes_audio_in_video
         actions = [
@@ -70,11 +71,18 @@ class RoutePlan:
             for a, on in (
                 ("redirect", bool(self.redirects)),
                 ("strip", stripped),
-                ("transcribe", bool(self.transcribe_parts)),
+                ("transcribe", bool(self.transcribe_parts) or bool(self.frame_parts)),
             )
             if on
         ]
         return ", ".join(actions) or "direct"
+
+    @property
+    def frame_parts(self) -> tuple[Part, ...]:
+        """Video parts to replace by sampled frames (``on_unsupported: {video: {frames: N}}``)."""
+        if not self.frames_per_video:
+            return ()
+        return tuple(p for p in self.classification.parts if p.type == "video_url" and p.index is not None)
 
     @property
     def transcribe_parts(self) -> tuple[Part, ...]:
@@ -101,7 +109,7 @@ class RoutePlan:
     def needs_rewrite(self, body: Mapping[str, Any]) -> bool:
         if body.get("model") != self.model.upstream_name:
             return True
-        if self.transcribe_parts:
+        if self.transcribe_parts or self.frame_parts:
             return True
         return bool(self.stripped or self.transcribed) and (bool(self.stripped_parts) or self.mutes_audio_in_video)
 
@@ -137,6 +145,8 @@ class RoutePlan:
             return "strip"
         if part.modality in self.transcribed:
             return "transcribe"
+        if self.frames_per_video and part.type == "video_url":
+            return "frames"
         return "encode" if self.encoder is not None and part.type in ENCODABLE_TYPES else "accept"
 
     def explain(self) -> dict[str, Any]:
@@ -206,9 +216,32 @@ def admit(
     unsupported = [m for m in present if m not in model.accepts]
     stripped = frozenset(m for m in unsupported if model.policy(m).action == "strip")
     transcribed = frozenset(m for m in unsupported if model.policy(m).action == "transcribe")
-    _reject_unsupported(model, classification, unsupported, stripped | transcribed, redirects)
-    _enforce_limits(model, classification, stripped | transcribed)
-    return RoutePlan(requested.name, model, classification, tuple(redirects), stripped, transcribed)
+    framed = frozenset(m for m in unsupported if model.policy(m).action == "frames")
+    _reject_unsupported(model, classification, unsupported, stripped | transcribed | framed, redirects)
+    _enforce_limits(model, classification, stripped | transcribed | framed)
+    per_video = _frames_per_video(model, classification, stripped) if framed else 0
+    return RoutePlan(requested.name, model, classification, tuple(redirects), stripped, transcribed, per_video)
+
+
+def _frames_per_video(model: ModelConfig, classification: Classification, stripped: frozenset[Modality]) -> int:
+    """How many frames each video becomes: the policy's, fewer when the model's image limit would
+    be passed; 400 too_many_items when not even one frame per video fits."""
+    policy = model.policy(Modality.VIDEO)
+    videos = [p for p in classification.parts if p.type == "video_url"]
+    limit = model.limits.get(Modality.IMAGE)
+    if limit is None or not videos:
+        return policy.frames
+    images = [p for p in classification.parts_with(Modality.IMAGE) if p.modality not in stripped]
+    per_video = min(policy.frames, (limit - len(images)) // len(videos))
+    if per_video < 1:
+        raise TooManyItemsError(
+            f"Model '{model.name}' accepts at most {limit} image(s) per request and takes video as frames: "
+            f"{len(images)} image(s) and {len(videos)} video(s) leave no room for even one frame per video "
+            f"({videos[0].location}).",
+            param=videos[0].location,
+            rejection=Rejection(model.name, Modality.IMAGE.value, "too_many_items"),
+        )
+    return per_video
 
 
 def _choose_redirect(config: GatewayConfig, model: ModelConfig, present: tuple[Modality, ...]) -> Redirect | None:
@@ -264,6 +297,11 @@ def _enforce_limits(model: ModelConfig, classification: Classification, stripped
             )
 
 
+# A replacement that stands for several parts, {"type": EXPAND, "parts": [...]}, spliced in place
+# once every replacement and strip is done (so that the indices of the others hold).
+EXPAND = "__gateway_parts__"
+
+
 def upstream_body(
     plan: RoutePlan,
     raw: bytes,
@@ -301,6 +339,11 @@ def rewrite(
             del content[part.index]
             if not content:
                 messages[part.message]["content"] = ""
+    expanded = {i for (i, _), new_part in (replacements or {}).items() if new_part.get("type") == EXPAND}
+    for i in expanded:  # a part replaced by several (a video by its frames), in place
+        messages[i]["content"] = [
+            q for p in messages[i]["content"] for q in (p["parts"] if p.get("type") == EXPAND else (p,))
+        ]
     if plan.mutes_audio_in_video:
         body["mm_processor_kwargs"] = {**body["mm_processor_kwargs"], "use_audio_in_video": False}
     return dump_body(body)

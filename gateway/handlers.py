@@ -11,7 +11,8 @@ from typing import Any
 import orjson
 from aiohttp import hdrs, web
 
-from .admission import RoutePlan, Visible, admit, lookup, upstream_body
+from . import video
+from .admission import EXPAND, RoutePlan, Visible, admit, lookup, upstream_body
 from .affinity import chat_key, prompt_key
 from .auth import is_bearer
 from .body import dump_body, exact, read_json
@@ -54,6 +55,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         assert services.transcriber is not None
         transcripts = await services.transcriber.transcribe(plan, body, live, request_id=request[REQUEST_ID_KEY])
         encoded = Encoded(transcripts, {})
+    if plan.frame_parts:
+        assert services.transcriber is not None
+        frames = await video.frames_for(
+            plan, body, services.encoder.fetcher, services.metrics, services.transcriber.video_decoding
+        )
+        transcripts = {**transcripts, **frames}
+        encoded = Encoded(transcripts, {})
+        _check_grown_size(config, raw, encoded)
     primed = False
     if plan.encode_parts:
         images = await _encode(request, services, plan, body, config.encoders)
@@ -270,6 +279,8 @@ def _check_grown_size(config: GatewayConfig, raw: bytes, encoded: Encoded) -> No
 
 
 def _part_size(part: dict[str, Any]) -> int:
+    if part.get("type") == EXPAND:  # frames: JPEG data URLs, all of them new
+        return len(orjson.dumps(part["parts"]))
     """A new part's size as written, near enough: embeddings are base64 strings (their length,
     without writing megabytes again); anything else (metadata, a raw image's uuid) is small, written."""
     embeds = part.get("image_embeds")

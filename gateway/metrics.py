@@ -136,6 +136,19 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
+        self.video_frames = Counter(
+            "gateway_video_frames",
+            "Frames sampled from videos sent as images (on_unsupported: {video: {frames: N}}), by the request's model.",
+            ["model"],
+            registry=registry,
+        )
+        self.video_decode_seconds = Histogram(
+            "gateway_video_decode_seconds",
+            "Time to sample one video's frames (decoding, scaling, JPEG), by the request's model.",
+            ["model"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
         self.encode_decisions = Counter(
             "gateway_encode_decisions",
             "Requests with images to a model that encodes them, by decision: encoded, or direct (fewer images than "
@@ -248,6 +261,8 @@ class GatewayMetrics:
                     self.stripped_parts.labels(model.name, modality.value)
                 elif policy.action == "transcribe":
                     self.audio_transcribed_seconds.labels(model.name)
+                elif policy.action == "frames":
+                    self.video_frames.labels(model.name)
 
 
 class PoolCollector(Collector):

@@ -41,6 +41,7 @@ from .metrics import GatewayMetrics
 from .modality import Modality, Part
 from .reload import Live
 from .replicas import Replica
+from .video import DECODE_CONCURRENCY
 
 log = logging.getLogger(__name__)
 TRANSCRIPT = "[Transcript of the user's audio] "  # marks the text part that replaced an audio part
@@ -60,6 +61,8 @@ class Transcriber:
         self._metrics = metrics
         self._fetcher = fetcher
         self._session: aiohttp.ClientSession | None = None
+        # videos sampled into frames at once (gateway.video): threads, bounded per process
+        self.video_decoding = asyncio.Semaphore(DECODE_CONCURRENCY)
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())

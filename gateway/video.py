@@ -14,13 +14,21 @@ What a model loses this way: motion between the samples, and the sound.
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import io
 import math
+import time
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import InvalidRequestError
+if TYPE_CHECKING:
+    from .admission import RoutePlan
+    from .media import MediaFetcher
+    from .metrics import GatewayMetrics
+
+from .errors import GatewayError, InvalidRequestError, MediaRefusedError
 
 MAX_SECONDS = 3600.0  # a longer video is refused before any frame is decoded
 MAX_PIXELS = 3840 * 2160  # one frame's width x height
@@ -128,3 +136,53 @@ def _reason(exc: BaseException) -> str:
     """FFmpeg's words, without its errno and the file name it never had."""
     text = getattr(exc, "strerror", None) or str(exc).strip() or type(exc).__name__
     return str(text)[:200]
+
+
+DECODE_CONCURRENCY = 2  # videos decoded at once by a gateway process (threads): the cores stay for serving
+
+
+async def frames_for(
+    plan: RoutePlan,
+    body: dict[str, Any],
+    fetcher: MediaFetcher,
+    metrics: GatewayMetrics,
+    limit: asyncio.Semaphore,
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """Each ``video_url`` part of ``plan.frame_parts`` as its sampled frames: image parts (JPEG
+    data URLs), each after a text part with its time when the policy has ``timestamps``."""
+    from .admission import EXPAND  # admission imports nothing of this module's
+    from .modality import Modality
+
+    policy = plan.model.policy(Modality.VIDEO)
+    messages = body["messages"]
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    for part in plan.frame_parts:
+        assert part.index is not None
+        value = messages[part.message]["content"][part.index].get("video_url")
+        url = value.get("url") if isinstance(value, dict) else value
+        if not isinstance(url, str) or not url:
+            raise InvalidVideoError(f"{part.location}: the video part carries no URL", param=part.location)
+        try:
+            data = await fetcher.load(url)
+        except GatewayError as exc:
+            message = exc.message.replace("Image URL", "Video URL").replace("the image", "the video")
+            kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidVideoError
+            raise kind(f"{part.location}: {message}", param=part.location) from None
+        started = time.perf_counter()
+        try:
+            async with limit:  # the process's decoding threads, DECODE_CONCURRENCY at most
+                sampled = await asyncio.to_thread(
+                    sample_frames, data, frames=plan.frames_per_video, fps=policy.fps, max_side=policy.max_side
+                )
+        except InvalidVideoError as exc:
+            raise InvalidVideoError(f"{part.location}: {exc.message}", param=part.location) from None
+        metrics.video_decode_seconds.labels(plan.model.name).observe(time.perf_counter() - started)
+        metrics.video_frames.labels(plan.model.name).inc(len(sampled))
+        parts: list[dict[str, Any]] = []
+        for frame in sampled:
+            if policy.timestamps:
+                parts.append({"type": "text", "text": f"[Video frame at {frame.seconds:.1f}s]"})
+            url = "data:image/jpeg;base64," + base64.b64encode(frame.jpeg).decode()
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        out[(part.message, part.index)] = {"type": EXPAND, "parts": parts}
+    return out

@@ -711,7 +711,7 @@ MODEL_CHECKS = [
         "    on_unsupported: {image: drop}",
         [
             "r.yaml:6:29: models[0].on_unsupported.image: "
-            "unknown policy 'drop' (expected reject, strip, {redirect: MODEL} or {transcribe: MODEL})"
+            "unknown policy 'drop' (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL} or {frames: N})"
         ],
         id="policy-unknown",
     ),
@@ -719,7 +719,7 @@ MODEL_CHECKS = [
         "    on_unsupported: {image: null}",
         [
             "r.yaml:6:29: models[0].on_unsupported.image: "
-            "unknown policy null (expected reject, strip, {redirect: MODEL} or {transcribe: MODEL})"
+            "unknown policy null (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL} or {frames: N})"
         ],
         id="policy-null",
     ),
@@ -1122,7 +1122,7 @@ ODD_VALUES = [
         model_doc("    on_unsupported: {video: {}}"),
         [
             "r.yaml:6:29: models[0].on_unsupported.video: "
-            "unknown policy {} (expected reject, strip, {redirect: MODEL} or {transcribe: MODEL})"
+            "unknown policy {} (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL} or {frames: N})"
         ],
         id="empty-policy-mapping",
     ),

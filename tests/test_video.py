@@ -3,11 +3,17 @@ shade per second, so that every sampled frame says which second it came from."""
 
 from __future__ import annotations
 
+import base64
 import io
+from typing import Any
 
+import openai
 import pytest
 
+from gateway.config import parse_config
+from gateway.errors import ConfigError
 from gateway.video import InvalidVideoError, sample_frames
+from tests.conftest import error_body, routing
 
 av = pytest.importorskip("av")
 np = pytest.importorskip("numpy")
@@ -90,3 +96,87 @@ def test_long_or_huge_videos_are_refused_before_decoding() -> None:
         sample_frames(video(seconds=3), frames=2, max_seconds=2)
     with pytest.raises(InvalidVideoError, match="over the 1000 pixels allowed"):
         sample_frames(video(seconds=1), frames=2, max_pixels=1000)
+
+
+# --- served: on_unsupported: {video: {frames: N}} ----------------------------------------------------
+
+
+def video_part(data: bytes) -> dict[str, Any]:
+    return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
+
+
+def framed(upstream: Any, policy: str = "{frames: 4}", limits: str = "") -> str:
+    return routing(
+        f"  - {{name: texty, upstreams: [{upstream.url}], accepts: [text, image]{limits}, "
+        f"on_unsupported: {{video: {policy}}}}}"
+    )
+
+
+def sent_parts(upstream: Any) -> list[dict[str, Any]]:
+    (message,) = upstream.received[-1].json()["messages"]
+    return message["content"]
+
+
+async def test_a_video_reaches_the_model_as_frames_with_their_times(gateway_factory, upstream) -> None:
+    gw = await gateway_factory(framed(upstream, "{frames: 3, max_side: 32}"))
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="texty",
+            messages=[{"role": "user", "content": [{"type": "text", "text": "what happens?"}, video_part(video())]}],
+        )
+    assert raw.headers["X-Gateway-Route"] == "transcribe"
+    parts = sent_parts(upstream)
+    assert [p["type"] for p in parts] == ["text"] + ["text", "image_url"] * 3
+    assert [p["text"] for p in parts[1::2]] == [
+        "[Video frame at 0.5s]",
+        "[Video frame at 1.5s]",
+        "[Video frame at 2.5s]",
+    ]
+    shades = [shade(base64.b64decode(p["image_url"]["url"].split(",", 1)[1])) for p in parts[2::2]]
+    assert all(abs(s - e) < 8 for s, e in zip(shades, SHADES, strict=True))
+    assert gw.sample("gateway_video_frames_total", model="texty") == 3
+    assert gw.sample("gateway_video_decode_seconds_count", model="texty") == 1
+
+
+async def test_frames_fit_the_models_image_limit(gateway_factory, upstream) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    gw = await gateway_factory(framed(upstream, "{frames: 8, timestamps: false}", ", limits: {image: 3}"))
+    async with gw.client() as client:
+        await client.chat.completions.create(
+            model="texty", messages=[{"role": "user", "content": [image, video_part(video())]}]
+        )
+        assert [p["type"] for p in sent_parts(upstream)] == ["image_url"] * 3  # 1 image + 2 frames
+        with pytest.raises(openai.BadRequestError) as caught:
+            content = [image, image, image, video_part(video())]
+            await client.chat.completions.create(model="texty", messages=[{"role": "user", "content": content}])
+    assert error_body(caught.value)["code"] == "too_many_items"
+    assert error_body(caught.value)["param"] == "messages[0].content[3]"
+
+
+async def test_a_file_that_is_not_a_video_is_a_400(gateway_factory, upstream) -> None:
+    gw = await gateway_factory(framed(upstream))
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model="texty", messages=[{"role": "user", "content": [video_part(b"not a video" * 50)]}]
+            )
+    assert (error_body(caught.value)["code"], error_body(caught.value)["param"]) == (
+        "invalid_video",
+        "messages[0].content[0]",
+    )
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("accepts: [text, image], on_unsupported: {audio: {frames: 4}}", "only video can be sent as frames"),
+        ("accepts: [text], on_unsupported: {video: {frames: 4}}", "frames are images: the model must accept image"),
+        ("accepts: [text, image], on_unsupported: {video: {frames: 0}}", "video.frames: must be"),
+        ("accepts: [text, image], on_unsupported: {video: {frames: 4, speed: 2}}", "unknown key 'speed'"),
+    ],
+)
+def test_a_frames_policy_is_checked(line: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"version: 1\nmodels:\n  - {{name: m, upstreams: ['http://u:1'], {line}}}\n", filename="r.yaml")
+    assert problem in str(caught.value)

@@ -288,13 +288,29 @@ class Parser(PoolReaders, AuthReaders):
                 self.problem(f"{path}.on_error", unknown_message(on_error, ("fail", "reject"), "action"))
                 return None
             return Policy("transcribe", target, on_error) if target else None
+        if isinstance(value, dict) and "frames" in value and set(value) <= {"frames", "fps", "max_side", "timestamps"}:
+            frames = self.integer(value["frames"], f"{path}.frames", 8, minimum=1, maximum=64)
+            fps = value.get("fps")
+            if fps is not None:
+                fps = self.number(fps, f"{path}.fps", 1.0)
+            max_side = self.integer(value.get("max_side", 768), f"{path}.max_side", 768, minimum=16, maximum=4096)
+            timestamps = self.boolean(value.get("timestamps", True), f"{path}.timestamps", True)
+            return Policy("frames", frames=frames, fps=fps, max_side=max_side, timestamps=timestamps)
         if isinstance(value, dict) and value:
-            allowed = ("transcribe", "on_error") if "transcribe" in value else ("redirect",)
+            allowed = (
+                ("transcribe", "on_error")
+                if "transcribe" in value
+                else ("frames", "fps", "max_side", "timestamps")
+                if "frames" in value
+                else ("redirect",)
+            )
             for key in value:
                 if key not in allowed:
                     self.problem(join_path(path, key), unknown_message(key, allowed, "key"), at_key=True)
             return None
         self.problem(
-            path, f"unknown policy {show(value)} (expected reject, strip, {{redirect: MODEL}} or {{transcribe: MODEL}})"
+            path,
+            f"unknown policy {show(value)} (expected reject, strip, {{redirect: MODEL}}, {{transcribe: MODEL}} "
+            "or {frames: N})",
         )
         return None

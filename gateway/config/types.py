@@ -244,15 +244,23 @@ class AuthConfig:
 class Policy:
     """What to do with a modality a model does not accept."""
 
-    action: Literal["reject", "strip", "redirect", "transcribe"]
+    action: Literal["reject", "strip", "redirect", "transcribe", "frames"]
     target: str | None = None  # the model to redirect to, or whose upstreams transcribe (audio)
     on_error: Literal["fail", "reject"] = "fail"  # transcribe: when it fails, 502/504 or 400 as if rejected
+    # frames (video): this many frames sampled evenly (or fps a second, capped by frames), each
+    # scaled to fit max_side, each after a text part with its time when timestamps is on
+    frames: int = 8
+    fps: float | None = None
+    max_side: int = 768
+    timestamps: bool = True
 
     def __str__(self) -> str:
         if self.action == "redirect":
             return f"redirect to '{self.target}'"
         if self.action == "transcribe":
             return f"transcribe with '{self.target}'"
+        if self.action == "frames":
+            return f"{self.frames} frames"
         return self.action
 
 

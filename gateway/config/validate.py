@@ -42,6 +42,14 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
             if m in model.accepts:
                 p.problem(where, f"'{m}' is accepted by this model, so this policy would never apply", at_key=True)
                 continue
+            if policy.action == "frames":
+                if m != Modality.VIDEO:
+                    p.problem(f"{where}.frames", f"only video can be sent as frames, not '{m}'")
+                elif Modality.IMAGE not in model.accepts:
+                    p.problem(f"{where}.frames", "frames are images: the model must accept image")
+                elif Modality.IMAGE in model.encode:
+                    p.problem(f"{where}.frames", "frames are not encoded yet: not with encode: {image: ...}")
+                continue
             if policy.action == "transcribe":
                 if m != Modality.AUDIO:
                     p.problem(f"{where}.transcribe", f"only audio can be transcribed, not '{m}'")
