@@ -71,7 +71,8 @@ class RoutePlan:
             for a, on in (
                 ("redirect", bool(self.redirects)),
                 ("strip", stripped),
-                ("transcribe", bool(self.transcribe_parts) or bool(self.frame_parts)),
+                ("transcribe", bool(self.transcribe_parts)),
+                ("transcode", bool(self.frame_parts)),
             )
             if on
         ]
@@ -98,7 +99,9 @@ class RoutePlan:
     @property
     def mutes_audio_in_video(self) -> bool:
         """Audio is stripped (or transcribed: a video's track cannot be) while kept videos carry
-        their audio track: the flag must go off."""
+        their audio track, or the videos go as frames: the flag must go off."""
+        if self.frames_per_video and self.classification.audio_in_video:
+            return True
         return (
             (Modality.AUDIO in self.stripped or Modality.AUDIO in self.transcribed)
             and self.classification.audio_in_video
@@ -228,10 +231,11 @@ def _frames_per_video(model: ModelConfig, classification: Classification, stripp
     be passed; 400 too_many_items when not even one frame per video fits."""
     policy = model.policy(Modality.VIDEO)
     videos = [p for p in classification.parts if p.type == "video_url"]
-    limit = model.limits.get(Modality.IMAGE)
-    if limit is None or not videos:
+    if not videos:
         return policy.frames
     images = [p for p in classification.parts_with(Modality.IMAGE) if p.modality not in stripped]
+    # the model's image limit, and MAX_FRAMES_PER_REQUEST frames in all whatever it says
+    limit = min(model.limits.get(Modality.IMAGE, len(images) + MAX_FRAMES), len(images) + MAX_FRAMES)
     per_video = min(policy.frames, (limit - len(images)) // len(videos))
     if per_video < 1:
         raise TooManyItemsError(
@@ -296,6 +300,8 @@ def _enforce_limits(model: ModelConfig, classification: Classification, stripped
                 rejection=Rejection(model.name, modality.value, "too_many_items"),
             )
 
+
+MAX_FRAMES = 64  # gateway.video.MAX_FRAMES_PER_REQUEST (admission imports nothing of video)
 
 # A replacement that stands for several parts, {"type": EXPAND, "parts": [...]}, spliced in place
 # once every replacement and strip is done (so that the indices of the others hold).

@@ -273,16 +273,18 @@ def _check_grown_size(config: GatewayConfig, raw: bytes, encoded: Encoded) -> No
         size += len(orjson.dumps(encoded.fields))
     if size > limit:
         raise PayloadTooLargeError(
-            f"With its {len(encoded.replacements)} image(s) encoded, this request would be {size} bytes upstream, "
-            f"over the limit of {limit} bytes (server.max_upstream_body_bytes); send fewer or smaller images"
+            f"With its media encoded, sampled or transcribed, this request would be {size} bytes upstream, over "
+            f"the limit of {limit} bytes (server.max_upstream_body_bytes); send fewer or smaller images or videos"
         )
 
 
 def _part_size(part: dict[str, Any]) -> int:
-    if part.get("type") == EXPAND:  # frames: JPEG data URLs, all of them new
-        return len(orjson.dumps(part["parts"]))
     """A new part's size as written, near enough: embeddings are base64 strings (their length,
-    without writing megabytes again); anything else (metadata, a raw image's uuid) is small, written."""
+    without writing megabytes again); frames are data URLs (theirs); anything else (metadata, a
+    raw image's uuid, a transcript) is small, written."""
+    if part.get("type") == EXPAND:
+        return sum(_part_size(p) if p.get("type") != "image_url" else len(p["image_url"]["url"]) + 64
+                   for p in part["parts"])  # fmt: skip
     embeds = part.get("image_embeds")
     if isinstance(embeds, str):
         return len(embeds) + 128

@@ -20,6 +20,7 @@ import io
 import logging
 import wave
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
@@ -61,8 +62,9 @@ class Transcriber:
         self._metrics = metrics
         self._fetcher = fetcher
         self._session: aiohttp.ClientSession | None = None
-        # videos sampled into frames at once (gateway.video): threads, bounded per process
-        self.video_decoding = asyncio.Semaphore(DECODE_CONCURRENCY)
+        # videos sampled into frames (gateway.video): their own threads, DECODE_CONCURRENCY of them,
+        # apart from the default executor (DNS lookups, large data URLs)
+        self.video_decoding = ThreadPoolExecutor(DECODE_CONCURRENCY, thread_name_prefix="video")
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
@@ -70,6 +72,7 @@ class Transcriber:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+        self.video_decoding.shutdown(wait=False, cancel_futures=True)
 
     async def transcribe(
         self, plan: RoutePlan, body: Mapping[str, Any], live: Live, *, request_id: str

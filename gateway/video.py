@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import io
 import math
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
@@ -67,7 +69,9 @@ def sample_frames(
         raise InvalidVideoError(f"the video cannot be decoded ({_reason(exc)})") from None
     try:
         return _sample(container, av, frames, fps, max_side, max_seconds, max_pixels)
-    except (av.FFmpegError, ValueError, OSError, EOFError, MemoryError) as exc:
+    except InvalidVideoError:
+        raise
+    except Exception as exc:  # FFmpeg's errors, and what a hostile file makes of arithmetic (overflows)
         raise InvalidVideoError(f"the video cannot be decoded ({_reason(exc)})") from None
     finally:
         container.close()
@@ -79,7 +83,7 @@ def _sample(
     if not container.streams.video:
         raise InvalidVideoError("the file has no video stream")
     stream = container.streams.video[0]
-    stream.thread_type = "AUTO"
+    stream.codec_context.thread_count = 1  # a decode is one thread: the process bounds how many run
     width, height = stream.codec_context.width, stream.codec_context.height
     if width <= 0 or height <= 0 or width * height > max_pixels:
         raise InvalidVideoError(f"the video's frames are {width}x{height}, over the {max_pixels} pixels allowed")
@@ -105,6 +109,8 @@ def _sample(
             decoded += 1
             if decoded > MAX_DECODED:
                 raise InvalidVideoError(f"the video needs more than {MAX_DECODED} frames decoded to sample")
+            if candidate.width * candidate.height > max_pixels:  # a stream may change size mid-file
+                raise InvalidVideoError(f"a frame is {candidate.width}x{candidate.height}, over the pixels allowed")
             frame = candidate
             if candidate.time is None or candidate.time - start >= t - 1e-6:
                 break
@@ -113,6 +119,8 @@ def _sample(
                 break
             raise InvalidVideoError("the video has no frame that decodes")
         seconds = (frame.time - start) if frame.time is not None else t
+        if sampled and seconds <= sampled[-1].seconds:  # a stated duration longer than the file: no new frame
+            break
         image = frame.reformat(width=out_w, height=out_h, format="yuvj420p")
         packets = list(encoder.encode(image))
         jpeg = b"".join(bytes(p) for p in packets)
@@ -139,6 +147,7 @@ def _reason(exc: BaseException) -> str:
 
 
 DECODE_CONCURRENCY = 2  # videos decoded at once by a gateway process (threads): the cores stay for serving
+DECODE_TIMEOUT_S = 30.0  # one video's sampling, its wait for a thread included
 
 
 async def frames_for(
@@ -146,7 +155,7 @@ async def frames_for(
     body: dict[str, Any],
     fetcher: MediaFetcher,
     metrics: GatewayMetrics,
-    limit: asyncio.Semaphore,
+    pool: Executor,
 ) -> dict[tuple[int, int], dict[str, Any]]:
     """Each ``video_url`` part of ``plan.frame_parts`` as its sampled frames: image parts (JPEG
     data URLs), each after a text part with its time when the policy has ``timestamps``."""
@@ -169,20 +178,36 @@ async def frames_for(
             kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidVideoError
             raise kind(f"{part.location}: {message}", param=part.location) from None
         started = time.perf_counter()
+        work = functools.partial(
+            _frame_parts, data, frames=plan.frames_per_video, fps=policy.fps, max_side=policy.max_side,
+            timestamps=policy.timestamps,
+        )  # fmt: skip
         try:
-            async with limit:  # the process's decoding threads, DECODE_CONCURRENCY at most
-                sampled = await asyncio.to_thread(
-                    sample_frames, data, frames=plan.frames_per_video, fps=policy.fps, max_side=policy.max_side
-                )
+            # the process's decoding threads (DECODE_CONCURRENCY): a request that leaves gives up
+            # its place in the queue; a decode already running ends by its own bounds
+            async with asyncio.timeout(DECODE_TIMEOUT_S):
+                parts, count = await asyncio.get_running_loop().run_in_executor(pool, work)
         except InvalidVideoError as exc:
             raise InvalidVideoError(f"{part.location}: {exc.message}", param=part.location) from None
+        except TimeoutError:
+            raise InvalidVideoError(
+                f"{part.location}: the video took over {DECODE_TIMEOUT_S:g}s to sample", param=part.location
+            ) from None
         metrics.video_decode_seconds.labels(plan.model.name).observe(time.perf_counter() - started)
-        metrics.video_frames.labels(plan.model.name).inc(len(sampled))
-        parts: list[dict[str, Any]] = []
-        for frame in sampled:
-            if policy.timestamps:
-                parts.append({"type": "text", "text": f"[Video frame at {frame.seconds:.1f}s]"})
-            url = "data:image/jpeg;base64," + base64.b64encode(frame.jpeg).decode()
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+        metrics.video_frames.labels(plan.model.name).inc(count)
         out[(part.message, part.index)] = {"type": EXPAND, "parts": parts}
     return out
+
+
+def _frame_parts(
+    data: bytes, *, frames: int, fps: float | None, max_side: int, timestamps: bool
+) -> tuple[list[dict[str, Any]], int]:
+    """In a decoding thread: the frames as chat parts (base64 made here, not on the event loop)."""
+    parts: list[dict[str, Any]] = []
+    sampled = sample_frames(data, frames=frames, fps=fps, max_side=max_side)
+    for frame in sampled:
+        if timestamps:
+            parts.append({"type": "text", "text": f"[Video frame at {frame.seconds:.1f}s]"})
+        url = "data:image/jpeg;base64," + base64.b64encode(frame.jpeg).decode()
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts, len(sampled)

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from gateway.config import parse_config
-from gateway.errors import ConfigError
+from gateway.errors import ConfigError, TooManyItemsError
 from gateway.video import InvalidVideoError, sample_frames
 from tests.conftest import error_body, routing
 
@@ -124,7 +124,7 @@ async def test_a_video_reaches_the_model_as_frames_with_their_times(gateway_fact
             model="texty",
             messages=[{"role": "user", "content": [{"type": "text", "text": "what happens?"}, video_part(video())]}],
         )
-    assert raw.headers["X-Gateway-Route"] == "transcribe"
+    assert raw.headers["X-Gateway-Route"] == "transcode"
     parts = sent_parts(upstream)
     assert [p["type"] for p in parts] == ["text"] + ["text", "image_url"] * 3
     assert [p["text"] for p in parts[1::2]] == [
@@ -180,3 +180,29 @@ def test_a_frames_policy_is_checked(line: str, problem: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(f"version: 1\nmodels:\n  - {{name: m, upstreams: ['http://u:1'], {line}}}\n", filename="r.yaml")
     assert problem in str(caught.value)
+
+
+def test_a_request_gets_64_frames_at_most_whatever_the_model_allows() -> None:
+    from gateway.admission import admit
+
+    config = parse_config(
+        "version: 1\nmodels:\n  - {name: m, upstreams: ['http://u:1'], accepts: [text, image], "
+        "on_unsupported: {video: {frames: 8}}}\n"
+    )
+    videos = [{"type": "video_url", "video_url": {"url": f"https://example.com/{i}.mp4"}} for i in range(9)]
+    plan = admit(config, {"model": "m", "messages": [{"role": "user", "content": videos}]})
+    assert plan.frames_per_video == 7 and plan.route == "transcode"  # 64 // 9
+    many = [{"type": "video_url", "video_url": {"url": f"https://example.com/{i}.mp4"}} for i in range(65)]
+    with pytest.raises(TooManyItemsError):
+        admit(config, {"model": "m", "messages": [{"role": "user", "content": many}]})
+
+
+async def test_a_videos_audio_track_goes_with_it(gateway_factory, upstream) -> None:
+    gw = await gateway_factory(framed(upstream, "{frames: 2}"))
+    async with gw.client() as client:
+        await client.chat.completions.create(
+            model="texty",
+            messages=[{"role": "user", "content": [video_part(video())]}],
+            extra_body={"mm_processor_kwargs": {"use_audio_in_video": True}},
+        )  # audio is rejected by this model, but the track leaves with the video
+    assert upstream.received[-1].json()["mm_processor_kwargs"] == {"use_audio_in_video": False}

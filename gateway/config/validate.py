@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import os
 from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
 
 from ..modality import Modality
@@ -151,6 +152,14 @@ def validate_host(config: GatewayConfig, p: MarkedDocument) -> None:
 
     `modality-gateway check FILE` answers the same on any machine; `serve`, a reload and
     `check --here` also run this."""
+    if find_spec("av") is None:
+        for i, model in enumerate(config.models):
+            for m, policy in model.on_unsupported.items():
+                if policy.action == "frames":
+                    p.problem(
+                        f"models[{i}].on_unsupported.{m}.frames",
+                        "video frames need PyAV, which is not installed here: pip install 'modality-gateway[video]'",
+                    )
     for name, encoder in config.encoders.items():
         if encoder.kind == "local" and not encoder.model.startswith("builtin:") and not Path(encoder.model).is_dir():
             p.problem(
