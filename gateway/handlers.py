@@ -28,6 +28,7 @@ from .errors import (
     PermissionDeniedError,
 )
 from .metrics import UNKNOWN_MODEL
+from .modality import Modality
 from .relay import EmbeddingsNotDelivered, Timeouts
 from .reload import Live
 from .state import API_KEY_KEY, MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
@@ -63,6 +64,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         transcripts = {**transcripts, **frames}
         encoded = Encoded(transcripts, {})
         _check_grown_size(config, raw, encoded)
+    route = plan.route
+    if plan.model.video_sample is not None and plan.classification.counts.get(Modality.VIDEO):
+        assert services.transcriber is not None
+        presampled = await video.presampled_for(
+            plan, body, services.encoder.fetcher, services.metrics, services.transcriber.video_decoding
+        )
+        if presampled:
+            transcripts = {**transcripts, **presampled}
+            encoded = Encoded(transcripts, {})
+            route = "transcode" if route == "direct" else f"{route}, transcode"
     primed = False
     if plan.encode_parts:
         images = await _encode(request, services, plan, body, config.encoders)
@@ -76,14 +87,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     stream = _streams(body)
     if primed:  # vLLM's encoder instances: the consumer may not find what was primed
         return await _forward_primed(
-            request, services, live, plan, raw, data, headers, transcripts, stream=stream, key=key
+            request, services, live, plan, raw, data, headers, transcripts, stream=stream, key=key, route=route
         )
     # the parsed request (as large as the body: a 2 MB image is a 2 MB str) is not kept while the
     # reply is relayed; the bytes sent upstream are
     del raw, body, encoded
-    return await _forward(
-        request, services, live, plan.model, data, plan.route, headers, stream=stream, affinity_key=key
-    )
+    return await _forward(request, services, live, plan.model, data, route, headers, stream=stream, affinity_key=key)
 
 
 async def _forward_primed(
@@ -98,6 +107,7 @@ async def _forward_primed(
     *,
     stream: bool,
     key: bytes | None,
+    route: str,
 ) -> web.StreamResponse:
     """A request whose images were primed on vLLM encoder instances. A consumer that failed for
     want of them (a 500, or an answer that ends at once in ``finish_reason: "error"``: the
@@ -105,7 +115,7 @@ async def _forward_primed(
     gets the request once more, its images primed again."""
     try:
         return await _forward(
-            request, services, live, plan.model, data, plan.route, headers, stream=stream, affinity_key=key,
+            request, services, live, plan.model, data, route, headers, stream=stream, affinity_key=key,
             ec_check=True,
         )  # fmt: skip
     except EmbeddingsNotDelivered as exc:
@@ -122,9 +132,7 @@ async def _forward_primed(
         _check_grown_size(live.config, raw, encoded)
     data = upstream_body(plan, raw, body, encoded.replacements, encoded.fields)
     del raw, body
-    return await _forward(
-        request, services, live, plan.model, data, plan.route, headers, stream=stream, affinity_key=key
-    )
+    return await _forward(request, services, live, plan.model, data, route, headers, stream=stream, affinity_key=key)
 
 
 async def _encode(

@@ -171,28 +171,15 @@ async def frames_for(
         url = value.get("url") if isinstance(value, dict) else value
         if not isinstance(url, str) or not url:
             raise InvalidVideoError(f"{part.location}: the video part carries no URL", param=part.location)
-        try:
-            data = await fetcher.load(url)
-        except GatewayError as exc:
-            message = exc.message.replace("Image URL", "Video URL").replace("the image", "the video")
-            kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidVideoError
-            raise kind(f"{part.location}: {message}", param=part.location) from None
+        data = await _load(fetcher, url, part.location)
         started = time.perf_counter()
         work = functools.partial(
             _frame_parts, data, frames=plan.frames_per_video, fps=policy.fps, max_side=policy.max_side,
             timestamps=policy.timestamps,
         )  # fmt: skip
-        try:
-            # the process's decoding threads (DECODE_CONCURRENCY): a request that leaves gives up
-            # its place in the queue; a decode already running ends by its own bounds
-            async with asyncio.timeout(DECODE_TIMEOUT_S):
-                parts, count = await asyncio.get_running_loop().run_in_executor(pool, work)
-        except InvalidVideoError as exc:
-            raise InvalidVideoError(f"{part.location}: {exc.message}", param=part.location) from None
-        except TimeoutError:
-            raise InvalidVideoError(
-                f"{part.location}: the video took over {DECODE_TIMEOUT_S:g}s to sample", param=part.location
-            ) from None
+        # the process's decoding threads (DECODE_CONCURRENCY): a request that leaves gives up its
+        # place in the queue; a decode already running ends by its own bounds
+        parts, count = await _decode(pool, work, part.location)
         metrics.video_decode_seconds.labels(plan.model.name).observe(time.perf_counter() - started)
         metrics.video_frames.labels(plan.model.name).inc(count)
         out[(part.message, part.index)] = {"type": EXPAND, "parts": parts}
@@ -211,3 +198,63 @@ def _frame_parts(
         url = "data:image/jpeg;base64," + base64.b64encode(frame.jpeg).decode()
         parts.append({"type": "image_url", "image_url": {"url": url}})
     return parts, len(sampled)
+
+
+async def presampled_for(
+    plan: RoutePlan,
+    body: dict[str, Any],
+    fetcher: MediaFetcher,
+    metrics: GatewayMetrics,
+    pool: Executor,
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """For a model with ``video: {sample: ...}``: each ``video_url`` part with its URL replaced by
+    vLLM's pre-sampled form, ``data:video/jpeg;base64,<frame>,<frame>,...`` (vLLM's VideoMediaIO
+    reads it as the frames of one video), so the whole file never reaches the engine."""
+    policy = plan.model.video_sample
+    assert policy is not None
+    messages = body["messages"]
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    for part in plan.classification.parts:
+        if part.type != "video_url" or part.index is None:
+            continue
+        original = messages[part.message]["content"][part.index]
+        value = original.get("video_url")
+        url = value.get("url") if isinstance(value, dict) else value
+        if not isinstance(url, str) or not url:
+            raise InvalidVideoError(f"{part.location}: the video part carries no URL", param=part.location)
+        data = await _load(fetcher, url, part.location)
+        started = time.perf_counter()
+        work = functools.partial(_presampled_url, data, frames=policy.frames, fps=policy.fps, max_side=policy.max_side)
+        new_url, count = await _decode(pool, work, part.location)
+        metrics.video_decode_seconds.labels(plan.model.name).observe(time.perf_counter() - started)
+        metrics.video_frames.labels(plan.model.name).inc(count)
+        kept = value if isinstance(value, dict) else {}
+        out[(part.message, part.index)] = {**original, "video_url": {**kept, "url": new_url}}
+    return out
+
+
+def _presampled_url(data: bytes, *, frames: int, fps: float | None, max_side: int) -> tuple[str, int]:
+    sampled = sample_frames(data, frames=frames, fps=fps, max_side=max_side)
+    return "data:video/jpeg;base64," + ",".join(base64.b64encode(f.jpeg).decode() for f in sampled), len(sampled)
+
+
+async def _load(fetcher: MediaFetcher, url: str, location: str) -> bytes:
+    try:
+        return await fetcher.load(url)
+    except GatewayError as exc:
+        message = exc.message.replace("Image URL", "Video URL").replace("the image", "the video")
+        kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidVideoError
+        raise kind(f"{location}: {message}", param=location) from None
+
+
+async def _decode(pool: Executor, work: Any, location: str) -> Any:
+    """``work`` on the decoding threads, within DECODE_TIMEOUT_S; its errors located at the part."""
+    try:
+        async with asyncio.timeout(DECODE_TIMEOUT_S):
+            return await asyncio.get_running_loop().run_in_executor(pool, work)
+    except InvalidVideoError as exc:
+        raise InvalidVideoError(f"{location}: {exc.message}", param=location) from None
+    except TimeoutError:
+        raise InvalidVideoError(
+            f"{location}: the video took over {DECODE_TIMEOUT_S:g}s to sample", param=location
+        ) from None

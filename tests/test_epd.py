@@ -101,7 +101,7 @@ async def test_images_are_primed_on_the_encoders_and_reach_the_consumer_as_metad
 
 async def test_the_same_image_always_goes_to_the_same_instance(gateway_factory, cluster):
     gw = await gateway_factory(table(cluster))
-    images = [image(i) for i in range(8)]
+    images = [image(i) for i in range(16)]
     async with gw.client() as client:
         for _ in range(3):
             await client.chat.completions.create(model="kimi", messages=ask(*images))
@@ -109,7 +109,7 @@ async def test_the_same_image_always_goes_to_the_same_instance(gateway_factory, 
     for e in cluster.encoders:
         for p in e.primes:
             where.setdefault(p.uuid, set()).add(e.name)
-    assert len(where) == 8 and all(len(names) == 1 for names in where.values())  # affinity: its cache hits
+    assert len(where) == 16 and all(len(names) == 1 for names in where.values())  # affinity: its cache hits
     assert all(e.primes for e in cluster.encoders)  # and the images spread over both
 
 
@@ -146,11 +146,11 @@ async def test_a_failing_instance_is_passed_over(gateway_factory, cluster):
     cluster.encoders[0].fail_status = 503
     cluster.encoders[1].reset = False
     gw = await gateway_factory(table(cluster))
-    images = [image(i) for i in range(6)]
+    images = [image(i) for i in range(16)]
     async with gw.client() as client:
         await client.chat.completions.create(model="kimi", messages=ask(*images))
     assert sorted(p.uuid for p in cluster.encoders[1].primes) == sorted(sha(i) for i in images)
-    assert cluster.log.misses == [] and len(cluster.log.hits) == 6
+    assert cluster.log.misses == [] and len(cluster.log.hits) == 16
     assert gw.sample("gateway_encoder_requests_total", encoder="vision", outcome="overloaded") >= 1
     failing, working = cluster.encoder_urls
     assert gw.sample("gateway_encoder_backend_requests_total", backend=failing, outcome="overloaded") >= 1
@@ -211,12 +211,12 @@ async def test_every_instance_failing_forwards_the_media_with_passthrough(gatewa
 async def test_without_metadata_every_image_goes_raw_with_its_uuid(gateway_factory, cluster):
     cluster.encoders[0].metadata = False  # an older vLLM on one instance
     gw = await gateway_factory(table(cluster))
-    images = [image(i) for i in range(6)]
+    images = [image(i) for i in range(16)]
     async with gw.client() as client:
         await client.chat.completions.create(model="kimi", messages=ask(*images))
     assert cluster.encoders[0].primes, "the test needs images on the instance without metadata"
     parts = parts_received(cluster)[1:]
-    assert [p["type"] for p in parts] == ["image_url"] * 6  # never mixed with embeddings
+    assert [p["type"] for p in parts] == ["image_url"] * 16  # never mixed with embeddings
     assert [p["uuid"] for p in parts] == [sha(i) for i in images]  # the connector finds them by uuid
     assert cluster.log.raw_with_uuid == [sha(i) for i in images]
 
@@ -331,7 +331,7 @@ async def test_readyz_shows_the_instances_their_kind_and_health(gateway_factory,
     cluster.encoders[0].fail_status = 503
     gw = await gateway_factory(table(cluster))
     async with gw.client() as client:
-        await client.chat.completions.create(model="kimi", messages=ask(*(image(i) for i in range(6))))
+        await client.chat.completions.create(model="kimi", messages=ask(*(image(i) for i in range(16))))
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{gw.url}/readyz", headers={"Authorization": "Bearer s3cret"}) as resp:
             report = await resp.json()

@@ -206,3 +206,42 @@ async def test_a_videos_audio_track_goes_with_it(gateway_factory, upstream) -> N
             extra_body={"mm_processor_kwargs": {"use_audio_in_video": True}},
         )  # audio is rejected by this model, but the track leaves with the video
     assert upstream.received[-1].json()["mm_processor_kwargs"] == {"use_audio_in_video": False}
+
+
+# --- video: {sample: {frames: N}}: vLLM's pre-sampled form for a model that takes video -------------
+
+
+async def test_a_video_model_gets_vllms_pre_sampled_form(gateway_factory, upstream) -> None:
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: omni, upstreams: [{upstream.url}], accepts: [text, video], "
+            "video: {sample: {frames: 3, max_side: 32}}}"
+        )
+    )
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="omni", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, video_part(video())]}]
+        )
+    assert raw.headers["X-Gateway-Route"] == "transcode"
+    text, sent = sent_parts(upstream)
+    assert text == {"type": "text", "text": "hi"} and sent["type"] == "video_url"
+    prefix, _, frames = sent["video_url"]["url"].partition(",")
+    assert prefix == "data:video/jpeg;base64"
+    shades = [shade(base64.b64decode(f)) for f in frames.split(",")]
+    assert len(shades) == 3 and all(abs(s - e) < 8 for s, e in zip(shades, SHADES, strict=True))
+    assert gw.sample("gateway_video_frames_total", model="omni") == 3
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("accepts: [text, image], video: {sample: {frames: 4}}", "video.sample is for a model that accepts video"),
+        ("accepts: [text, video], video: {frames: 4}", "models[0].video: must be {sample: {frames: N}}"),
+        ("accepts: [text, video], video: {sample: {fps: 1}}", "(frames required)"),
+        ("accepts: [text, video], video: {sample: {frames: 99}}", "models[0].video.sample.frames: must be"),
+    ],
+)
+def test_a_video_sample_is_checked(line: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"version: 1\nmodels:\n  - {{name: m, upstreams: ['http://u:1'], {line}}}\n", filename="r.yaml")
+    assert problem in str(caught.value)

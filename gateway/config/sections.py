@@ -215,6 +215,11 @@ class Parser(PoolReaders, AuthReaders):
         policies = self.modality_map(raw.get("on_unsupported", {}), f"{path}.on_unsupported", self.policy)
         if Modality.IMAGE in encode and Modality.IMAGE in (accepts or ()):
             limits.setdefault(Modality.IMAGE, DEFAULT_ENCODE_IMAGE_LIMIT)
+        video_sample = self.video_sample(raw.get("video", MISSING), f"{path}.video")
+        if video_sample is not None and Modality.VIDEO not in (accepts or ()):
+            self.problem(
+                f"{path}.video", "video.sample is for a model that accepts video (see on_unsupported for others)"
+            )
         on_encoder_error = raw.get("on_encoder_error", "fail")
         if on_encoder_error not in ENCODER_ERROR_ACTIONS:
             self.problem(f"{path}.on_encoder_error", unknown_message(on_encoder_error, ENCODER_ERROR_ACTIONS, "action"))
@@ -231,6 +236,7 @@ class Parser(PoolReaders, AuthReaders):
             on_unsupported=MappingProxyType(policies),
             on_encoder_error=on_encoder_error,
             encode_min_images=min_images,
+            video_sample=video_sample,
             weights=weights if any(w != 1 for w in weights) else (),
             **pool,
         )
@@ -274,6 +280,22 @@ class Parser(PoolReaders, AuthReaders):
             self.problem(path, f"must be a whole number of items (0 or more), not {show(value)}")
             return None
         return value
+
+    def video_sample(self, value: Any, path: str) -> Policy | None:
+        """``video: {sample: {frames: N, fps, max_side}}``."""
+        if value is MISSING:
+            return None
+        if not isinstance(value, dict) or set(value) != {"sample"}:
+            self.problem(path, f"must be {{sample: {{frames: N}}}}, not {show(value)}")
+            return None
+        sample = value["sample"]
+        if not isinstance(sample, dict) or "frames" not in sample or not set(sample) <= {"frames", "fps", "max_side"}:
+            self.problem(
+                f"{path}.sample", f"must be {{frames: N, fps: F, max_side: PX}} (frames required), not {show(sample)}"
+            )
+            return None
+        policy = self.policy(dict(sample), f"{path}.sample")
+        return policy if policy is not None and policy.action == "frames" else None
 
     def policy(self, value: Any, path: str) -> Policy | None:
         if isinstance(value, str) and value in POLICY_ACTIONS:

@@ -69,6 +69,7 @@ MODEL_KEYS = (
     "max_concurrency",
     "queue",
     "health_check",
+    "video",
 )
 ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
 UPSTREAM_CLIENTS = ("http1", "aiohttp")
@@ -275,6 +276,9 @@ class ModelConfig:
     upstream_model: str | None = None
     limits: Mapping[Modality, int] = field(default_factory=lambda: MappingProxyType({}))
     encode: Mapping[Modality, str] = field(default_factory=lambda: MappingProxyType({}))
+    # video.sample: for a model that takes video, each video_url sent as vLLM's pre-sampled form
+    # (data:video/jpeg;base64,<frame>,<frame>,...): this many frames (a Policy of action "frames")
+    video_sample: Policy | None = None
     # encode.min_images: a request with fewer images goes to the upstreams with its raw images
     # (Encode/Prefill/Decode costs image-light requests more than it saves them)
     encode_min_images: int = 1
