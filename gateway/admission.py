@@ -63,7 +63,9 @@ class RoutePlan:
     @property
     def route(self) -> str:
         """The X-Gateway-Route header value."""
-        if not self.redirects and not self.stripped and not self.transcribed and not self.frames_per_video:
+        if not (
+            self.redirects or self.stripped or self.transcribed or self.frames_per_video or self.model.video_sample
+        ):
             return "direct"
         stripped = bool(self.stripped_parts) or self.mutes_audio_in_video
         actions = [
@@ -72,7 +74,7 @@ class RoutePlan:
                 ("redirect", bool(self.redirects)),
                 ("strip", stripped),
                 ("transcribe", bool(self.transcribe_parts)),
-                ("transcode", bool(self.frame_parts)),
+                ("transcode", bool(self.frame_parts) or bool(self.presample_parts)),
             )
             if on
         ]
@@ -82,6 +84,13 @@ class RoutePlan:
     def frame_parts(self) -> tuple[Part, ...]:
         """Video parts to replace by sampled frames (``on_unsupported: {video: {frames: N}}``)."""
         if not self.frames_per_video:
+            return ()
+        return tuple(p for p in self.classification.parts if p.type == "video_url" and p.index is not None)
+
+    @property
+    def presample_parts(self) -> tuple[Part, ...]:
+        """Video parts sent as vLLM's pre-sampled frames (the model's ``video: {sample: ...}``)."""
+        if self.model.video_sample is None:
             return ()
         return tuple(p for p in self.classification.parts if p.type == "video_url" and p.index is not None)
 
@@ -301,7 +310,7 @@ def _enforce_limits(model: ModelConfig, classification: Classification, stripped
             )
 
 
-MAX_FRAMES = 64  # gateway.video.MAX_FRAMES_PER_REQUEST (admission imports nothing of video)
+MAX_FRAMES = 64  # frames of all a request's videos (on_unsupported: {video: {frames: N}}), whatever the image limit
 
 # A replacement that stands for several parts, {"type": EXPAND, "parts": [...]}, spliced in place
 # once every replacement and strip is done (so that the indices of the others hold).

@@ -118,6 +118,7 @@ async def _clients(app: web.Application) -> AsyncIterator[None]:
     await services.encoder.close()
     if services.transcriber is not None:
         await services.transcriber.close()
+    services.video_decoding.shutdown(wait=False, cancel_futures=True)
     await services.supervisor.close()  # supervised encoders stop last
 
 

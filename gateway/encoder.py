@@ -32,7 +32,7 @@ import orjson
 from . import epd
 from .admission import RoutePlan
 from .config import BreakerConfig, EncoderConfig, GatewayConfig, ServerConfig
-from .errors import EncoderError, GatewayError, InvalidImageError, MediaRefusedError, Rejection
+from .errors import EncoderError, GatewayError, InvalidImageError, MediaRefusedError, Rejection, error_detail
 from .failures import CLIENT_ERRORS, failure_of
 from .media import MediaFetcher, is_data_url
 from .metrics import GatewayMetrics
@@ -301,7 +301,7 @@ class EncoderClient:
         retry_after = {"Retry-After": str(pool.retry_after())}
         if last_status is not None:
             status, payload = last_status
-            raise EncoderError(f"Encoder '{name}' answered {status}{_error_detail(payload)}", headers=retry_after)
+            raise EncoderError(f"Encoder '{name}' answered {status}{error_detail(payload)}", headers=retry_after)
         if not tried:
             raise EncoderError(f"Encoder '{name}' has no healthy backend", headers=retry_after)
         raise EncoderError(f"Encoder '{name}' has no reachable backend", headers=retry_after)
@@ -321,13 +321,13 @@ class EncoderClient:
         if status in (400, 413):  # the backend refused this image: the client's fault, located at the part
             self._count(name, "invalid")
             refused: GatewayError = (
-                InvalidImageError(f"the image cannot be encoded{_error_detail(payload)}")
+                InvalidImageError(f"the image cannot be encoded{error_detail(payload)}")
                 if status == 400
                 else MediaRefusedError(f"the image is larger than encoder '{name}' takes")
             )
             raise _at_part(refused, part, model)
         self._count(name, "error")
-        raise EncoderError(f"Encoder '{name}' answered {status}{_error_detail(payload)}", headers={"Retry-After": "1"})
+        raise EncoderError(f"Encoder '{name}' answered {status}{error_detail(payload)}", headers={"Retry-After": "1"})
 
     def _count(self, name: str, outcome: str) -> None:
         self._metrics.encoder_requests.labels(name, outcome).inc()
@@ -342,14 +342,6 @@ def _breaker(open_s: float) -> BreakerConfig:
     """An encoder backend is skipped after one failure (the image goes to the next backend at once,
     so acting on one failure costs nothing) and let back after one successful probe."""
     return BreakerConfig(failures=1, open_s=open_s, successes=1)
-
-
-def _error_detail(payload: bytes) -> str:
-    try:
-        message = orjson.loads(payload)["error"]["message"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return ""
-    return f": {message}" if isinstance(message, str) else ""
 
 
 def _is_embeds(value: object) -> bool:

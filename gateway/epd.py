@@ -41,8 +41,8 @@ import aiohttp
 import orjson
 
 from .config import EncoderConfig
-from .errors import EncoderError, InvalidImageError
-from .failures import CLIENT_ERRORS, failure_of
+from .errors import EncoderError, InvalidImageError, error_detail
+from .failures import CLIENT_ERRORS, failure_of, read_capped
 from .metrics import GatewayMetrics
 from .replicas import Lease, Pool, Replica
 
@@ -184,12 +184,11 @@ async def _send(
                 headers={"Content-Type": JSON, "X-Request-Id": request_id},
                 timeout=timeout,
             ) as resp:
-                status, data = resp.status, await _read_bounded(resp)
+                status, data = resp.status, await read_capped(resp, MAX_REPLY_BYTES)
         except CLIENT_ERRORS as exc:
             why = failure_of(exc)
             first.failure(why.reason)
             outcome = "error" if why.kind in ("reset", "protocol") else why.outcome
-            metrics.encoder_requests.labels(spec.name, outcome).inc(len(group.items))
             log.warning("encoder %s instance %s: %s", spec.name, url, why.reason)
             return why.reason
         if status not in (200, 400, 422):  # failing, overloaded, or not an encoder the gateway can use
@@ -198,24 +197,18 @@ async def _send(
             else:
                 first.failure(f"HTTP {status}")
             outcome = "overloaded" if status in (429, 503) else "error"
-            metrics.encoder_requests.labels(spec.name, outcome).inc(len(group.items))
             log.warning("encoder %s instance %s answered %d", spec.name, url, status)
             return f"HTTP {status}"
         first.success()
         if status != 200:  # 400, 422: the instance refused the images, the client's fault
             outcome = "invalid"
-            metrics.encoder_requests.labels(spec.name, "invalid").inc(len(group.items))
-            raise InvalidImageError(f"encoder '{spec.name}' refused the image(s){_detail(data)}")
+            raise InvalidImageError(f"encoder '{spec.name}' refused the image(s){error_detail(data)}")
         _match(group.items, data)
         outcome = "ok"
-        metrics.encoder_requests.labels(spec.name, "ok").inc(len(group.items))
         return None
-    except ReplyTooLarge:
-        first.failure("reply too large")
-        metrics.encoder_requests.labels(spec.name, "error").inc(len(group.items))
-        return "reply too large"
     finally:  # a request cancelled (the client left) is not counted: it says nothing of the instance
         if not _cancelling():
+            metrics.encoder_requests.labels(spec.name, outcome).inc(len(group.items))  # images
             metrics.child(metrics.encoder_backend_requests, spec.name, url, outcome).inc()
             metrics.child(metrics.encoder_backend_seconds, spec.name, url).observe(time.perf_counter() - started)
 
@@ -223,22 +216,6 @@ async def _send(
 def _cancelling() -> bool:
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
-
-
-class ReplyTooLarge(Exception):
-    pass
-
-
-async def _read_bounded(resp: aiohttp.ClientResponse) -> bytes:
-    """A priming reply (a few KB of metadata), refused past MAX_REPLY_BYTES."""
-    if resp.content_length is not None and resp.content_length > MAX_REPLY_BYTES:
-        raise ReplyTooLarge
-    data = bytearray()
-    async for chunk in resp.content.iter_any():
-        data += chunk
-        if len(data) > MAX_REPLY_BYTES:
-            raise ReplyTooLarge
-    return bytes(data)
 
 
 def _match(items: list[Item], data: bytes) -> None:
@@ -319,11 +296,3 @@ def parts_for_consumer(
             for position, _, uuid in located
         }
     return {position: {**part, "uuid": uuid} for position, part, uuid in located}
-
-
-def _detail(data: bytes) -> str:
-    try:
-        message = orjson.loads(data)["error"]["message"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return ""
-    return f": {message}" if isinstance(message, str) else ""

@@ -261,3 +261,13 @@ class ConfigError(Exception):
     def __init__(self, problems: Sequence[ConfigProblem]) -> None:
         self.problems = tuple(problems)
         super().__init__("\n".join(str(p) for p in self.problems))
+
+
+def error_detail(payload: bytes) -> str:
+    """``": <message>"`` of an OpenAI-shape error body another server answered (an encoder, a
+    transcription model), to quote in the gateway's own message; "" when it is not one."""
+    try:
+        message = orjson.loads(payload)["error"]["message"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return ""
+    return f": {message}" if isinstance(message, str) else ""

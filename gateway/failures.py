@@ -61,3 +61,16 @@ def _http1_failure(exc: http1.Http1Error) -> Failure:
     if isinstance(exc, http1.Disconnected):
         return Failure("reset", str(exc))
     return Failure("protocol", f"{type(exc).__name__}: {exc}")
+
+
+async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """A small reply read whole (an encoder's metadata, a transcript); one over ``max_bytes`` is
+    not what the server should send: a protocol failure (ClientPayloadError), like a broken body."""
+    if response.content_length is not None and response.content_length > max_bytes:
+        raise aiohttp.ClientPayloadError(f"reply over {max_bytes} bytes")
+    data = bytearray()
+    async for chunk in response.content.iter_any():
+        data += chunk
+        if len(data) > max_bytes:
+            raise aiohttp.ClientPayloadError(f"reply over {max_bytes} bytes")
+    return bytes(data)

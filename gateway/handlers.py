@@ -28,7 +28,6 @@ from .errors import (
     PermissionDeniedError,
 )
 from .metrics import UNKNOWN_MODEL
-from .modality import Modality
 from .relay import EmbeddingsNotDelivered, Timeouts
 from .reload import Live
 from .state import API_KEY_KEY, MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
@@ -49,50 +48,63 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     request[MODEL_LABEL_KEY] = requested.name
     plan = admit(config, body, visible, requested=requested)
     _count_plan(services, plan)
-    headers = {}
-    encoded = NOTHING
-    transcripts: Replacements = {}
-    if plan.transcribe_parts:  # before encoding: a failure here costs no encoder work
-        assert services.transcriber is not None
-        transcripts = await services.transcriber.transcribe(plan, body, live, request_id=request[REQUEST_ID_KEY])
-        encoded = Encoded(transcripts, {})
-    if plan.frame_parts:
-        assert services.transcriber is not None
-        frames = await video.frames_for(
-            plan, body, services.encoder.fetcher, services.metrics, services.transcriber.video_decoding
-        )
-        transcripts = {**transcripts, **frames}
-        encoded = Encoded(transcripts, {})
-        _check_grown_size(config, raw, encoded)
-    route = plan.route
-    if plan.model.video_sample is not None and plan.classification.counts.get(Modality.VIDEO):
-        assert services.transcriber is not None
-        presampled = await video.presampled_for(
-            plan, body, services.encoder.fetcher, services.metrics, services.transcriber.video_decoding
-        )
-        if presampled:
-            transcripts = {**transcripts, **presampled}
-            encoded = Encoded(transcripts, {})
-            route = "transcode" if route == "direct" else f"{route}, transcode"
-    primed = False
-    if plan.encode_parts:
-        images = await _encode(request, services, plan, body, config.encoders)
-        headers["X-Gateway-Encoded"] = str(len(images.replacements))
-        encoded = Encoded({**transcripts, **images.replacements}, images.fields)
-        if images.replacements:
-            _check_grown_size(config, raw, encoded)
-            primed = config.encoders[plan.encoder or ""].kind == "vllm"
-    data = upstream_body(plan, raw, body, encoded.replacements, encoded.fields)
+    headers: dict[str, str] = {}
+    # before encoding: a failure here costs no encoder work
+    converted = await _convert(request, services, live, plan, body)
+    data, primed = await _upstream_data(request, services, config, plan, raw, body, converted, headers)
     key = chat_key(body) if plan.model.balance == "affinity" else None
     stream = _streams(body)
     if primed:  # vLLM's encoder instances: the consumer may not find what was primed
         return await _forward_primed(
-            request, services, live, plan, raw, data, headers, transcripts, stream=stream, key=key, route=route
+            request, services, live, plan, raw, data, headers, converted, stream=stream, key=key
         )
     # the parsed request (as large as the body: a 2 MB image is a 2 MB str) is not kept while the
     # reply is relayed; the bytes sent upstream are
-    del raw, body, encoded
-    return await _forward(request, services, live, plan.model, data, route, headers, stream=stream, affinity_key=key)
+    del raw, body, converted
+    return await _forward(
+        request, services, live, plan.model, data, plan.route, headers, stream=stream, affinity_key=key
+    )
+
+
+async def _convert(
+    request: web.Request, services: Services, live: Live, plan: RoutePlan, body: dict[str, Any]
+) -> Replacements:
+    """Media the model takes in another form: audio as its transcript, video as frames (images)
+    or as vLLM's pre-sampled frames."""
+    converted: Replacements = {}
+    if plan.transcribe_parts:
+        assert services.transcriber is not None
+        converted |= await services.transcriber.transcribe(plan, body, live, request_id=request[REQUEST_ID_KEY])
+    fetcher, metrics, threads = services.encoder.fetcher, services.metrics, services.video_decoding
+    if plan.frame_parts:
+        converted |= await video.frames_for(plan, body, fetcher, metrics, threads)
+    if plan.presample_parts:
+        converted |= await video.presampled_for(plan, body, fetcher, metrics, threads)
+    return converted
+
+
+async def _upstream_data(
+    request: web.Request,
+    services: Services,
+    config: GatewayConfig,
+    plan: RoutePlan,
+    raw: bytes,
+    body: dict[str, Any],
+    converted: Replacements,
+    headers: dict[str, str],
+) -> tuple[bytes, bool]:
+    """The body sent upstream, its images encoded (``X-Gateway-Encoded`` set), and whether they
+    were primed on vLLM encoder instances."""
+    encoded = Encoded(converted, {})
+    primed = False
+    if plan.encode_parts:
+        images = await _encode(request, services, plan, body, config.encoders)
+        headers["X-Gateway-Encoded"] = str(len(images.replacements))
+        encoded = Encoded(converted | images.replacements, images.fields)
+        primed = bool(images.replacements) and config.encoders[plan.encoder or ""].kind == "vllm"
+    if encoded.replacements:
+        _check_grown_size(config, raw, encoded)
+    return upstream_body(plan, raw, body, encoded.replacements, encoded.fields), primed
 
 
 async def _forward_primed(
@@ -103,19 +115,18 @@ async def _forward_primed(
     raw: bytes,
     data: bytes,
     headers: dict[str, str],
-    transcripts: Replacements,
+    converted: Replacements,
     *,
     stream: bool,
     key: bytes | None,
-    route: str,
 ) -> web.StreamResponse:
     """A request whose images were primed on vLLM encoder instances. A consumer that failed for
     want of them (a 500, or an answer that ends at once in ``finish_reason: "error"``: the
     connector could not deliver an embedding, evicted or lost) before any byte reached the client
-    gets the request once more, its images primed again."""
+    gets the request once more, its images primed again (the media converted stand)."""
     try:
         return await _forward(
-            request, services, live, plan.model, data, route, headers, stream=stream, affinity_key=key,
+            request, services, live, plan.model, data, plan.route, headers, stream=stream, affinity_key=key,
             ec_check=True,
         )  # fmt: skip
     except EmbeddingsNotDelivered as exc:
@@ -125,14 +136,11 @@ async def _forward_primed(
             raise
         log.warning("model %s: %s; priming its images again", plan.model.name, exc.message)
     body = exact(raw, orjson.loads(raw))  # the client's request again: the first try rewrote its parts
-    images = await _encode(request, services, plan, body, live.config.encoders)
-    headers["X-Gateway-Encoded"] = str(len(images.replacements))
-    encoded = Encoded({**transcripts, **images.replacements}, images.fields)  # the transcripts stand
-    if images.replacements:
-        _check_grown_size(live.config, raw, encoded)
-    data = upstream_body(plan, raw, body, encoded.replacements, encoded.fields)
+    data, _ = await _upstream_data(request, services, live.config, plan, raw, body, converted, headers)
     del raw, body
-    return await _forward(request, services, live, plan.model, data, route, headers, stream=stream, affinity_key=key)
+    return await _forward(
+        request, services, live, plan.model, data, plan.route, headers, stream=stream, affinity_key=key
+    )
 
 
 async def _encode(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -16,6 +17,7 @@ from .reload import ConfigStore
 from .supervisor import Supervisor
 from .transcribe import Transcriber
 from .upstream import UpstreamClient
+from .video import DECODE_CONCURRENCY
 
 
 @dataclass(slots=True)
@@ -40,6 +42,11 @@ class Services:
     key_limits: KeyLimits = field(default_factory=KeyLimits)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     transcriber: Transcriber | None = None  # audio to text (on_unsupported: {audio: {transcribe: M}})
+    # videos sampled into frames (gateway.video): their own threads, DECODE_CONCURRENCY of them,
+    # apart from the default executor (DNS lookups, large data URLs); shut down with the app
+    video_decoding: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(DECODE_CONCURRENCY, thread_name_prefix="video")
+    )
 
 
 SERVICES_KEY = web.AppKey("services", Services)

@@ -20,7 +20,6 @@ import io
 import logging
 import wave
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
@@ -35,14 +34,14 @@ from .errors import (
     UnsupportedModalityError,
     UpstreamError,
     UpstreamTimeoutError,
+    error_detail,
 )
-from .failures import CLIENT_ERRORS, failure_of
+from .failures import CLIENT_ERRORS, failure_of, read_capped
 from .media import MediaFetcher
 from .metrics import GatewayMetrics
 from .modality import Modality, Part
 from .reload import Live
 from .replicas import Replica
-from .video import DECODE_CONCURRENCY
 
 log = logging.getLogger(__name__)
 TRANSCRIPT = "[Transcript of the user's audio] "  # marks the text part that replaced an audio part
@@ -62,9 +61,6 @@ class Transcriber:
         self._metrics = metrics
         self._fetcher = fetcher
         self._session: aiohttp.ClientSession | None = None
-        # videos sampled into frames (gateway.video): their own threads, DECODE_CONCURRENCY of them,
-        # apart from the default executor (DNS lookups, large data URLs)
-        self.video_decoding = ThreadPoolExecutor(DECODE_CONCURRENCY, thread_name_prefix="video")
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
@@ -72,7 +68,6 @@ class Transcriber:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
-        self.video_decoding.shutdown(wait=False, cancel_futures=True)
 
     async def transcribe(
         self, plan: RoutePlan, body: Mapping[str, Any], live: Live, *, request_id: str
@@ -134,7 +129,7 @@ class Transcriber:
                     async with self._session.post(
                         f"{url}/v1/audio/transcriptions", data=form, headers=headers, timeout=timeout
                     ) as resp:
-                        status, data = resp.status, await _read_capped(resp)
+                        status, data = resp.status, await read_capped(resp, MAX_REPLY_BYTES)
                 except CLIENT_ERRORS as exc:
                     failure = failure_of(exc)
                     lease.failure(failure.reason)
@@ -147,7 +142,7 @@ class Transcriber:
                     lease.success()
                     raise InvalidAudioError(
                         f"{part.location}: transcription model '{target.name}' could not transcribe the audio "
-                        f"(HTTP {status}{_detail(data)})",
+                        f"(HTTP {status}{error_detail(data)})",
                         param=part.location,
                     )
                 if text is None:  # failing, busy, not a transcription server, or a reply that is not one
@@ -201,18 +196,6 @@ class Transcriber:
         return data, _format_of(url)
 
 
-async def _read_capped(resp: aiohttp.ClientResponse) -> bytes:
-    """A reply of at most MAX_REPLY_BYTES (a transcript is words: a few KB); more is a failure."""
-    if (resp.content_length or 0) > MAX_REPLY_BYTES:
-        raise aiohttp.ClientPayloadError("transcription reply too large")
-    data = bytearray()
-    async for chunk in resp.content.iter_any():
-        data += chunk
-        if len(data) > MAX_REPLY_BYTES:
-            raise aiohttp.ClientPayloadError("transcription reply too large")
-    return bytes(data)
-
-
 def _format_of(url: str) -> str:
     if url.startswith("data:"):
         mime = url[5:].split(";", 1)[0].split(",", 1)[0].lower()
@@ -249,11 +232,3 @@ def _duration(data: bytes, audio: bytes, fmt: str) -> float:
         except (wave.Error, EOFError):
             return 0.0
     return 0.0
-
-
-def _detail(data: bytes) -> str:
-    try:
-        message = orjson.loads(data)["error"]["message"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return ""
-    return f": {message}" if isinstance(message, str) else ""

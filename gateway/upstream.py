@@ -117,7 +117,7 @@ class UpstreamClient:
         ``gateway_headers`` go both ways; ``auth`` (the model's key) only upstream, in place of
         the client's Authorization, which is not sent either when ``forward_client_auth`` is off.
         The exchange is the coroutine returned (this prepares it without a frame of its own)."""
-        budget = self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
+        budget = self._budget(model)
         budget.request()
         attempts = _Attempts(model, budget, affinity_key)
         if timeouts.total is not None:
@@ -268,14 +268,17 @@ class UpstreamClient:
     def may_retry(self, model: ModelConfig, reason: str) -> bool:
         """Whether one more try of a whole exchange (a handler's own retry: ``ec_error``) fits in
         the model's ``retries.attempts`` and its retry budget; counted either way."""
-        budget = self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
         if model.retries.attempts < 1:
             return False
-        if not budget.withdraw(model.retries):
+        if not self._budget(model).withdraw(model.retries):
             self._metrics.retries_refused.labels(model.name).inc()
             return False
         self._metrics.retries.labels(model.name, reason).inc()
         return True
+
+    def _budget(self, model: ModelConfig) -> RetryBudget:
+        """The model's retry budget, kept by name across reloads."""
+        return self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
 
     def _retries(self, pool: Pool, attempts: _Attempts, reason: str) -> bool:
         """Whether the attempt that just failed for ``reason`` is tried again; if so, count it and

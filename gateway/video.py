@@ -20,17 +20,22 @@ import functools
 import io
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from .admission import EXPAND, RoutePlan
+from .modality import Modality, Part
 
 if TYPE_CHECKING:
-    from .admission import RoutePlan
     from .media import MediaFetcher
     from .metrics import GatewayMetrics
 
 from .errors import GatewayError, InvalidRequestError, MediaRefusedError
+
+T = TypeVar("T")
 
 MAX_SECONDS = 3600.0  # a longer video is refused before any frame is decoded
 MAX_PIXELS = 3840 * 2160  # one frame's width x height
@@ -159,30 +164,15 @@ async def frames_for(
 ) -> dict[tuple[int, int], dict[str, Any]]:
     """Each ``video_url`` part of ``plan.frame_parts`` as its sampled frames: image parts (JPEG
     data URLs), each after a text part with its time when the policy has ``timestamps``."""
-    from .admission import EXPAND  # admission imports nothing of this module's
-    from .modality import Modality
-
     policy = plan.model.policy(Modality.VIDEO)
-    messages = body["messages"]
+    work = functools.partial(
+        _frame_parts, frames=plan.frames_per_video, fps=policy.fps, max_side=policy.max_side,
+        timestamps=policy.timestamps,
+    )  # fmt: skip
     out: dict[tuple[int, int], dict[str, Any]] = {}
     for part in plan.frame_parts:
-        assert part.index is not None
-        value = messages[part.message]["content"][part.index].get("video_url")
-        url = value.get("url") if isinstance(value, dict) else value
-        if not isinstance(url, str) or not url:
-            raise InvalidVideoError(f"{part.location}: the video part carries no URL", param=part.location)
-        data = await _load(fetcher, url, part.location)
-        started = time.perf_counter()
-        work = functools.partial(
-            _frame_parts, data, frames=plan.frames_per_video, fps=policy.fps, max_side=policy.max_side,
-            timestamps=policy.timestamps,
-        )  # fmt: skip
-        # the process's decoding threads (DECODE_CONCURRENCY): a request that leaves gives up its
-        # place in the queue; a decode already running ends by its own bounds
-        parts, count = await _decode(pool, work, part.location)
-        metrics.video_decode_seconds.labels(plan.model.name).observe(time.perf_counter() - started)
-        metrics.video_frames.labels(plan.model.name).inc(count)
-        out[(part.message, part.index)] = {"type": EXPAND, "parts": parts}
+        position, _, parts = await _sample_part(part, body, fetcher, metrics, pool, plan.model.name, work)
+        out[position] = {"type": EXPAND, "parts": parts}
     return out
 
 
@@ -212,30 +202,45 @@ async def presampled_for(
     reads it as the frames of one video), so the whole file never reaches the engine."""
     policy = plan.model.video_sample
     assert policy is not None
-    messages = body["messages"]
+    work = functools.partial(_presampled_url, frames=policy.frames, fps=policy.fps, max_side=policy.max_side)
     out: dict[tuple[int, int], dict[str, Any]] = {}
-    for part in plan.classification.parts:
-        if part.type != "video_url" or part.index is None:
-            continue
-        original = messages[part.message]["content"][part.index]
+    for part in plan.presample_parts:
+        position, original, url = await _sample_part(part, body, fetcher, metrics, pool, plan.model.name, work)
         value = original.get("video_url")
-        url = value.get("url") if isinstance(value, dict) else value
-        if not isinstance(url, str) or not url:
-            raise InvalidVideoError(f"{part.location}: the video part carries no URL", param=part.location)
-        data = await _load(fetcher, url, part.location)
-        started = time.perf_counter()
-        work = functools.partial(_presampled_url, data, frames=policy.frames, fps=policy.fps, max_side=policy.max_side)
-        new_url, count = await _decode(pool, work, part.location)
-        metrics.video_decode_seconds.labels(plan.model.name).observe(time.perf_counter() - started)
-        metrics.video_frames.labels(plan.model.name).inc(count)
         kept = value if isinstance(value, dict) else {}
-        out[(part.message, part.index)] = {**original, "video_url": {**kept, "url": new_url}}
+        out[position] = {**original, "video_url": {**kept, "url": url}}
     return out
 
 
 def _presampled_url(data: bytes, *, frames: int, fps: float | None, max_side: int) -> tuple[str, int]:
     sampled = sample_frames(data, frames=frames, fps=fps, max_side=max_side)
     return "data:video/jpeg;base64," + ",".join(base64.b64encode(f.jpeg).decode() for f in sampled), len(sampled)
+
+
+async def _sample_part(
+    part: Part,
+    body: dict[str, Any],
+    fetcher: MediaFetcher,
+    metrics: GatewayMetrics,
+    pool: Executor,
+    model: str,
+    work: Callable[[bytes], tuple[T, int]],
+) -> tuple[tuple[int, int], dict[str, Any], T]:
+    """A video part's position, the part, and what ``work`` (on the decoding threads) made of its bytes: fetched or
+    decoded from its data URL, sampled, counted. A request that leaves gives up its place in the
+    threads' queue; a decode already running ends by its own bounds."""
+    assert part.index is not None
+    original: dict[str, Any] = body["messages"][part.message]["content"][part.index]
+    value = original.get("video_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise InvalidVideoError(f"{part.location}: the video part carries no URL", param=part.location)
+    data = await _load(fetcher, url, part.location)
+    started = time.perf_counter()
+    result, count = await _decode(pool, functools.partial(work, data), part.location)
+    metrics.video_decode_seconds.labels(model).observe(time.perf_counter() - started)
+    metrics.video_frames.labels(model).inc(count)
+    return (part.message, part.index), original, result
 
 
 async def _load(fetcher: MediaFetcher, url: str, location: str) -> bytes:
@@ -247,7 +252,7 @@ async def _load(fetcher: MediaFetcher, url: str, location: str) -> bytes:
         raise kind(f"{location}: {message}", param=location) from None
 
 
-async def _decode(pool: Executor, work: Any, location: str) -> Any:
+async def _decode(pool: Executor, work: Callable[[], tuple[T, int]], location: str) -> tuple[T, int]:
     """``work`` on the decoding threads, within DECODE_TIMEOUT_S; its errors located at the part."""
     try:
         async with asyncio.timeout(DECODE_TIMEOUT_S):

@@ -174,9 +174,14 @@ async def test_a_file_that_is_not_a_video_is_a_400(gateway_factory, upstream) ->
         ("accepts: [text], on_unsupported: {video: {frames: 4}}", "frames are images: the model must accept image"),
         ("accepts: [text, image], on_unsupported: {video: {frames: 0}}", "video.frames: must be"),
         ("accepts: [text, image], on_unsupported: {video: {frames: 4, speed: 2}}", "unknown key 'speed'"),
+        # video: {sample: ...}, vLLM's pre-sampled form
+        ("accepts: [text, image], video: {sample: {frames: 4}}", "video.sample is for a model that accepts video"),
+        ("accepts: [text, video], video: {frames: 4}", "models[0].video: must be {sample: {frames: N}}"),
+        ("accepts: [text, video], video: {sample: {fps: 1}}", "(frames required)"),
+        ("accepts: [text, video], video: {sample: {frames: 99}}", "models[0].video.sample.frames: must be"),
     ],
 )
-def test_a_frames_policy_is_checked(line: str, problem: str) -> None:
+def test_a_frames_policy_or_video_sample_is_checked(line: str, problem: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(f"version: 1\nmodels:\n  - {{name: m, upstreams: ['http://u:1'], {line}}}\n", filename="r.yaml")
     assert problem in str(caught.value)
@@ -230,18 +235,3 @@ async def test_a_video_model_gets_vllms_pre_sampled_form(gateway_factory, upstre
     shades = [shade(base64.b64decode(f)) for f in frames.split(",")]
     assert len(shades) == 3 and all(abs(s - e) < 8 for s, e in zip(shades, SHADES, strict=True))
     assert gw.sample("gateway_video_frames_total", model="omni") == 3
-
-
-@pytest.mark.parametrize(
-    ("line", "problem"),
-    [
-        ("accepts: [text, image], video: {sample: {frames: 4}}", "video.sample is for a model that accepts video"),
-        ("accepts: [text, video], video: {frames: 4}", "models[0].video: must be {sample: {frames: N}}"),
-        ("accepts: [text, video], video: {sample: {fps: 1}}", "(frames required)"),
-        ("accepts: [text, video], video: {sample: {frames: 99}}", "models[0].video.sample.frames: must be"),
-    ],
-)
-def test_a_video_sample_is_checked(line: str, problem: str) -> None:
-    with pytest.raises(ConfigError) as caught:
-        parse_config(f"version: 1\nmodels:\n  - {{name: m, upstreams: ['http://u:1'], {line}}}\n", filename="r.yaml")
-    assert problem in str(caught.value)
