@@ -132,15 +132,21 @@ class RoutePlan:
         name = self.model.encode.get(Modality.IMAGE)
         if name is None or self.model.encode_min_images <= 1:
             return name
-        return name if len(self._encodable) >= self.model.encode_min_images else None
+        images = len(self._encodable) + self.frames_per_video * len(self.frame_parts)  # frames planned
+        return name if images >= self.model.encode_min_images else None
 
     @property
     def encode_decision(self) -> str | None:
-        """For a request with images to a model that encodes them: ``encoded``, or ``direct``
-        (under ``encode.min_images``); None otherwise."""
-        if Modality.IMAGE not in self.model.encode or not self._encodable:
+        """For a request with images (or video as frames) to a model that encodes them:
+        ``encoded``, or ``direct`` (under ``encode.min_images``); None otherwise."""
+        if Modality.IMAGE not in self.model.encode or not (self._encodable or self.frame_parts):
             return None
         return "encoded" if self.encoder is not None else "direct"
+
+    @property
+    def encodes_frames(self) -> bool:
+        """Videos go as frames, and the frames go through the model's image encoder."""
+        return self.encoder is not None and bool(self.frame_parts)
 
     @property
     def _encodable(self) -> tuple[Part, ...]:

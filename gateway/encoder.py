@@ -30,7 +30,7 @@ import aiohttp
 import orjson
 
 from . import epd
-from .admission import RoutePlan
+from .admission import EXPAND, RoutePlan
 from .config import BreakerConfig, EncoderConfig, GatewayConfig, ServerConfig
 from .errors import EncoderError, GatewayError, InvalidImageError, MediaRefusedError, Rejection, error_detail
 from .failures import CLIENT_ERRORS, failure_of
@@ -54,10 +54,64 @@ Replacements = dict[tuple[int, int], dict[str, Any]]
 
 
 class Encoded(NamedTuple):
-    """What encoding a request's images gave: the new parts, and fields to add to the body."""
+    """What encoding a request's images gave: the new parts, fields to add to the body, and how
+    many images (frames included) were encoded."""
 
     replacements: Replacements
     fields: dict[str, Any]
+    images: int = 0
+
+
+class Image(NamedTuple):
+    """An image to encode: a part of the request, or a frame of one of its videos."""
+
+    part: Part  # the request's part (for a frame: its video), which errors name
+    url: str
+    original: dict[str, Any]  # the image part as it stands
+    frame: int | None = None  # a frame: its index among its video's parts
+
+
+def _images(plan: RoutePlan, body: Mapping[str, Any], frames: Replacements) -> list[Image]:
+    """The request's encodable images (those that carry bytes), then its videos' frames."""
+    messages = body["messages"]
+    images: list[Image] = []
+    for part in plan.encode_parts:
+        assert part.index is not None
+        original = messages[part.message]["content"][part.index]
+        url = image_url(original)
+        if url is not None:
+            images.append(Image(part, url, original))
+    if not plan.encodes_frames:
+        return images
+    for video in plan.frame_parts:
+        assert video.index is not None
+        expanded = frames.get((video.message, video.index))
+        if expanded is None or expanded.get("type") != EXPAND:
+            continue
+        for j, frame in enumerate(expanded["parts"]):
+            url = image_url(frame) if frame.get("type") == "image_url" else None
+            if url is not None:
+                images.append(Image(video, url, frame, j))
+    return images
+
+
+def _placed(images: list[Image], new_parts: list[dict[str, Any]], frames: Replacements) -> Replacements:
+    """The replacements: each image part by its new part; each video by its frames, encoded."""
+    out: Replacements = {}
+    expanded: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for image, new in zip(images, new_parts, strict=True):
+        assert image.part.index is not None
+        key = (image.part.message, image.part.index)
+        if image.frame is None:
+            out[key] = new
+            continue
+        parts = expanded.get(key)
+        if parts is None:
+            parts = expanded[key] = list(frames[key]["parts"])
+        parts[image.frame] = new
+    for key, parts in expanded.items():
+        out[key] = {"type": EXPAND, "parts": parts}
+    return out
 
 
 NOTHING = Encoded({}, {})
@@ -124,9 +178,17 @@ class EncoderClient:
         return [url] if url else []
 
     async def encode(
-        self, plan: RoutePlan, body: Mapping[str, Any], *, request_id: str, encoders: Mapping[str, EncoderConfig]
+        self,
+        plan: RoutePlan,
+        body: Mapping[str, Any],
+        *,
+        request_id: str,
+        encoders: Mapping[str, EncoderConfig],
+        frames: Replacements | None = None,
     ) -> Encoded:
-        """New parts for the request's encodable images. Raises 400s for bad media, EncoderError.
+        """New parts for the request's encodable images, and for the frames of its videos
+        (``frames``: the videos' replacements, each a part expanded into its frames). Raises 400s
+        for bad media, EncoderError.
 
         ``encoders`` is the table of the config the request was admitted under: a reload that
         removes the encoder while the request's images are fetched must not pull it away.
@@ -134,24 +196,33 @@ class EncoderClient:
         name = plan.encoder
         assert name is not None
         spec = encoders[name]  # validation guarantees it for the plan's own config
-        messages = body["messages"]
-        located: list[tuple[Part, str]] = []
-        for part in plan.encode_parts:
-            assert part.index is not None
-            url = image_url(messages[part.message]["content"][part.index])
-            if url is not None:
-                located.append((part, url))
-        if not located:
+        images = _images(plan, body, frames or {})
+        if not images:
             return NOTHING
+        located = [(image.part, image.url) for image in images]
         model = plan.model.name
         blobs = await self._load_all(located, model)
         shas = await asyncio.gather(*(_sha256(b) for b in blobs))
         if spec.kind == "vllm":
-            return await self._prime(spec, plan, body, located, shas, request_id)
+            new_parts, fields = await self._prime(spec, plan, body, images, shas, request_id)
+        else:
+            new_parts, fields = await self._encode_all(spec, images, blobs, shas, model, request_id), {}
+        return Encoded(_placed(images, new_parts, frames or {}), fields, len(images))
+
+    async def _encode_all(
+        self,
+        spec: EncoderConfig,
+        images: list[Image],
+        blobs: list[bytes],
+        shas: list[str],
+        model: str,
+        request_id: str,
+    ) -> list[dict[str, Any]]:
+        """Each distinct image encoded once, on the least-loaded backend; the new parts."""
         unique = dict(zip(shas, blobs, strict=True))
         first_part: dict[str, Part] = {}
-        for (part, _), sha in zip(located, shas, strict=True):
-            first_part.setdefault(sha, part)  # an error names the first part that carries the image
+        for image, sha in zip(images, shas, strict=True):
+            first_part.setdefault(sha, image.part)  # an error names the first part that carries the image
         limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)
         pool = self._replicas.pool(spec.name, self.urls(spec), breaker=self._breaker)  # once per request
         replies = await asyncio.gather(
@@ -163,23 +234,19 @@ class EncoderClient:
         )
         _raise_first(replies)
         by_sha = dict(zip(unique, replies, strict=True))
-        replacements = {
-            (part.message, part.index): {"type": "image_embeds", "image_embeds": by_sha[sha], "uuid": sha}
-            for (part, _), sha in zip(located, shas, strict=True)
-            if part.index is not None
-        }
-        return Encoded(replacements, {})
+        return [{"type": "image_embeds", "image_embeds": by_sha[sha], "uuid": sha} for sha in shas]
 
     async def _prime(
         self,
         spec: EncoderConfig,
         plan: RoutePlan,
         body: Mapping[str, Any],
-        located: list[tuple[Part, str]],
+        images: list[Image],
         shas: list[str],
         request_id: str,
-    ) -> Encoded:
-        """Images to vLLM encoder instances (gateway.epd); the parts rewritten for the consumer."""
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Images to vLLM encoder instances (gateway.epd); the new parts for the consumer, and the
+        fields its body gets."""
         assert self._session is not None, "EncoderClient.start() was not called"
         urls = tuple(self.urls(spec))
         pool = self._rings.get((spec.name, urls))
@@ -188,8 +255,8 @@ class EncoderClient:
                 spec.name, urls, balance="affinity", breaker=self._breaker
             )
         items: dict[str, epd.Item] = {}
-        for (_, url), sha in zip(located, shas, strict=True):
-            items.setdefault(sha, epd.Item(sha, url))
+        for image, sha in zip(images, shas, strict=True):
+            items.setdefault(sha, epd.Item(sha, image.url))
         try:
             primed = await epd.prime(
                 self._session,
@@ -203,15 +270,10 @@ class EncoderClient:
                 concurrency=PER_REQUEST_CONCURRENCY,
             )
         except InvalidImageError as exc:
-            raise _at_part(exc, located[0][0], plan.model.name) from None
-        messages = body["messages"]
-        positions = [
-            ((part.message, part.index), messages[part.message]["content"][part.index], sha)
-            for (part, _), sha in zip(located, shas, strict=True)
-            if part.index is not None
-        ]
+            raise _at_part(exc, images[0].part, plan.model.name) from None
         fields = {"ec_transfer_params": primed.transfer_params} if primed.transfer_params else {}
-        return Encoded(epd.parts_for_consumer(positions, primed), fields)
+        located = [(image.original, sha) for image, sha in zip(images, shas, strict=True)]
+        return epd.parts_for_consumer(located, primed), fields
 
     async def _load_all(self, located: list[tuple[Part, str]], model: str) -> list[bytes]:
         # Each distinct fetched URL once. Data URLs are not compared (hashing a 30 MB string holds

@@ -283,16 +283,11 @@ def metadata_of(entry: Mapping[str, Any]) -> dict[str, Any] | None:
     return flat
 
 
-def parts_for_consumer(
-    located: list[tuple[tuple[int, int], dict[str, Any], str]], primed: Primed
-) -> dict[tuple[int, int], dict[str, Any]]:
-    """The new part at each position: a metadata-only ``image_embeds`` reference when every image
-    has metadata; else every image as the client sent it, with its uuid (vLLM refuses a request
-    that mixes raw images and embeddings)."""
+def parts_for_consumer(located: list[tuple[dict[str, Any], str]], primed: Primed) -> list[dict[str, Any]]:
+    """The new part for each image part (with its uuid): a metadata-only ``image_embeds``
+    reference when every image has metadata; else every image as the client sent it, with its
+    uuid (vLLM refuses a request that mixes raw images and embeddings)."""
     metadata = {uuid: metadata_of(entry) for uuid, entry in primed.entries.items()}
     if all(m is not None for m in metadata.values()):
-        return {
-            position: {"type": "image_embeds", "image_embeds": metadata[uuid], "uuid": uuid}
-            for position, _, uuid in located
-        }
-    return {position: {**part, "uuid": uuid} for position, part, uuid in located}
+        return [{"type": "image_embeds", "image_embeds": metadata[uuid], "uuid": uuid} for _, uuid in located]
+    return [{**part, "uuid": uuid} for part, uuid in located]

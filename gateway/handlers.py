@@ -97,9 +97,9 @@ async def _upstream_data(
     were primed on vLLM encoder instances."""
     encoded = Encoded(converted, {})
     primed = False
-    if plan.encode_parts:
-        images = await _encode(request, services, plan, body, config.encoders)
-        headers["X-Gateway-Encoded"] = str(len(images.replacements))
+    if plan.encode_parts or plan.encodes_frames:
+        images = await _encode(request, services, plan, body, config.encoders, converted)
+        headers["X-Gateway-Encoded"] = str(images.images)
         encoded = Encoded(converted | images.replacements, images.fields)
         primed = bool(images.replacements) and config.encoders[plan.encoder or ""].kind == "vllm"
     if encoded.replacements:
@@ -149,9 +149,12 @@ async def _encode(
     plan: RoutePlan,
     body: dict[str, Any],
     encoders: Mapping[str, EncoderConfig],
+    frames: Replacements,
 ) -> Encoded:
     try:
-        return await services.encoder.encode(plan, body, request_id=request[REQUEST_ID_KEY], encoders=encoders)
+        return await services.encoder.encode(
+            plan, body, request_id=request[REQUEST_ID_KEY], encoders=encoders, frames=frames
+        )
     except EncoderError as exc:
         if plan.model.on_encoder_error != "passthrough":
             raise

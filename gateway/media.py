@@ -24,6 +24,7 @@ import codecs
 import ipaddress
 import re
 import socket
+from typing import Literal
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
@@ -31,7 +32,7 @@ from aiohttp.resolver import DefaultResolver
 from yarl import URL
 
 from .config import MediaConfig
-from .errors import InvalidImageError, MediaRefusedError
+from .errors import GatewayError, InvalidImageError, MediaRefusedError
 
 USER_AGENT = "modality-gateway"
 MAX_REDIRECTS = 3
@@ -46,6 +47,7 @@ _SLICE_CHARS = 1 << 20
 DECODE_IN_THREAD_CHARS = 1 << 20
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+MediaKind = Literal["image", "video", "audio"]
 
 
 class NonPublicAddressError(OSError):
@@ -135,23 +137,38 @@ class MediaFetcher:
         if self._resolver is not None:
             self._resolver.allow_private = media.allow_private_networks
 
-    async def load(self, url: str) -> bytes:
-        """The bytes behind ``url``; raises MediaRefusedError or InvalidImageError."""
+    def max_bytes(self, kind: MediaKind) -> int:
+        """The size limit of one medium of this kind, under the current rules."""
+        return max_bytes(self._media, kind)
+
+    async def load(self, url: str, kind: MediaKind = "image") -> bytes:
+        """The bytes behind ``url``, within the size limit of its ``kind`` (``media.max_image_bytes``,
+        ``max_video_bytes``, ``max_audio_bytes``); raises MediaRefusedError or InvalidImageError,
+        their messages naming the kind."""
+        try:
+            return await self._load(url, kind)
+        except GatewayError as exc:
+            if kind == "image":
+                raise
+            raise type(exc)(_reworded(exc.message, kind), param=exc.param) from None
+
+    async def _load(self, url: str, kind: MediaKind) -> bytes:
         media, domains = self._media, self._domains  # one set of rules for the whole fetch
+        limit = max_bytes(media, kind)
         if is_data_url(url):
             if len(url) > DECODE_IN_THREAD_CHARS:
-                return await asyncio.to_thread(decode_data_url, url, max_bytes=media.max_image_bytes)
-            return decode_data_url(url, max_bytes=media.max_image_bytes)
+                return await asyncio.to_thread(decode_data_url, url, max_bytes=limit, kind=kind)
+            return decode_data_url(url, max_bytes=limit, kind=kind)
         target = _parse_url(url)
         try:
             async with asyncio.timeout(media.fetch_timeout_s):
-                return await self._fetch(target, media, domains)
+                return await self._fetch(target, media, domains, kind)
         except TimeoutError:
             raise MediaRefusedError(
                 f"Image URL host '{target.host}' did not deliver the image within {media.fetch_timeout_s:g}s"
             ) from None
 
-    async def _fetch(self, url: URL, media: MediaConfig, domains: tuple[str, ...]) -> bytes:
+    async def _fetch(self, url: URL, media: MediaConfig, domains: tuple[str, ...], kind: MediaKind) -> bytes:
         assert self._session is not None, "MediaFetcher.start() was not called"
         for hop in range(MAX_REDIRECTS + 1):
             what = "Image URL" if hop == 0 else "Image URL redirect"
@@ -163,7 +180,7 @@ class MediaFetcher:
                         continue
                     if not 200 <= response.status < 300:
                         raise MediaRefusedError(f"{what} host '{url.host}' answered HTTP {response.status}")
-                    return await _read_capped(response, media.max_image_bytes, url.host)
+                    return await _read_capped(response, max_bytes(media, kind), url.host, kind)
             except aiohttp.ClientError as exc:
                 raise MediaRefusedError(_fetch_failure(exc, what, url.host)) from None
         raise MediaRefusedError(f"Image URL redirected more than {MAX_REDIRECTS} times")
@@ -192,7 +209,7 @@ def is_data_url(url: str) -> bool:
     return url[:5].lower() == "data:"
 
 
-def decode_data_url(url: str, *, max_bytes: int) -> bytes:
+def decode_data_url(url: str, *, max_bytes: int, kind: MediaKind = "image") -> bytes:
     """Decode ``data:[<mediatype>][;base64],<data>`` (RFC 2397): strict base64, else percent-encoding.
 
     Sizes are checked before decoding, and decoding goes a slice at a time: no step holds more
@@ -213,22 +230,24 @@ def decode_data_url(url: str, *, max_bytes: int) -> bytes:
     if any("=" not in a for a in attributes):
         raise InvalidImageError("Image data URL is malformed: a media type parameter has no '='")
     start = comma + 1
-    raw = _decode_base64(url, start, max_bytes) if is_base64 else _decode_percent(url, start, max_bytes)
+    limit = (max_bytes, kind)
+    raw = _decode_base64(url, start, limit) if is_base64 else _decode_percent(url, start, limit)
     if len(raw) > max_bytes:
-        raise _too_large(max_bytes)
+        raise _too_large(*limit)
     if not raw:
         raise InvalidImageError("Image data URL holds no data")
     return raw
 
 
-def _decode_base64(url: str, start: int, max_bytes: int) -> bytes:
+def _decode_base64(url: str, start: int, limit: tuple[int, MediaKind]) -> bytes:
+    max_bytes = limit[0]
     if not url.isascii() and not url[start:].isascii():  # the header may name a file 'é.png'
         raise InvalidImageError("Image data URL is not valid base64")
     whole, offset = _encoded(url, start)
     size = len(whole) - offset
     # line breaks are allowed: what counts is the length without them, and decoding can't be cheaper
     if size // 4 * 3 > max_bytes + 2 and _length_without_whitespace(whole, offset) // 4 * 3 > max_bytes + 2:
-        raise _too_large(max_bytes)
+        raise _too_large(*limit)
     try:
         return _b64decode(whole, offset)
     except binascii.Error:
@@ -265,10 +284,11 @@ def _b64decode(data: bytes, start: int) -> bytes:
     return b"".join(base64.b64decode(view[i : i + _SLICE_CHARS], validate=True) for i in _slices(data, start))
 
 
-def _decode_percent(url: str, start: int, max_bytes: int) -> bytes:
+def _decode_percent(url: str, start: int, limit: tuple[int, MediaKind]) -> bytes:
+    max_bytes = limit[0]
     # every byte of the result takes 1 to 3 characters ('%41')
     if (len(url) - start) // 3 > max_bytes:
-        raise _too_large(max_bytes)
+        raise _too_large(*limit)
     raw, begin = _encoded(url, start)
     if raw.find(b"%", begin) < 0:
         return raw[begin:]
@@ -288,7 +308,7 @@ def _decode_percent(url: str, start: int, max_bytes: int) -> bytes:
         except ValueError:
             raise InvalidImageError("Image data URL is malformed: '%' must be followed by two hex digits") from None
         if len(decoded) > max_bytes:
-            raise _too_large(max_bytes)
+            raise _too_large(*limit)
         begin = end
     return bytes(decoded)
 
@@ -319,15 +339,15 @@ def _redirect_target(response: aiohttp.ClientResponse, what: str) -> URL:
     return target
 
 
-async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int, host: str | None) -> bytes:
+async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int, host: str | None, kind: MediaKind) -> bytes:
     if response.content_length is not None and response.content_length > max_bytes:
-        raise _too_large(max_bytes)
+        raise _too_large(max_bytes, kind)
     chunks: list[bytes] = []
     size = 0
     async for chunk in response.content.iter_chunked(_CHUNK_BYTES):
         size += len(chunk)
         if size > max_bytes:
-            raise _too_large(max_bytes)
+            raise _too_large(max_bytes, kind)
         chunks.append(chunk)
     if not size:
         raise InvalidImageError(f"Image URL host '{host}' sent an empty body")
@@ -352,8 +372,26 @@ def _fetch_failure(exc: aiohttp.ClientError, what: str, host: str | None) -> str
     return f"{prefix}: the request failed"
 
 
-def _too_large(max_bytes: int) -> MediaRefusedError:
-    return MediaRefusedError(f"Image is larger than media.max_image_bytes ({max_bytes} bytes)")
+def max_bytes(media: MediaConfig, kind: MediaKind) -> int:
+    """The size limit of one medium of this kind."""
+    if kind == "video":
+        return media.max_video_bytes
+    if kind == "audio":
+        return media.max_audio_bytes
+    return media.max_image_bytes
+
+
+def _too_large(max_bytes: int, kind: MediaKind = "image") -> MediaRefusedError:
+    return MediaRefusedError(f"{kind.capitalize()} is larger than media.max_{kind}_bytes ({max_bytes} bytes)")
+
+
+def _reworded(message: str, kind: MediaKind) -> str:
+    """A message of the image path, for a video or an audio clip."""
+    return (
+        message.replace("Image URL", f"{kind.capitalize()} URL")
+        .replace("Image data URL", f"{kind.capitalize()} data URL")
+        .replace("the image", f"the {kind}")
+    )
 
 
 def _ip_literal(url: URL, what: str) -> IPAddress | None:

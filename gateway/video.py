@@ -245,11 +245,10 @@ async def _sample_part(
 
 async def _load(fetcher: MediaFetcher, url: str, location: str) -> bytes:
     try:
-        return await fetcher.load(url)
+        return await fetcher.load(url, "video")
     except GatewayError as exc:
-        message = exc.message.replace("Image URL", "Video URL").replace("the image", "the video")
         kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidVideoError
-        raise kind(f"{location}: {message}", param=location) from None
+        raise kind(f"{location}: {exc.message}", param=location) from None
 
 
 async def _decode(pool: Executor, work: Callable[[], tuple[T, int]], location: str) -> tuple[T, int]:

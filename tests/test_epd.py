@@ -364,3 +364,34 @@ async def test_the_consumer_retry_keeps_to_retries_attempts(gateway_factory, clu
             await client.chat.completions.create(model="kimi", messages=ask(image(1)))
     assert caught.value.status_code == 502 and cluster.log.errors == 1
     assert gw.sample("gateway_retries_total", model="kimi", reason="ec_error") == 0
+
+
+async def test_video_frames_are_primed_like_images_and_primed_again_after_a_miss(gateway_factory, cluster):
+    """on_unsupported: {video: {frames: N}} with a vllm encoder: each frame is primed on the
+    instance its uuid hashes to and reaches the consumer as a metadata-only reference; a consumer
+    that lost them gets the request again with the frames primed again."""
+    pytest.importorskip("av")
+    from tests.videos import video, video_part
+
+    gw = await gateway_factory(table(cluster, options=", on_unsupported: {video: {frames: 3, max_side: 32}}"))
+    content = [
+        {"type": "text", "text": "what happens?"},
+        {"type": "image_url", "image_url": {"url": data_url(image(1))}},
+    ]
+    messages = [{"role": "user", "content": [*content, video_part(video())]}]
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(model="kimi", messages=messages)
+        assert raw.headers["X-Gateway-Encoded"] == "4" and raw.headers["X-Gateway-Route"] == "transcode"
+        parts = parts_received(cluster)
+        assert [p["type"] for p in parts] == ["text", "image_embeds"] + ["text", "image_embeds"] * 3
+        frames = [p["uuid"] for p in parts[3::2]]
+        assert len(set(frames)) == 3 and parts[1]["uuid"] == sha(image(1))
+        primes = [p for e in cluster.encoders for p in e.primes]
+        assert sorted(p.uuid for p in primes) == sorted([sha(image(1)), *frames])
+        assert all(p.url.startswith("data:image/jpeg;base64,") for p in primes if p.uuid in frames)
+        assert cluster.log.misses == [] and len(cluster.log.hits) == 4
+        cluster.log.evict_next = 1
+        await client.chat.completions.create(model="kimi", messages=messages)
+    assert cluster.log.errors == 1
+    assert parts_received(cluster) == parts  # the same frames, primed again
+    assert gw.sample("gateway_retries_total", model="kimi", reason="ec_error") == 1

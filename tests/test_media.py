@@ -33,6 +33,7 @@ from gateway.errors import InvalidImageError, InvalidRequestError, MediaRefusedE
 from gateway.media import (
     MAX_REDIRECTS,
     MediaFetcher,
+    MediaKind,
     NonPublicAddressError,
     PublicAddressResolver,
     decode_data_url,
@@ -275,9 +276,9 @@ class FakeResolver(AbstractResolver):
         self.closed = True
 
 
-async def refused(fetcher: MediaFetcher, url: str) -> MediaRefusedError:
+async def refused(fetcher: MediaFetcher, url: str, kind: MediaKind = "image") -> MediaRefusedError:
     with pytest.raises(MediaRefusedError) as info:
-        await fetcher.load(url)
+        await fetcher.load(url, kind)
     return info.value
 
 
@@ -692,6 +693,27 @@ async def test_size_cap_by_content_length(fetcher_factory, media_server) -> None
     assert await fetcher.load(media_server.url("/sized/5000")) == b"x" * 5000
     error = await refused(fetcher, media_server.url("/sized/5001"))
     assert "max_image_bytes (5000 bytes)" in error.message
+
+
+@pytest.mark.parametrize("chunked", ["", "?chunked=1"])
+async def test_videos_and_audio_have_size_limits_of_their_own(fetcher_factory, media_server, chunked) -> None:
+    limits = MediaConfig(allow_private_networks=True, max_image_bytes=10, max_video_bytes=5000, max_audio_bytes=3000)
+    fetcher = await fetcher_factory(limits)
+    assert await fetcher.load(media_server.url(f"/sized/5000{chunked}"), "video") == b"x" * 5000
+    assert await fetcher.load(media_server.url(f"/sized/3000{chunked}"), "audio") == b"x" * 3000
+    error = await refused(fetcher, media_server.url(f"/sized/5001{chunked}"), "video")
+    assert error.message == "Video is larger than media.max_video_bytes (5000 bytes)"
+    error = await refused(fetcher, media_server.url(f"/sized/3001{chunked}"), "audio")
+    assert error.message == "Audio is larger than media.max_audio_bytes (3000 bytes)"
+    error = await refused(fetcher, media_server.url(f"/sized/11{chunked}"))
+    assert error.message == "Image is larger than media.max_image_bytes (10 bytes)"
+    # data URLs too, and the messages name the medium
+    clip = "data:video/mp4;base64," + base64.b64encode(b"v" * 5001).decode()
+    assert (await refused(fetcher, clip, "video")).message.startswith("Video is larger than media.max_video_bytes")
+    assert fetcher.max_bytes("audio") == 3000
+    with pytest.raises(InvalidImageError, match=r"^Audio data URL is not valid base64$"):
+        await fetcher.load("data:audio/wav;base64,@@@@", "audio")
+    assert (await refused(fetcher, "ftp://media.test/v.mp4", "video")).message.startswith("Video URL has scheme 'ftp'")
 
 
 async def test_content_length_is_checked_before_reading(fetcher_factory, media_server) -> None:

@@ -215,3 +215,29 @@ async def test_replicas_that_are_not_transcription_servers_or_time_out_are_passe
     async with gw.client() as client:
         await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.1))))
     assert "[good]" in chat_parts(chat)[1]["text"]
+
+
+async def test_audio_is_held_to_max_audio_bytes_before_any_transcription(gateway_factory, upstream_factory) -> None:
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper")
+    clip = wav(0.5)
+    media = f"media: {{max_image_bytes: 100, max_audio_bytes: {len(clip)}}}\n"
+    gw = await gateway_factory(table(chat, whisper.url).replace("models:", media + "models:", 1))
+    as_url = {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64," + base64.b64encode(clip).decode()}}
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=ask(input_audio(clip), as_url))
+        assert len(whisper.received) == 2  # within max_audio_bytes, though far over max_image_bytes
+        for part in (
+            input_audio(clip + b"\x00"),
+            {
+                "type": "audio_url",
+                "audio_url": {"url": "data:audio/wav;base64," + base64.b64encode(clip + b"\x00").decode()},
+            },
+        ):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(model="texty", messages=ask(part))
+            error = error_body(caught.value)
+            assert (error["code"], error["param"]) == ("media_refused", "messages[0].content[1]")
+            assert error["message"] == (
+                f"messages[0].content[1]: Audio is larger than media.max_audio_bytes ({len(clip)} bytes)"
+            )
+    assert len(whisper.received) == 2 and len(chat.received) == 1

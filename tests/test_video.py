@@ -4,7 +4,6 @@ shade per second, so that every sampled frame says which second it came from."""
 from __future__ import annotations
 
 import base64
-import io
 from typing import Any
 
 import openai
@@ -14,33 +13,10 @@ from gateway.config import parse_config
 from gateway.errors import ConfigError, TooManyItemsError
 from gateway.video import InvalidVideoError, sample_frames
 from tests.conftest import error_body, routing
+from tests.videos import SHADES, shade, video, video_part
 
-av = pytest.importorskip("av")
-np = pytest.importorskip("numpy")
-
-SHADES = (30, 130, 230)
-
-
-def video(seconds: int = 3, fps: int = 10, size: tuple[int, int] = (64, 48), codec: str = "mpeg4") -> bytes:
-    """``seconds`` seconds at ``fps``, second i a solid shade SHADES[i % 3], in an MP4."""
-    width, height = size
-    out = io.BytesIO()
-    with av.open(out, "w", format="mp4") as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for i in range(seconds * fps):
-            pixels = np.full((height, width, 3), SHADES[(i // fps) % 3], dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode(None):
-            container.mux(packet)
-    return out.getvalue()
-
-
-def shade(jpeg: bytes) -> int:
-    with av.open(io.BytesIO(jpeg), format="mjpeg") as container:
-        frame = next(container.decode(video=0))
-        return int(frame.to_ndarray(format="rgb24").mean())
+pytest.importorskip("av")
+pytest.importorskip("numpy")
 
 
 def test_frames_are_spread_evenly_in_order_each_from_its_second() -> None:
@@ -99,10 +75,6 @@ def test_long_or_huge_videos_are_refused_before_decoding() -> None:
 
 
 # --- served: on_unsupported: {video: {frames: N}} ----------------------------------------------------
-
-
-def video_part(data: bytes) -> dict[str, Any]:
-    return {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
 
 
 def framed(upstream: Any, policy: str = "{frames: 4}", limits: str = "") -> str:
@@ -235,3 +207,21 @@ async def test_a_video_model_gets_vllms_pre_sampled_form(gateway_factory, upstre
     shades = [shade(base64.b64decode(f)) for f in frames.split(",")]
     assert len(shades) == 3 and all(abs(s - e) < 8 for s, e in zip(shades, SHADES, strict=True))
     assert gw.sample("gateway_video_frames_total", model="omni") == 3
+
+
+async def test_videos_are_held_to_max_video_bytes_not_the_image_limit(gateway_factory, upstream) -> None:
+    clip = video()
+    media = f"media: {{max_image_bytes: 100, max_video_bytes: {len(clip)}}}\n"
+    gw = await gateway_factory(framed(upstream, "{frames: 2}").replace("models:", media + "models:", 1))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=[{"role": "user", "content": [video_part(clip)]}])
+        assert len(sent_parts(upstream)) == 4  # within max_video_bytes, though 100 times max_image_bytes
+        with pytest.raises(openai.BadRequestError) as caught:
+            content = [video_part(clip + b"\x00")]
+            await client.chat.completions.create(model="texty", messages=[{"role": "user", "content": content}])
+    error = error_body(caught.value)
+    assert (error["code"], error["param"]) == ("media_refused", "messages[0].content[0]")
+    assert error["message"] == (
+        f"messages[0].content[0]: Video is larger than media.max_video_bytes ({len(clip)} bytes)"
+    )
+    assert len(upstream.received) == 1

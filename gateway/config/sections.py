@@ -111,6 +111,8 @@ class Parser(PoolReaders, AuthReaders):
             allow_private_networks=self.boolean(*get("allow_private_networks")),
             fetch_timeout_s=self.number(*get("fetch_timeout_s")),
             max_image_bytes=self.integer(*get("max_image_bytes"), minimum=1),
+            max_video_bytes=self.integer(*get("max_video_bytes"), minimum=1),
+            max_audio_bytes=self.integer(*get("max_audio_bytes"), minimum=1),
         )
 
     def _section(

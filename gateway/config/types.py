@@ -46,7 +46,14 @@ SERVER_KEYS = (
     "access_log",
     "upstream_client",
 )
-MEDIA_KEYS = ("allow_domains", "allow_private_networks", "fetch_timeout_s", "max_image_bytes")
+MEDIA_KEYS = (
+    "allow_domains",
+    "allow_private_networks",
+    "fetch_timeout_s",
+    "max_image_bytes",
+    "max_video_bytes",
+    "max_audio_bytes",
+)
 ENCODER_KEYS = {
     "local": ("kind", "model", "device", "max_batch_size", "max_batch_delay_ms", "timeout_s"),
     "http": ("kind", "urls", "timeout_s"),
@@ -148,6 +155,11 @@ class MediaConfig:
     allow_private_networks: bool = False
     fetch_timeout_s: float = 5.0
     max_image_bytes: int = 20 * 1024 * 1024
+    # a video decoded to frames (on_unsupported: {video: {frames: N}}, video: {sample: ...}): held
+    # whole in memory until its frames are sampled
+    max_video_bytes: int = 100 * 1024 * 1024
+    # an audio clip sent for transcription: OpenAI's and vLLM's own limit for one file
+    max_audio_bytes: int = 25 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,8 +48,6 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                     p.problem(f"{where}.frames", f"only video can be sent as frames, not '{m}'")
                 elif Modality.IMAGE not in model.accepts:
                     p.problem(f"{where}.frames", "frames are images: the model must accept image")
-                elif Modality.IMAGE in model.encode:
-                    p.problem(f"{where}.frames", "frames are not encoded yet: not with encode: {image: ...}")
                 continue
             if policy.action == "transcribe":
                 if m != Modality.AUDIO:

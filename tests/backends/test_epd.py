@@ -258,3 +258,66 @@ async def test_many_images_in_one_request_are_encoded_with_bounded_concurrency(g
         )
     assert raw.headers["x-gateway-encoded"] == "32"
     assert backend.sample("vision_encoder_cache_misses_total") == 32
+
+
+async def test_video_frames_go_through_the_encoder_like_images(gateway_factory, upstream, backend) -> None:
+    """on_unsupported: {video: {frames: N}} with encode: {image: ...}: each frame is an image to
+    the encoder (batched, cached: the same video again is all cache hits), placed in order."""
+    pytest.importorskip("av")
+    from tests.videos import video, video_part
+
+    config = routing(
+        f"  - {{name: vl, upstreams: [{upstream.url}], accepts: [text, image], encode: {{image: vision}}, "
+        "on_unsupported: {video: {frames: 3, max_side: 32}}}",
+        extra=f"encoders:\n  vision: {{kind: http, urls: [{backend.url}], timeout_s: 30}}\n",
+    )
+    gw = await gateway_factory(config)
+    clip = video()
+    content = [{"type": "text", "text": "what happens?"}, image_part(png((1, 2, 3))), video_part(clip)]
+    async with gw.client() as client:
+        for _ in range(2):
+            raw = await client.chat.completions.with_raw_response.create(
+                model="vl", messages=[{"role": "user", "content": content}]
+            )
+            assert raw.headers["x-gateway-encoded"] == "4"  # the image and three frames
+            assert raw.headers["x-gateway-route"] == "transcode"
+    first, second = (r.json()["messages"][0]["content"] for r in upstream.received)
+    assert first == second
+    assert [p["type"] for p in first] == ["text", "image_embeds"] + ["text", "image_embeds"] * 3
+    assert [p["text"] for p in first[2::2]] == [
+        "[Video frame at 0.5s]",
+        "[Video frame at 1.5s]",
+        "[Video frame at 2.5s]",
+    ]
+    frames = [load_as_vllm_does(p["image_embeds"]) for p in first[3::2]]
+    assert all(f.shape == (196, 384) for f in frames)
+    assert not torch.equal(frames[0], frames[1])  # each second its own shade, its own embedding
+    assert len({p["uuid"] for p in first[1::2]}) == 4
+    assert backend.sample("vision_encoder_cache_misses_total") == 4
+    assert backend.sample("vision_encoder_cache_hits_total") == 4  # the second request: the same frames
+    assert gw.sample("gateway_encode_decisions_total", model="vl", decision="encoded") == 2
+    assert gw.sample("gateway_video_frames_total", model="vl") == 6
+
+
+async def test_video_frames_count_toward_min_images(gateway_factory, upstream, backend) -> None:
+    pytest.importorskip("av")
+    from tests.videos import video, video_part
+
+    config = routing(
+        f"  - {{name: vl, upstreams: [{upstream.url}], accepts: [text, image], "
+        "encode: {image: vision, min_images: 4}, on_unsupported: {video: {frames: 2, timestamps: false}}}",
+        extra=f"encoders:\n  vision: {{kind: http, urls: [{backend.url}], timeout_s: 30}}\n",
+    )
+    gw = await gateway_factory(config)
+    async with gw.client() as client:
+        one = await client.chat.completions.with_raw_response.create(
+            model="vl", messages=[{"role": "user", "content": [video_part(video())]}]
+        )
+        two = await client.chat.completions.with_raw_response.create(
+            model="vl", messages=[{"role": "user", "content": [video_part(video()), video_part(video(seconds=2))]}]
+        )
+    assert "x-gateway-encoded" not in one.headers  # 2 frames: under min_images, sent raw
+    assert [p["type"] for p in upstream.received[0].json()["messages"][0]["content"]] == ["image_url"] * 2
+    assert two.headers["x-gateway-encoded"] == "4"
+    assert [p["type"] for p in upstream.received[1].json()["messages"][0]["content"]] == ["image_embeds"] * 4
+    assert gw.sample("gateway_encode_decisions_total", model="vl", decision="direct") == 1
