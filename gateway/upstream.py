@@ -20,6 +20,7 @@ import asyncio
 import functools
 import logging
 import random
+import re
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from .errors import (
     UpstreamTimeoutError,
 )
 from .failures import CLIENT_ERRORS, Failure, failure_of
-from .http1 import KEEPALIVE_S, Http1Client
+from .http1 import KEEPALIVE_S, Http1Client, ProtocolError
 from .metrics import GatewayMetrics
 from .relay import HOP_BY_HOP, Timeouts, UpstreamReply, outcome_of, relay
 from .replicas import Lease, Pool, Replica
@@ -190,6 +191,7 @@ class UpstreamClient:
                         else:
                             async with asyncio.timeout(wait):
                                 upstream = await sent
+                        _check_relayable(upstream)
                 except asyncio.CancelledError:  # the client left (handler cancellation)
                     self._count(model, replica, "aborted")
                     raise
@@ -317,6 +319,21 @@ class _Attempts:
     delay: float = 0.0  # the backoff before the next attempt
     failure: GatewayError | None = None  # what the client is told when no attempt is left
     deadline: float | None = None  # loop time by which the whole exchange must end (timeouts.total)
+
+
+# what aiohttp's server refuses to write in a status line or a header (aiohttp.http_writer), and
+# aiohttp's client lets through: such a reply is not HTTP the gateway can relay (the default
+# client, gateway.http1, refuses it as it parses the head)
+_UNRELAYABLE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _check_relayable(upstream: UpstreamReply) -> None:
+    """An aiohttp reply whose head the gateway's server could not write: a protocol failure (502),
+    not a dropped client connection."""
+    headers = upstream.headers
+    if _UNRELAYABLE.search(" ".join((upstream.reason or "", *headers.keys(), *headers.values()))):
+        upstream.close()
+        raise ProtocolError("a control character in the reply's status line or headers")
 
 
 @functools.lru_cache(maxsize=256)

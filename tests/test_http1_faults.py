@@ -230,6 +230,10 @@ BAD_HEADS = {
     "nul-in-a-value": b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 2\r\n\r\n{}",
     "ctl-in-a-name": b"HTTP/1.1 200 OK\r\nX\x01A: b\r\nContent-Length: 2\r\n\r\n{}",
     "non-token-name": b"HTTP/1.1 200 OK\r\nX(A): b\r\nContent-Length: 2\r\n\r\n{}",
+    # aiohttp's client lets these through; its server would not write them
+    "soh-in-a-value": b"HTTP/1.1 200 OK\r\nX-A: a\x01b\r\nContent-Length: 2\r\n\r\n{}",
+    "del-in-a-value": b"HTTP/1.1 200 OK\r\nX-A: a\x7fb\r\nContent-Length: 2\r\n\r\n{}",
+    "ctl-in-the-reason": b"HTTP/1.1 200 O\x02K\r\nContent-Length: 2\r\n\r\n{}",
 }
 
 
