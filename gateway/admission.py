@@ -164,7 +164,7 @@ class RoutePlan:
         if part.modality in self.transcribed:
             return "transcribe"
         if self.frames_per_video and part.type == "video_url":
-            return "frames"
+            return "frames, encoded" if self.encoder is not None else "frames"
         return "encode" if self.encoder is not None and part.type in ENCODABLE_TYPES else "accept"
 
     def explain(self) -> dict[str, Any]:

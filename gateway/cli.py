@@ -155,6 +155,8 @@ def _encoding(config: GatewayConfig, plan: RoutePlan, body: dict[str, Any]) -> d
                     uuid = None
             images.append((part.location, uuid))
         encoding["priming"] = epd.plan(spec, images)
+    if plan.encodes_frames:  # where each frame goes depends on its bytes: known once the video is sampled
+        encoding["frames"] = plan.frames_per_video * len(plan.frame_parts)
     return encoding
 
 

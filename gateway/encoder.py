@@ -69,6 +69,7 @@ class Image(NamedTuple):
     url: str
     original: dict[str, Any]  # the image part as it stands
     frame: int | None = None  # a frame: its index among its video's parts
+    data: bytes | None = None  # a frame: its JPEG, made by the gateway (not fetched, not held to a limit)
 
 
 def _images(plan: RoutePlan, body: Mapping[str, Any], frames: Replacements) -> list[Image]:
@@ -88,10 +89,11 @@ def _images(plan: RoutePlan, body: Mapping[str, Any], frames: Replacements) -> l
         expanded = frames.get((video.message, video.index))
         if expanded is None or expanded.get("type") != EXPAND:
             continue
+        jpegs: Mapping[int, bytes] = expanded.get("frames", {})
         for j, frame in enumerate(expanded["parts"]):
             url = image_url(frame) if frame.get("type") == "image_url" else None
             if url is not None:
-                images.append(Image(video, url, frame, j))
+                images.append(Image(video, url, frame, j, jpegs.get(j)))
     return images
 
 
@@ -199,9 +201,8 @@ class EncoderClient:
         images = _images(plan, body, frames or {})
         if not images:
             return NOTHING
-        located = [(image.part, image.url) for image in images]
         model = plan.model.name
-        blobs = await self._load_all(located, model)
+        blobs = await self._load_all(images, model)
         shas = await asyncio.gather(*(_sha256(b) for b in blobs))
         if spec.kind == "vllm":
             new_parts, fields = await self._prime(spec, plan, body, images, shas, request_id)
@@ -220,14 +221,14 @@ class EncoderClient:
     ) -> list[dict[str, Any]]:
         """Each distinct image encoded once, on the least-loaded backend; the new parts."""
         unique = dict(zip(shas, blobs, strict=True))
-        first_part: dict[str, Part] = {}
+        first: dict[str, Image] = {}
         for image, sha in zip(images, shas, strict=True):
-            first_part.setdefault(sha, image.part)  # an error names the first part that carries the image
+            first.setdefault(sha, image)  # an error names the first part that carries the image
         limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)
         pool = self._replicas.pool(spec.name, self.urls(spec), breaker=self._breaker)  # once per request
         replies = await asyncio.gather(
             *(
-                self._bounded(limit, self._encode_one(spec, pool, data, first_part[sha], model, request_id))
+                self._bounded(limit, self._encode_one(spec, pool, data, first[sha], model, request_id))
                 for sha, data in unique.items()
             ),
             return_exceptions=True,
@@ -269,19 +270,25 @@ class EncoderClient:
                 metrics=self._metrics,
                 concurrency=PER_REQUEST_CONCURRENCY,
             )
-        except InvalidImageError as exc:
-            raise _at_part(exc, images[0].part, plan.model.name) from None
+        except InvalidImageError as exc:  # an instance refused a group: located at its first image
+            refused = set(exc.uuids) if isinstance(exc, epd.ImagesRefusedError) else set()
+            first = next((i for i, sha in zip(images, shas, strict=True) if sha in refused), images[0])
+            raise _at_part(exc, first, plan.model.name) from None
         fields = {"ec_transfer_params": primed.transfer_params} if primed.transfer_params else {}
         located = [(image.original, sha) for image, sha in zip(images, shas, strict=True)]
         return epd.parts_for_consumer(located, primed), fields
 
-    async def _load_all(self, located: list[tuple[Part, str]], model: str) -> list[bytes]:
+    async def _load_all(self, images: list[Image], model: str) -> list[bytes]:
         # Each distinct fetched URL once. Data URLs are not compared (hashing a 30 MB string holds
-        # the event loop for 30 ms); identical images are merged by their sha256 anyway.
+        # the event loop for 30 ms); identical images are merged by their sha256 anyway. A video's
+        # frames are not loaded: their bytes are at hand.
         urls: list[str] = []
-        slots: list[int] = []  # per located part, its index in urls
+        slots: list[int] = []  # per image to load, its index in urls
         fetched: dict[str, int] = {}
-        for _, url in located:
+        for image in images:
+            if image.data is not None:
+                continue
+            url = image.url
             if not is_data_url(url):
                 if url in fetched:
                     slots.append(fetched[url])
@@ -294,10 +301,14 @@ class EncoderClient:
             *(self._bounded(limit, self.fetcher.load(u)) for u in urls), return_exceptions=True
         )
         blobs: list[bytes] = []
-        for (part, _), slot in zip(located, slots, strict=True):
-            result = loaded[slot]
+        slot = iter(slots)
+        for image in images:
+            if image.data is not None:
+                blobs.append(image.data)
+                continue
+            result = loaded[next(slot)]
             if isinstance(result, GatewayError):
-                raise _at_part(result, part, model)
+                raise _at_part(result, image, model)
             if isinstance(result, BaseException):
                 raise result
             blobs.append(result)
@@ -309,7 +320,7 @@ class EncoderClient:
             return await work
 
     async def _encode_one(
-        self, spec: EncoderConfig, pool: Pool, data: bytes, part: Part, model: str, request_id: str
+        self, spec: EncoderConfig, pool: Pool, data: bytes, image: Image, model: str, request_id: str
     ) -> Any:
         assert self._session is not None, "EncoderClient.start() was not called"
         name = spec.name
@@ -356,7 +367,7 @@ class EncoderClient:
                     lease.success()
                     outcome = "ok" if status == 200 else "invalid" if status in (400, 413) else "error"
                     self._instance(name, lease.replica.url, outcome, attempt)
-                return self._reply(name, status, payload, part, model)
+                return self._reply(name, status, payload, image, model)
         finally:
             self._metrics.encoder_seconds.labels(name).observe(time.perf_counter() - started)
         self._count(name, "unavailable")
@@ -372,7 +383,7 @@ class EncoderClient:
     def _ejected(encoder: str, url: str) -> None:
         log.warning("encoder %s backend %s: circuit breaker open, skipped until a probe succeeds", encoder, url)
 
-    def _reply(self, name: str, status: int, payload: bytes, part: Part, model: str) -> Any:
+    def _reply(self, name: str, status: int, payload: bytes, image: Image, model: str) -> Any:
         try:
             reply = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -387,7 +398,7 @@ class EncoderClient:
                 if status == 400
                 else MediaRefusedError(f"the image is larger than encoder '{name}' takes")
             )
-            raise _at_part(refused, part, model)
+            raise _at_part(refused, image, model)
         self._count(name, "error")
         raise EncoderError(f"Encoder '{name}' answered {status}{error_detail(payload)}", headers={"Retry-After": "1"})
 
@@ -412,12 +423,18 @@ def _is_embeds(value: object) -> bool:
     return isinstance(value, dict) and bool(value) and all(isinstance(v, str) for v in value.values())
 
 
-def _at_part(error: GatewayError, part: Part, model: str) -> GatewayError:
-    """The same error, located at the part and counted as refused media."""
+def _at_part(error: GatewayError, image: Image, model: str) -> GatewayError:
+    """The same error, located at the image's part (a frame: at its video) and counted as refused
+    media."""
+    location = image.part.location
+    if image.frame is None:
+        return type(error)(
+            f"{location}: {error.message}", param=location, rejection=Rejection(model, "image", "media_refused")
+        )
     return type(error)(
-        f"{part.location}: {error.message}",
-        param=part.location,
-        rejection=Rejection(model, "image", "media_refused"),
+        f"{location}: a frame of the video: {error.message}",
+        param=location,
+        rejection=Rejection(model, "video", "media_refused"),
     )
 
 

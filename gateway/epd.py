@@ -53,6 +53,15 @@ CARRIED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
 MAX_REPLY_BYTES = 4 << 20  # a priming reply: metadata, a few KB
 
 
+class ImagesRefusedError(InvalidImageError):
+    """An encoder instance refused a group of images (400, 422): the client's fault, at the
+    request's first part that carries one of ``uuids``."""
+
+    def __init__(self, message: str, *, uuids: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.uuids = uuids
+
+
 @dataclass(slots=True)
 class Item:
     """One distinct image of a request."""
@@ -202,7 +211,10 @@ async def _send(
         first.success()
         if status != 200:  # 400, 422: the instance refused the images, the client's fault
             outcome = "invalid"
-            raise InvalidImageError(f"encoder '{spec.name}' refused the image(s){error_detail(data)}")
+            raise ImagesRefusedError(
+                f"encoder '{spec.name}' refused the image(s){error_detail(data)}",
+                uuids=tuple(item.uuid for item in group.items),
+            )
         _match(group.items, data)
         outcome = "ok"
         return None

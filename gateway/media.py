@@ -1,4 +1,5 @@
-"""The bytes of an image part: decoded from a ``data:`` URL, or fetched under the ``media:`` rules.
+"""The bytes of a media part (image, video, audio): decoded from a ``data:`` URL, or fetched under
+the ``media:`` rules.
 
 A fetch is an SSRF risk, so every rule is checked where it cannot be dodged:
 
@@ -8,7 +9,8 @@ A fetch is an SSRF risk, so every rule is checked where it cannot be dodged:
   session's connector and drops every address that is not globally routable, so the address
   checked is the address connected to (a name that re-resolves to 10.0.0.1 gets nowhere);
 - redirects are followed by hand (at most :data:`MAX_REDIRECTS`), ``fetch_timeout_s`` bounds the
-  whole fetch, and the body is read only up to ``max_image_bytes``.
+  whole fetch, and the body is read only up to the size limit of its kind (``max_image_bytes``,
+  ``max_video_bytes``, ``max_audio_bytes``).
 
 :meth:`MediaFetcher.load` raises only :class:`~gateway.errors.MediaRefusedError` (policy, or the
 fetch failed) and :class:`~gateway.errors.InvalidImageError` (malformed data URL, empty body). Their
@@ -139,7 +141,7 @@ class MediaFetcher:
 
     def max_bytes(self, kind: MediaKind) -> int:
         """The size limit of one medium of this kind, under the current rules."""
-        return max_bytes(self._media, kind)
+        return size_limit(self._media, kind)
 
     async def load(self, url: str, kind: MediaKind = "image") -> bytes:
         """The bytes behind ``url``, within the size limit of its ``kind`` (``media.max_image_bytes``,
@@ -150,11 +152,11 @@ class MediaFetcher:
         except GatewayError as exc:
             if kind == "image":
                 raise
-            raise type(exc)(_reworded(exc.message, kind), param=exc.param) from None
+            raise type(exc)(_reworded(exc.message, kind), param=exc.param, rejection=exc.rejection) from None
 
     async def _load(self, url: str, kind: MediaKind) -> bytes:
         media, domains = self._media, self._domains  # one set of rules for the whole fetch
-        limit = max_bytes(media, kind)
+        limit = size_limit(media, kind)
         if is_data_url(url):
             if len(url) > DECODE_IN_THREAD_CHARS:
                 return await asyncio.to_thread(decode_data_url, url, max_bytes=limit, kind=kind)
@@ -180,7 +182,7 @@ class MediaFetcher:
                         continue
                     if not 200 <= response.status < 300:
                         raise MediaRefusedError(f"{what} host '{url.host}' answered HTTP {response.status}")
-                    return await _read_capped(response, max_bytes(media, kind), url.host, kind)
+                    return await _read_capped(response, size_limit(media, kind), url.host, kind)
             except aiohttp.ClientError as exc:
                 raise MediaRefusedError(_fetch_failure(exc, what, url.host)) from None
         raise MediaRefusedError(f"Image URL redirected more than {MAX_REDIRECTS} times")
@@ -372,7 +374,7 @@ def _fetch_failure(exc: aiohttp.ClientError, what: str, host: str | None) -> str
     return f"{prefix}: the request failed"
 
 
-def max_bytes(media: MediaConfig, kind: MediaKind) -> int:
+def size_limit(media: MediaConfig, kind: MediaKind) -> int:
     """The size limit of one medium of this kind."""
     if kind == "video":
         return media.max_video_bytes

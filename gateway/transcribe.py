@@ -144,6 +144,7 @@ class Transcriber:
                         f"{part.location}: transcription model '{target.name}' could not transcribe the audio "
                         f"(HTTP {status}{error_detail(data)})",
                         param=part.location,
+                        rejection=Rejection(plan.model.name, "audio", "media_refused"),
                     )
                 if text is None:  # failing, busy, not a transcription server, or a reply that is not one
                     if status != 429:
@@ -174,13 +175,16 @@ class Transcriber:
                 param=part.location,
                 rejection=Rejection(model, "audio", "unsupported"),
             )
+        refused = Rejection(model, "audio", "media_refused")
         if part.type == "input_audio":
             inner = value["input_audio"]  # classification checked its shape
             fmt = str(inner.get("format", "wav")).lower()
             encoded = inner["data"]
             limit = self._fetcher.max_bytes("audio")
             too_large = MediaRefusedError(
-                f"{part.location}: Audio is larger than media.max_audio_bytes ({limit} bytes)", param=part.location
+                f"{part.location}: Audio is larger than media.max_audio_bytes ({limit} bytes)",
+                param=part.location,
+                rejection=refused,
             )
             if len(encoded) // 4 * 3 > limit + 2:  # refused before decoding
                 raise too_large
@@ -191,7 +195,7 @@ class Transcriber:
                     data = base64.b64decode(encoded, validate=True)
             except ValueError:
                 raise InvalidAudioError(
-                    f"{part.location}: 'input_audio.data' is not base64", param=part.location
+                    f"{part.location}: 'input_audio.data' is not base64", param=part.location, rejection=refused
                 ) from None
             if len(data) > limit:
                 raise too_large
@@ -199,12 +203,14 @@ class Transcriber:
         audio_url = value.get("audio_url")
         url = audio_url.get("url") if isinstance(audio_url, dict) else audio_url
         if not isinstance(url, str) or not url:
-            raise InvalidAudioError(f"{part.location}: the audio part carries no URL", param=part.location)
+            raise InvalidAudioError(
+                f"{part.location}: the audio part carries no URL", param=part.location, rejection=refused
+            )
         try:
             data = await self._fetcher.load(url, "audio")
         except GatewayError as exc:
             kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidAudioError
-            raise kind(f"{part.location}: {exc.message}", param=part.location, rejection=exc.rejection) from None
+            raise kind(f"{part.location}: {exc.message}", param=part.location, rejection=refused) from None
         return data, _format_of(url)
 
 

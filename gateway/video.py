@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .media import MediaFetcher
     from .metrics import GatewayMetrics
 
-from .errors import GatewayError, InvalidRequestError, MediaRefusedError
+from .errors import GatewayError, InvalidRequestError, MediaRefusedError, Rejection
 
 T = TypeVar("T")
 
@@ -171,23 +171,27 @@ async def frames_for(
     )  # fmt: skip
     out: dict[tuple[int, int], dict[str, Any]] = {}
     for part in plan.frame_parts:
-        position, _, parts = await _sample_part(part, body, fetcher, metrics, pool, plan.model.name, work)
-        out[position] = {"type": EXPAND, "parts": parts}
+        position, _, (parts, jpegs) = await _sample_part(part, body, fetcher, metrics, pool, plan.model.name, work)
+        # the JPEGs too, by their index in parts: an encoder takes them as they are
+        out[position] = {"type": EXPAND, "parts": parts, "frames": jpegs}
     return out
 
 
 def _frame_parts(
     data: bytes, *, frames: int, fps: float | None, max_side: int, timestamps: bool
-) -> tuple[list[dict[str, Any]], int]:
-    """In a decoding thread: the frames as chat parts (base64 made here, not on the event loop)."""
+) -> tuple[tuple[list[dict[str, Any]], dict[int, bytes]], int]:
+    """In a decoding thread: the frames as chat parts (base64 made here, not on the event loop),
+    and each frame's JPEG by the index of its part."""
     parts: list[dict[str, Any]] = []
+    jpegs: dict[int, bytes] = {}
     sampled = sample_frames(data, frames=frames, fps=fps, max_side=max_side)
     for frame in sampled:
         if timestamps:
             parts.append({"type": "text", "text": f"[Video frame at {frame.seconds:.1f}s]"})
+        jpegs[len(parts)] = frame.jpeg
         url = "data:image/jpeg;base64," + base64.b64encode(frame.jpeg).decode()
         parts.append({"type": "image_url", "image_url": {"url": url}})
-    return parts, len(sampled)
+    return (parts, jpegs), len(sampled)
 
 
 async def presampled_for(
@@ -233,32 +237,37 @@ async def _sample_part(
     original: dict[str, Any] = body["messages"][part.message]["content"][part.index]
     value = original.get("video_url")
     url = value.get("url") if isinstance(value, dict) else value
+    refused = Rejection(model, Modality.VIDEO.value, "media_refused")
     if not isinstance(url, str) or not url:
-        raise InvalidVideoError(f"{part.location}: the video part carries no URL", param=part.location)
-    data = await _load(fetcher, url, part.location)
+        raise InvalidVideoError(
+            f"{part.location}: the video part carries no URL", param=part.location, rejection=refused
+        )
+    data = await _load(fetcher, url, part.location, refused)
     started = time.perf_counter()
-    result, count = await _decode(pool, functools.partial(work, data), part.location)
+    result, count = await _decode(pool, functools.partial(work, data), part.location, refused)
     metrics.video_decode_seconds.labels(model).observe(time.perf_counter() - started)
     metrics.video_frames.labels(model).inc(count)
     return (part.message, part.index), original, result
 
 
-async def _load(fetcher: MediaFetcher, url: str, location: str) -> bytes:
+async def _load(fetcher: MediaFetcher, url: str, location: str, refused: Rejection) -> bytes:
     try:
         return await fetcher.load(url, "video")
     except GatewayError as exc:
         kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidVideoError
-        raise kind(f"{location}: {exc.message}", param=location) from None
+        raise kind(f"{location}: {exc.message}", param=location, rejection=refused) from None
 
 
-async def _decode(pool: Executor, work: Callable[[], tuple[T, int]], location: str) -> tuple[T, int]:
+async def _decode(
+    pool: Executor, work: Callable[[], tuple[T, int]], location: str, refused: Rejection
+) -> tuple[T, int]:
     """``work`` on the decoding threads, within DECODE_TIMEOUT_S; its errors located at the part."""
     try:
         async with asyncio.timeout(DECODE_TIMEOUT_S):
             return await asyncio.get_running_loop().run_in_executor(pool, work)
     except InvalidVideoError as exc:
-        raise InvalidVideoError(f"{location}: {exc.message}", param=location) from None
+        raise InvalidVideoError(f"{location}: {exc.message}", param=location, rejection=refused) from None
     except TimeoutError:
         raise InvalidVideoError(
-            f"{location}: the video took over {DECODE_TIMEOUT_S:g}s to sample", param=location
+            f"{location}: the video took over {DECODE_TIMEOUT_S:g}s to sample", param=location, rejection=refused
         ) from None

@@ -293,3 +293,18 @@ def test_explain_shows_the_encoder_kind_and_the_priming_plan(capsys: pytest.Capt
     first, second = priming["images"]
     assert first["uuid"] == hashlib.sha256(png).hexdigest() and first["instance"] in priming["instances"]
     assert second == {"location": "messages[0].content[2]", "uuid": None, "instance": None}  # fetched when served
+
+
+def test_explain_says_a_videos_frames_are_encoded(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "routing.yaml"
+    config.write_text(
+        "version: 1\nencoders:\n  v: {kind: vllm, urls: ['http://enc-0:8000']}\n"
+        "models:\n  - {name: m, upstreams: ['http://pd:8000'], accepts: [text, image], encode: {image: v},\n"
+        "     on_unsupported: {video: {frames: 6}}}\n"
+    )
+    clip = {"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}}
+    status, decision, err = explain(capsys, write_request(tmp_path, chat("m", clip, clip)), str(config))
+    assert (status, err) == (0, "")
+    assert [p["action"] for p in decision["parts"]] == ["accept", "frames, encoded", "frames, encoded"]
+    assert decision["encode_decision"] == "encoded" and decision["route"] == "transcode"
+    assert decision["encoding"]["frames"] == 12 and decision["encoding"]["priming"]["images"] == []

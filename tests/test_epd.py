@@ -395,3 +395,30 @@ async def test_video_frames_are_primed_like_images_and_primed_again_after_a_miss
     assert cluster.log.errors == 1
     assert parts_received(cluster) == parts  # the same frames, primed again
     assert gw.sample("gateway_retries_total", model="kimi", reason="ec_error") == 1
+
+
+async def test_frames_are_not_held_to_the_image_limit_and_a_refused_frame_names_its_video(gateway_factory, cluster):
+    """A video's frames are the gateway's own JPEGs: primed as they are (not decoded again from
+    their data URLs, not held to media.max_image_bytes). A refused group is blamed on the part
+    that carries its first image, not on the request's first image."""
+    pytest.importorskip("av")
+    from tests.videos import video, video_part
+
+    options = ", on_unsupported: {video: {frames: 3, max_side: 32}}"
+    config = table(cluster, options=options, encoder=", max_batch_size: 1")
+    gw = await gateway_factory(config.replace("models:", "media: {max_image_bytes: 200}\nmodels:", 1))
+    png = image(1)
+    assert len(png) < 200
+    content = [{"type": "image_url", "image_url": {"url": data_url(png)}}, video_part(video(size=(320, 240)))]
+    messages = [{"role": "user", "content": content}]
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=messages)
+        assert len([p for e in cluster.encoders for p in e.primes]) == 4  # frames far over 200 bytes
+        for e in cluster.encoders:
+            e.refuse_jpeg = True
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="kimi", messages=messages)
+    error = error_body(caught.value)
+    assert (error["code"], error["param"]) == ("invalid_image", "messages[0].content[1]")
+    assert error["message"].startswith("messages[0].content[1]: a frame of the video: encoder 'vision' refused")
+    assert gw.sample("gateway_modality_rejections_total", model="kimi", modality="video", reason="media_refused") == 1

@@ -241,3 +241,4 @@ async def test_audio_is_held_to_max_audio_bytes_before_any_transcription(gateway
                 f"messages[0].content[1]: Audio is larger than media.max_audio_bytes ({len(clip)} bytes)"
             )
     assert len(whisper.received) == 2 and len(chat.received) == 1
+    assert gw.sample("gateway_modality_rejections_total", model="texty", modality="audio", reason="media_refused") == 2

@@ -137,6 +137,7 @@ async def test_a_file_that_is_not_a_video_is_a_400(gateway_factory, upstream) ->
         "messages[0].content[0]",
     )
     assert upstream.received == []
+    assert gw.sample("gateway_modality_rejections_total", model="texty", modality="video", reason="media_refused") == 1
 
 
 @pytest.mark.parametrize(
@@ -225,3 +226,4 @@ async def test_videos_are_held_to_max_video_bytes_not_the_image_limit(gateway_fa
         f"messages[0].content[0]: Video is larger than media.max_video_bytes ({len(clip)} bytes)"
     )
     assert len(upstream.received) == 1
+    assert gw.sample("gateway_modality_rejections_total", model="texty", modality="video", reason="media_refused") == 1

@@ -56,6 +56,7 @@ class EncoderInstance:
     metadata: bool = True  # False: entries without metadata (an older vLLM)
     extra_metadata: dict[str, Any] = field(default_factory=dict)  # more fields in every item's metadata
     cancelled: int = 0  # requests whose client (the gateway) left before the answer
+    refuse_jpeg: bool = False  # answer 400 to a request carrying a JPEG (an image the engine cannot read)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -87,6 +88,9 @@ class EncoderInstance:
         carried = {k: body[k] for k in ("mm_processor_kwargs", "media_io_kwargs") if k in body}
         items = [part for part in message["content"] if part.get("type") in MEDIA_TYPES]
         assert len(items) == len(message["content"]), "a priming request carries media parts alone"
+        if self.refuse_jpeg and any("data:image/jpeg" in str(part.get("image_url")) for part in items):
+            error = {"error": {"message": "cannot identify image", "type": "BadRequestError", "param": None}}
+            return web.json_response({**error, "code": 400}, status=400)
         params: dict[str, Any] = {}
         for i, part in enumerate(items):
             uuid = part["uuid"]
