@@ -115,8 +115,10 @@ class Transcriber:
         tried: list[Replica] = []
         why = "no replica admits a request"
         timed_out = False
-        while (lease := pool.lease(exclude=tried, panic=True)) is not None:
+        tries = 1 + target.retries.attempts  # the model's retries.attempts; a refused connection is free
+        while tries > 0 and (lease := pool.lease(exclude=tried, panic=True)) is not None:
             tried.append(lease.replica)
+            tries -= 1
             url = lease.replica.url
             form = aiohttp.FormData()
             form.add_field("model", target.upstream_name)
@@ -136,6 +138,8 @@ class Transcriber:
                     log.warning("transcription upstream %s of model %s: %s", url, target.name, failure.reason)
                     timed_out = failure.kind == "timeout"
                     why = failure.reason
+                    if failure.kind == "connect":  # nothing reached the replica
+                        tries += 1
                     continue  # the next replica, a timeout too: transcribing is idempotent
                 text = _transcript(data) if status == 200 else None
                 if status in (400, 413, 415, 422):  # the audio's fault

@@ -209,7 +209,8 @@ async def test_replicas_that_are_not_transcription_servers_or_time_out_are_passe
     slow.standin.delay_ms = 5000
     chat = await upstream_factory("chat")
     text = table(chat, apps[0].url, apps[1].url, slow.url, good.url).replace(
-        "accepts: [text, audio]}", "accepts: [text, audio], timeouts: {first_byte_s: 0.2}, balance: round_robin}"
+        "accepts: [text, audio]}",
+        "accepts: [text, audio], timeouts: {first_byte_s: 0.2}, balance: round_robin, retries: {attempts: 3}}",
     )
     gw = await gateway_factory(text)
     async with gw.client() as client:
@@ -242,3 +243,21 @@ async def test_audio_is_held_to_max_audio_bytes_before_any_transcription(gateway
             )
     assert len(whisper.received) == 2 and len(chat.received) == 1
     assert gw.sample("gateway_modality_rejections_total", model="texty", modality="audio", reason="media_refused") == 2
+
+
+async def test_the_transcription_models_retries_attempts_bound_the_tries(gateway_factory, upstream_factory) -> None:
+    chat = await upstream_factory("chat")
+    failing = [await upstream_factory(f"bad-{i}") for i in range(3)]
+    for upstream in failing:
+        upstream.standin.fail_status = 503
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = table(chat, dead, *(u.url for u in failing)).replace(
+        "accepts: [text, audio]}", "accepts: [text, audio], retries: {attempts: 1}}"
+    )
+    gw = await gateway_factory(config)
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.1))))
+    assert caught.value.status_code == 502
+    assert sum(len(u.standin.received) for u in failing) == 2  # one try and one retry; the refused one is free
+    assert chat.received == []
