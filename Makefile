@@ -22,10 +22,11 @@ install: $(STAMP) ## create .venv and install the gateway with its dev tools
 serve: $(STAMP) ## run the gateway on $(CONFIG) (default routing.yaml)
 	$(VENV)/bin/modality-gateway serve --config $(CONFIG)
 
-demo: $(STAMP) ## run the gateway plus stand-in upstreams on :8000 (vLLM) and :30000 (SGLang)
+demo: $(STAMP) ## run the gateway plus stand-in upstreams on :8000 (vLLM), :30000 (SGLang) and :8001 (Whisper)
 	@trap 'kill 0' EXIT INT TERM; \
 	$(PY) -m tools.standin --port 8000 --name vllm & \
 	$(PY) -m tools.standin --port 30000 --name sglang & \
+	$(PY) -m tools.standin --port 8001 --name whisper & \
 	$(VENV)/bin/modality-gateway serve --config $(CONFIG)
 
 cluster-demo: $(STAMP) test-deps ## 2 gateways x 2 encoders on loopback: spread, one killed, a ConfigMap edit, Prometheus

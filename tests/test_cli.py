@@ -211,7 +211,9 @@ def test_explain_unknown_model(capsys: pytest.CaptureFixture[str], tmp_path: Pat
         "decision": "reject",
         "status": 404,
         "error": {
-            "message": "The model 'gpt-9' does not exist (models: kimi-k3, qwen-omni, qwen-vl-epd, kimi-k3-text)",
+            "message": (
+                "The model 'gpt-9' does not exist (models: kimi-k3, qwen-omni, qwen-vl-epd, whisper, kimi-k3-text)"
+            ),
             "type": "invalid_request_error",
             "param": "model",
             "code": "model_not_found",

@@ -947,7 +947,7 @@ def test_config_error_message_joins_the_problems() -> None:
 def test_shipped_routing_yaml_loads() -> None:
     config = load_config(ROOT / "routing.yaml")
     assert config.source == str(ROOT / "routing.yaml")
-    assert [m.name for m in config.models] == ["kimi-k3", "qwen-omni", "qwen-vl-epd", "kimi-k3-text"]
+    assert [m.name for m in config.models] == ["kimi-k3", "qwen-omni", "qwen-vl-epd", "whisper", "kimi-k3-text"]
     kimi = config.model("kimi-k3")
     assert kimi is not None
     assert kimi.upstream_name == "moonshotai/Kimi-K3"
@@ -960,6 +960,8 @@ def test_shipped_routing_yaml_loads() -> None:
     assert text_only.policy(Modality.IMAGE) == Policy("strip")
     epd = config.model("qwen-vl-epd")
     assert epd is not None and epd.encode == {Modality.IMAGE: "vision"} and epd.on_encoder_error == "passthrough"
+    assert epd.policy(Modality.VIDEO) == Policy("frames", frames=8)
+    assert epd.policy(Modality.AUDIO).action == "transcribe" and epd.policy(Modality.AUDIO).target == "whisper"
     assert config.encoders["vision"].kind == "local" and config.encoders["vision"].model == "builtin:vit-small"
 
 
