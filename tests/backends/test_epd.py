@@ -260,18 +260,22 @@ async def test_many_images_in_one_request_are_encoded_with_bounded_concurrency(g
     assert backend.sample("vision_encoder_cache_misses_total") == 32
 
 
+def framed(upstream: Upstream, backend: Backend, encode: str, frames: str) -> str:
+    """A model that takes video as frames and encodes its images on ``backend``."""
+    return routing(
+        f"  - {{name: vl, upstreams: [{upstream.url}], accepts: [text, image], encode: {encode}, "
+        f"on_unsupported: {{video: {frames}}}}}",
+        extra=f"encoders:\n  vision: {{kind: http, urls: [{backend.url}], timeout_s: 30}}\n",
+    )
+
+
 async def test_video_frames_go_through_the_encoder_like_images(gateway_factory, upstream, backend) -> None:
     """on_unsupported: {video: {frames: N}} with encode: {image: ...}: each frame is an image to
     the encoder (batched, cached: the same video again is all cache hits), placed in order."""
     pytest.importorskip("av")
     from tests.videos import video, video_part
 
-    config = routing(
-        f"  - {{name: vl, upstreams: [{upstream.url}], accepts: [text, image], encode: {{image: vision}}, "
-        "on_unsupported: {video: {frames: 3, max_side: 32}}}",
-        extra=f"encoders:\n  vision: {{kind: http, urls: [{backend.url}], timeout_s: 30}}\n",
-    )
-    gw = await gateway_factory(config)
+    gw = await gateway_factory(framed(upstream, backend, "{image: vision}", "{frames: 3, max_side: 32}"))
     clip = video()
     content = [{"type": "text", "text": "what happens?"}, image_part(png((1, 2, 3))), video_part(clip)]
     async with gw.client() as client:
@@ -303,11 +307,7 @@ async def test_video_frames_count_toward_min_images(gateway_factory, upstream, b
     pytest.importorskip("av")
     from tests.videos import video, video_part
 
-    config = routing(
-        f"  - {{name: vl, upstreams: [{upstream.url}], accepts: [text, image], "
-        "encode: {image: vision, min_images: 4}, on_unsupported: {video: {frames: 2, timestamps: false}}}",
-        extra=f"encoders:\n  vision: {{kind: http, urls: [{backend.url}], timeout_s: 30}}\n",
-    )
+    config = framed(upstream, backend, "{image: vision, min_images: 4}", "{frames: 2, timestamps: false}")
     gw = await gateway_factory(config)
     async with gw.client() as client:
         one = await client.chat.completions.with_raw_response.create(
