@@ -138,7 +138,8 @@ class GatewayMetrics:
         )
         self.video_frames = Counter(
             "gateway_video_frames",
-            "Frames sampled from videos sent as images (on_unsupported: {video: {frames: N}}), by the request's model.",
+            "Frames sampled from videos: sent as images (on_unsupported: {video: {frames: N}}) or in vLLM's "
+            "pre-sampled form (video: {sample: ...}), by the request's model.",
             ["model"],
             registry=registry,
         )

@@ -392,8 +392,9 @@ def dependency_closure(requirements: list[str]) -> tuple[set[str], set[str]]:
 
 def test_the_gateway_image_installs_the_gateway_and_its_dependencies_only() -> None:
     image = dockerfile("gateway")
-    # one install, of the project itself without extras: pyproject's base dependencies
-    assert pip_installs(image) == [["."]]
+    # one install, of the project itself with the video extra (PyAV): pyproject's base dependencies
+    # and the decoder that video served as frames needs
+    assert pip_installs(image) == [[".[video]"]]
     assert "backends" not in copied_sources(image), "the encoder's code has no place in the gateway image"
     base, version = image.final.base.split(":")
     assert base == "python" and version.endswith("-slim-bookworm"), image.final.base
@@ -403,9 +404,10 @@ def test_the_gateway_image_installs_the_gateway_and_its_dependencies_only() -> N
         canonicalize_name(Requirement(r).name) for r in PYPROJECT["project"]["optional-dependencies"]["encoder"]
     }
     assert "torch" in encoder_only
-    closure, missing = dependency_closure(PYPROJECT["project"]["dependencies"])
+    video = PYPROJECT["project"]["optional-dependencies"]["video"]
+    closure, missing = dependency_closure([*PYPROJECT["project"]["dependencies"], *video])
     assert not missing, f"not installed here, so their dependencies are unknown: {sorted(missing)}"
-    assert {"aiohttp", "orjson", "pyyaml", "prometheus-client"} <= closure
+    assert {"aiohttp", "orjson", "pyyaml", "prometheus-client", "av"} <= closure
     assert not closure & encoder_only, f"the gateway's dependencies pull in {sorted(closure & encoder_only)}"
     assert not [n for n in closure if n.startswith("nvidia-")]
 

@@ -227,3 +227,28 @@ async def test_videos_are_held_to_max_video_bytes_not_the_image_limit(gateway_fa
     )
     assert len(upstream.received) == 1
     assert gw.sample("gateway_modality_rejections_total", model="texty", modality="video", reason="media_refused") == 1
+
+
+def test_a_host_without_pyav_refuses_frames_and_pre_sampling_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve, reloads and check --here refuse a table that samples video where PyAV is missing,
+    rather than answering 500 to every video."""
+    import importlib
+
+    validate = importlib.import_module("gateway.config.validate")  # the module, not its function
+    real = validate.find_spec
+    monkeypatch.setattr(validate, "find_spec", lambda name: None if name == "av" else real(name))
+    text = (
+        "version: 1\nmodels:\n"
+        "  - {name: a, upstreams: ['http://u:1'], accepts: [text, image], on_unsupported: {video: {frames: 4}}}\n"
+        "  - {name: b, upstreams: ['http://u:1'], accepts: [text, video], video: {sample: {frames: 4}}}\n"
+    )
+    parse_config(text)  # anywhere else: fine
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, filename="r.yaml", here=True)
+    problems = [f"{p.path}: {p.message}" for p in caught.value.problems]
+    assert problems == [
+        "models[0].on_unsupported.video.frames: video frames need PyAV, which is not installed here: "
+        "pip install 'modality-gateway[video]'",
+        "models[1].video.sample: pre-sampled video frames need PyAV, which is not installed here: "
+        "pip install 'modality-gateway[video]'",
+    ]

@@ -16,9 +16,10 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY gateway/ gateway/
-# `.` without extras: the gateway's dependencies only (the `encoder` extra is torch). backends/ is
-# not copied, so the image holds no encoder code either.
-RUN python -m venv /opt/venv && /opt/venv/bin/pip install .
+# The gateway's dependencies and the `video` extra (PyAV, whose wheel ships FFmpeg: video served
+# as frames or pre-sampled), not the `encoder` extra (torch). backends/ is not copied, so the image
+# holds no encoder code either.
+RUN python -m venv /opt/venv && /opt/venv/bin/pip install '.[video]'
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1

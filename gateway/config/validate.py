@@ -151,13 +151,13 @@ def validate_host(config: GatewayConfig, p: MarkedDocument) -> None:
     `modality-gateway check FILE` answers the same on any machine; `serve`, a reload and
     `check --here` also run this."""
     if find_spec("av") is None:
+        missing = "need PyAV, which is not installed here: pip install 'modality-gateway[video]'"
         for i, model in enumerate(config.models):
             for m, policy in model.on_unsupported.items():
                 if policy.action == "frames":
-                    p.problem(
-                        f"models[{i}].on_unsupported.{m}.frames",
-                        "video frames need PyAV, which is not installed here: pip install 'modality-gateway[video]'",
-                    )
+                    p.problem(f"models[{i}].on_unsupported.{m}.frames", f"video frames {missing}")
+            if model.video_sample is not None:
+                p.problem(f"models[{i}].video.sample", f"pre-sampled video frames {missing}")
     for name, encoder in config.encoders.items():
         if encoder.kind == "local" and not encoder.model.startswith("builtin:") and not Path(encoder.model).is_dir():
             p.problem(
