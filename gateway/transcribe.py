@@ -111,14 +111,23 @@ class Transcriber:
         if auth is not None:
             headers["Authorization"] = auth
         t = target.timeouts
-        timeout = aiohttp.ClientTimeout(total=t.total_s, connect=t.connect_s, sock_read=t.first_byte_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + t.total_s if t.total_s else None  # over every try, as for a chat request
         tried: list[Replica] = []
         why = "no replica admits a request"
         timed_out = False
         tries = 1 + target.retries.attempts  # the model's retries.attempts; a refused connection is free
-        while tries > 0 and (lease := pool.lease(exclude=tried, panic=True)) is not None:
+        while tries > 0:
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                why, timed_out = f"timeouts.total_s of {t.total_s:g}s spent", True
+                break
+            lease = pool.lease(exclude=tried, panic=True)
+            if lease is None:
+                break
             tried.append(lease.replica)
             tries -= 1
+            timeout = aiohttp.ClientTimeout(total=left, connect=t.connect_s, sock_read=t.first_byte_s)
             url = lease.replica.url
             form = aiohttp.FormData()
             form.add_field("model", target.upstream_name)

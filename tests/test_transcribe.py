@@ -261,3 +261,23 @@ async def test_the_transcription_models_retries_attempts_bound_the_tries(gateway
     assert caught.value.status_code == 502
     assert sum(len(u.standin.received) for u in failing) == 2  # one try and one retry; the refused one is free
     assert chat.received == []
+
+
+async def test_the_transcription_models_total_s_bounds_all_its_tries(gateway_factory, upstream_factory) -> None:
+    """timeouts.total_s counts over every try of one audio part, as over every attempt of a chat
+    request: a second try gets what the first left (however slow the machine, the answer is 504)."""
+    chat = await upstream_factory("chat")
+    slow = [await upstream_factory(f"slow-{i}") for i in range(2)]
+    for upstream in slow:
+        upstream.standin.fail_status, upstream.standin.delay_ms = 503, 200
+    config = table(chat, *(u.url for u in slow)).replace(
+        "accepts: [text, audio]}", "accepts: [text, audio], timeouts: {total_s: 0.3}}"
+    )
+    gw = await gateway_factory(config)
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.with_options(max_retries=0).chat.completions.create(
+                model="texty", messages=ask(input_audio(wav(0.1)))
+            )
+    assert (caught.value.status_code, error_body(caught.value)["code"]) == (504, "upstream_timeout")
+    assert chat.received == []
