@@ -37,6 +37,7 @@ from .errors import (
     error_detail,
 )
 from .failures import CLIENT_ERRORS, failure_of, read_capped
+from .http1 import KEEPALIVE_S
 from .media import DECODE_IN_THREAD_CHARS, MediaFetcher
 from .metrics import GatewayMetrics
 from .modality import Modality, Part
@@ -63,7 +64,9 @@ class Transcriber:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar())
+        # connections let go before the engine's uvicorn closes them (5 s idle), as for chat requests
+        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
 
     async def close(self) -> None:
         if self._session is not None:

@@ -33,6 +33,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from gateway.transcribe import CONCURRENCY
 from tests.conftest import Gateway, free_port, routing
 from tools.standin import Received
 
@@ -42,15 +43,16 @@ SECONDS_PER_REQUEST = 5.0  # "end fast": far above what any of these takes when 
 # the stand-in's side has a handler task) is not a leak.
 FD_SLACK = 2
 TASK_SLACK = 1
-MODELS = ("vision", "omni", "texty", "epd", "silent")
+MODELS = ("vision", "omni", "texty", "epd", "silent", "framed", "sampled")
 TINY_PNG = (
     "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
 )
 
 
-def table(upstream: str, encoder: str) -> str:
+def table(upstream: str, encoder: str, whisper: str) -> str:
     """Every decision the gateway makes: direct, rename, redirect, strip (muting a video's audio too),
-    encode (with a dead encoder)."""
+    encode (with a dead encoder), video as frames or pre-sampled, audio transcribed (by a stand-in
+    of its own, so that the chat stand-in receives only chat requests)."""
     return routing(
         f"""  - name: vision
     upstreams: [{upstream}]
@@ -81,6 +83,22 @@ def table(upstream: str, encoder: str) -> str:
     accepts: [text, video]
     on_unsupported:
       audio: strip""",
+        f"""  - name: framed
+    upstreams: [{upstream}]
+    accepts: [text, image]
+    limits: {{image: 4}}
+    on_unsupported:
+      video: {{frames: 2}}
+      audio: {{transcribe: whisper}}""",
+        f"""  - name: sampled
+    upstreams: [{upstream}]
+    accepts: [text, video]
+    video: {{sample: {{frames: 2}}}}
+    on_unsupported:
+      audio: {{transcribe: whisper, on_error: reject}}""",
+        f"""  - name: whisper
+    upstreams: [{whisper}]
+    accepts: [text, audio]""",
         server="{max_json_depth: 254, max_body_bytes: 1048576}",
         extra=(
             "media: {allow_private_networks: false, fetch_timeout_s: 2}\n"
@@ -677,8 +695,8 @@ class Run:
 
 @pytest.fixture
 async def run(gateway_factory, upstream_factory) -> AsyncIterator[Run]:
-    upstream = await upstream_factory("up")
-    gateway = await gateway_factory(table(upstream.url, f"http://127.0.0.1:{free_port()}"))
+    upstream, whisper = await upstream_factory("up"), await upstream_factory("whisper")
+    gateway = await gateway_factory(table(upstream.url, f"http://127.0.0.1:{free_port()}", whisper.url))
     assert gateway.server.port is not None
     target = Target(gateway.server.port, upstream.received)
     handler = _CrashLog(target.crashes)
@@ -688,6 +706,11 @@ async def run(gateway_factory, upstream_factory) -> AsyncIterator[Run]:
         for model in MODELS:
             body = {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
             await asyncio.to_thread(exchange, target, Case("/v1/chat/completions", json.dumps(body).encode()))
+        # and the transcriber's pool: as many connections as it opens at once (transcribe.CONCURRENCY)
+        audio = [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}] * CONCURRENCY
+        body = {"model": "framed", "messages": [{"role": "user", "content": audio}]}
+        await asyncio.to_thread(exchange, target, Case("/v1/chat/completions", json.dumps(body).encode()))
+        assert len(whisper.received) == CONCURRENCY
         yield Run(gateway, target)
     finally:
         logging.getLogger().removeHandler(handler)
