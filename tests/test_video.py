@@ -252,3 +252,30 @@ def test_a_host_without_pyav_refuses_frames_and_pre_sampling_at_load(monkeypatch
         "models[1].video.sample: pre-sampled video frames need PyAV, which is not installed here: "
         "pip install 'modality-gateway[video]'",
     ]
+
+
+def test_corrupted_videos_give_frames_or_invalid_video_never_anything_else() -> None:
+    """Bytes of a real video overwritten, cut, or repeated (what a hostile or broken upload holds):
+    sampling ends in frames or in 400 invalid_video, within the decode bounds, never another
+    exception."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    whole = video(seconds=2, codec="libx264")
+
+    @settings(max_examples=120, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+    @given(edits=st.lists(st.tuples(st.integers(0, len(whole) - 1), st.binary(min_size=1, max_size=16)), max_size=6),
+           cut=st.integers(len(whole) // 2, len(whole)), repeat=st.booleans())  # fmt: skip
+    def sample(edits: list[tuple[int, bytes]], cut: int, repeat: bool) -> None:
+        data = bytearray(whole)
+        for at, junk in edits:
+            data[at : at + len(junk)] = junk
+        data = data[:cut] + (data[cut // 2 :] if repeat else b"")
+        try:
+            frames = sample_frames(bytes(data), frames=4, max_side=32)
+        except InvalidVideoError:
+            return
+        assert 0 < len(frames) <= 4 and all(f.jpeg.startswith(b"\xff\xd8") for f in frames)
+
+    sample()
