@@ -168,7 +168,7 @@ class Transcriber:
                     why, timed_out = f"HTTP {status}", False
                     continue
                 lease.success()
-            seconds = _duration(data, audio, fmt)
+            seconds = await asyncio.to_thread(_duration, data, audio, fmt)  # a header read, off the loop
             self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)
             return text
         if timed_out:
@@ -250,7 +250,9 @@ def _transcript(data: bytes) -> str | None:
 
 
 def _duration(data: bytes, audio: bytes, fmt: str) -> float:
-    """Seconds of audio: the reply's ``duration`` (verbose replies), else a WAV's header, else 0."""
+    """Seconds of audio: the reply's ``duration`` (verbose replies), else a WAV's header, else the
+    length the container states (mp3, flac, ogg, ...: PyAV, where the video extra is installed),
+    else 0."""
     try:
         reply = orjson.loads(data)
         duration: Any = reply.get("duration") if isinstance(reply, dict) else None
@@ -264,5 +266,18 @@ def _duration(data: bytes, audio: bytes, fmt: str) -> float:
                 frames, rate = int(w.getnframes()), int(w.getframerate())
             return frames / rate if rate else 0.0
         except (wave.Error, EOFError):
-            return 0.0
-    return 0.0
+            pass  # a WAV the wave module cannot read (float samples, extensible headers): FFmpeg can
+    return _stated_seconds(audio)
+
+
+def _stated_seconds(audio: bytes) -> float:
+    try:
+        import av
+    except ImportError:  # pragma: no cover - the video extra is installed with the gateway
+        return 0.0
+    try:
+        with av.open(io.BytesIO(audio), mode="r", metadata_errors="ignore") as container:
+            duration = container.duration  # microseconds (AV_TIME_BASE)
+    except Exception:  # whatever FFmpeg makes of a file it cannot read: not counted, not an error
+        return 0.0
+    return duration / 1_000_000 if duration is not None and duration > 0 else 0.0

@@ -281,3 +281,30 @@ async def test_the_transcription_models_total_s_bounds_all_its_tries(gateway_fac
             )
     assert (caught.value.status_code, error_body(caught.value)["code"]) == (504, "upstream_timeout")
     assert chat.received == []
+
+
+def mp3(seconds: float) -> bytes:
+    """An MP3 of silence, made with PyAV (FFmpeg's LAME)."""
+    av, np = pytest.importorskip("av"), pytest.importorskip("numpy")
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp3") as container:
+        stream = container.add_stream("libmp3lame", rate=16000)
+        stream.layout = "mono"
+        frame = av.AudioFrame.from_ndarray(
+            np.zeros((1, int(16000 * seconds)), dtype=np.float32), format="fltp", layout="mono"
+        )
+        frame.sample_rate = 16000
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    return out.getvalue()
+
+
+async def test_the_seconds_of_compressed_audio_are_counted_too(gateway_factory, upstream_factory) -> None:
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper")
+    gw = await gateway_factory(table(chat, whisper.url))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=ask(input_audio(mp3(3.0), "mp3")))
+        await client.chat.completions.create(model="texty", messages=ask(input_audio(b"not audio" * 20, "mp3")))
+    assert whisper.received[0].headers["Content-Type"].startswith("multipart/form-data")
+    # the first: 3 s from the MP3's header; the second: nothing FFmpeg can read, counted as 0
+    assert gw.sample("gateway_audio_transcribed_seconds_total", model="texty") == pytest.approx(3.0, abs=0.1)
