@@ -17,6 +17,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from . import handlers
 from .concurrency import Gates
 from .config import GatewayConfig
+from .conversions import ConversionCache
 from .encoder import EncoderClient
 from .health import HealthChecker
 from .media import MediaFetcher
@@ -67,8 +68,10 @@ def create_app(
     if supervisor is None:
         supervisor = Supervisor(config, command=encoder_command, timings=supervisor_timings)
     encoder = EncoderClient(metrics, MediaFetcher(config.media), supervisor.url)
+    conversions = ConversionCache(config.media.cache_bytes, metrics)
     store.subscribe(encoder.update)
     store.subscribe(supervisor.update)
+    store.subscribe(lambda new: conversions.resize(new.media.cache_bytes))
     services = Services(
         store,
         metrics,
@@ -77,7 +80,8 @@ def create_app(
         supervisor,
         config.server.max_body_bytes,
         gates,
-        transcriber=Transcriber(metrics, encoder.fetcher),
+        transcriber=Transcriber(metrics, encoder.fetcher, conversions),
+        conversions=conversions,
     )
 
     app = web.Application(

@@ -20,7 +20,6 @@ handler turns into a passthrough of the original images for models with
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -34,7 +33,7 @@ from .admission import EXPAND, RoutePlan
 from .config import BreakerConfig, EncoderConfig, GatewayConfig, ServerConfig
 from .errors import EncoderError, GatewayError, InvalidImageError, MediaRefusedError, Rejection, error_detail
 from .failures import CLIENT_ERRORS, failure_of
-from .media import MediaFetcher, is_data_url
+from .media import MediaFetcher, is_data_url, sha256
 from .metrics import GatewayMetrics
 from .modality import Part
 from .replicas import Pool, Replica, ReplicaSet
@@ -43,7 +42,6 @@ from .upstream import KEEPALIVE_TIMEOUT_S, whole_body
 OCTETS = "application/octet-stream"  # an image as sent to an encoder backend: its bytes
 log = logging.getLogger(__name__)
 
-HASH_IN_THREAD_BYTES = 1 << 20
 # Images of one request fetched or encoded at once; the backends batch across requests anyway.
 PER_REQUEST_CONCURRENCY = 16
 # Connections to all encoder backends together: a request with thousands of images queues here
@@ -203,7 +201,7 @@ class EncoderClient:
             return NOTHING
         model = plan.model.name
         blobs = await self._load_all(images, model)
-        shas = await asyncio.gather(*(_sha256(b) for b in blobs))
+        shas = await asyncio.gather(*(sha256(b) for b in blobs))
         if spec.kind == "vllm":
             new_parts, fields = await self._prime(spec, plan, body, images, shas, request_id)
         else:
@@ -442,9 +440,3 @@ def _raise_first(results: list[Any]) -> None:
     for result in results:
         if isinstance(result, BaseException):
             raise result
-
-
-async def _sha256(data: bytes) -> str:
-    if len(data) > HASH_IN_THREAD_BYTES:
-        return await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
-    return hashlib.sha256(data).hexdigest()

@@ -75,11 +75,14 @@ async def _convert(
     if plan.transcribe_parts:
         assert services.transcriber is not None
         converted |= await services.transcriber.transcribe(plan, body, live, request_id=request[REQUEST_ID_KEY])
-    fetcher, metrics, threads = services.encoder.fetcher, services.metrics, services.video_decoding
-    if plan.frame_parts:
-        converted |= await video.frames_for(plan, body, fetcher, metrics, threads)
-    if plan.presample_parts:
-        converted |= await video.presampled_for(plan, body, fetcher, metrics, threads)
+    if plan.frame_parts or plan.presample_parts:
+        sampling = video.Sampling(
+            services.encoder.fetcher, services.metrics, services.video_decoding, services.conversions
+        )
+        if plan.frame_parts:
+            converted |= await video.frames_for(plan, body, sampling)
+        if plan.presample_parts:
+            converted |= await video.presampled_for(plan, body, sampling)
     return converted
 
 

@@ -132,23 +132,38 @@ class GatewayMetrics:
         self.audio_transcribed_seconds = Counter(
             "gateway_audio_transcribed_seconds",
             "Seconds of audio replaced by its transcript (on_unsupported: {audio: {transcribe: M}}), by the "
-            "request's model; from the transcription's duration, or a WAV's header (0 when neither says).",
+            "request's model; from the transcription's duration, a WAV's header, or the length its container "
+            "states (0 when none says).",
             ["model"],
             registry=registry,
         )
         self.video_frames = Counter(
             "gateway_video_frames",
-            "Frames sampled from videos: sent as images (on_unsupported: {video: {frames: N}}) or in vLLM's "
-            "pre-sampled form (video: {sample: ...}), by the request's model.",
+            "Frames of videos served: as images (on_unsupported: {video: {frames: N}}) or in vLLM's pre-sampled "
+            "form (video: {sample: ...}), sampled or kept from an earlier turn, by the request's model.",
             ["model"],
             registry=registry,
         )
         self.video_decode_seconds = Histogram(
             "gateway_video_decode_seconds",
-            "Time to sample one video's frames (decoding, scaling, JPEG), by the request's model.",
+            "Time to sample one video's frames (decoding, scaling, JPEG; a video kept from an earlier turn is not "
+            "decoded), by the request's model.",
             ["model"],
             buckets=DURATION_BUCKETS,
             registry=registry,
+        )
+        self.media_cache_requests = Counter(
+            "gateway_media_cache_requests",
+            "Lookups of media the gateway converted before (media.cache_bytes), by kind (transcript, frames, "
+            "presample) and result (hit, miss).",
+            ["kind", "result"],
+            registry=registry,
+        )
+        self.media_cache_bytes = Gauge(
+            "gateway_media_cache_bytes",
+            "Bytes held by the cache of converted media (transcripts, video frames).",
+            registry=registry,
+            multiprocess_mode="livesum",  # each worker has a cache of its own
         )
         self.encode_decisions = Counter(
             "gateway_encode_decisions",

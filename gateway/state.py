@@ -11,6 +11,7 @@ from aiohttp import web
 from .auth import KeyLimits
 from .concurrency import Gates
 from .config import ApiKey
+from .conversions import ConversionCache
 from .encoder import EncoderClient
 from .metrics import GatewayMetrics
 from .reload import ConfigStore
@@ -42,6 +43,8 @@ class Services:
     key_limits: KeyLimits = field(default_factory=KeyLimits)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     transcriber: Transcriber | None = None  # audio to text (on_unsupported: {audio: {transcribe: M}})
+    # transcripts and video frames made before, for the next turn (media.cache_bytes)
+    conversions: ConversionCache = field(default_factory=lambda: ConversionCache(0))
     # videos sampled into frames (gateway.video): their own threads, DECODE_CONCURRENCY of them,
     # apart from the default executor (DNS lookups, large data URLs); shut down with the app
     video_decoding: ThreadPoolExecutor = field(

@@ -26,6 +26,7 @@ import aiohttp
 import orjson
 
 from .admission import RoutePlan
+from .conversions import ConversionCache
 from .errors import (
     GatewayError,
     InvalidRequestError,
@@ -38,7 +39,7 @@ from .errors import (
 )
 from .failures import CLIENT_ERRORS, failure_of, read_capped
 from .http1 import KEEPALIVE_S
-from .media import DECODE_IN_THREAD_CHARS, MediaFetcher
+from .media import DECODE_IN_THREAD_CHARS, MediaFetcher, sha256
 from .metrics import GatewayMetrics
 from .modality import Modality, Part
 from .reload import Live
@@ -58,9 +59,10 @@ class InvalidAudioError(InvalidRequestError, code="invalid_audio"): ...
 class Transcriber:
     """Sends audio parts to a transcription model's upstreams over one ClientSession."""
 
-    def __init__(self, metrics: GatewayMetrics, fetcher: MediaFetcher) -> None:
+    def __init__(self, metrics: GatewayMetrics, fetcher: MediaFetcher, cache: ConversionCache | None = None) -> None:
         self._metrics = metrics
         self._fetcher = fetcher
+        self._cache = cache if cache is not None else ConversionCache(0)
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -108,6 +110,13 @@ class Transcriber:
         policy = plan.model.policy(Modality.AUDIO)
         target = live.config.model(policy.target or "")
         assert target is not None
+        # the same clip again (a later turn of the conversation): the same transcript, at no cost
+        key = ("transcript", target.name, target.upstream_name, await sha256(audio), fmt)
+        kept = self._cache.get(key)
+        if kept is not None:
+            text, seconds = kept
+            self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)
+            return str(text)
         pool = live.pools[target.name]
         headers = {"X-Request-Id": request_id}
         auth = live.upstream_auth.get(target.name)
@@ -170,6 +179,7 @@ class Transcriber:
                 lease.success()
             seconds = await asyncio.to_thread(_duration, data, audio, fmt)  # a header read, off the loop
             self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)
+            self._cache.put(key, (text, seconds), len(text.encode()))
             return text
         if timed_out:
             raise UpstreamTimeoutError(

@@ -20,13 +20,15 @@ import functools
 import io
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .admission import EXPAND, RoutePlan
+from .conversions import ConversionCache
+from .media import sha256
 from .modality import Modality, Part
 
 if TYPE_CHECKING:
@@ -155,31 +157,43 @@ DECODE_CONCURRENCY = 2  # videos decoded at once by a gateway process (threads):
 DECODE_TIMEOUT_S = 30.0  # one video's sampling, its wait for a thread included
 
 
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """What sampling a request's videos uses: the fetcher (``media:`` rules), the metrics, the
+    decoding threads, and the cache of what was sampled before (gateway.conversions)."""
+
+    fetcher: MediaFetcher
+    metrics: GatewayMetrics
+    threads: Executor
+    cache: ConversionCache
+
+
 async def frames_for(
-    plan: RoutePlan,
-    body: dict[str, Any],
-    fetcher: MediaFetcher,
-    metrics: GatewayMetrics,
-    pool: Executor,
+    plan: RoutePlan, body: dict[str, Any], sampling: Sampling
 ) -> dict[tuple[int, int], dict[str, Any]]:
     """Each ``video_url`` part of ``plan.frame_parts`` as its sampled frames: image parts (JPEG
     data URLs), each after a text part with its time when the policy has ``timestamps``."""
     policy = plan.model.policy(Modality.VIDEO)
+    shape = (plan.frames_per_video, policy.fps, policy.max_side, policy.timestamps)
     work = functools.partial(
         _frame_parts, frames=plan.frames_per_video, fps=policy.fps, max_side=policy.max_side,
         timestamps=policy.timestamps,
     )  # fmt: skip
     out: dict[tuple[int, int], dict[str, Any]] = {}
     for part in plan.frame_parts:
-        position, _, (parts, jpegs) = await _sample_part(part, body, fetcher, metrics, pool, plan.model.name, work)
-        # the JPEGs too, by their index in parts: an encoder takes them as they are
-        out[position] = {"type": EXPAND, "parts": parts, "frames": jpegs}
+        position, _, (parts, jpegs) = await _sample_part(
+            part, body, sampling, plan.model.name, ("frames", *shape), work, _frames_size
+        )
+        # the JPEGs too, by their index in parts: an encoder takes them as they are. The parts are
+        # copies: the cache keeps the originals
+        out[position] = {"type": EXPAND, "parts": [dict(p) for p in parts], "frames": jpegs}
     return out
 
 
-def _frame_parts(
-    data: bytes, *, frames: int, fps: float | None, max_side: int, timestamps: bool
-) -> tuple[tuple[list[dict[str, Any]], dict[int, bytes]], int]:
+Frames = tuple[list[dict[str, Any]], dict[int, bytes]]
+
+
+def _frame_parts(data: bytes, *, frames: int, fps: float | None, max_side: int, timestamps: bool) -> tuple[Frames, int]:
     """In a decoding thread: the frames as chat parts (base64 made here, not on the event loop),
     and each frame's JPEG by the index of its part."""
     parts: list[dict[str, Any]] = []
@@ -194,12 +208,13 @@ def _frame_parts(
     return (parts, jpegs), len(sampled)
 
 
+def _frames_size(frames: Frames) -> int:
+    """Bytes a video's frames hold: each JPEG, and its base64 in a data URL (4/3 of it)."""
+    return sum(len(jpeg) * 7 // 3 + 200 for jpeg in frames[1].values())
+
+
 async def presampled_for(
-    plan: RoutePlan,
-    body: dict[str, Any],
-    fetcher: MediaFetcher,
-    metrics: GatewayMetrics,
-    pool: Executor,
+    plan: RoutePlan, body: dict[str, Any], sampling: Sampling
 ) -> dict[tuple[int, int], dict[str, Any]]:
     """For a model with ``video: {sample: ...}``: each ``video_url`` part with its URL replaced by
     vLLM's pre-sampled form, ``data:video/jpeg;base64,<frame>,<frame>,...`` (vLLM's VideoMediaIO
@@ -207,9 +222,10 @@ async def presampled_for(
     policy = plan.model.video_sample
     assert policy is not None
     work = functools.partial(_presampled_url, frames=policy.frames, fps=policy.fps, max_side=policy.max_side)
+    key = ("presample", policy.frames, policy.fps, policy.max_side)
     out: dict[tuple[int, int], dict[str, Any]] = {}
     for part in plan.presample_parts:
-        position, original, url = await _sample_part(part, body, fetcher, metrics, pool, plan.model.name, work)
+        position, original, url = await _sample_part(part, body, sampling, plan.model.name, key, work, len)
         value = original.get("video_url")
         kept = value if isinstance(value, dict) else {}
         out[position] = {**original, "video_url": {**kept, "url": url}}
@@ -224,15 +240,16 @@ def _presampled_url(data: bytes, *, frames: int, fps: float | None, max_side: in
 async def _sample_part(
     part: Part,
     body: dict[str, Any],
-    fetcher: MediaFetcher,
-    metrics: GatewayMetrics,
-    pool: Executor,
+    sampling: Sampling,
     model: str,
+    shape: tuple[Hashable, ...],
     work: Callable[[bytes], tuple[T, int]],
+    size_of: Callable[[T], int],
 ) -> tuple[tuple[int, int], dict[str, Any], T]:
-    """A video part's position, the part, and what ``work`` (on the decoding threads) made of its bytes: fetched or
-    decoded from its data URL, sampled, counted. A request that leaves gives up its place in the
-    threads' queue; a decode already running ends by its own bounds."""
+    """A video part's position, the part, and what ``work`` (on the decoding threads) made of its
+    bytes: fetched or decoded from its data URL, sampled (or found in the cache under ``shape``
+    and the bytes' sha256), counted. A request that leaves gives up its place in the threads'
+    queue; a decode already running ends by its own bounds."""
     assert part.index is not None
     original: dict[str, Any] = body["messages"][part.message]["content"][part.index]
     value = original.get("video_url")
@@ -242,10 +259,17 @@ async def _sample_part(
         raise InvalidVideoError(
             f"{part.location}: the video part carries no URL", param=part.location, rejection=refused
         )
-    data = await _load(fetcher, url, part.location, refused)
-    started = time.perf_counter()
-    result, count = await _decode(pool, functools.partial(work, data), part.location, refused)
-    metrics.video_decode_seconds.labels(model).observe(time.perf_counter() - started)
+    data = await _load(sampling.fetcher, url, part.location, refused)
+    key = (*shape, await sha256(data))
+    metrics = sampling.metrics
+    kept = sampling.cache.get(key)
+    if kept is not None:  # the same video, sampled the same way before (an earlier turn)
+        result, count = kept
+    else:
+        started = time.perf_counter()
+        result, count = await _decode(sampling.threads, functools.partial(work, data), part.location, refused)
+        metrics.video_decode_seconds.labels(model).observe(time.perf_counter() - started)
+        sampling.cache.put(key, (result, count), size_of(result))
     metrics.video_frames.labels(model).inc(count)
     return (part.message, part.index), original, result
 

@@ -91,8 +91,8 @@ UNKNOWN_KEYS = [
         doc("version: 1", "media:", "  allow_domain: [example.com]", *MODELS),
         [
             "r.yaml:3:3: media.allow_domain: unknown key 'allow_domain' (expected one of: allow_domains, "
-            "allow_private_networks, fetch_timeout_s, max_image_bytes, max_video_bytes, max_audio_bytes); "
-            "did you mean 'allow_domains'?"
+            "allow_private_networks, fetch_timeout_s, max_image_bytes, max_video_bytes, max_audio_bytes, "
+            "cache_bytes); did you mean 'allow_domains'?"
         ],
         id="media",
     ),
@@ -993,7 +993,7 @@ def test_default_values() -> None:
         5.0,
         20971520,
     )
-    assert (media.max_video_bytes, media.max_audio_bytes) == (104857600, 26214400)
+    assert (media.max_video_bytes, media.max_audio_bytes, media.cache_bytes) == (104857600, 26214400, 268435456)
     assert (encoder.model, encoder.device, encoder.max_batch_size, encoder.timeout_s, encoder.urls) == (
         "builtin:vit-small",
         "auto",
@@ -1018,7 +1018,7 @@ def test_explicit_values_are_read(tmp_path: Path) -> None:
             "server: {host: 0.0.0.0, port: 9090, max_body_bytes: 2048, admin_token_env: TOKEN, reload_interval_s: 1,",
             "         upstream_connect_timeout_s: 1.5, upstream_read_timeout_s: 60, upstream_cooldown_s: 2}",
             "media: {allow_domains: [Example.COM], allow_private_networks: true, fetch_timeout_s: 2,",
-            "        max_image_bytes: 100, max_video_bytes: 200, max_audio_bytes: 300}",
+            "        max_image_bytes: 100, max_video_bytes: 200, max_audio_bytes: 300, cache_bytes: 0}",
             "encoders:",
             f"  v: {{kind: local, model: {tmp_path}, device: 'cuda:1', max_batch_size: 8, max_batch_delay_ms: 2,",
             "      timeout_s: 10}",
@@ -1026,7 +1026,7 @@ def test_explicit_values_are_read(tmp_path: Path) -> None:
         )
     )
     assert config.server == ServerConfig("0.0.0.0", 9090, 2048, "TOKEN", 1.0, 1.5, 60.0, 2.0)
-    assert config.media == MediaConfig(("example.com",), True, 2.0, 100, 200, 300)
+    assert config.media == MediaConfig(("example.com",), True, 2.0, 100, 200, 300, 0)
     assert config.encoders["v"] == EncoderConfig("v", "local", str(tmp_path), "cuda:1", 8, 2.0, 10.0)
     assert isinstance(config.server.reload_interval_s, float)
 

@@ -90,8 +90,8 @@ async def test_a_failing_transcription_replica_is_passed_over(gateway_factory, u
     dead = f"http://127.0.0.1:{free_port()}"
     gw = await gateway_factory(table(chat, dead, bad.url, good.url))
     async with gw.client() as client:
-        for _ in range(3):
-            await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.1))))
+        for i in range(3):  # three clips: the same one again would be a cache hit
+            await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.1 + i / 100))))
     assert len(good.standin.received) == 3
     assert all("[good]" in chat_parts(chat)[1]["text"] for _ in range(1))
 
@@ -308,3 +308,32 @@ async def test_the_seconds_of_compressed_audio_are_counted_too(gateway_factory, 
     assert whisper.received[0].headers["Content-Type"].startswith("multipart/form-data")
     # the first: 3 s from the MP3's header; the second: nothing FFmpeg can read, counted as 0
     assert gw.sample("gateway_audio_transcribed_seconds_total", model="texty") == pytest.approx(3.0, abs=0.1)
+
+
+async def test_the_same_clip_in_a_later_turn_is_transcribed_once(gateway_factory, upstream_factory) -> None:
+    """A conversation sends its first turn's audio again every turn: the transcript is kept (by
+    the clip's sha256 and the transcription model), so later turns cost no transcription and carry
+    the same words, which keeps the engine's prefix cache."""
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper")
+    gw = await gateway_factory(table(chat, whisper.url))
+    clip = input_audio(wav(0.5))
+    first = ask(clip)
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=first)
+        later = [*first, {"role": "assistant", "content": "heard"}, {"role": "user", "content": "and?"}]
+        await client.chat.completions.create(model="texty", messages=later)
+    assert len(whisper.received) == 1
+    turns = [r.json()["messages"][0]["content"] for r in chat.received]
+    assert turns[0] == turns[1]
+    assert gw.sample("gateway_media_cache_requests_total", kind="transcript", result="miss") == 1
+    assert gw.sample("gateway_media_cache_requests_total", kind="transcript", result="hit") == 1
+    assert gw.sample("gateway_audio_transcribed_seconds_total", model="texty") == pytest.approx(1.0)  # 0.5 s twice
+
+
+async def test_media_cache_bytes_0_keeps_nothing(gateway_factory, upstream_factory) -> None:
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper")
+    gw = await gateway_factory(table(chat, whisper.url).replace("models:", "media: {cache_bytes: 0}\nmodels:", 1))
+    async with gw.client() as client:
+        for _ in range(2):
+            await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.2))))
+    assert len(whisper.received) == 2

@@ -279,3 +279,35 @@ def test_corrupted_videos_give_frames_or_invalid_video_never_anything_else() -> 
         assert 0 < len(frames) <= 4 and all(f.jpeg.startswith(b"\xff\xd8") for f in frames)
 
     sample()
+
+
+async def test_the_same_video_in_a_later_turn_is_sampled_once(gateway_factory, upstream) -> None:
+    clip = video()
+    gw = await gateway_factory(framed(upstream, "{frames: 3, max_side: 32}"))
+    first = [{"role": "user", "content": [video_part(clip)]}]
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=first)
+        later = [*first, {"role": "assistant", "content": "seen"}, {"role": "user", "content": "and?"}]
+        await client.chat.completions.create(model="texty", messages=later)
+        await client.chat.completions.create(model="texty", messages=first)
+    turns = [r.json()["messages"][0]["content"] for r in upstream.received]
+    assert turns[0] == turns[1] == turns[2] and len(turns[0]) == 6
+    assert gw.sample("gateway_video_decode_seconds_count", model="texty") == 1  # decoded once
+    assert gw.sample("gateway_video_frames_total", model="texty") == 9  # served three times
+    assert gw.sample("gateway_media_cache_requests_total", kind="frames", result="hit") == 2
+
+
+async def test_a_pre_sampled_video_is_kept_too(gateway_factory, upstream) -> None:
+    config = routing(
+        f"  - {{name: vid, upstreams: [{upstream.url}], accepts: [text, video], video: {{sample: {{frames: 2}}}}}}"
+    )
+    gw = await gateway_factory(config)
+    async with gw.client() as client:
+        for _ in range(2):
+            await client.chat.completions.create(
+                model="vid", messages=[{"role": "user", "content": [video_part(video())]}]
+            )
+    urls = [r.json()["messages"][0]["content"][0]["video_url"]["url"] for r in upstream.received]
+    assert urls[0] == urls[1] and urls[0].startswith("data:video/jpeg;base64,")
+    assert gw.sample("gateway_video_decode_seconds_count", model="vid") == 1
+    assert gw.sample("gateway_media_cache_requests_total", kind="presample", result="hit") == 1

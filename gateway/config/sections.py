@@ -113,6 +113,7 @@ class Parser(PoolReaders, AuthReaders):
             max_image_bytes=self.integer(*get("max_image_bytes"), minimum=1),
             max_video_bytes=self.integer(*get("max_video_bytes"), minimum=1),
             max_audio_bytes=self.integer(*get("max_audio_bytes"), minimum=1),
+            cache_bytes=self.integer(*get("cache_bytes"), minimum=0),
         )
 
     def _section(

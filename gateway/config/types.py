@@ -53,6 +53,7 @@ MEDIA_KEYS = (
     "max_image_bytes",
     "max_video_bytes",
     "max_audio_bytes",
+    "cache_bytes",
 )
 ENCODER_KEYS = {
     "local": ("kind", "model", "device", "max_batch_size", "max_batch_delay_ms", "timeout_s"),
@@ -160,6 +161,9 @@ class MediaConfig:
     max_video_bytes: int = 100 * 1024 * 1024
     # an audio clip sent for transcription: OpenAI's and vLLM's own limit for one file
     max_audio_bytes: int = 25 * 1024 * 1024
+    # what the gateway made of media it converted (transcripts, video frames), kept for the next
+    # turn of the conversation, which sends them again (gateway.conversions); 0: not kept
+    cache_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)

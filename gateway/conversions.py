@@ -1,0 +1,80 @@
+"""What the gateway made of a medium it converted, kept for the next request that carries it.
+
+Chat clients send the whole conversation every turn: an audio clip or a video in the first turn
+comes back in every later one. Without a cache each turn transcribes the audio again (an upstream
+call, seconds of a GPU, and a transcript that may differ from the last turn's, which breaks the
+engine's prefix cache) and decodes the video again (tens to hundreds of ms of CPU). The gateway
+keeps what it made, by the sha256 of the medium's bytes and everything else that shaped the result:
+
+- ``("transcript", model, upstream model, sha256, format)``: the transcript;
+- ``("frames", sha256, frames, fps, max_side, timestamps)``: a video's frames, as chat parts;
+- ``("presample", sha256, frames, fps, max_side)``: a video in vLLM's pre-sampled form.
+
+One LRU for all of them, bounded in bytes (``media.cache_bytes``; 0 turns it off). Values are
+treated as immutable: whoever takes one copies what it changes. Hits and misses are counted in
+``gateway_media_cache_requests_total{kind, result}``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any
+
+from .metrics import GatewayMetrics
+
+ENTRY_OVERHEAD = 256  # bytes an entry costs beyond its value's own: the key, the dict slot
+
+
+class ConversionCache:
+    """An LRU of converted media, bounded in bytes (the sizes its callers give)."""
+
+    def __init__(self, max_bytes: int, metrics: GatewayMetrics | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.size = 0
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._metrics = metrics
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def resize(self, max_bytes: int) -> None:
+        """A reload's ``media.cache_bytes``: the least recently used entries go until it fits."""
+        self.max_bytes = max_bytes
+        self._evict()
+
+    def get(self, key: tuple[Hashable, ...]) -> Any:
+        """The value kept for ``key``, or None; counted as a hit or a miss of ``key[0]``."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+        self._count(str(key[0]), "hit" if entry is not None else "miss")
+        return entry[0] if entry is not None else None
+
+    def put(self, key: tuple[Hashable, ...], value: Any, size: int) -> None:
+        """Keep ``value`` (``size`` bytes, as its maker reckons them); a value larger than the
+        whole cache is not kept."""
+        size += ENTRY_OVERHEAD
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.size -= old[1]
+        if size > self.max_bytes:
+            self._gauge()
+            return
+        self._entries[key] = (value, size)
+        self.size += size
+        self._evict()
+
+    def _evict(self) -> None:
+        while self.size > self.max_bytes and self._entries:
+            _, (_, size) = self._entries.popitem(last=False)
+            self.size -= size
+        self._gauge()
+
+    def _count(self, kind: str, result: str) -> None:
+        if self._metrics is not None:
+            self._metrics.media_cache_requests.labels(kind, result).inc()
+
+    def _gauge(self) -> None:
+        if self._metrics is not None:
+            self._metrics.media_cache_bytes.set(self.size)
