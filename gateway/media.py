@@ -211,7 +211,7 @@ def _check(url: URL, media: MediaConfig, domains: tuple[str, ...], what: str) ->
 
 async def sha256(data: bytes) -> str:
     """A medium's sha256, hex: what identical media are known by (encoder uuids, the conversions
-    cache). Large media are hashed off the event loop (1 MiB takes ~2 ms)."""
+    cache). Large media are hashed off the event loop (1 MiB takes ~0.6 ms)."""
     if len(data) > HASH_IN_THREAD_BYTES:
         return await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
     return hashlib.sha256(data).hexdigest()

@@ -111,8 +111,9 @@ class Transcriber:
         target = live.config.model(policy.target or "")
         assert target is not None
         # the same clip again (a later turn of the conversation): the same transcript, at no cost
-        key = ("transcript", target.name, target.upstream_name, await sha256(audio), fmt)
-        kept = self._cache.get(key)
+        cache = self._cache
+        key = ("transcript", target.name, target.upstream_name, await sha256(audio), fmt) if cache.enabled else None
+        kept = cache.get(key) if key is not None else None
         if kept is not None:
             text, seconds = kept
             self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)
@@ -179,7 +180,8 @@ class Transcriber:
                 lease.success()
             seconds = await asyncio.to_thread(_duration, data, audio, fmt)  # a header read, off the loop
             self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)
-            self._cache.put(key, (text, seconds), len(text.encode()))
+            if key is not None and text.strip():  # an empty transcript is not kept: the next turn tries again
+                cache.put(key, (text, seconds), len(text.encode()))
             return text
         if timed_out:
             raise UpstreamTimeoutError(

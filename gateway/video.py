@@ -209,8 +209,9 @@ def _frame_parts(data: bytes, *, frames: int, fps: float | None, max_side: int, 
 
 
 def _frames_size(frames: Frames) -> int:
-    """Bytes a video's frames hold: each JPEG, and its base64 in a data URL (4/3 of it)."""
-    return sum(len(jpeg) * 7 // 3 + 200 for jpeg in frames[1].values())
+    """Bytes a video's frames hold: each JPEG, its base64 in a data URL (4/3 of it), and the three
+    dicts and strings of its parts (~700 bytes: tracemalloc)."""
+    return sum(len(jpeg) * 7 // 3 + 700 for jpeg in frames[1].values())
 
 
 async def presampled_for(
@@ -260,16 +261,17 @@ async def _sample_part(
             f"{part.location}: the video part carries no URL", param=part.location, rejection=refused
         )
     data = await _load(sampling.fetcher, url, part.location, refused)
-    key = (*shape, await sha256(data))
-    metrics = sampling.metrics
-    kept = sampling.cache.get(key)
+    metrics, cache = sampling.metrics, sampling.cache
+    key = (*shape, await sha256(data)) if cache.enabled else None
+    kept = cache.get(key) if key is not None else None
     if kept is not None:  # the same video, sampled the same way before (an earlier turn)
         result, count = kept
     else:
         started = time.perf_counter()
         result, count = await _decode(sampling.threads, functools.partial(work, data), part.location, refused)
         metrics.video_decode_seconds.labels(model).observe(time.perf_counter() - started)
-        sampling.cache.put(key, (result, count), size_of(result))
+        if key is not None:
+            cache.put(key, (result, count), size_of(result))
     metrics.video_frames.labels(model).inc(count)
     return (part.message, part.index), original, result
 

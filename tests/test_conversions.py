@@ -44,5 +44,6 @@ def test_resizing_evicts_and_zero_keeps_nothing() -> None:
     assert len(c) == 2 and c.get(("presample", 4)) == 4 and c.get(("presample", 0)) is None
     c.resize(0)
     assert len(c) == 0 and c.size == 0 and registry.get_sample_value("gateway_media_cache_bytes") == 0
+    assert not c.enabled  # callers skip hashing and looking up
     c.put(("presample", 9), 9, 1)
     assert c.get(("presample", 9)) is None

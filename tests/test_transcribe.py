@@ -337,3 +337,24 @@ async def test_media_cache_bytes_0_keeps_nothing(gateway_factory, upstream_facto
         for _ in range(2):
             await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.2))))
     assert len(whisper.received) == 2
+    assert not gw.sample("gateway_media_cache_requests_total", kind="transcript", result="miss")  # nor hashed
+
+
+async def test_an_empty_transcript_is_not_kept(gateway_factory, upstream_factory) -> None:
+    from aiohttp import web
+
+    heard: list[int] = []
+
+    async def silent(request: web.Request) -> web.Response:
+        await request.read()
+        heard.append(1)
+        return web.json_response({"text": ""})
+
+    app = web.Application()
+    app.router.add_post("/v1/audio/transcriptions", silent)
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper", app)
+    gw = await gateway_factory(table(chat, whisper.url))
+    async with gw.client() as client:
+        for _ in range(2):
+            await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.2))))
+    assert len(heard) == 2  # asked again: a replica that heard nothing may hear something next time
