@@ -17,15 +17,23 @@ the Python objects around the bytes (measured: real memory is within ~10% of the
 are treated as immutable: whoever takes one copies what it changes. Hits and misses are counted in
 ``gateway_media_cache_requests_total{kind, result}``.
 
+Requests that carry the same medium at the same time (a batch asking ten questions about one
+video) share one conversion (:meth:`ConversionCache.get_or_make`): the others wait for it,
+counted as ``result="shared"``. A caller that leaves does not end it for the others; when the
+last one leaves it is cancelled. A conversion that fails is not shared: each waiting caller then
+converts for itself, so that its error names its own part.
+
 The cache is shared by every API key: a client could tell from the time an answer takes that
 someone sent the same clip to the same process shortly before (docs/security.md).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
-from collections.abc import Hashable
-from typing import Any
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from .metrics import GatewayMetrics
 
@@ -33,6 +41,13 @@ from .metrics import GatewayMetrics
 # the tuples and strings around the value (tracemalloc: 200k small transcripts cost ~390 bytes each
 # beyond their text)
 ENTRY_OVERHEAD = 512
+V = TypeVar("V")
+
+
+@dataclass(slots=True)
+class _Flight:
+    task: asyncio.Future[Any]
+    waiters: int = 0
 
 
 class ConversionCache:
@@ -42,6 +57,7 @@ class ConversionCache:
         self.max_bytes = max_bytes
         self.size = 0
         self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._flights: dict[Hashable, _Flight] = {}  # conversions under way, by key
         self._metrics = metrics
 
     def __len__(self) -> int:
@@ -64,6 +80,53 @@ class ConversionCache:
             self._entries.move_to_end(key)
         self._count(str(key[0]), "hit" if entry is not None else "miss")
         return entry[0] if entry is not None else None
+
+    async def get_or_make(
+        self,
+        key: tuple[Hashable, ...],
+        make: Callable[[], Awaitable[V]],
+        size_of: Callable[[V], int],
+        keep: Callable[[V], bool] = lambda value: True,
+    ) -> V:
+        """The value kept for ``key``; else the one a conversion under way for it makes; else
+        ``make()``'s, kept when ``keep`` says so (``size_of`` bytes). Raises what ``make`` raises."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            self._count(str(key[0]), "hit")
+            return entry[0]  # type: ignore[no-any-return]
+        flight = self._flights.get(key)
+        if flight is not None:
+            self._count(str(key[0]), "shared")
+            try:
+                return await self._join(flight)  # type: ignore[no-any-return]
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # its maker's failure, named at its maker's part: this caller tries itself
+                return await make()
+        self._count(str(key[0]), "miss")
+        task = asyncio.ensure_future(make())
+        flight = self._flights[key] = _Flight(task)
+
+        def landed(done: asyncio.Future[Any]) -> None:
+            if self._flights.get(key) is flight:
+                del self._flights[key]
+            if not done.cancelled() and done.exception() is None and keep(done.result()):
+                self.put(key, done.result(), size_of(done.result()))
+
+        task.add_done_callback(landed)
+        return await self._join(flight)  # type: ignore[no-any-return]
+
+    @staticmethod
+    async def _join(flight: _Flight) -> Any:
+        """Wait for a conversion; the last caller to leave cancels it."""
+        flight.waiters += 1
+        try:
+            return await asyncio.shield(flight.task)
+        finally:
+            flight.waiters -= 1
+            if flight.waiters == 0 and not flight.task.done():
+                flight.task.cancel()
 
     def put(self, key: tuple[Hashable, ...], value: Any, size: int) -> None:
         """Keep ``value`` (``size`` bytes, as its maker reckons them); a value larger than the

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import io
 import logging
 import wave
@@ -26,6 +27,7 @@ import aiohttp
 import orjson
 
 from .admission import RoutePlan
+from .config import ModelConfig
 from .conversions import ConversionCache
 from .errors import (
     GatewayError,
@@ -110,14 +112,24 @@ class Transcriber:
         policy = plan.model.policy(Modality.AUDIO)
         target = live.config.model(policy.target or "")
         assert target is not None
-        # the same clip again (a later turn of the conversation): the same transcript, at no cost
+        make = functools.partial(self._transcribe, audio, fmt, part, plan, target, live, request_id)
         cache = self._cache
-        key = ("transcript", target.name, target.upstream_name, await sha256(audio), fmt) if cache.enabled else None
-        kept = cache.get(key) if key is not None else None
-        if kept is not None:
-            text, seconds = kept
-            self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)
-            return str(text)
+        if cache.enabled:  # the same clip again (a later turn, a parallel request): one transcription
+            key = ("transcript", target.name, target.upstream_name, await sha256(audio), fmt)
+            # an empty transcript is not kept: the next turn asks again
+            text, seconds = await cache.get_or_make(
+                key, make, size_of=lambda v: len(v[0].encode()), keep=lambda v: bool(v[0].strip())
+            )
+        else:
+            text, seconds = await make()
+        self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)
+        return text
+
+    async def _transcribe(
+        self, audio: bytes, fmt: str, part: Part, plan: RoutePlan, target: ModelConfig, live: Live, request_id: str
+    ) -> tuple[str, float]:
+        """The clip's transcript and its seconds, from one of ``target``'s upstreams."""
+        assert self._session is not None, "Transcriber.start() was not called"
         pool = live.pools[target.name]
         headers = {"X-Request-Id": request_id}
         auth = live.upstream_auth.get(target.name)
@@ -179,10 +191,7 @@ class Transcriber:
                     continue
                 lease.success()
             seconds = await asyncio.to_thread(_duration, data, audio, fmt)  # a header read, off the loop
-            self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)
-            if key is not None and text.strip():  # an empty transcript is not kept: the next turn tries again
-                cache.put(key, (text, seconds), len(text.encode()))
-            return text
+            return text, seconds
         if timed_out:
             raise UpstreamTimeoutError(
                 f"{part.location}: transcription model '{target.name}' sent no transcript in time ({why})",

@@ -262,16 +262,17 @@ async def _sample_part(
         )
     data = await _load(sampling.fetcher, url, part.location, refused)
     metrics, cache = sampling.metrics, sampling.cache
-    key = (*shape, await sha256(data)) if cache.enabled else None
-    kept = cache.get(key) if key is not None else None
-    if kept is not None:  # the same video, sampled the same way before (an earlier turn)
-        result, count = kept
-    else:
+
+    async def decode() -> tuple[T, int]:
         started = time.perf_counter()
-        result, count = await _decode(sampling.threads, functools.partial(work, data), part.location, refused)
+        made = await _decode(sampling.threads, functools.partial(work, data), part.location, refused)
         metrics.video_decode_seconds.labels(model).observe(time.perf_counter() - started)
-        if key is not None:
-            cache.put(key, (result, count), size_of(result))
+        return made
+
+    if cache.enabled:  # the same video sampled the same way (a later turn, a parallel request): once
+        result, count = await cache.get_or_make((*shape, await sha256(data)), decode, lambda v: size_of(v[0]))
+    else:
+        result, count = await decode()
     metrics.video_frames.labels(model).inc(count)
     return (part.message, part.index), original, result
 

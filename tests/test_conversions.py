@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
+import pytest
 from prometheus_client import CollectorRegistry
 
 from gateway.conversions import ENTRY_OVERHEAD, ConversionCache
@@ -47,3 +51,86 @@ def test_resizing_evicts_and_zero_keeps_nothing() -> None:
     assert not c.enabled  # callers skip hashing and looking up
     c.put(("presample", 9), 9, 1)
     assert c.get(("presample", 9)) is None
+
+
+# --- one conversion for callers that ask at once (get_or_make) -----------------------------------
+
+
+class Maker:
+    """A conversion the test lets finish (or fail) when it says."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.cancelled = 0
+        self.go = asyncio.Event()
+        self.fail: Exception | None = None
+
+    async def __call__(self) -> str:
+        self.calls += 1
+        n = self.calls
+        try:
+            await self.go.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if self.fail is not None and n == 1:
+            raise self.fail
+        return f"made {n}"
+
+
+async def test_callers_that_ask_at_once_share_one_conversion() -> None:
+    c, registry = cache(10_000)
+    make = Maker()
+    callers = [asyncio.ensure_future(c.get_or_make(("frames", "v"), make, len)) for _ in range(5)]
+    await asyncio.sleep(0)
+    make.go.set()
+    assert await asyncio.gather(*callers) == ["made 1"] * 5 and make.calls == 1
+    assert await c.get_or_make(("frames", "v"), make, len) == "made 1"  # kept
+    sample = registry.get_sample_value
+    assert [
+        sample("gateway_media_cache_requests_total", {"kind": "frames", "result": r}) for r in ("miss", "shared", "hit")
+    ] == [1, 4, 1]
+
+
+async def test_the_first_caller_leaving_does_not_end_it_for_the_others_the_last_does() -> None:
+    c, _ = cache(10_000)
+    make = Maker()
+    first = asyncio.ensure_future(c.get_or_make(("transcript", "a"), make, len))
+    second = asyncio.ensure_future(c.get_or_make(("transcript", "a"), make, len))
+    await asyncio.sleep(0)
+    first.cancel()
+    await asyncio.sleep(0)
+    make.go.set()
+    assert await second == "made 1" and make.cancelled == 0
+    assert first.cancelled() and c.get(("transcript", "a")) == "made 1"
+
+    alone = Maker()
+    only = asyncio.ensure_future(c.get_or_make(("transcript", "b"), alone, len))
+    await asyncio.sleep(0)
+    only.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await only
+    await asyncio.sleep(0)
+    assert alone.cancelled == 1 and c.get(("transcript", "b")) is None  # nobody waits: stopped, not kept
+
+
+async def test_a_failed_conversion_is_not_shared_each_waiter_converts_for_itself() -> None:
+    c, _ = cache(10_000)
+    make = Maker()
+    make.fail = ValueError("the first caller's video is at messages[0].content[3]")
+    first = asyncio.ensure_future(c.get_or_make(("frames", "v"), make, len))
+    second = asyncio.ensure_future(c.get_or_make(("frames", "v"), make, len))
+    await asyncio.sleep(0)
+    make.go.set()
+    with pytest.raises(ValueError, match="content\\[3\\]"):
+        await first
+    assert await second == "made 2" and make.calls == 2  # its own conversion, its own outcome
+    assert c.get(("frames", "v")) is None  # a waiter's own conversion is not kept
+
+
+async def test_what_keep_refuses_is_shared_but_not_kept() -> None:
+    c, _ = cache(10_000)
+    make = Maker()
+    make.go.set()
+    assert await c.get_or_make(("transcript", "x"), make, len, keep=lambda v: False) == "made 1"
+    assert c.get(("transcript", "x")) is None

@@ -15,6 +15,7 @@ up, so no 5xx is ever legitimate.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import dataclasses
 import functools
@@ -707,7 +708,8 @@ async def run(gateway_factory, upstream_factory) -> AsyncIterator[Run]:
             body = {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
             await asyncio.to_thread(exchange, target, Case("/v1/chat/completions", json.dumps(body).encode()))
         # and the transcriber's pool: as many connections as it opens at once (transcribe.CONCURRENCY)
-        audio = [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}] * CONCURRENCY
+        clips = [base64.b64encode(f"clip {i}".encode()).decode() for i in range(CONCURRENCY)]  # distinct: not shared
+        audio = [{"type": "input_audio", "input_audio": {"data": clip, "format": "wav"}} for clip in clips]
         body = {"model": "framed", "messages": [{"role": "user", "content": audio}]}
         await asyncio.to_thread(exchange, target, Case("/v1/chat/completions", json.dumps(body).encode()))
         assert len(whisper.received) == CONCURRENCY

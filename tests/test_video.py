@@ -311,3 +311,29 @@ async def test_a_pre_sampled_video_is_kept_too(gateway_factory, upstream) -> Non
     assert urls[0] == urls[1] and urls[0].startswith("data:video/jpeg;base64,")
     assert gw.sample("gateway_video_decode_seconds_count", model="vid") == 1
     assert gw.sample("gateway_media_cache_requests_total", kind="presample", result="hit") == 1
+
+
+async def test_parallel_requests_with_the_same_video_decode_it_once(gateway_factory, upstream) -> None:
+    """A batch asking several questions about one video at once: one decode, shared."""
+    import asyncio
+
+    clip = video()
+    gw = await gateway_factory(framed(upstream, "{frames: 2}"))
+    async with gw.client() as client:
+        await asyncio.gather(
+            *(
+                client.chat.completions.create(
+                    model="texty",
+                    messages=[
+                        {"role": "user", "content": [{"type": "text", "text": f"question {i}"}, video_part(clip)]}
+                    ],
+                )
+                for i in range(4)
+            )
+        )
+    assert len(upstream.received) == 4
+    assert len({str(r.json()["messages"][0]["content"][1:]) for r in upstream.received}) == 1  # the same frames
+    assert gw.sample("gateway_video_decode_seconds_count", model="texty") == 1
+    shared = gw.sample("gateway_media_cache_requests_total", kind="frames", result="shared")
+    hits = gw.sample("gateway_media_cache_requests_total", kind="frames", result="hit")
+    assert shared + hits == 3  # waited for the one decode, or came after it
