@@ -99,9 +99,11 @@ class ConversionCache:
         if flight is not None:
             self._count(str(key[0]), "shared")
             try:
-                return await self._join(flight)  # type: ignore[no-any-return]
+                return await self._join(key, flight)  # type: ignore[no-any-return]
             except asyncio.CancelledError:
-                raise
+                if _cancelling():
+                    raise
+                return await make()  # the conversion was stopped, not this caller: it converts for itself
             except Exception:  # its maker's failure, named at its maker's part: this caller tries itself
                 return await make()
         self._count(str(key[0]), "miss")
@@ -115,11 +117,16 @@ class ConversionCache:
                 self.put(key, done.result(), size_of(done.result()))
 
         task.add_done_callback(landed)
-        return await self._join(flight)  # type: ignore[no-any-return]
+        try:
+            return await self._join(key, flight)  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            if _cancelling():
+                raise
+            return await make()
 
-    @staticmethod
-    async def _join(flight: _Flight) -> Any:
-        """Wait for a conversion; the last caller to leave cancels it."""
+    async def _join(self, key: Hashable, flight: _Flight) -> Any:
+        """Wait for a conversion; the last caller to leave cancels it, and a caller that comes
+        after that starts another rather than joining one that is ending."""
         flight.waiters += 1
         try:
             return await asyncio.shield(flight.task)
@@ -127,6 +134,8 @@ class ConversionCache:
             flight.waiters -= 1
             if flight.waiters == 0 and not flight.task.done():
                 flight.task.cancel()
+                if self._flights.get(key) is flight:
+                    del self._flights[key]
 
     def put(self, key: tuple[Hashable, ...], value: Any, size: int) -> None:
         """Keep ``value`` (``size`` bytes, as its maker reckons them); a value larger than the
@@ -155,3 +164,10 @@ class ConversionCache:
     def _gauge(self) -> None:
         if self._metrics is not None:
             self._metrics.media_cache_bytes.set(self.size)
+
+
+def _cancelling() -> bool:
+    """Whether the running task itself is being cancelled (its client left), rather than a
+    conversion it waited for."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

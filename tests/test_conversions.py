@@ -134,3 +134,31 @@ async def test_what_keep_refuses_is_shared_but_not_kept() -> None:
     make.go.set()
     assert await c.get_or_make(("transcript", "x"), make, len, keep=lambda v: False) == "made 1"
     assert c.get(("transcript", "x")) is None
+
+
+async def test_a_caller_that_comes_as_the_last_one_leaves_starts_afresh() -> None:
+    c, _ = cache(10_000)
+    make = Maker()
+    leaving = asyncio.ensure_future(c.get_or_make(("frames", "v"), make, len))
+    await asyncio.sleep(0)
+    leaving.cancel()
+    await asyncio.sleep(0)  # it has left, and its conversion is being cancelled (not done yet)
+    coming = asyncio.ensure_future(c.get_or_make(("frames", "v"), make, len))
+    await asyncio.sleep(0)
+    make.go.set()
+    assert await coming == "made 2"  # a conversion of its own, not the one that was ending
+    assert make.cancelled == 1
+
+
+async def test_a_waiter_whose_conversion_is_stopped_by_someone_else_converts_for_itself() -> None:
+    c, _ = cache(10_000)
+    make = Maker()
+    first = asyncio.ensure_future(c.get_or_make(("transcript", "a"), make, len))
+    second = asyncio.ensure_future(c.get_or_make(("transcript", "a"), make, len))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # the conversion has started
+    c._flights[("transcript", "a")].task.cancel()  # neither caller was cancelled
+    await asyncio.sleep(0)
+    make.go.set()
+    assert sorted(await asyncio.gather(first, second)) == ["made 2", "made 3"]
+    assert make.cancelled == 1
