@@ -78,6 +78,13 @@ class Maker:
         return f"made {n}"
 
 
+def two_callers(key: tuple[str, str]) -> tuple[ConversionCache, Maker, list[asyncio.Future[str]]]:
+    """A cache, a conversion not finished yet, and two callers asking for it at once."""
+    c, _ = cache(10_000)
+    make = Maker()
+    return c, make, [asyncio.ensure_future(c.get_or_make(key, make, len)) for _ in range(2)]
+
+
 async def test_callers_that_ask_at_once_share_one_conversion() -> None:
     c, registry = cache(10_000)
     make = Maker()
@@ -93,10 +100,7 @@ async def test_callers_that_ask_at_once_share_one_conversion() -> None:
 
 
 async def test_the_first_caller_leaving_does_not_end_it_for_the_others_the_last_does() -> None:
-    c, _ = cache(10_000)
-    make = Maker()
-    first = asyncio.ensure_future(c.get_or_make(("transcript", "a"), make, len))
-    second = asyncio.ensure_future(c.get_or_make(("transcript", "a"), make, len))
+    c, make, (first, second) = two_callers(("transcript", "a"))
     await asyncio.sleep(0)
     first.cancel()
     await asyncio.sleep(0)
@@ -151,10 +155,7 @@ async def test_a_caller_that_comes_as_the_last_one_leaves_starts_afresh() -> Non
 
 
 async def test_a_waiter_whose_conversion_is_stopped_by_someone_else_converts_for_itself() -> None:
-    c, _ = cache(10_000)
-    make = Maker()
-    first = asyncio.ensure_future(c.get_or_make(("transcript", "a"), make, len))
-    second = asyncio.ensure_future(c.get_or_make(("transcript", "a"), make, len))
+    c, make, (first, second) = two_callers(("transcript", "a"))
     await asyncio.sleep(0)
     await asyncio.sleep(0)  # the conversion has started
     c._flights[("transcript", "a")].task.cancel()  # neither caller was cancelled
