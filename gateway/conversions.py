@@ -20,8 +20,9 @@ are treated as immutable: whoever takes one copies what it changes. Hits and mis
 Requests that carry the same medium at the same time (a batch asking ten questions about one
 video) share one conversion (:meth:`ConversionCache.get_or_make`): the others wait for it,
 counted as ``result="shared"``. A caller that leaves does not end it for the others; when the
-last one leaves it is cancelled. A conversion that fails is not shared: each waiting caller then
-converts for itself, so that its error names its own part.
+last one leaves it is cancelled. A failure of the medium itself (an undecodable video, one that
+takes too long to sample, audio the transcription model refuses) is shared, and each caller names
+its own part in it; any other failure is not: each waiting caller then converts for itself.
 
 The cache is shared by every API key: a client could tell from the time an answer takes that
 someone sent the same clip to the same process shortly before (docs/security.md).
@@ -87,9 +88,13 @@ class ConversionCache:
         make: Callable[[], Awaitable[V]],
         size_of: Callable[[V], int],
         keep: Callable[[V], bool] = lambda value: True,
+        shared_errors: tuple[type[Exception], ...] = (),
     ) -> V:
         """The value kept for ``key``; else the one a conversion under way for it makes; else
-        ``make()``'s, kept when ``keep`` says so (``size_of`` bytes). Raises what ``make`` raises."""
+        ``make()``'s, kept when ``keep`` says so (``size_of`` bytes). Raises what ``make`` raises;
+        a waiter gets the conversion's error too when it is one of ``shared_errors`` (the medium's
+        own fault, which would come again: the caller says it at its own part), and otherwise
+        converts for itself."""
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
@@ -104,7 +109,9 @@ class ConversionCache:
                 if _cancelling():
                     raise
                 return await make()  # the conversion was stopped, not this caller: it converts for itself
-            except Exception:  # its maker's failure, named at its maker's part: this caller tries itself
+            except shared_errors:
+                raise
+            except Exception:  # its maker's failure (an upstream's, maybe passing): this caller tries itself
                 return await make()
         self._count(str(key[0]), "miss")
         task = asyncio.ensure_future(make())

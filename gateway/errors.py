@@ -112,6 +112,14 @@ class GatewayError(Exception):
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def located_at(self, location: str) -> GatewayError:
+        """The same error, said of the part at ``location`` (one request's error about a medium,
+        given to another request that carries the same medium elsewhere)."""
+        message = self.message
+        if self.param and message.startswith(f"{self.param}: "):
+            message = message[len(self.param) + 2 :]
+        return type(self)(f"{location}: {message}", param=location, headers=self.headers, rejection=self.rejection)
+
 
 class InvalidRequestError(GatewayError, status=400, type="invalid_request_error", code="invalid_request"): ...
 

@@ -117,9 +117,18 @@ class Transcriber:
         if cache.enabled:  # the same clip again (a later turn, a parallel request): one transcription
             key = ("transcript", target.name, target.upstream_name, await sha256(audio), fmt)
             # an empty transcript is not kept: the next turn asks again
-            text, seconds = await cache.get_or_make(
-                key, make, size_of=lambda v: len(v[0].encode()), keep=lambda v: bool(v[0].strip())
-            )
+            try:
+                text, seconds = await cache.get_or_make(
+                    key,
+                    make,
+                    size_of=lambda v: len(v[0].encode()),
+                    keep=lambda v: bool(v[0].strip()),
+                    shared_errors=(InvalidAudioError,),  # refused by the transcription model: it would be again
+                )
+            except InvalidAudioError as exc:
+                if exc.param == part.location:
+                    raise
+                raise exc.located_at(part.location) from None
         else:
             text, seconds = await make()
         self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)

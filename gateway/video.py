@@ -270,7 +270,15 @@ async def _sample_part(
         return made
 
     if cache.enabled:  # the same video sampled the same way (a later turn, a parallel request): once
-        result, count = await cache.get_or_make((*shape, await sha256(data)), decode, lambda v: size_of(v[0]))
+        key = (*shape, await sha256(data))
+        try:
+            result, count = await cache.get_or_make(
+                key, decode, lambda v: size_of(v[0]), shared_errors=(InvalidVideoError,)
+            )
+        except InvalidVideoError as exc:  # this video's fault, found by a request that carried it too
+            if exc.param == part.location:
+                raise
+            raise exc.located_at(part.location) from None
     else:
         result, count = await decode()
     metrics.video_frames.labels(model).inc(count)

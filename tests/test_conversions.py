@@ -163,3 +163,28 @@ async def test_a_waiter_whose_conversion_is_stopped_by_someone_else_converts_for
     make.go.set()
     assert sorted(await asyncio.gather(first, second)) == ["made 2", "made 3"]
     assert make.cancelled == 1
+
+
+async def test_a_failure_of_the_medium_itself_is_shared_and_said_at_each_callers_part() -> None:
+    from gateway.video import InvalidVideoError
+
+    c, _ = cache(10_000)
+    make = Maker()
+    make.fail = InvalidVideoError("messages[0].content[3]: the video cannot be decoded", param="messages[0].content[3]")
+    callers = [
+        asyncio.ensure_future(c.get_or_make(("frames", "bad"), make, len, shared_errors=(InvalidVideoError,)))
+        for _ in range(3)
+    ]
+    await asyncio.sleep(0)
+    make.go.set()
+    errors = await asyncio.gather(*callers, return_exceptions=True)
+    assert make.calls == 1 and all(isinstance(e, InvalidVideoError) for e in errors)  # decoded once, failed once
+    assert c.get(("frames", "bad")) is None
+    failed = errors[2]
+    assert isinstance(failed, InvalidVideoError)
+    error = failed.located_at("messages[2].content[0]")  # as the caller whose part is there says it
+    assert (error.param, error.message) == (
+        "messages[2].content[0]",
+        "messages[2].content[0]: the video cannot be decoded",
+    )
+    assert error.code == "invalid_video" and isinstance(error, InvalidVideoError)

@@ -337,3 +337,24 @@ async def test_parallel_requests_with_the_same_video_decode_it_once(gateway_fact
     shared = gw.sample("gateway_media_cache_requests_total", kind="frames", result="shared")
     hits = gw.sample("gateway_media_cache_requests_total", kind="frames", result="hit")
     assert shared + hits == 3  # waited for the one decode, or came after it
+
+
+async def test_parallel_requests_with_the_same_bad_video_each_hear_of_their_own_part(gateway_factory, upstream) -> None:
+    import asyncio
+
+    bad = video()[:300]  # cut before its first frame
+    gw = await gateway_factory(framed(upstream))
+    async with gw.client() as client:
+
+        async def ask(position: int) -> dict[str, Any]:
+            content: list[dict[str, Any]] = [{"type": "text", "text": "q"}] * position + [video_part(bad)]
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(model="texty", messages=[{"role": "user", "content": content}])
+            return error_body(caught.value)
+
+        errors = await asyncio.gather(*(ask(i) for i in range(3)))
+    assert [(e["code"], e["param"]) for e in errors] == [
+        ("invalid_video", f"messages[0].content[{i}]") for i in range(3)
+    ]
+    assert all(e["message"].startswith(f"messages[0].content[{i}]: ") for i, e in enumerate(errors))
+    assert upstream.received == []
