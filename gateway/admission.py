@@ -83,15 +83,15 @@ class RoutePlan:
     @property
     def frame_parts(self) -> tuple[Part, ...]:
         """Video parts to replace by sampled frames (``on_unsupported: {video: {frames: N}}``)."""
-        if not self.frames_per_video:
-            return ()
-        return tuple(p for p in self.classification.parts if p.type == "video_url" and p.index is not None)
+        return self._video_urls if self.frames_per_video else ()
 
     @property
     def presample_parts(self) -> tuple[Part, ...]:
         """Video parts sent as vLLM's pre-sampled frames (the model's ``video: {sample: ...}``)."""
-        if self.model.video_sample is None:
-            return ()
+        return self._video_urls if self.model.video_sample is not None else ()
+
+    @property
+    def _video_urls(self) -> tuple[Part, ...]:
         return tuple(p for p in self.classification.parts if p.type == "video_url" and p.index is not None)
 
     @property

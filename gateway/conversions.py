@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .failures import being_cancelled
 from .metrics import GatewayMetrics
 
 # bytes an entry costs beyond its value's own: the key and its 64-character sha256, the dict slot,
@@ -106,7 +107,7 @@ class ConversionCache:
             try:
                 return await self._join(key, flight)  # type: ignore[no-any-return]
             except asyncio.CancelledError:
-                if _cancelling():
+                if being_cancelled():
                     raise
                 return await make()  # the conversion was stopped, not this caller: it converts for itself
             except shared_errors:
@@ -127,7 +128,7 @@ class ConversionCache:
         try:
             return await self._join(key, flight)  # type: ignore[no-any-return]
         except asyncio.CancelledError:
-            if _cancelling():
+            if being_cancelled():
                 raise
             return await make()
 
@@ -171,10 +172,3 @@ class ConversionCache:
     def _gauge(self) -> None:
         if self._metrics is not None:
             self._metrics.media_cache_bytes.set(self.size)
-
-
-def _cancelling() -> bool:
-    """Whether the running task itself is being cancelled (its client left), rather than a
-    conversion it waited for."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0

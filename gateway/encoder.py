@@ -424,15 +424,11 @@ def _is_embeds(value: object) -> bool:
 def _at_part(error: GatewayError, image: Image, model: str) -> GatewayError:
     """The same error, located at the image's part (a frame: at its video) and counted as refused
     media."""
-    location = image.part.location
-    if image.frame is None:
-        return type(error)(
-            f"{location}: {error.message}", param=location, rejection=Rejection(model, "image", "media_refused")
-        )
+    location, frame = image.part.location, image.frame is not None
     return type(error)(
-        f"{location}: a frame of the video: {error.message}",
+        f"{location}: {'a frame of the video: ' if frame else ''}{error.message}",
         param=location,
-        rejection=Rejection(model, "video", "media_refused"),
+        rejection=Rejection(model, "video" if frame else "image", "media_refused"),
     )
 
 

@@ -42,7 +42,7 @@ import orjson
 
 from .config import EncoderConfig
 from .errors import EncoderError, InvalidImageError, error_detail
-from .failures import CLIENT_ERRORS, failure_of, read_capped
+from .failures import CLIENT_ERRORS, being_cancelled, failure_of, read_capped
 from .metrics import GatewayMetrics
 from .replicas import Lease, Pool, Replica
 
@@ -219,15 +219,10 @@ async def _send(
         outcome = "ok"
         return None
     finally:  # a request cancelled (the client left) is not counted: it says nothing of the instance
-        if not _cancelling():
+        if not being_cancelled():
             metrics.encoder_requests.labels(spec.name, outcome).inc(len(group.items))  # images
             metrics.child(metrics.encoder_backend_requests, spec.name, url, outcome).inc()
             metrics.child(metrics.encoder_backend_seconds, spec.name, url).observe(time.perf_counter() - started)
-
-
-def _cancelling() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 def _match(items: list[Item], data: bytes) -> None:

@@ -114,7 +114,10 @@ class GatewayError(Exception):
 
     def located_at(self, location: str) -> GatewayError:
         """The same error, said of the part at ``location`` (one request's error about a medium,
-        given to another request that carries the same medium elsewhere)."""
+        given to another request that carries the same medium elsewhere); itself when it is
+        said of that part already."""
+        if location == self.param:
+            return self
         message = self.message
         if self.param and message.startswith(f"{self.param}: "):
             message = message[len(self.param) + 2 :]

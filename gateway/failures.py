@@ -10,6 +10,7 @@ aiohttp's exceptions, and those of the gateway's own upstream client (:mod:`gate
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +50,13 @@ def failure_of(exc: aiohttp.ClientError | http1.Http1Error | TimeoutError) -> Fa
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
         return Failure("reset", type(exc).__name__)
     return Failure("protocol", type(exc).__name__)
+
+
+def being_cancelled() -> bool:
+    """Whether the running task itself is being cancelled (its client left), as opposed to an
+    awaited task that was cancelled, or a CancelledError that is nobody's leaving."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _http1_failure(exc: http1.Http1Error) -> Failure:

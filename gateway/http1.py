@@ -728,11 +728,7 @@ class Reply:
         self._arrived()
 
     def _arrived(self) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self._wake()
         if self._buffered > HIGH_WATER and not self.paused and not self._whole:
             self.paused = True
             self._conn.pause()

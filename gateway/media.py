@@ -161,18 +161,18 @@ class MediaFetcher:
         limit = size_limit(media, kind)
         if is_data_url(url):
             if len(url) > DECODE_IN_THREAD_CHARS:
-                return await asyncio.to_thread(decode_data_url, url, max_bytes=limit, kind=kind)
-            return decode_data_url(url, max_bytes=limit, kind=kind)
+                return await asyncio.to_thread(decode_data_url, url, max_bytes=limit)
+            return decode_data_url(url, max_bytes=limit)
         target = _parse_url(url)
         try:
             async with asyncio.timeout(media.fetch_timeout_s):
-                return await self._fetch(target, media, domains, kind)
+                return await self._fetch(target, media, domains, limit)
         except TimeoutError:
             raise MediaRefusedError(
                 f"Image URL host '{target.host}' did not deliver the image within {media.fetch_timeout_s:g}s"
             ) from None
 
-    async def _fetch(self, url: URL, media: MediaConfig, domains: tuple[str, ...], kind: MediaKind) -> bytes:
+    async def _fetch(self, url: URL, media: MediaConfig, domains: tuple[str, ...], limit: int) -> bytes:
         assert self._session is not None, "MediaFetcher.start() was not called"
         for hop in range(MAX_REDIRECTS + 1):
             what = "Image URL" if hop == 0 else "Image URL redirect"
@@ -184,7 +184,7 @@ class MediaFetcher:
                         continue
                     if not 200 <= response.status < 300:
                         raise MediaRefusedError(f"{what} host '{url.host}' answered HTTP {response.status}")
-                    return await _read_capped(response, size_limit(media, kind), url.host, kind)
+                    return await _read_capped(response, limit, url.host)
             except aiohttp.ClientError as exc:
                 raise MediaRefusedError(_fetch_failure(exc, what, url.host)) from None
         raise MediaRefusedError(f"Image URL redirected more than {MAX_REDIRECTS} times")
@@ -221,7 +221,7 @@ def is_data_url(url: str) -> bool:
     return url[:5].lower() == "data:"
 
 
-def decode_data_url(url: str, *, max_bytes: int, kind: MediaKind = "image") -> bytes:
+def decode_data_url(url: str, *, max_bytes: int) -> bytes:
     """Decode ``data:[<mediatype>][;base64],<data>`` (RFC 2397): strict base64, else percent-encoding.
 
     Sizes are checked before decoding, and decoding goes a slice at a time: no step holds more
@@ -242,24 +242,22 @@ def decode_data_url(url: str, *, max_bytes: int, kind: MediaKind = "image") -> b
     if any("=" not in a for a in attributes):
         raise InvalidImageError("Image data URL is malformed: a media type parameter has no '='")
     start = comma + 1
-    limit = (max_bytes, kind)
-    raw = _decode_base64(url, start, limit) if is_base64 else _decode_percent(url, start, limit)
+    raw = _decode_base64(url, start, max_bytes) if is_base64 else _decode_percent(url, start, max_bytes)
     if len(raw) > max_bytes:
-        raise _too_large(*limit)
+        raise _too_large(max_bytes)
     if not raw:
         raise InvalidImageError("Image data URL holds no data")
     return raw
 
 
-def _decode_base64(url: str, start: int, limit: tuple[int, MediaKind]) -> bytes:
-    max_bytes = limit[0]
+def _decode_base64(url: str, start: int, max_bytes: int) -> bytes:
     if not url.isascii() and not url[start:].isascii():  # the header may name a file 'é.png'
         raise InvalidImageError("Image data URL is not valid base64")
     whole, offset = _encoded(url, start)
     size = len(whole) - offset
     # line breaks are allowed: what counts is the length without them, and decoding can't be cheaper
     if size // 4 * 3 > max_bytes + 2 and _length_without_whitespace(whole, offset) // 4 * 3 > max_bytes + 2:
-        raise _too_large(*limit)
+        raise _too_large(max_bytes)
     try:
         return _b64decode(whole, offset)
     except binascii.Error:
@@ -296,11 +294,10 @@ def _b64decode(data: bytes, start: int) -> bytes:
     return b"".join(base64.b64decode(view[i : i + _SLICE_CHARS], validate=True) for i in _slices(data, start))
 
 
-def _decode_percent(url: str, start: int, limit: tuple[int, MediaKind]) -> bytes:
-    max_bytes = limit[0]
+def _decode_percent(url: str, start: int, max_bytes: int) -> bytes:
     # every byte of the result takes 1 to 3 characters ('%41')
     if (len(url) - start) // 3 > max_bytes:
-        raise _too_large(*limit)
+        raise _too_large(max_bytes)
     raw, begin = _encoded(url, start)
     if raw.find(b"%", begin) < 0:
         return raw[begin:]
@@ -320,7 +317,7 @@ def _decode_percent(url: str, start: int, limit: tuple[int, MediaKind]) -> bytes
         except ValueError:
             raise InvalidImageError("Image data URL is malformed: '%' must be followed by two hex digits") from None
         if len(decoded) > max_bytes:
-            raise _too_large(*limit)
+            raise _too_large(max_bytes)
         begin = end
     return bytes(decoded)
 
@@ -351,15 +348,15 @@ def _redirect_target(response: aiohttp.ClientResponse, what: str) -> URL:
     return target
 
 
-async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int, host: str | None, kind: MediaKind) -> bytes:
+async def _read_capped(response: aiohttp.ClientResponse, max_bytes: int, host: str | None) -> bytes:
     if response.content_length is not None and response.content_length > max_bytes:
-        raise _too_large(max_bytes, kind)
+        raise _too_large(max_bytes)
     chunks: list[bytes] = []
     size = 0
     async for chunk in response.content.iter_chunked(_CHUNK_BYTES):
         size += len(chunk)
         if size > max_bytes:
-            raise _too_large(max_bytes, kind)
+            raise _too_large(max_bytes)
         chunks.append(chunk)
     if not size:
         raise InvalidImageError(f"Image URL host '{host}' sent an empty body")
@@ -393,15 +390,18 @@ def size_limit(media: MediaConfig, kind: MediaKind) -> int:
     return media.max_image_bytes
 
 
-def _too_large(max_bytes: int, kind: MediaKind = "image") -> MediaRefusedError:
-    return MediaRefusedError(f"{kind.capitalize()} is larger than media.max_{kind}_bytes ({max_bytes} bytes)")
+def _too_large(max_bytes: int) -> MediaRefusedError:
+    return MediaRefusedError(f"Image is larger than media.max_image_bytes ({max_bytes} bytes)")
 
 
 def _reworded(message: str, kind: MediaKind) -> str:
-    """A message of the image path, for a video or an audio clip."""
+    """A message of the image path (every message of this module is written for an image), for
+    a video or an audio clip: the one place the other media are named."""
+    noun = kind.capitalize()
     return (
-        message.replace("Image URL", f"{kind.capitalize()} URL")
-        .replace("Image data URL", f"{kind.capitalize()} data URL")
+        message.replace("Image is larger than media.max_image_bytes", f"{noun} is larger than media.max_{kind}_bytes")
+        .replace("Image URL", f"{noun} URL")
+        .replace("Image data URL", f"{noun} data URL")
         .replace("the image", f"the {kind}")
     )
 

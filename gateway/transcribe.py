@@ -91,7 +91,8 @@ class Transcriber:
             assert part.index is not None
             async with limit:
                 try:
-                    text = await self._one(messages[part.message]["content"][part.index], part, plan, live, request_id)
+                    value = messages[part.message]["content"][part.index]
+                    text = await self._one(value, part, plan, target, live, request_id)
                 except (UpstreamError, UpstreamTimeoutError) as exc:
                     if policy.on_error != "reject":
                         raise
@@ -106,12 +107,10 @@ class Transcriber:
         results = await asyncio.gather(*(one(p) for p in plan.transcribe_parts))
         return dict(results)
 
-    async def _one(self, value: Mapping[str, Any], part: Part, plan: RoutePlan, live: Live, request_id: str) -> str:
-        assert self._session is not None, "Transcriber.start() was not called"
+    async def _one(
+        self, value: Mapping[str, Any], part: Part, plan: RoutePlan, target: ModelConfig, live: Live, request_id: str
+    ) -> str:
         audio, fmt = await self._audio(value, part, plan.model.name)
-        policy = plan.model.policy(Modality.AUDIO)
-        target = live.config.model(policy.target or "")
-        assert target is not None
         make = functools.partial(self._transcribe, audio, fmt, part, plan, target, live, request_id)
         cache = self._cache
         if cache.enabled:  # the same clip again (a later turn, a parallel request): one transcription
@@ -125,9 +124,7 @@ class Transcriber:
                     keep=lambda v: bool(v[0].strip()),
                     shared_errors=(InvalidAudioError,),  # refused by the transcription model: it would be again
                 )
-            except InvalidAudioError as exc:
-                if exc.param == part.location:
-                    raise
+            except InvalidAudioError as exc:  # the clip's fault, maybe found by a request that carried it too
                 raise exc.located_at(part.location) from None
         else:
             text, seconds = await make()
@@ -184,7 +181,8 @@ class Transcriber:
                     if failure.kind == "connect":  # nothing reached the replica
                         tries += 1
                     continue  # the next replica, a timeout too: transcribing is idempotent
-                text = _transcript(data) if status == 200 else None
+                reply = _json(data) if status == 200 else None
+                text = reply.get("text") if reply is not None else None
                 if status in (400, 413, 415, 422):  # the audio's fault
                     lease.success()
                     raise InvalidAudioError(
@@ -193,13 +191,14 @@ class Transcriber:
                         param=part.location,
                         rejection=Rejection(plan.model.name, "audio", "media_refused"),
                     )
-                if text is None:  # failing, busy, not a transcription server, or a reply that is not one
+                if not isinstance(text, str):  # failing, busy, not a transcription server, or not its reply
                     if status != 429:
                         lease.failure(f"HTTP {status}" if status != 200 else "not a transcription reply")
                     why, timed_out = f"HTTP {status}", False
                     continue
                 lease.success()
-            seconds = await asyncio.to_thread(_duration, data, audio, fmt)  # a header read, off the loop
+            assert reply is not None
+            seconds = await asyncio.to_thread(_duration, reply, audio, fmt)  # a header read, off the loop
             return text, seconds
         if timed_out:
             raise UpstreamTimeoutError(
@@ -270,26 +269,22 @@ def _format_of(url: str) -> str:
     return ext if ext in FORMATS else "wav"
 
 
-def _transcript(data: bytes) -> str | None:
+def _json(data: bytes) -> dict[str, Any] | None:
+    """A transcription reply as the JSON object it should be, or None."""
     try:
         reply = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
-    text = reply.get("text") if isinstance(reply, dict) else None
-    return text if isinstance(text, str) else None
+    return reply if isinstance(reply, dict) else None
 
 
-def _duration(data: bytes, audio: bytes, fmt: str) -> float:
+def _duration(reply: Mapping[str, Any], audio: bytes, fmt: str) -> float:
     """Seconds of audio: the reply's ``duration`` (verbose replies), else a WAV's header, else the
     length the container states (mp3, flac, ogg, ...: PyAV, where the video extra is installed),
     else 0."""
-    try:
-        reply = orjson.loads(data)
-        duration: Any = reply.get("duration") if isinstance(reply, dict) else None
-        if isinstance(duration, int | float) and duration >= 0:
-            return float(duration)
-    except orjson.JSONDecodeError:
-        pass
+    duration = reply.get("duration")
+    if isinstance(duration, int | float) and duration >= 0:
+        return float(duration)
     if fmt == "wav":
         try:
             with wave.open(io.BytesIO(audio)) as w:

@@ -270,9 +270,11 @@ class UpstreamClient:
     def may_retry(self, model: ModelConfig, reason: str) -> bool:
         """Whether one more try of a whole exchange (a handler's own retry: ``ec_error``) fits in
         the model's ``retries.attempts`` and its retry budget; counted either way."""
-        if model.retries.attempts < 1:
-            return False
-        if not self._budget(model).withdraw(model.retries):
+        return model.retries.attempts >= 1 and self._withdraw(model, self._budget(model), reason)
+
+    def _withdraw(self, model: ModelConfig, budget: RetryBudget, reason: str) -> bool:
+        """A retry taken from the model's budget, counted as taken or as refused."""
+        if not budget.withdraw(model.retries):
             self._metrics.retries_refused.labels(model.name).inc()
             return False
         self._metrics.retries.labels(model.name, reason).inc()
@@ -288,14 +290,12 @@ class UpstreamClient:
         model, config = attempts.model, attempts.model.retries
         if attempts.retries >= config.attempts or not pool.available(exclude=attempts.tried):
             return False
-        if not attempts.budget.withdraw(config):
-            self._metrics.retries_refused.labels(model.name).inc()
+        if not self._withdraw(model, attempts.budget, reason):
             return False
         attempts.retries += 1
         attempts.delay = backoff(attempts.retries, config, self._rng)
         if attempts.deadline is not None:  # no wait past the model's total
             attempts.delay = min(attempts.delay, max(0.0, attempts.deadline - asyncio.get_running_loop().time()))
-        self._metrics.retries.labels(model.name, reason).inc()
         return True
 
     def _failed(self, lease: Lease, model: ModelConfig, failure: Failure) -> None:

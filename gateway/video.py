@@ -275,9 +275,7 @@ async def _sample_part(
             result, count = await cache.get_or_make(
                 key, decode, lambda v: size_of(v[0]), shared_errors=(InvalidVideoError,)
             )
-        except InvalidVideoError as exc:  # this video's fault, found by a request that carried it too
-            if exc.param == part.location:
-                raise
+        except InvalidVideoError as exc:  # this video's fault, maybe found by a request that carried it too
             raise exc.located_at(part.location) from None
     else:
         result, count = await decode()

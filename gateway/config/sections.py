@@ -15,6 +15,7 @@ from .types import (
     DEFAULT_ENCODE_IMAGE_LIMIT,
     ENCODER_ERROR_ACTIONS,
     ENCODER_KEYS,
+    FRAMES_KEYS,
     MAX_JSON_DEPTH,
     MEDIA_KEYS,
     MODEL_KEYS,
@@ -22,6 +23,7 @@ from .types import (
     SERVER_KEYS,
     SUPPORTED_VERSION,
     TOP_KEYS,
+    TRANSCRIBE_KEYS,
     UPSTREAM_CLIENTS,
     EncoderConfig,
     GatewayConfig,
@@ -292,7 +294,7 @@ class Parser(PoolReaders, AuthReaders):
             self.problem(path, f"must be {{sample: {{frames: N}}}}, not {show(value)}")
             return None
         sample = value["sample"]
-        if not isinstance(sample, dict) or "frames" not in sample or not set(sample) <= {"frames", "fps", "max_side"}:
+        if not isinstance(sample, dict) or "frames" not in sample or not set(sample) <= set(FRAMES_KEYS[:3]):
             self.problem(
                 f"{path}.sample", f"must be {{frames: N, fps: F, max_side: PX}} (frames required), not {show(sample)}"
             )
@@ -306,14 +308,14 @@ class Parser(PoolReaders, AuthReaders):
         if isinstance(value, dict) and set(value) == {"redirect"}:
             target = self.string(value["redirect"], f"{path}.redirect")
             return Policy("redirect", target) if target else None
-        if isinstance(value, dict) and "transcribe" in value and set(value) <= {"transcribe", "on_error"}:
+        if isinstance(value, dict) and "transcribe" in value and set(value) <= set(TRANSCRIBE_KEYS):
             target = self.string(value["transcribe"], f"{path}.transcribe")
             on_error = value.get("on_error", "fail")
             if on_error not in ("fail", "reject"):
                 self.problem(f"{path}.on_error", unknown_message(on_error, ("fail", "reject"), "action"))
                 return None
             return Policy("transcribe", target, on_error) if target else None
-        if isinstance(value, dict) and "frames" in value and set(value) <= {"frames", "fps", "max_side", "timestamps"}:
+        if isinstance(value, dict) and "frames" in value and set(value) <= set(FRAMES_KEYS):
             frames = self.integer(value["frames"], f"{path}.frames", 8, minimum=1, maximum=64)
             fps = value.get("fps")
             if fps is not None:
@@ -322,13 +324,7 @@ class Parser(PoolReaders, AuthReaders):
             timestamps = self.boolean(value.get("timestamps", True), f"{path}.timestamps", True)
             return Policy("frames", frames=frames, fps=fps, max_side=max_side, timestamps=timestamps)
         if isinstance(value, dict) and value:
-            allowed = (
-                ("transcribe", "on_error")
-                if "transcribe" in value
-                else ("frames", "fps", "max_side", "timestamps")
-                if "frames" in value
-                else ("redirect",)
-            )
+            allowed = TRANSCRIBE_KEYS if "transcribe" in value else FRAMES_KEYS if "frames" in value else ("redirect",)
             for key in value:
                 if key not in allowed:
                     self.problem(join_path(path, key), unknown_message(key, allowed, "key"), at_key=True)

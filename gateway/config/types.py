@@ -46,6 +46,10 @@ SERVER_KEYS = (
     "access_log",
     "upstream_client",
 )
+# the keys of an on_unsupported policy written as a mapping (video: {sample: ...} takes the first
+# three of FRAMES_KEYS)
+TRANSCRIBE_KEYS = ("transcribe", "on_error")
+FRAMES_KEYS = ("frames", "fps", "max_side", "timestamps")
 MEDIA_KEYS = (
     "allow_domains",
     "allow_private_networks",
