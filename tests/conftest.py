@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from gateway.app import SERVER_OPTIONS, create_app
 from gateway.config import GatewayConfig, parse_config
+from gateway.config.types import UPSTREAM_CLIENTS
 from gateway.state import SERVICES_KEY
 from tools.standin import StandIn
 
@@ -89,9 +90,12 @@ async def upstream(upstream_factory: Callable[..., Awaitable[Upstream]]) -> Upst
 def upstream_client(request: pytest.FixtureRequest) -> str | None:
     """The ``server.upstream_client`` every gateway of a test runs with; None: the config's own.
     A module runs its tests against both clients with
-    ``pytestmark = pytest.mark.parametrize("upstream_client", UPSTREAM_CLIENTS, indirect=True)``."""
+    ``pytestmark = BOTH_CLIENTS``, a test with ``@BOTH_CLIENTS``."""
     client: str | None = getattr(request, "param", None)
     return client
+
+
+BOTH_CLIENTS = pytest.mark.parametrize("upstream_client", UPSTREAM_CLIENTS, indirect=True)
 
 
 @pytest.fixture

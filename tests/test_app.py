@@ -10,11 +10,9 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.config.types import UPSTREAM_CLIENTS
-from tests.conftest import Gateway, Upstream, error_body, routing
+from tests.conftest import BOTH_CLIENTS, Gateway, Upstream, error_body, routing
 
 # run against the gateway's own upstream client and aiohttp's
-BOTH_CLIENTS = pytest.mark.parametrize("upstream_client", UPSTREAM_CLIENTS, indirect=True)
 
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}

@@ -27,11 +27,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.config.types import UPSTREAM_CLIENTS
-from tests.conftest import Gateway, Upstream, routing
+from tests.conftest import BOTH_CLIENTS, Gateway, Upstream, routing
 
 # run against the gateway's own upstream client and aiohttp's
-BOTH_CLIENTS = pytest.mark.parametrize("upstream_client", UPSTREAM_CLIENTS, indirect=True)
 
 
 PNG_1X1 = base64.b64decode(

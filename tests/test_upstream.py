@@ -10,12 +10,11 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.config.types import UPSTREAM_CLIENTS
 from gateway.state import SERVICES_KEY
-from tests.conftest import error_body, free_port, routing
+from tests.conftest import BOTH_CLIENTS, error_body, free_port, routing
 
 # every fault, through the gateway's own client and through aiohttp's
-pytestmark = pytest.mark.parametrize("upstream_client", UPSTREAM_CLIENTS, indirect=True)
+pytestmark = BOTH_CLIENTS
 
 HI = [{"role": "user", "content": "hi"}]
 

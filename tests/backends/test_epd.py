@@ -19,6 +19,7 @@ from aiohttp import web
 from tests.backends.fixtures import Backend, png
 from tests.conftest import Gateway, Upstream, error_body, routing
 from tests.images import data_url, image_part
+from tests.videos import video, video_part  # each skips without PyAV
 
 
 def load_as_vllm_does(value: str) -> torch.Tensor:
@@ -272,8 +273,6 @@ def framed(upstream: Upstream, backend: Backend, encode: str, frames: str) -> st
 async def test_video_frames_go_through_the_encoder_like_images(gateway_factory, upstream, backend) -> None:
     """on_unsupported: {video: {frames: N}} with encode: {image: ...}: each frame is an image to
     the encoder (batched, cached: the same video again is all cache hits), placed in order."""
-    pytest.importorskip("av")
-    from tests.videos import video, video_part
 
     gw = await gateway_factory(framed(upstream, backend, "{image: vision}", "{frames: 3, max_side: 32}"))
     clip = video()
@@ -304,8 +303,6 @@ async def test_video_frames_go_through_the_encoder_like_images(gateway_factory, 
 
 
 async def test_video_frames_count_toward_min_images(gateway_factory, upstream, backend) -> None:
-    pytest.importorskip("av")
-    from tests.videos import video, video_part
 
     config = framed(upstream, backend, "{image: vision, min_images: 4}", "{frames: 2, timestamps: false}")
     gw = await gateway_factory(config)
