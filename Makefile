@@ -35,11 +35,12 @@ cluster-demo: $(STAMP) test-deps ## 2 gateways x 2 encoders on loopback: spread,
 test: $(STAMP) test-deps ## run every test
 	$(PY) -m pytest
 
-test-deps: ## system packages the tests use: Debian's prometheus (promtool and the server) and wrk (the bench harness's test)
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v wrk >/dev/null || { \
+test-deps: ## system packages the tests use: Debian's prometheus (promtool and the server), wrk (the bench harness's test), curl (the README's quick start)
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v wrk >/dev/null \
+	  && command -v curl >/dev/null || { \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	  $$SUDO apt-get install -y -qq --no-install-recommends prometheus wrk >/dev/null; }
+	  $$SUDO apt-get install -y -qq --no-install-recommends prometheus wrk curl >/dev/null; }
 
 bench: $(STAMP) bench-deps ## the gateway hop vs direct and a minimal proxy, wrk (~7 min): table, docs/bench-hop.png
 	$(PY) -m bench.hop --plot docs/bench-hop.png --profile
