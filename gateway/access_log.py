@@ -18,7 +18,9 @@ status, the bytes sent (headers included), the seconds taken, then what the gate
 headers: the request id (``X-Request-Id``, which ties the line to the engine's logs), the model
 that served it, the route and how many images were encoded (``-`` where there is none). Values a
 client chose (path, user agent) have their quotes and control characters escaped, so a line
-cannot be forged.
+cannot be forged. Query values are written as ``REDACTED`` (a key sent as ``?api_key=`` must not
+reach a log), and what aiohttp's parser refuses is not logged with the header bytes it quotes
+(:class:`ParserErrorFilter`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from typing import IO
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
+from aiohttp.http_exceptions import HttpProcessingError
 
 BATCH_BYTES = 64 * 1024
 FLUSH_S = 0.5
 WRITE_BYTES = 4096  # PIPE_BUF: a write this small to a pipe is never torn by another process's
 _MAX_FIELD = 512  # a client-chosen field longer than this is cut (headers may be 8 KB)
+_log = logging.getLogger("gateway.http")
 
 
 class AccessLogWriter:
@@ -100,7 +104,7 @@ def access_logger(writer: AccessLogWriter) -> type[AbstractAccessLogger]:
             version = request.version
             writer.write(
                 f"{writer.timestamp(time.time())} {request.remote or '-'} "
-                f'"{request.method} {_safe(request.raw_path)} HTTP/{version.major}.{version.minor}" '
+                f'"{request.method} {_safe(_target(request.raw_path))} HTTP/{version.major}.{version.minor}" '
                 f"{response.status} {response.body_length} {time_s:.3f}s "
                 f"rid={_safe(headers.get('X-Request-Id', '-'))} model={headers.get('X-Gateway-Model', '-')} "
                 f"route={headers.get('X-Gateway-Route', '-')} encoded={headers.get('X-Gateway-Encoded', '-')} "
@@ -108,6 +112,42 @@ def access_logger(writer: AccessLogWriter) -> type[AbstractAccessLogger]:
             )
 
     return AccessLog
+
+
+def _target(path: str) -> str:
+    """The request target with every query value replaced by ``REDACTED``: the gateway's API
+    takes none, and a client that sends its key as ``?api_key=...`` must not find it in a log."""
+    target, sep, query = path.partition("?")
+    if not sep:
+        return path
+    names = (item.partition("=")[0] for item in query.split("&"))
+    return target + "?" + "&".join(f"{name}=REDACTED" if name else "REDACTED" for name in names)
+
+
+class ParserErrorFilter(logging.Filter):
+    """aiohttp logs a request its HTTP parser refuses (a control character in a header, an
+    obs-folded line) at ERROR with a traceback whose message quotes the offending header line,
+    an ``Authorization`` header's key included: ~0.7 KB of ERROR a request, for any client to
+    send. This filter, on the ``aiohttp.server`` logger, drops those records and says the same at
+    DEBUG in one line, the parser's reason without the bytes it quotes; the access log has the
+    request's line and its 400 already."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        if _log.isEnabledFor(logging.DEBUG):
+            reason = str(exc.message).split("\n", 1)[0].rstrip(": ")
+            remote = record.args[0] if isinstance(record.args, tuple) and record.args else "-"
+            _log.debug("HTTP request refused by the parser (%d) from %s: %s", exc.code, remote, reason)
+        return False
+
+
+def quiet_parser_errors(logger: logging.Logger | None = None) -> None:
+    """Install :class:`ParserErrorFilter` on aiohttp's server logger, once."""
+    logger = logger or logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, ParserErrorFilter) for f in logger.filters):
+        logger.addFilter(ParserErrorFilter())
 
 
 def _pieces(lines: list[str]) -> list[bytes]:

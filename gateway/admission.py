@@ -220,7 +220,7 @@ def admit(
         _enforce_limits(model, classification, frozenset())
         return RoutePlan(requested.name, model, classification)
     while True:
-        redirect = _choose_redirect(config, model, present)
+        redirect = _choose_redirect(config, model, present, visible)
         if redirect is None:
             break
         if any(r.source == redirect.target for r in redirects) or redirect.target == requested.name:
@@ -233,7 +233,11 @@ def admit(
         model = target
     unsupported = [m for m in present if m not in model.accepts]
     stripped = frozenset(m for m in unsupported if model.policy(m).action == "strip")
-    transcribed = frozenset(m for m in unsupported if model.policy(m).action == "transcribe")
+    transcribed = frozenset(
+        m
+        for m in unsupported
+        if (policy := model.policy(m)).action == "transcribe" and _may_use(visible, policy.target or "")
+    )
     framed = frozenset(m for m in unsupported if model.policy(m).action == "frames")
     _reject_unsupported(model, classification, unsupported, stripped | transcribed | framed, redirects)
     _enforce_limits(model, classification, stripped | transcribed | framed)
@@ -263,11 +267,23 @@ def _frames_per_video(model: ModelConfig, classification: Classification, stripp
     return per_video
 
 
-def _choose_redirect(config: GatewayConfig, model: ModelConfig, present: tuple[Modality, ...]) -> Redirect | None:
+def _may_use(visible: Visible, model: str) -> bool:
+    """Whether the caller's key may use ``model``: a model a request is redirected to, or that
+    converts its media (a transcription model), counts as used by the key. One outside the key's
+    list is not there for it: the modality is refused as the model's own, naming neither."""
+    return visible is None or visible(model)
+
+
+def _choose_redirect(
+    config: GatewayConfig, model: ModelConfig, present: tuple[Modality, ...], visible: Visible
+) -> Redirect | None:
     candidates = [
         Redirect(model.name, m, policy.target)
         for m in present
-        if m not in model.accepts and (policy := model.policy(m)).action == "redirect" and policy.target
+        if m not in model.accepts
+        and (policy := model.policy(m)).action == "redirect"
+        and policy.target
+        and _may_use(visible, policy.target)
     ]
     for candidate in candidates:
         target = config.model(candidate.target)
@@ -283,7 +299,8 @@ def _reject_unsupported(
     stripped: frozenset[Modality],
     redirects: list[Redirect],
 ) -> None:
-    rejected = [m for m in unsupported if model.policy(m).action == "reject"]
+    # reject, and a redirect or a conversion to a model outside the caller's key
+    rejected = [m for m in unsupported if m not in stripped]
     # a stripped part takes what it carries with it (a video's audio track, say)
     offending = [
         p for p in classification.parts if p.modality not in stripped and any(m in rejected for m in p.modalities)

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from . import handlers
+from .access_log import quiet_parser_errors
 from .concurrency import Gates
 from .config import GatewayConfig
 from .conversions import ConversionCache
@@ -55,6 +56,7 @@ def create_app(
     replaces the local encoder backend's command line and ``supervisor_timings`` its watch (tests).
     A worker of ``serve --workers N`` passes the master's ``supervisor`` view, and the
     ``multiprocess_dir`` its metrics go to (``PROMETHEUS_MULTIPROC_DIR``): /metrics sums every worker's."""
+    quiet_parser_errors()  # no header a client sent (its key) in an ERROR traceback
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry, multiprocess=multiprocess_dir is not None)
     scrape = registry
@@ -105,7 +107,7 @@ def create_app(
     get("/readyz", handlers.readyz)
     post("/admin/reload", handlers.admin_reload)
     get("/admin/config", handlers.admin_config)
-    get("/metrics", make_aiohttp_handler(scrape))
+    get("/metrics", handlers.metrics_endpoint(make_aiohttp_handler(scrape)))
     return app
 
 
@@ -122,7 +124,7 @@ async def _clients(app: web.Application) -> AsyncIterator[None]:
     await services.encoder.close()
     if services.transcriber is not None:
         await services.transcriber.close()
-    services.video_decoding.shutdown(wait=False, cancel_futures=True)
+    services.decoders.close()
     await services.supervisor.close()  # supervised encoders stop last
 
 

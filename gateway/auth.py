@@ -23,13 +23,12 @@ import hashlib
 import hmac
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .config import ApiKey, AuthConfig
+from .config import ApiKey, AuthConfig, env_secret
 from .errors import ConcurrencyLimitError, InvalidApiKeyError, RateLimitedError
 
 log = logging.getLogger(__name__)
@@ -66,7 +65,7 @@ class Keyring:
         for key in auth.keys:
             if key.key_sha256 is not None:
                 entries.append((bytes.fromhex(key.key_sha256), key))
-            elif key.key_env is not None and (value := os.environ.get(key.key_env)):
+            elif key.key_env is not None and (value := env_secret(key.key_env)):
                 entries.append((digest_of(value), key))
             else:  # serve and reloads refuse this (validate_host); a config built in code may not
                 log.warning("API key %s: %s is not set; the key is not accepted", key.name, key.key_env)

@@ -50,7 +50,21 @@ log = logging.getLogger(__name__)
 JSON = "application/json"
 # The request's fields an encoder instance must see to process images as the consumer will.
 CARRIED_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
-MAX_REPLY_BYTES = 4 << 20  # a priming reply: metadata, a few KB
+# What an encoder instance may answer, checked before anything of it goes on to the consumer: a
+# priming reply is a chat completion with an ec_transfer_params entry per image (its cache key,
+# its metadata such as image_grid_thw, its item_indices: ~200 bytes). Over these it is not an
+# encoder the gateway can use (the images go to another instance): an entry nested 300 levels
+# deep was a 500 (orjson writes at most 254), 3.9 MB of reply held the event loop for 348 ms,
+# and one 3 MB entry shared by 8 images made a 27 MB consumer body of a 1 KB request.
+MAX_ENTRY_BYTES = 8 << 10  # one item's entry, as written again
+MAX_ENTRY_DEPTH = 8  # levels of nesting in one entry
+MAX_KEY_CHARS = 256  # an entry's cache key
+
+
+def max_reply_bytes(items: int) -> int:
+    """The most a priming reply for ``items`` images may be: its entries and the rest of a chat
+    completion (choices, usage)."""
+    return (1 + items) * MAX_ENTRY_BYTES
 
 
 class ImagesRefusedError(InvalidImageError):
@@ -193,7 +207,7 @@ async def _send(
                 headers={"Content-Type": JSON, "X-Request-Id": request_id},
                 timeout=timeout,
             ) as resp:
-                status, data = resp.status, await read_capped(resp, MAX_REPLY_BYTES)
+                status, data = resp.status, await read_capped(resp, max_reply_bytes(len(group.items)))
         except CLIENT_ERRORS as exc:
             why = failure_of(exc)
             first.failure(why.reason)
@@ -208,14 +222,19 @@ async def _send(
             outcome = "overloaded" if status in (429, 503) else "error"
             log.warning("encoder %s instance %s answered %d", spec.name, url, status)
             return f"HTTP {status}"
-        first.success()
         if status != 200:  # 400, 422: the instance refused the images, the client's fault
+            first.success()
             outcome = "invalid"
             raise ImagesRefusedError(
                 f"encoder '{spec.name}' refused the image(s){error_detail(data)}",
                 uuids=tuple(item.uuid for item in group.items),
             )
-        _match(group.items, data)
+        unusable = _match(group.items, data)
+        if unusable is not None:  # not what an encoder instance answers: its images go elsewhere
+            first.failure(unusable)
+            log.warning("encoder %s instance %s: %s", spec.name, url, unusable)
+            return unusable
+        first.success()
         outcome = "ok"
         return None
     finally:  # a request cancelled (the client left) is not counted: it says nothing of the instance
@@ -225,10 +244,11 @@ async def _send(
             metrics.child(metrics.encoder_backend_seconds, spec.name, url).observe(time.perf_counter() - started)
 
 
-def _match(items: list[Item], data: bytes) -> None:
+def _match(items: list[Item], data: bytes) -> str | None:
     """Set each item's entry from a reply's ``ec_transfer_params``, matched as vLLM's proxy does:
     by ``item_indices`` (positions in the request) when several went together, else by the uuid
-    as key, else the one entry of a one-item request. An item left unmatched gets ``{}``."""
+    as key, else the one entry of a one-item request. An item left unmatched gets ``{}``. Says
+    why when the reply is not one to pass on (nothing is set then)."""
     try:
         reply = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -236,6 +256,10 @@ def _match(items: list[Item], data: bytes) -> None:
     params = reply.get("ec_transfer_params") if isinstance(reply, dict) else None
     if not isinstance(params, dict):
         params = {}
+    for key, entry in params.items():
+        unusable = _unusable(key, entry)
+        if unusable is not None:
+            return f"a priming reply with an ec_transfer_params entry {unusable}"
     by_index: dict[int, tuple[str, dict[str, Any]]] = {}
     for key, entry in params.items():
         if not isinstance(entry, dict):
@@ -257,6 +281,27 @@ def _match(items: list[Item], data: bytes) -> None:
             item.key, item.entry = item.uuid, {}
         else:
             item.key, item.entry = found
+    return None
+
+
+def _unusable(key: str, entry: Any) -> str | None:
+    """Why an ``ec_transfer_params`` entry cannot go on to the consumer, or None."""
+    if len(key) > MAX_KEY_CHARS:
+        return f"key of {len(key)} characters (at most {MAX_KEY_CHARS})"
+    if _depth(entry, MAX_ENTRY_DEPTH) > MAX_ENTRY_DEPTH:
+        return f"nested over {MAX_ENTRY_DEPTH} levels"
+    size = len(orjson.dumps(entry))
+    if size > MAX_ENTRY_BYTES:
+        return f"of {size} bytes (at most {MAX_ENTRY_BYTES})"
+    return None
+
+
+def _depth(value: Any, limit: int) -> int:
+    """How deep ``value`` nests (a scalar: 0), counted no further than one past ``limit``."""
+    if limit < 0 or not isinstance(value, dict | list):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(v, limit - 1) for v in children), default=0)
 
 
 def plan(spec: EncoderConfig, images: list[tuple[str, str | None]]) -> dict[str, Any]:

@@ -9,6 +9,8 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     │   ├── UnreadableBodyError           400                       invalid_request
     │   ├── InvalidContentPartError       400                       invalid_content_part
     │   ├── InvalidImageError             400                       invalid_image
+    │   ├── InvalidVideoError             400                       invalid_video
+    │   ├── InvalidAudioError             400                       invalid_audio
     │   └── MediaRefusedError             400                       media_refused
     ├── AuthenticationError               401 authentication_error  invalid_admin_token
     │   └── InvalidApiKeyError            401                       invalid_api_key
@@ -24,6 +26,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     │   └── ConcurrencyLimitError         429                       concurrency_limit_exceeded
     ├── QueueFullError                    429 rate_limit_error      queue_full
     ├── QueueTimeoutError                 503 server_error          queue_timeout
+    ├── DecodersBusyError                 503 server_error          decoders_busy
     ├── UpstreamError                     502 server_error          upstream_error
     │   ├── UpstreamConnectError          502                       upstream_unreachable
     │   ├── UpstreamTimeoutError          504                       upstream_timeout
@@ -143,6 +146,14 @@ class InvalidContentPartError(InvalidRequestError, code="invalid_content_part"):
 class InvalidImageError(InvalidRequestError, code="invalid_image"): ...
 
 
+class InvalidVideoError(InvalidRequestError, code="invalid_video"):
+    """A video the gateway samples into frames cannot be, or costs more than a request may spend."""
+
+
+class InvalidAudioError(InvalidRequestError, code="invalid_audio"):
+    """Audio the gateway transcribes is not base64, or the transcription model refused it."""
+
+
 class MediaRefusedError(InvalidRequestError, code="media_refused"): ...
 
 
@@ -222,6 +233,16 @@ class NoHealthyUpstreamError(UpstreamError, status=503, code="no_healthy_upstrea
 
 class QueueTimeoutError(GatewayError, status=503, code="queue_timeout"):
     """The request waited queue.timeout_s for a slot of its model (with Retry-After)."""
+
+
+class DecodersBusyError(GatewayError, status=503, code="decoders_busy"):
+    """Every media decoding thread is busy and the queue for them full, or waited in too long
+    (with Retry-After); ``reason`` says which: ``queue_full`` or ``queue_timeout``."""
+
+    def __init__(self, message: str, *, reason: str = "queue_full", **kwargs: Any) -> None:
+        kwargs.setdefault("headers", {"Retry-After": "1"})
+        super().__init__(message, **kwargs)
+        self.reason = reason
 
 
 class EncoderError(GatewayError, status=503, code="encoder_unavailable"): ...

@@ -49,7 +49,13 @@ def failure_of(exc: aiohttp.ClientError | http1.Http1Error | TimeoutError) -> Fa
         return Failure("timeout", "read timeout")
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
         return Failure("reset", type(exc).__name__)
+    if isinstance(exc, ReplyTooLargeError):
+        return Failure("protocol", str(exc))
     return Failure("protocol", type(exc).__name__)
+
+
+class ReplyTooLargeError(aiohttp.ClientPayloadError):
+    """A small reply (:func:`read_capped`) that is not small: not what the server should send."""
 
 
 def being_cancelled() -> bool:
@@ -75,10 +81,10 @@ async def read_capped(response: aiohttp.ClientResponse, max_bytes: int) -> bytes
     """A small reply read whole (an encoder's metadata, a transcript); one over ``max_bytes`` is
     not what the server should send: a protocol failure (ClientPayloadError), like a broken body."""
     if response.content_length is not None and response.content_length > max_bytes:
-        raise aiohttp.ClientPayloadError(f"reply over {max_bytes} bytes")
+        raise ReplyTooLargeError(f"a reply over {max_bytes} bytes")
     data = bytearray()
     async for chunk in response.content.iter_any():
         data += chunk
         if len(data) > max_bytes:
-            raise aiohttp.ClientPayloadError(f"reply over {max_bytes} bytes")
+            raise ReplyTooLargeError(f"a reply over {max_bytes} bytes")
     return bytes(data)

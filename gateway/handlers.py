@@ -76,9 +76,7 @@ async def _convert(
         assert services.transcriber is not None
         converted |= await services.transcriber.transcribe(plan, body, live, request_id=request[REQUEST_ID_KEY])
     if plan.frame_parts or plan.presample_parts:
-        sampling = video.Sampling(
-            services.encoder.fetcher, services.metrics, services.video_decoding, services.conversions
-        )
+        sampling = video.Sampling(services.encoder.fetcher, services.metrics, services.decoders, services.conversions)
         if plan.frame_parts:
             converted |= await video.frames_for(plan, body, sampling)
         if plan.presample_parts:
@@ -263,6 +261,28 @@ async def admin_config(request: web.Request) -> web.Response:
             "config": as_dict(live.config),
         }
     )
+
+
+def metrics_endpoint(scrape: Handler) -> Handler:
+    """``GET /metrics``. It names every model (those a key may not see too), every key's name and
+    the upstream URLs, and each scrape costs ~10 ms of the event loop: with ``auth:`` on and no
+    ``server.admin_listen`` (where it is served apart), it needs the admin token, as
+    ``/admin/*`` does; a refusal costs what a 401 costs. Without ``auth:`` the gateway is open,
+    /metrics too."""
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        services = request.app[SERVICES_KEY]
+        if services.store.live.keyring is not None and services.lifecycle.admin_port is None:
+            env = services.store.current.server.admin_token_env
+            if not os.environ.get(env):
+                raise PermissionDeniedError(
+                    f"With auth: on, /metrics needs the admin token: set the {env} environment variable and "
+                    "scrape with it, or serve /metrics apart on server.admin_listen"
+                )
+            _check_admin(request, services)
+        return await scrape(request)
+
+    return metrics
 
 
 def _is_admin(request: web.Request, services: Services) -> bool:

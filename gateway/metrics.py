@@ -152,6 +152,13 @@ class GatewayMetrics:
             buckets=DURATION_BUCKETS,
             registry=registry,
         )
+        self.video_decode_shed = Counter(
+            "gateway_video_decode_shed",
+            "Videos refused with 503 decoders_busy because every decoding thread was busy: the queue for them was "
+            "full (queue_full) or the wait too long (queue_timeout), by the request's model.",
+            ["model", "reason"],
+            registry=registry,
+        )
         self.media_cache_requests = Counter(
             "gateway_media_cache_requests",
             "Lookups of media the gateway converted before (media.cache_bytes), by kind (transcript, frames, "
@@ -279,6 +286,9 @@ class GatewayMetrics:
                     self.audio_transcribed_seconds.labels(model.name)
                 elif policy.action == "frames":
                     self.video_frames.labels(model.name)
+            if model.video_sample is not None or any(p.action == "frames" for p in model.on_unsupported.values()):
+                for reason in ("queue_full", "queue_timeout"):
+                    self.video_decode_shed.labels(model.name, reason)
 
 
 class PoolCollector(Collector):

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from .auth import Keyring
-from .config import GatewayConfig, load_config
-from .errors import ConfigError
+from .config import GatewayConfig, env_secret, load_config, missing_software
+from .errors import ConfigError, ConfigProblem
 from .metrics import GatewayMetrics
 from .replicas import Pool, ReplicaSet
 
@@ -84,6 +84,9 @@ class ConfigStore:
         return self.live.generation
 
     def _generation(self, config: GatewayConfig, number: int) -> Live:
+        missing = missing_software(config)  # a file's were refused with its lines; one built in code here
+        if missing:
+            raise ConfigError([ConfigProblem(config.source or "config", 0, 0, path, why) for path, why in missing])
         pools = {
             m.name: self.replicas.pool(m.name, m.upstreams, weights=m.weights, balance=m.balance, breaker=m.breaker)
             for m in config.models
@@ -98,7 +101,7 @@ class ConfigStore:
         for m in config.models:
             if m.api_key_env is None:
                 continue
-            key = os.environ.get(m.api_key_env, "").strip()  # a secret file's trailing newline is no part of it
+            key = env_secret(m.api_key_env)
             if key:
                 auth[m.name] = f"Bearer {key}"
             else:  # serve and reloads refuse this (validate_host); a config built in code may not

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -12,13 +11,13 @@ from .auth import KeyLimits
 from .concurrency import Gates
 from .config import ApiKey
 from .conversions import ConversionCache
+from .decoders import DecoderPool
 from .encoder import EncoderClient
 from .metrics import GatewayMetrics
 from .reload import ConfigStore
 from .supervisor import Supervisor
 from .transcribe import Transcriber
 from .upstream import UpstreamClient
-from .video import DECODE_CONCURRENCY
 
 
 @dataclass(slots=True)
@@ -45,11 +44,9 @@ class Services:
     transcriber: Transcriber | None = None  # audio to text (on_unsupported: {audio: {transcribe: M}})
     # transcripts and video frames made before, for the next turn (media.cache_bytes)
     conversions: ConversionCache = field(default_factory=lambda: ConversionCache(0))
-    # videos sampled into frames (gateway.video): their own threads, DECODE_CONCURRENCY of them,
-    # apart from the default executor (DNS lookups, large data URLs); shut down with the app
-    video_decoding: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(DECODE_CONCURRENCY, thread_name_prefix="video")
-    )
+    # videos sampled into frames (gateway.video): threads of their own, a bounded queue for them,
+    # apart from the default executor (DNS lookups, large data URLs); closed with the app
+    decoders: DecoderPool = field(default_factory=DecoderPool)
 
 
 SERVICES_KEY = web.AppKey("services", Services)

@@ -19,6 +19,7 @@ import base64
 import functools
 import io
 import logging
+import math
 import wave
 from collections.abc import Mapping
 from typing import Any
@@ -29,9 +30,10 @@ import orjson
 from .admission import RoutePlan
 from .config import ModelConfig
 from .conversions import ConversionCache
+from .demux import AUDIO_FORMATS, UnreadableMediaError, open_media
 from .errors import (
     GatewayError,
-    InvalidRequestError,
+    InvalidAudioError,
     MediaRefusedError,
     Rejection,
     UnsupportedModalityError,
@@ -51,11 +53,9 @@ log = logging.getLogger(__name__)
 TRANSCRIPT = "[Transcript of the user's audio] "  # marks the text part that replaced an audio part
 CONCURRENCY = 4  # audio parts of one request transcribed at once
 MAX_REPLY_BYTES = 4 << 20  # a transcript: words, a few KB
+MIN_BITRATE = 6000  # bits a second: Opus's lowest; no clip holds more seconds than its bytes at this rate
 FORMATS = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg", "webm": "audio/webm",
            "m4a": "audio/mp4", "mp4": "audio/mp4", "mpeg": "audio/mpeg", "mpga": "audio/mpeg"}  # fmt: skip
-
-
-class InvalidAudioError(InvalidRequestError, code="invalid_audio"): ...
 
 
 class Transcriber:
@@ -279,30 +279,44 @@ def _json(data: bytes) -> dict[str, Any] | None:
 
 
 def _duration(reply: Mapping[str, Any], audio: bytes, fmt: str) -> float:
-    """Seconds of audio: the reply's ``duration`` (verbose replies), else a WAV's header, else the
-    length the container states (mp3, flac, ogg, ...: PyAV, where the video extra is installed),
-    else 0."""
-    duration = reply.get("duration")
-    if isinstance(duration, int | float) and duration >= 0:
-        return float(duration)
-    if fmt == "wav":
-        try:
-            with wave.open(io.BytesIO(audio)) as w:
-                frames, rate = int(w.getnframes()), int(w.getframerate())
-            return frames / rate if rate else 0.0
-        except (wave.Error, EOFError):
-            pass  # a WAV the wave module cannot read (float samples, extensible headers): FFmpeg can
-    return _stated_seconds(audio)
+    """Seconds of audio, as read from the clip's own bytes: a WAV's samples that are there, or the
+    length the container states (mp3, flac, ogg, ...: PyAV, where the video extra is installed);
+    the reply's ``duration`` (verbose replies) only where neither says. Never more than the bytes
+    could hold at :data:`MIN_BITRATE`: a header or a reply may claim anything."""
+    most = len(audio) * 8 / MIN_BITRATE
+    seconds = _wav_seconds(audio) if fmt == "wav" else None
+    if seconds is None:
+        seconds = _stated_seconds(audio)
+    if seconds is None:
+        duration = reply.get("duration")
+        seconds = float(duration) if isinstance(duration, int | float) and duration >= 0 else 0.0
+    return min(seconds, most) if math.isfinite(seconds) else 0.0
 
 
-def _stated_seconds(audio: bytes) -> float:
+def _wav_seconds(audio: bytes) -> float | None:
+    """A WAV's seconds: the frames its header states, at most those its bytes hold."""
     try:
-        import av
+        with wave.open(io.BytesIO(audio)) as w:
+            frames, rate = int(w.getnframes()), int(w.getframerate())
+            size = int(w.getnchannels()) * int(w.getsampwidth())
+    except (wave.Error, EOFError):
+        return None  # a WAV the wave module cannot read (float samples, extensible headers): FFmpeg can
+    if not rate or not size:
+        return 0.0
+    return min(frames, len(audio) // size) / rate
+
+
+def _stated_seconds(audio: bytes) -> float | None:
+    try:
+        container = open_media(audio, AUDIO_FORMATS)
     except ImportError:  # pragma: no cover - the video extra is installed with the gateway
-        return 0.0
+        return None
+    except UnreadableMediaError:
+        return None
     try:
-        with av.open(io.BytesIO(audio), mode="r", metadata_errors="ignore") as container:
-            duration = container.duration  # microseconds (AV_TIME_BASE)
+        duration: int | None = container.duration  # microseconds (AV_TIME_BASE)
     except Exception:  # whatever FFmpeg makes of a file it cannot read: not counted, not an error
-        return 0.0
-    return duration / 1_000_000 if duration is not None and duration > 0 else 0.0
+        return None
+    finally:
+        container.close()
+    return duration / 1_000_000 if duration is not None and duration > 0 else None

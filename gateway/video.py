@@ -4,30 +4,34 @@
 ``video`` extra) and returns N frames spread evenly over its duration (or ``fps`` a second,
 capped by N), each scaled to fit ``max_side`` and encoded as JPEG, with its timestamp. It seeks
 to each sample's time rather than decoding the whole file: a long video costs N seeks and the
-frames between a keyframe and each sample. It is synchronous and CPU-bound (callers run it in a
-thread, bounded); hostile input is bounded by the byte size the caller allows, ``max_seconds``,
-``max_pixels`` (one frame) and the decode budget: undecodable, truncated or oversized files are
-:class:`InvalidVideoError` (400 ``invalid_video``), never a crash.
+frames between a keyframe and each sample. It is synchronous and CPU-bound: callers run it on the
+process's decoding threads (gateway.decoders). Only container formats that read nothing but the
+bytes given are opened (gateway.demux). Hostile input is bounded by the byte size the caller
+allows, ``max_seconds``, ``max_pixels`` (one frame) and a :class:`Budget` of the work itself:
+pixels decoded (a keyframe and hundreds of frames after it cost what they cost once, not once a
+sample), a deadline, and a stop flag set when nobody waits any more. Undecodable, truncated or
+oversized files are :class:`InvalidVideoError` (400 ``invalid_video``), never a crash.
 
 What a model loses this way: motion between the samples, and the sound.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import functools
-import io
 import math
+import threading
 import time
 from collections.abc import Callable, Hashable
-from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .admission import EXPAND, RoutePlan
 from .conversions import ConversionCache
+from .decoders import DecoderPool
+from .demux import VIDEO_FORMATS, VIDEO_NAMES, UnreadableMediaError, open_media, reason
+from .errors import DecodersBusyError, GatewayError, InvalidVideoError, MediaRefusedError, Rejection
 from .media import sha256
 from .modality import Modality, Part
 
@@ -35,16 +39,20 @@ if TYPE_CHECKING:
     from .media import MediaFetcher
     from .metrics import GatewayMetrics
 
-from .errors import GatewayError, InvalidRequestError, MediaRefusedError, Rejection
-
 T = TypeVar("T")
 
 MAX_SECONDS = 3600.0  # a longer video is refused before any frame is decoded
 MAX_PIXELS = 3840 * 2160  # one frame's width x height
-MAX_DECODED = 20_000  # frames decoded in all (between keyframes and samples), whatever the file says
-
-
-class InvalidVideoError(InvalidRequestError, code="invalid_video"): ...
+# What sampling may decode, in pixels (frames decoded x their size, the frames between a keyframe
+# and a sample included): one video at most VIDEO_PIXELS, all of a request's videos REQUEST_PIXELS.
+# 2 Gpx is 240 frames of 4K, 1,000 of 1080p, 2,200 of 720p: what 8 samples of a 1080p video take
+# with libx264's default keyframe interval (250 frames). A video that needs more gets frames near
+# its sample times rather than at them (each sample's share spent, the frame reached stands for
+# it), never more work.
+VIDEO_PIXELS = 2_000_000_000
+REQUEST_PIXELS = 4_000_000_000
+MIN_FRAME_PIXELS = 256 * 256  # what a frame costs at least (tiny frames cost their decoding's overhead)
+DECODE_S = 30.0  # a request's decoding time in all (on the decoding threads, its wait for one apart)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +63,28 @@ class Frame:
     height: int
 
 
+@dataclass(slots=True)
+class Budget:
+    """What a decode may still spend: ``pixels`` decoded, until ``deadline`` (time.monotonic),
+    and ``stop``, which the event loop sets when nobody waits for the decode any more (checked
+    between two frames). :func:`sample_frames` takes what it spends from ``pixels``."""
+
+    pixels: int = VIDEO_PIXELS
+    deadline: float = math.inf
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def charge(self, pixels: int) -> None:
+        if self.stop.is_set():
+            raise DecodeStopped
+        if time.monotonic() > self.deadline:
+            raise InvalidVideoError(f"the video took over {DECODE_S:g}s to sample")
+        self.pixels -= max(pixels, MIN_FRAME_PIXELS)
+
+
+class DecodeStopped(Exception):
+    """Nobody waits for the decode any more: it stopped between two frames."""
+
+
 def sample_frames(
     data: bytes,
     *,
@@ -63,71 +93,76 @@ def sample_frames(
     max_side: int = 768,
     max_seconds: float = MAX_SECONDS,
     max_pixels: int = MAX_PIXELS,
+    budget: Budget | None = None,
 ) -> list[Frame]:
     """``frames`` frames of the video in ``data``, evenly spread (each in the middle of its
-    share of the duration), or ``fps`` a second when that gives fewer; in time order."""
+    share of the duration), or ``fps`` a second when that gives fewer; in time order. The
+    decoding is bounded by ``budget`` (a video's allowance by default)."""
     try:
         import av
-    except ImportError as exc:  # pragma: no cover - the video extra is installed with the gateway
+    except ImportError as exc:  # pragma: no cover - serve and reloads refuse a config that needs it
         raise RuntimeError("video sampling needs PyAV: pip install 'modality-gateway[video]'") from exc
     try:
-        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
-    except (av.FFmpegError, ValueError, OSError) as exc:
-        raise InvalidVideoError(f"the video cannot be decoded ({_reason(exc)})") from None
+        container = open_media(data, VIDEO_FORMATS)
+    except UnreadableMediaError as exc:
+        raise InvalidVideoError(f"the video cannot be decoded ({exc}; the gateway reads {VIDEO_NAMES})") from None
     try:
-        return _sample(container, av, frames, fps, max_side, max_seconds, max_pixels)
-    except InvalidVideoError:
+        wanted = _Wanted(frames, fps, max_side, max_seconds, max_pixels)
+        return _sample(container, av, wanted, budget or Budget())
+    except (InvalidVideoError, DecodeStopped):
         raise
     except Exception as exc:  # FFmpeg's errors, and what a hostile file makes of arithmetic (overflows)
-        raise InvalidVideoError(f"the video cannot be decoded ({_reason(exc)})") from None
+        raise InvalidVideoError(f"the video cannot be decoded ({reason(exc)})") from None
     finally:
         container.close()
 
 
-def _sample(
-    container: Any, av: Any, frames: int, fps: float | None, max_side: int, max_seconds: float, max_pixels: int
-) -> list[Frame]:
+@dataclass(frozen=True, slots=True)
+class _Wanted:
+    frames: int
+    fps: float | None
+    max_side: int
+    max_seconds: float
+    max_pixels: int
+
+
+def _sample(container: Any, av: Any, wanted: _Wanted, budget: Budget) -> list[Frame]:
     if not container.streams.video:
         raise InvalidVideoError("the file has no video stream")
     stream = container.streams.video[0]
     stream.codec_context.thread_count = 1  # a decode is one thread: the process bounds how many run
     width, height = stream.codec_context.width, stream.codec_context.height
-    if width <= 0 or height <= 0 or width * height > max_pixels:
-        raise InvalidVideoError(f"the video's frames are {width}x{height}, over the {max_pixels} pixels allowed")
+    if width <= 0 or height <= 0 or width * height > wanted.max_pixels:
+        raise InvalidVideoError(f"the video's frames are {width}x{height}, over the {wanted.max_pixels} pixels allowed")
     duration = _duration(container, stream)
-    if duration > max_seconds:
-        raise InvalidVideoError(f"the video lasts {duration:.0f}s, over the {max_seconds:g}s allowed")
-    count = frames if fps is None or duration <= 0 else max(1, min(frames, math.floor(duration * fps)))
+    if duration > wanted.max_seconds:
+        raise InvalidVideoError(f"the video lasts {duration:.0f}s, over the {wanted.max_seconds:g}s allowed")
+    fps, count = wanted.fps, wanted.frames
+    if fps is not None and duration > 0:
+        count = max(1, min(count, math.floor(duration * fps)))
     times = [duration * (i + 0.5) / count for i in range(count)] if duration > 0 else [0.0]
-    scale = min(1.0, max_side / max(width, height))
+    scale = min(1.0, wanted.max_side / max(width, height))
     out_w, out_h = max(2, round(width * scale) // 2 * 2), max(2, round(height * scale) // 2 * 2)
     encoder = av.CodecContext.create("mjpeg", "w")
     encoder.width, encoder.height, encoder.pix_fmt = out_w, out_h, "yuvj420p"
     encoder.time_base = Fraction(1, 1000)
-    time_base = float(stream.time_base) if stream.time_base else 0.0
-    start = float(stream.start_time * stream.time_base) if stream.start_time is not None and time_base else 0.0
+    reader = _Reader(container, stream, wanted.max_pixels, budget)
     sampled: list[Frame] = []
-    decoded = 0
-    for t in times:
-        frame = None
-        if time_base:
-            container.seek(int((start + t) / time_base), stream=stream, backward=True, any_frame=False)
-        for candidate in container.decode(stream):
-            decoded += 1
-            if decoded > MAX_DECODED:
-                raise InvalidVideoError(f"the video needs more than {MAX_DECODED} frames decoded to sample")
-            if candidate.width * candidate.height > max_pixels:  # a stream may change size mid-file
-                raise InvalidVideoError(f"a frame is {candidate.width}x{candidate.height}, over the pixels allowed")
-            frame = candidate
-            if candidate.time is None or candidate.time - start >= t - 1e-6:
+    for n, t in enumerate(times):
+        if budget.pixels < max(width * height, MIN_FRAME_PIXELS):  # not even one more frame: those it has
+            if sampled:
                 break
+            raise InvalidVideoError("the video needs more decoding than a request may spend to sample")
+        # this sample's share: twice an even one, for samples need unequal work (how far back their
+        # keyframe is); what it leaves goes to the next ones, and the budget bounds them all
+        frame = reader.frame_at(t, share=2 * budget.pixels // (count - n))
         if frame is None:
             if sampled:  # a file that ends before its stated duration: the frames it had
                 break
             raise InvalidVideoError("the video has no frame that decodes")
-        seconds = (frame.time - start) if frame.time is not None else t
-        if sampled and seconds <= sampled[-1].seconds:  # a stated duration longer than the file: no new frame
-            break
+        seconds = (frame.time - reader.start) if frame.time is not None else t
+        if sampled and seconds <= sampled[-1].seconds:  # the same frame again (past the end, a long GOP)
+            continue
         image = frame.reformat(width=out_w, height=out_h, format="yuvj420p")
         packets = list(encoder.encode(image))
         jpeg = b"".join(bytes(p) for p in packets)
@@ -135,6 +170,39 @@ def _sample(
             jpeg = b"".join(bytes(p) for p in encoder.encode(None))
         sampled.append(Frame(max(0.0, seconds), jpeg, out_w, out_h))
     return sampled
+
+
+class _Reader:
+    """A video stream's frames at given times, each decoded from the keyframe before it, every
+    frame charged to the budget."""
+
+    def __init__(self, container: Any, stream: Any, max_pixels: int, budget: Budget) -> None:
+        self._container, self._stream = container, stream
+        self._max_pixels, self._budget = max_pixels, budget
+        self._time_base = float(stream.time_base) if stream.time_base else 0.0
+        known = stream.start_time is not None and self._time_base
+        self.start = float(stream.start_time * stream.time_base) if known else 0.0
+
+    def frame_at(self, t: float, *, share: int) -> Any:
+        """The frame at ``t``, or the last one decoded when ``share`` pixels run out first; None
+        when nothing decodes."""
+        if self._time_base:
+            target = int((self.start + t) / self._time_base)
+            self._container.seek(target, stream=self._stream, backward=True, any_frame=False)
+        frame = None
+        spent = 0
+        for candidate in self._container.decode(self._stream):
+            pixels = candidate.width * candidate.height
+            if pixels > self._max_pixels:  # a stream may change size mid-file
+                raise InvalidVideoError(f"a frame is {candidate.width}x{candidate.height}, over the pixels allowed")
+            self._budget.charge(pixels)
+            spent += max(pixels, MIN_FRAME_PIXELS)
+            frame = candidate
+            if candidate.time is None or candidate.time - self.start >= t - 1e-6:
+                break
+            if spent + pixels > share:  # the share is spent: the frame reached stands for the sample
+                break
+        return frame
 
 
 def _duration(container: Any, stream: Any) -> float:
@@ -147,25 +215,26 @@ def _duration(container: Any, stream: Any) -> float:
     return 0.0
 
 
-def _reason(exc: BaseException) -> str:
-    """FFmpeg's words, without its errno and the file name it never had."""
-    text = getattr(exc, "strerror", None) or str(exc).strip() or type(exc).__name__
-    return str(text)[:200]
+@dataclass(slots=True)
+class Account:
+    """What a request's videos may still spend decoding, all together (they are sampled one after
+    another): ``pixels`` and ``seconds`` on the decoding threads."""
 
-
-DECODE_CONCURRENCY = 2  # videos decoded at once by a gateway process (threads): the cores stay for serving
-DECODE_TIMEOUT_S = 30.0  # one video's sampling, its wait for a thread included
+    pixels: int = field(default_factory=lambda: REQUEST_PIXELS)
+    seconds: float = field(default_factory=lambda: DECODE_S)
 
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
     """What sampling a request's videos uses: the fetcher (``media:`` rules), the metrics, the
-    decoding threads, and the cache of what was sampled before (gateway.conversions)."""
+    decoding threads, the cache of what was sampled before (gateway.conversions), and what the
+    request may still spend decoding."""
 
     fetcher: MediaFetcher
     metrics: GatewayMetrics
-    threads: Executor
+    decoders: DecoderPool
     cache: ConversionCache
+    account: Account = field(default_factory=Account)
 
 
 async def frames_for(
@@ -193,12 +262,14 @@ async def frames_for(
 Frames = tuple[list[dict[str, Any]], dict[int, bytes]]
 
 
-def _frame_parts(data: bytes, *, frames: int, fps: float | None, max_side: int, timestamps: bool) -> tuple[Frames, int]:
+def _frame_parts(
+    data: bytes, budget: Budget, *, frames: int, fps: float | None, max_side: int, timestamps: bool
+) -> tuple[Frames, int]:
     """In a decoding thread: the frames as chat parts (base64 made here, not on the event loop),
     and each frame's JPEG by the index of its part."""
     parts: list[dict[str, Any]] = []
     jpegs: dict[int, bytes] = {}
-    sampled = sample_frames(data, frames=frames, fps=fps, max_side=max_side)
+    sampled = sample_frames(data, frames=frames, fps=fps, max_side=max_side, budget=budget)
     for frame in sampled:
         if timestamps:
             parts.append({"type": "text", "text": f"[Video frame at {frame.seconds:.1f}s]"})
@@ -233,8 +304,8 @@ async def presampled_for(
     return out
 
 
-def _presampled_url(data: bytes, *, frames: int, fps: float | None, max_side: int) -> tuple[str, int]:
-    sampled = sample_frames(data, frames=frames, fps=fps, max_side=max_side)
+def _presampled_url(data: bytes, budget: Budget, *, frames: int, fps: float | None, max_side: int) -> tuple[str, int]:
+    sampled = sample_frames(data, frames=frames, fps=fps, max_side=max_side, budget=budget)
     return "data:video/jpeg;base64," + ",".join(base64.b64encode(f.jpeg).decode() for f in sampled), len(sampled)
 
 
@@ -244,13 +315,13 @@ async def _sample_part(
     sampling: Sampling,
     model: str,
     shape: tuple[Hashable, ...],
-    work: Callable[[bytes], tuple[T, int]],
+    work: Callable[[bytes, Budget], tuple[T, int]],
     size_of: Callable[[T], int],
 ) -> tuple[tuple[int, int], dict[str, Any], T]:
     """A video part's position, the part, and what ``work`` (on the decoding threads) made of its
     bytes: fetched or decoded from its data URL, sampled (or found in the cache under ``shape``
     and the bytes' sha256), counted. A request that leaves gives up its place in the threads'
-    queue; a decode already running ends by its own bounds."""
+    queue, and stops its decode between two frames."""
     assert part.index is not None
     original: dict[str, Any] = body["messages"][part.message]["content"][part.index]
     value = original.get("video_url")
@@ -265,7 +336,7 @@ async def _sample_part(
 
     async def decode() -> tuple[T, int]:
         started = time.perf_counter()
-        made = await _decode(sampling.threads, functools.partial(work, data), part.location, refused)
+        made = await _decode(sampling, functools.partial(work, data), model, part.location, refused)
         metrics.video_decode_seconds.labels(model).observe(time.perf_counter() - started)
         return made
 
@@ -292,15 +363,26 @@ async def _load(fetcher: MediaFetcher, url: str, location: str, refused: Rejecti
 
 
 async def _decode(
-    pool: Executor, work: Callable[[], tuple[T, int]], location: str, refused: Rejection
+    sampling: Sampling, work: Callable[[Budget], tuple[T, int]], model: str, location: str, refused: Rejection
 ) -> tuple[T, int]:
-    """``work`` on the decoding threads, within DECODE_TIMEOUT_S; its errors located at the part."""
+    """``work`` on a decoding thread, within what the request may still spend (its account); its
+    errors located at the part. A busy pool is the gateway's 503, counted apart."""
+    account = sampling.account
+
+    def bounded(stop: threading.Event) -> tuple[T, int]:  # on the thread: the clock starts there
+        began = time.monotonic()
+        budget = Budget(min(VIDEO_PIXELS, account.pixels), began + account.seconds, stop)
+        allowed = budget.pixels
+        try:
+            return work(budget)
+        finally:
+            account.pixels -= allowed - budget.pixels
+            account.seconds -= time.monotonic() - began
+
     try:
-        async with asyncio.timeout(DECODE_TIMEOUT_S):
-            return await asyncio.get_running_loop().run_in_executor(pool, work)
+        return await sampling.decoders.run(bounded)
+    except DecodersBusyError as exc:
+        sampling.metrics.video_decode_shed.labels(model, exc.reason).inc()
+        raise
     except InvalidVideoError as exc:
         raise InvalidVideoError(f"{location}: {exc.message}", param=location, rejection=refused) from None
-    except TimeoutError:
-        raise InvalidVideoError(
-            f"{location}: the video took over {DECODE_TIMEOUT_S:g}s to sample", param=location, rejection=refused
-        ) from None

@@ -171,8 +171,10 @@ async def test_the_clients_key_never_goes_upstream_nor_into_logs_or_metrics(
             await c.chat.completions.create(model="m", messages=HI)
     assert "Authorization" not in plain.received[0].headers
     assert keyed.received[0].headers["Authorization"] == "Bearer sk-upstream"
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "admin-token")
     async with aiohttp.ClientSession() as session:
-        async with session.get(f"{gw.url}/metrics") as resp:
+        async with session.get(f"{gw.url}/metrics", headers={"Authorization": "Bearer admin-token"}) as resp:
+            assert resp.status == 200
             exposition = await resp.text()
     for secret in (TEAM_A, "sk-wrong-guess", "sk-upstream"):
         assert secret not in caplog.text and secret not in exposition
@@ -236,3 +238,140 @@ def test_a_key_env_must_be_set_where_the_gateway_runs(monkeypatch) -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(text, here=True)
     assert f"the environment variable {ENV_A} is not set" in str(info.value)
+
+
+# --- holes an adversarial run found (issue 20) ------------------------------------------------
+
+
+def keyed_table(urls: dict[str, str], keys: str) -> str:
+    """kimi redirects video to omni and transcribes audio with whisper."""
+    return routing(
+        f"  - {{name: kimi, upstreams: [{urls['kimi']}], accepts: [text, image], "
+        "on_unsupported: {video: {redirect: omni}, audio: {transcribe: whisper}}}",
+        f"  - {{name: omni, upstreams: [{urls['omni']}], accepts: [text, image, video]}}",
+        f"  - {{name: whisper, upstreams: [{urls['whisper']}], accepts: [text, audio]}}",
+        extra=f"auth:\n  keys:\n{keys}\n",
+    )
+
+
+VIDEO = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+AUDIO = {"type": "input_audio", "input_audio": {"data": "UklGRiQAAABXQVZF", "format": "wav"}}
+
+
+async def test_a_key_is_never_served_by_a_model_outside_its_list(gateway_factory, upstream_factory) -> None:
+    """A key limited to kimi sent kimi a video (redirected to omni) and audio (transcribed by
+    whisper): omni answered, and X-Gateway-Model named it. A model a request is redirected to,
+    or that converts its media, counts as used by the key: outside its list, the modality is
+    refused as kimi's own, naming neither."""
+    ups = {name: await upstream_factory(name) for name in ("kimi", "omni", "whisper")}
+    gw = await gateway_factory(keyed_table({n: u.url for n, u in ups.items()}, f"{key_a(models='[kimi]')}\n{key_b()}"))
+    async with client(gw, TEAM_A) as c:
+        for part, modality in ((VIDEO, "video"), (AUDIO, "audio")):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await c.chat.completions.create(model="kimi", messages=[{"role": "user", "content": [part]}])
+            error = error_body(caught.value)
+            assert (error["code"], error["param"]) == ("unsupported_modality", "messages[0].content[0]")
+            assert error["message"] == (
+                f"Model 'kimi' does not accept {modality} input: messages[0].content[0] is "
+                f"'{part['type']}'. It accepts: text, image."
+            )
+            assert "omni" not in caught.value.response.text and "whisper" not in caught.value.response.text
+            assert "X-Gateway-Model" not in caught.value.response.headers
+    assert all(u.received == [] for u in ups.values())
+    assert gw.sample("gateway_modality_rejections_total", model="kimi", reason="unsupported") == 2
+    async with client(gw, TEAM_B) as c:  # every model: redirected, and transcribed
+        raw = await c.chat.completions.with_raw_response.create(
+            model="kimi", messages=[{"role": "user", "content": [VIDEO]}]
+        )
+        assert raw.headers["X-Gateway-Model"] == "omni"
+        await c.chat.completions.create(model="kimi", messages=[{"role": "user", "content": [AUDIO]}])
+    assert len(ups["omni"].received) == 1 and len(ups["whisper"].received) == 1 and len(ups["kimi"].received) == 1
+
+
+async def test_a_key_with_the_target_in_its_list_is_redirected_and_transcribed(
+    gateway_factory, upstream_factory
+) -> None:
+    ups = {name: await upstream_factory(name) for name in ("kimi", "omni", "whisper")}
+    gw = await gateway_factory(keyed_table({n: u.url for n, u in ups.items()}, key_a(models="[kimi, omni, whisper]")))
+    async with client(gw, TEAM_A) as c:
+        raw = await c.chat.completions.with_raw_response.create(
+            model="kimi", messages=[{"role": "user", "content": [VIDEO]}]
+        )
+        assert raw.headers["X-Gateway-Model"] == "omni"
+        await c.chat.completions.create(model="kimi", messages=[{"role": "user", "content": [AUDIO]}])
+    assert len(ups["whisper"].received) == 1
+
+
+async def test_metrics_on_the_main_port_need_the_admin_token_with_auth_on(
+    gateway_factory, upstream, monkeypatch
+) -> None:
+    """/metrics names every model (those hidden from a key too), every key's name and the
+    upstream URLs, and a scrape costs ~10 ms of the event loop: with auth on it was open to anyone
+    on the main port."""
+    gw = await gateway_factory(with_auth(upstream.url, key_a(models="[m]")))
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{gw.url}/metrics") as resp:  # no admin token configured: disabled
+            assert resp.status == 403
+            body = await resp.json()
+        assert body["error"]["code"] == "admin_disabled" and "server.admin_listen" in body["error"]["message"]
+        monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", "admin-token")
+        for headers in ({}, {"Authorization": f"Bearer {TEAM_A}"}, {"Authorization": "Bearer wrong"}):
+            async with session.get(f"{gw.url}/metrics", headers=headers) as resp:
+                assert resp.status == 401
+                text = await resp.text()
+            assert "secret" not in text and upstream.url not in text
+        async with session.get(f"{gw.url}/metrics", headers={"Authorization": "Bearer admin-token"}) as resp:
+            assert resp.status == 200
+            assert "gateway_requests_total" in await resp.text()
+
+
+async def test_metrics_stay_open_without_auth(gateway_factory, upstream) -> None:
+    gw = await gateway_factory(routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}"))
+    async with aiohttp.ClientSession() as session, session.get(f"{gw.url}/metrics") as resp:
+        assert resp.status == 200
+
+
+async def test_a_key_env_with_a_trailing_newline_is_the_key_without_it(gateway_factory, upstream, monkeypatch) -> None:
+    """A mounted secret file ends in a newline: the key never matched, with no warning."""
+    monkeypatch.setenv(ENV_A, TEAM_A + "\n")
+    text = with_auth(upstream.url, key_a())
+    parse_config(text, here=True)  # serve accepts it
+    gw = await gateway_factory(text)
+    async with client(gw, TEAM_A) as c:
+        await c.chat.completions.create(model="m", messages=HI)
+
+
+def test_a_key_env_with_a_control_character_inside_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv(ENV_A, "sk-one\nsk-two")
+    text = routing("  - {name: m, upstreams: ['http://h:1'], accepts: [text]}", extra=f"auth:\n  keys:\n{key_a()}\n")
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, here=True)
+    assert f"the value of {ENV_A} holds a line break or another control character" in str(info.value)
+    assert "sk-one" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "header",
+    [f"Authorization: Bearer {TEAM_A}\x00".encode(), f"Authorization: Bearer\r\n {TEAM_A}".encode()],
+    ids=["nul", "obs-fold"],
+)
+async def test_a_header_the_parser_refuses_never_puts_the_key_in_a_log(
+    gateway_factory, upstream, caplog, header: bytes
+) -> None:
+    """aiohttp logged ERROR with a traceback quoting the header line, the key with it (~0.7 KB of
+    ERROR for each such request)."""
+    import asyncio
+
+    gw = await gateway_factory(with_auth(upstream.url, key_a()))
+    caplog.set_level(logging.DEBUG)
+    port = gw.server.port
+    assert port is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + header + b"\r\nContent-Length: 2\r\n\r\n{}")
+    await writer.drain()
+    status = await asyncio.wait_for(reader.readline(), 10)
+    writer.close()
+    assert status.split()[1] == b"400"
+    assert TEAM_A not in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "HTTP request refused by the parser (400)" in caplog.text

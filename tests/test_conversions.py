@@ -166,7 +166,7 @@ async def test_a_waiter_whose_conversion_is_stopped_by_someone_else_converts_for
 
 
 async def test_a_failure_of_the_medium_itself_is_shared_and_said_at_each_callers_part() -> None:
-    from gateway.video import InvalidVideoError
+    from gateway.errors import InvalidVideoError
 
     c, _ = cache(10_000)
     make = Maker()

@@ -417,3 +417,33 @@ async def test_frames_are_not_held_to_the_image_limit_and_a_refused_frame_names_
     assert (error["code"], error["param"]) == ("invalid_image", "messages[0].content[1]")
     assert error["message"].startswith("messages[0].content[1]: a frame of the video: encoder 'vision' refused")
     assert gw.sample("gateway_modality_rejections_total", model="kimi", modality="video", reason="media_refused") == 1
+
+
+# --- what an encoder instance answers is bounded (issue 20) ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (b'"deep":' + b"[" * 300 + b"1" + b"]" * 300, "nested over 8 levels"),  # a 500: orjson writes 254 at most
+        (b'"big":"' + b"x" * (3 << 20) + b'"', "a reply over"),  # 3 MB: a 27 MB consumer body, parsed on the loop
+        (b'"big":"' + b"x" * (9 << 10) + b'"', "of 9"),  # one entry over its 8 KiB
+    ],
+    ids=["nested 300 levels", "3 MB reply", "9 KiB entry"],
+)
+async def test_an_instance_whose_reply_cannot_go_on_is_passed_over_never_a_500(gateway_factory, cluster, raw, why):
+    bad, good = cluster.encoders
+    bad.raw_metadata = raw
+    gw = await gateway_factory(table(cluster))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="kimi", messages=ask(*(image(i) for i in range(6))))
+        body = cluster.standin.received[-1].body
+        assert len(body) < 8 << 10  # what the good instance primed, as metadata
+        for e in cluster.encoders:
+            e.raw_metadata = raw
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="kimi", messages=ask(image(99)))
+    assert caught.value.status_code == 503 and error_body(caught.value)["code"] == "encoder_unavailable"
+    assert why in error_body(caught.value)["message"]
+    assert bad.requests >= 1 and good.primes  # the bad one's images went to the good one
+    assert cluster.log.misses == []

@@ -94,6 +94,8 @@ def test_every_route_of_the_app_is_documented_and_every_documented_route_exists(
 def _security(path: str) -> list[dict[str, list[str]]]:
     if path.startswith("/v1/"):
         return [{"bearerAuth": []}]
+    if path == "/metrics":  # open, or the admin token with auth on and no admin_listen
+        return [{}, {"adminAuth": []}]
     return [{"adminAuth": []}] if path.startswith("/admin/") else []
 
 
@@ -344,7 +346,8 @@ def _validator_of(subschema: dict[str, Any]) -> jsonschema.Draft202012Validator:
 def _credentials(path: str) -> dict[str, str]:
     if path.startswith("/v1/"):
         return {"Authorization": f"Bearer {API_KEY}"}
-    return {"Authorization": f"Bearer {ADMIN_TOKEN}"} if path.startswith("/admin/") else {}
+    # /metrics too: with auth on and no admin_listen, it needs the admin token
+    return {"Authorization": f"Bearer {ADMIN_TOKEN}"} if path.startswith("/admin/") or path == "/metrics" else {}
 
 
 def test_an_undocumented_method_is_a_405_with_allow_on_every_path(live: Live) -> None:

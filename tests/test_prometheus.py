@@ -71,8 +71,15 @@ async def held(upstream_factory: Callable[..., Awaitable[Upstream]]) -> Held:
     return Held(await upstream_factory("held", app), arrived, release)
 
 
+ADMIN_TOKEN = "admin-token"  # with auth on, /metrics on the main port needs it
+SCRAPE = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
 @pytest.fixture
-async def busy_gateway(gateway_factory, upstream: Upstream, sick: Upstream, held: Held) -> Gateway:
+async def busy_gateway(
+    gateway_factory, upstream: Upstream, sick: Upstream, held: Held, monkeypatch: pytest.MonkeyPatch
+) -> Gateway:
+    monkeypatch.setenv("GATEWAY_ADMIN_TOKEN", ADMIN_TOKEN)
     gw = await gateway_factory(
         routing(
             f"  - {{name: vision, upstreams: [{upstream.url}], accepts: [text, image], "
@@ -126,7 +133,7 @@ async def test_metrics_pass_promtool_lint(
     busy_gateway: Gateway, upstream: Upstream, sick: Upstream, held: Held
 ) -> None:
     async with aiohttp.ClientSession() as session:
-        async with session.get(f"{busy_gateway.url}/metrics") as resp:
+        async with session.get(f"{busy_gateway.url}/metrics", headers=SCRAPE) as resp:
             exposition = await resp.read()
     result = subprocess.run(
         ["promtool", "check", "metrics"], input=exposition, capture_output=True, timeout=60, check=False
@@ -180,6 +187,7 @@ async def test_a_real_prometheus_scrapes_admission_replica_health_shedding_and_k
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
         f"  - job_name: gateway\n    static_configs: [{{targets: ['{target}']}}]\n"
+        f"    authorization: {{credentials: {ADMIN_TOKEN}}}\n"
     )
     port = free_port()
     process = await asyncio.create_subprocess_exec(

@@ -359,3 +359,85 @@ async def test_an_empty_transcript_is_not_kept(gateway_factory, upstream_factory
         for _ in range(2):
             await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.2))))
     assert len(heard) == 2  # asked again: a replica that heard nothing may hear something next time
+
+
+# --- counters that trust the client (issue 20) -----------------------------------------------
+
+
+def lying_wav(claimed_s: float, real_s: float, rate: int = 16000) -> bytes:
+    """A WAV whose header states ``claimed_s`` seconds and whose bytes hold ``real_s``."""
+    data = bytearray(wav(real_s, rate))
+    frames = int(claimed_s * rate)
+    data[4:8] = (36 + frames * 2).to_bytes(4, "little")  # RIFF size
+    data[40:44] = (frames * 2).to_bytes(4, "little")  # the data chunk's size
+    return bytes(data)
+
+
+async def test_a_wav_header_claiming_hours_counts_the_seconds_it_holds(gateway_factory, upstream_factory) -> None:
+    """A 10 h header on 1 s of samples added 36,000 s to the counter."""
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper")
+    gw = await gateway_factory(table(chat, whisper.url))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=ask(input_audio(lying_wav(36_000, 1.0))))
+    assert gw.sample("gateway_audio_transcribed_seconds_total", model="texty") == pytest.approx(1.0, abs=0.01)
+
+
+async def test_a_replys_duration_is_bounded_by_the_bytes_sent(gateway_factory, upstream_factory) -> None:
+    """A transcription reply's ``duration: 1e18`` was counted as it said, on every cache hit
+    again; where the gateway reads nothing of the clip itself, the reply's word is held to what
+    the bytes could hold at 6 kb/s."""
+    from aiohttp import web
+
+    async def transcribe(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"text": "words", "duration": 1e18})
+
+    app = web.Application()
+    app.router.add_post("/v1/audio/transcriptions", transcribe)
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper", app)
+    gw = await gateway_factory(table(chat, whisper.url))
+    clip = b"\x00not a container FFmpeg reads" * 100  # 2,900 bytes: at most 3.9 s at 6 kb/s
+    async with gw.client() as client:
+        for _ in range(2):  # the second from the cache
+            await client.chat.completions.create(model="texty", messages=ask(input_audio(clip, "mp3")))
+    assert gw.sample("gateway_audio_transcribed_seconds_total", model="texty") == pytest.approx(
+        2 * len(clip) * 8 / 6000
+    )
+
+
+async def test_an_audio_playlist_opens_no_file(gateway_factory, upstream_factory, tmp_path, monkeypatch) -> None:
+    """What the gateway reads of a clip (its length) is read by a demuxer that opens nothing else.
+    The playlist names a FIFO beside the gateway: whoever opens it to read shows, since a writer
+    can then open it without waiting (FFmpeg's concat demuxer opened it, and waited for data)."""
+    import asyncio
+    import errno
+    import os
+
+    from tests.videos import playlist
+
+    pytest.importorskip("av")
+    fifo = tmp_path / "clip.mp3"
+    os.mkfifo(fifo)
+    monkeypatch.chdir(tmp_path)
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper")
+    gw = await gateway_factory(table(chat, whisper.url))
+    opened = False
+
+    def release_a_reader() -> None:  # lets a reader that waits on the FIFO go on (it reads EOF)
+        nonlocal opened
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            opened = True
+        except OSError as exc:
+            assert exc.errno == errno.ENXIO  # nobody has it open to read
+
+    async with gw.client() as client:
+        request = asyncio.create_task(
+            client.chat.completions.create(model="texty", messages=ask(input_audio(playlist("clip.mp3"), "mp3")))
+        )
+        while not request.done():
+            await asyncio.to_thread(release_a_reader)
+            await asyncio.wait({request}, timeout=0.05)
+        await request
+    assert not opened
+    assert gw.sample("gateway_audio_transcribed_seconds_total", model="texty") == 0

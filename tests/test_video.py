@@ -10,10 +10,10 @@ import openai
 import pytest
 
 from gateway.config import parse_config
-from gateway.errors import ConfigError, TooManyItemsError
-from gateway.video import InvalidVideoError, sample_frames
+from gateway.errors import ConfigError, InvalidVideoError, TooManyItemsError
+from gateway.video import VIDEO_PIXELS, Budget, DecodeStopped, sample_frames
 from tests.conftest import error_body, routing
-from tests.videos import SHADES, shade, video, video_part
+from tests.videos import SHADES, long_gop, playlist, shade, video, video_part
 
 pytest.importorskip("av")
 pytest.importorskip("numpy")
@@ -254,6 +254,25 @@ def test_a_host_without_pyav_refuses_frames_and_pre_sampling_at_load(monkeypatch
     ]
 
 
+def test_a_config_built_in_code_is_refused_too_where_pyav_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config built in code skipped the check (a 500 for every video): the config store
+    refuses it as serve and reloads do."""
+    import importlib
+
+    from gateway.app import create_app
+
+    validate = importlib.import_module("gateway.config.validate")
+    real = validate.find_spec
+    monkeypatch.setattr(validate, "find_spec", lambda name: None if name == "av" else real(name))
+    config = parse_config(
+        "version: 1\nmodels:\n"
+        "  - {name: a, upstreams: ['http://u:1'], accepts: [text, image], on_unsupported: {video: {frames: 4}}}\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        create_app(config)
+    assert [p.path for p in caught.value.problems] == ["models[0].on_unsupported.video.frames"]
+
+
 def test_corrupted_videos_give_frames_or_invalid_video_never_anything_else() -> None:
     """Bytes of a real video overwritten, cut, or repeated (what a hostile or broken upload holds):
     sampling ends in frames or in 400 invalid_video, within the decode bounds, never another
@@ -358,3 +377,129 @@ async def test_parallel_requests_with_the_same_bad_video_each_hear_of_their_own_
     ]
     assert all(e["message"].startswith(f"messages[0].content[{i}]: ") for i, e in enumerate(errors))
     assert upstream.received == []
+
+
+# --- hostile videos (issue 20) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["frames", "sample"])
+async def test_a_playlist_naming_a_file_beside_the_gateway_is_invalid_video(
+    policy: str, gateway_factory, upstream, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ffconcat playlist sent as a video made FFmpeg open the file it names, relative to the
+    gateway's working directory, and that file's frames reached the model."""
+    (tmp_path / "sub").mkdir()
+    for name in ("secret.mp4", "sub/secret.mp4"):
+        (tmp_path / name).write_bytes(video(seconds=1))
+    monkeypatch.chdir(tmp_path)
+    if policy == "frames":
+        config = framed(upstream, "{frames: 2}")
+        model = "texty"
+    else:
+        config = routing(
+            f"  - {{name: vid, upstreams: [{upstream.url}], accepts: [text, video], video: {{sample: {{frames: 2}}}}}}"
+        )
+        model = "vid"
+    gw = await gateway_factory(config)
+    async with gw.client() as client:
+        for name in ("secret.mp4", "sub/secret.mp4"):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": [video_part(playlist(name))]}]
+                )
+            assert error_body(caught.value)["code"] == "invalid_video"
+    assert upstream.received == []
+
+
+def test_a_long_gop_costs_its_budget_at_most_and_still_gives_frames() -> None:
+    """The decode bomb's shape (one keyframe, every frame after it depending on it): each sample
+    decodes from the keyframe again. The work is bounded by the budget's pixels, not by the file,
+    and the frames reached stand for the samples."""
+    clip = long_gop(frames=240)  # 8 s at 30 fps, 320x240
+    whole = Budget()
+    exact = sample_frames(clip, frames=8, budget=whole)
+    assert [round(f.seconds, 1) for f in exact] == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 7.5]
+    frame = 320 * 240
+    spent = VIDEO_PIXELS - whole.pixels
+    assert spent == 968 * frame  # each sample from the keyframe to its frame: 16 + 46 + ... + 226 frames
+    tight = Budget(pixels=100 * frame)
+    frames = sample_frames(clip, frames=8, budget=tight)
+    assert 0 < len(frames) < 8 and all(f.seconds < 1.0 for f in frames)  # near the keyframe, in time order
+    assert 0 <= tight.pixels < frame  # spent, within one frame, never past
+
+
+def test_a_video_that_needs_more_than_its_budget_for_one_frame_is_refused() -> None:
+    with pytest.raises(InvalidVideoError, match="needs more decoding than a request may spend"):
+        sample_frames(video(seconds=1, size=(320, 240)), frames=2, budget=Budget(pixels=1000))
+
+
+def test_a_decode_stops_between_two_frames_when_nobody_waits() -> None:
+    budget = Budget()
+    budget.stop.set()
+    with pytest.raises(DecodeStopped):
+        sample_frames(long_gop(frames=60), frames=4, budget=budget)
+    with pytest.raises(InvalidVideoError, match="took over"):
+        sample_frames(long_gop(frames=60), frames=4, budget=Budget(deadline=0.0))
+
+
+async def test_a_requests_videos_share_one_account(gateway_factory, upstream, monkeypatch) -> None:
+    """Two videos of one request draw on one account: the second gets what the first left."""
+    import gateway.video as video_module
+
+    clip_a, clip_b = long_gop(frames=60), long_gop(frames=61)
+    frame = 320 * 240
+    monkeypatch.setattr(video_module, "REQUEST_PIXELS", 30 * frame)
+    gw = await gateway_factory(framed(upstream, "{frames: 1, timestamps: false}"))
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(
+                model="texty", messages=[{"role": "user", "content": [video_part(clip_a), video_part(clip_b)]}]
+            )  # the first takes its frame at 1 s (30 frames decoded): nothing is left for the second
+    error = error_body(caught.value)
+    assert (error["code"], error["param"]) == ("invalid_video", "messages[0].content[1]")
+    assert "needs more decoding than a request may spend" in error["message"]
+    assert upstream.received == []
+
+
+async def test_busy_decoders_are_a_503_with_retry_after_not_the_videos_fault(
+    gateway_factory, upstream, monkeypatch
+) -> None:
+    """50 valid clips at once got 400 invalid_video for waiting for one of two threads: a client
+    error that clients do not retry, counted as refused media. Saturation is the gateway's: 503
+    decoders_busy with Retry-After, counted apart; the clip that waited is served."""
+    import asyncio
+    import threading
+
+    import gateway.decoders as decoders
+    import gateway.video as video_module
+
+    monkeypatch.setattr(decoders, "THREADS", 1)
+    monkeypatch.setattr(decoders, "QUEUE", 0)
+    began, release = threading.Event(), threading.Event()
+    real = video_module.sample_frames
+
+    def held(data: bytes, **kwargs: Any) -> Any:
+        began.set()
+        release.wait(10)
+        return real(data, **kwargs)
+
+    monkeypatch.setattr(video_module, "sample_frames", held)
+    gw = await gateway_factory(framed(upstream, "{frames: 2}"))
+    async with gw.client() as client:
+        first = asyncio.create_task(
+            client.chat.completions.create(model="texty", messages=[{"role": "user", "content": [video_part(video())]}])
+        )
+        assert await asyncio.to_thread(began.wait, 10)
+        try:
+            with pytest.raises(openai.InternalServerError) as caught:
+                await client.chat.completions.with_raw_response.create(
+                    model="texty", messages=[{"role": "user", "content": [video_part(video(seconds=2))]}]
+                )
+        finally:
+            release.set()
+        assert (await first).choices
+    assert caught.value.status_code == 503 and caught.value.response.headers["Retry-After"] == "1"
+    assert error_body(caught.value)["code"] == "decoders_busy"
+    assert gw.sample("gateway_video_decode_shed_total", model="texty", reason="queue_full") == 1
+    assert gw.sample("gateway_modality_rejections_total", model="texty", modality="video") == 0
+    assert len(upstream.received) == 1

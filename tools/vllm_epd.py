@@ -55,6 +55,9 @@ class EncoderInstance:
     delay_s: float = 0.0
     metadata: bool = True  # False: entries without metadata (an older vLLM)
     extra_metadata: dict[str, Any] = field(default_factory=dict)  # more fields in every item's metadata
+    # JSON text of one more field of every item's metadata, written as it is (what orjson cannot
+    # write: nesting past 254 levels)
+    raw_metadata: bytes = b""
     cancelled: int = 0  # requests whose client (the gateway) left before the answer
     refuse_jpeg: bool = False  # answer 400 to a request carrying a JPEG (an image the engine cannot read)
 
@@ -111,7 +114,10 @@ class EncoderInstance:
             "usage": {"prompt_tokens": 16 * len(items), "completion_tokens": 0, "total_tokens": 16 * len(items)},
             "ec_transfer_params": params,
         }
-        return web.Response(body=orjson.dumps(reply), content_type="application/json")
+        data = orjson.dumps(reply)
+        if self.raw_metadata:
+            data = data.replace(b'"metadata":{', b'"metadata":{' + self.raw_metadata + b",")
+        return web.Response(body=data, content_type="application/json")
 
 
 @dataclass

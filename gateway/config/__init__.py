@@ -42,7 +42,7 @@ from .types import (
     ServerConfig,
     TimeoutConfig,
 )
-from .validate import validate, validate_host
+from .validate import env_secret, missing_software, validate, validate_host
 
 __all__ = [
     "BALANCE_POLICIES",
@@ -62,7 +62,9 @@ __all__ = [
     "ServerConfig",
     "TimeoutConfig",
     "as_dict",
+    "env_secret",
     "load_config",
+    "missing_software",
     "parse_config",
 ]
 

@@ -144,20 +144,37 @@ def _check_redirect_loops(config: GatewayConfig, p: MarkedDocument) -> None:
                 stack.append((target, edges(config.models[index[target]])))
 
 
+def env_secret(name: str) -> str:
+    """A secret as an environment variable holds it, without the spaces and the line break a
+    mounted secret file ends in ("" when unset): how every key the gateway reads is read."""
+    return os.environ.get(name, "").strip()
+
+
+def missing_software(config: GatewayConfig) -> list[tuple[str, str]]:
+    """What the config needs that this machine lacks (PyAV, for video sampling), as (dotted path,
+    message): refused by serve, reloads and ``check --here`` with the file's lines, and by the
+    config store for a config built in code."""
+    if find_spec("av") is not None:
+        return []
+    missing = "need PyAV, which is not installed here: pip install 'modality-gateway[video]'"
+    problems = []
+    for i, model in enumerate(config.models):
+        for m, policy in model.on_unsupported.items():
+            if policy.action == "frames":
+                problems.append((f"models[{i}].on_unsupported.{m}.frames", f"video frames {missing}"))
+        if model.video_sample is not None:
+            problems.append((f"models[{i}].video.sample", f"pre-sampled video frames {missing}"))
+    return problems
+
+
 def validate_host(config: GatewayConfig, p: MarkedDocument) -> None:
     """What only the machine that runs the gateway can check: local encoders' model directories,
     and that every ``api_key_env`` is set.
 
     `modality-gateway check FILE` answers the same on any machine; `serve`, a reload and
     `check --here` also run this."""
-    if find_spec("av") is None:
-        missing = "need PyAV, which is not installed here: pip install 'modality-gateway[video]'"
-        for i, model in enumerate(config.models):
-            for m, policy in model.on_unsupported.items():
-                if policy.action == "frames":
-                    p.problem(f"models[{i}].on_unsupported.{m}.frames", f"video frames {missing}")
-            if model.video_sample is not None:
-                p.problem(f"models[{i}].video.sample", f"pre-sampled video frames {missing}")
+    for path, message in missing_software(config):
+        p.problem(path, message)
     for name, encoder in config.encoders.items():
         if encoder.kind == "local" and not encoder.model.startswith("builtin:") and not Path(encoder.model).is_dir():
             p.problem(
@@ -169,16 +186,22 @@ def validate_host(config: GatewayConfig, p: MarkedDocument) -> None:
     for i, key in enumerate(config.auth.keys if config.auth is not None else ()):
         if key.key_env is None:
             continue
-        value = os.environ.get(key.key_env, "")
+        value = env_secret(key.key_env)
         if not value:
             p.problem(f"auth.keys[{i}].key_env", f"the environment variable {key.key_env} is not set")
+        elif not value.isprintable():
+            p.problem(
+                f"auth.keys[{i}].key_env",
+                f"the value of {key.key_env} holds a line break or another control character; "
+                "no client could send it in an Authorization header",
+            )
         elif value in seen:
             p.problem(f"auth.keys[{i}].key_env", f"{key.key_env} holds the same key as key '{seen[value]}'")
         else:
             seen[value] = key.name
     for i, model in enumerate(config.models):
         if model.api_key_env is not None:
-            upstream_key = os.environ.get(model.api_key_env, "").strip()  # a secret file's trailing newline
+            upstream_key = env_secret(model.api_key_env)
             if not upstream_key:
                 p.problem(f"models[{i}].api_key_env", f"the environment variable {model.api_key_env} is not set")
             elif not upstream_key.isprintable():
