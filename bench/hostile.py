@@ -20,6 +20,8 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import functools
+import hashlib
 import io
 import json
 import os
@@ -149,11 +151,16 @@ class Fakes:
 # --- processes -------------------------------------------------------------------------------
 
 
-def routing_yaml(gateway_port: int, fakes: str, server_extra: list[str]) -> str:
+API_KEY = "sk-hostile-bench"  # the key of the scenarios that run with auth on
+ADMIN_TOKEN = "hostile-admin-token"
+
+
+def routing_yaml(gateway_port: int, fakes: str, server_extra: list[str], *, auth: bool = False) -> str:
     extra = "".join(f", {item.replace('=', ': ', 1)}" for item in server_extra)
+    keys = f"auth:\n  keys:\n    - {{name: bench, key_sha256: {hashlib.sha256(API_KEY.encode()).hexdigest()}}}\n"
     return f"""version: 1
 server: {{port: {gateway_port}, max_body_bytes: {MAX_BODY_BYTES}, reload_interval_s: 0{extra}}}
-encoders:
+{keys if auth else ""}encoders:
   enc: {{kind: http, urls: [{fakes}]}}
 models:
   - {{name: chat, upstreams: [{fakes}], upstream_model: org/Chat, accepts: [text, image]}}
@@ -163,11 +170,17 @@ models:
     accepts: [text, image]
     encode: {{image: enc}}
     on_encoder_error: passthrough
+  - name: vid                       # the shipped routing.yaml's video policy
+    upstreams: [{fakes}]
+    accepts: [text, image]
+    on_unsupported: {{video: {{frames: 8}}}}
 """
 
 
-async def _start(args: list[str], cwd: Path, log: Path) -> asyncio.subprocess.Process:
-    env = {**os.environ, "PYTHONPATH": str(cwd)}
+async def _start(args: list[str], cwd: Path, log: Path, *, workdir: Path | None = None) -> asyncio.subprocess.Process:
+    """``args`` run with ``cwd``'s code (PYTHONPATH), in ``workdir`` (default ``cwd``)."""
+    env = {**os.environ, "PYTHONPATH": str(cwd), "GATEWAY_ADMIN_TOKEN": ADMIN_TOKEN}
+    cwd = workdir or cwd
     with log.open("wb") as out:
         return await asyncio.create_subprocess_exec(
             sys.executable, *args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT
@@ -199,13 +212,35 @@ async def _wait_ready(proc: asyncio.subprocess.Process, url: str, log: Path, *, 
 
 
 @contextlib.asynccontextmanager
-async def running(args: list[str], cwd: Path, log: Path, ready_url: str) -> AsyncIterator[asyncio.subprocess.Process]:
-    proc = await _start(args, cwd, log)
+async def running(
+    args: list[str], cwd: Path, log: Path, ready_url: str, *, workdir: Path | None = None
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    proc = await _start(args, cwd, log, workdir=workdir)
     try:
         await _wait_ready(proc, ready_url, log)
         yield proc
     finally:
         await _stop(proc)
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time a process has used (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def settled_cpu_seconds(pid: int, *, limit_s: float = 300.0) -> float:
+    """The process's CPU time once it has stopped using any (work that goes on after the
+    answers, like a decode nobody waits for), polled every second, at most ``limit_s``."""
+    last = cpu_seconds(pid)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+        now = cpu_seconds(pid)
+        if now - last < 0.05:
+            return now
+        last = now
+    return last
 
 
 def memory_kb(pid: int) -> dict[str, int]:
@@ -289,6 +324,7 @@ class Answer:
     seconds: float | None  # to the status line, or to the close
     body: bytes = b""
     note: str = ""
+    head: bytes = b""  # the response's header lines
 
 
 def request_head(port: int, length: int, *, target: str = "/v1/chat/completions", extra: tuple[str, ...] = ()) -> bytes:
@@ -335,7 +371,8 @@ async def exchange(
             rest = await _read_to_close(reader)
         closed = time.perf_counter() - started
         lingered = f"connection closed at {closed:.1f} s" if closed - seconds > 1 else ""  # long after the answer
-        return Answer(status, seconds, rest.partition(b"\r\n\r\n")[2], lingered)
+        head, _, answer = rest.partition(b"\r\n\r\n")
+        return Answer(status, seconds, answer, lingered, head)
     except TimeoutError:
         if status is not None:
             return Answer(status, seconds, note=f"answered, connection still open at {timeout_s:g} s")
@@ -392,6 +429,7 @@ class Lab:
     fakes: str
     session: aiohttp.ClientSession
     trickle_s: float
+    workdir: Path  # the gateway's working directory
     stall_s: float | None = None
     peak_growth_kb: int | None = None
 
@@ -617,6 +655,132 @@ async def deep_nesting(lab: Lab) -> Outcome:
     return outcome(answer, "300 levels", f"upstream requests {stats.get('chat_requests', 0)}")
 
 
+# --- media (issue 20) -------------------------------------------------------------------------
+
+
+def video_body(data: bytes, model: str = "vid") -> bytes:
+    part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
+    return orjson.dumps(chat(model, [{"type": "text", "text": "what happens?"}, part]))
+
+
+async def ffconcat_file_read(lab: Lab) -> Outcome:
+    """An ffconcat playlist sent as a video, naming a file in the gateway's working directory."""
+    from bench import hostile_media
+
+    (lab.workdir / "secret.mp4").write_bytes(hostile_media.heavy_clip(seconds=2, size=(64, 48)))
+    answer = await lab.post(video_body(hostile_media.playlist("secret.mp4")))
+    stats = await lab.stats()
+    frames = (await lab.last_body()).count(b'"image_url"') if stats.get("chat_requests") else 0
+    read = f"secret.mp4 read: {frames} of its frames reached the model" if frames else "no file read"
+    return outcome(answer, read)
+
+
+async def metrics_flood(lab: Lab, connections: int = 16, seconds: float = 4.0) -> Outcome:
+    """Keyed chat latency, quiet and while ``connections`` connections (wrk) scrape /metrics
+    without any credential, auth on, no admin_listen."""
+    quiet = await _chat_latencies(lab, seconds / 2)
+    url = f"http://127.0.0.1:{lab.port}/metrics"
+    wrk = await asyncio.create_subprocess_exec(
+        "wrk", "-t1", f"-c{connections}", f"-d{seconds + 1:g}s", url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        await asyncio.sleep(0.5)  # the flood under way
+        loaded = await _chat_latencies(lab, seconds)
+        report = (await asyncio.wait_for(wrk.communicate(), seconds + 10))[0].decode()
+    finally:
+        if wrk.returncode is None:
+            wrk.kill()
+            await wrk.wait()
+    scrapes = _wrk_number(report, r"(\d+) requests in")
+    refused = _wrk_number(report, r"Non-2xx or 3xx responses: (\d+)")
+    status = "401" if scrapes and refused == scrapes else "200" if not refused else "mixed"
+    return Outcome(
+        status,
+        _percentile(loaded, 0.99),
+        f"keyed chat p99 {_percentile(quiet, 0.99) * 1000:.1f} ms quiet, {_percentile(loaded, 0.99) * 1000:.1f} ms "
+        f"while {connections} connections scrape /metrics with no token ({scrapes:,} scrapes, {refused:,} refused)",
+    )
+
+
+async def _chat_latencies(lab: Lab, seconds: float) -> list[float]:
+    body = orjson.dumps(chat("chat", "hi"))
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    latencies: list[float] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        started = time.perf_counter()
+        async with lab.session.post(
+            f"http://127.0.0.1:{lab.port}/v1/chat/completions", data=body, headers=headers
+        ) as r:
+            await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"keyed chat answered {r.status}")
+        latencies.append(time.perf_counter() - started)
+    return latencies
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def _wrk_number(report: str, pattern: str) -> int:
+    import re
+
+    found = re.search(pattern, report)
+    return int(found.group(1)) if found else 0
+
+
+async def decode_bomb(lab: Lab, bombs: int = 2) -> Outcome:
+    """Two 66 KB 4K bombs (one keyframe, 1,300 frames after it) at once; a valid 2 s clip a
+    second later; the gateway's CPU seconds until it is idle again."""
+    from bench import hostile_media
+
+    bomb = hostile_media.decode_bomb()
+    clip = hostile_media.heavy_clip(seconds=2, size=(320, 240))
+    head = functools.partial(request_head, lab.port)
+    before = cpu_seconds(lab.pid)
+    async with lab.hostile():
+        sent = [video_body(hostile_media.distinct(bomb, i)) for i in range(bombs)]  # no single flight
+        tasks = [asyncio.create_task(exchange(lab.port, head(len(b)), b, timeout_s=240)) for b in sent]
+        await asyncio.sleep(1.0)
+        body = video_body(clip)
+        valid = await exchange(lab.port, head(len(body)), body, timeout_s=240)
+        answers = await asyncio.gather(*tasks)
+    cpu = await settled_cpu_seconds(lab.pid) - before
+    statuses = Counter(f"{a.status} {error_code(a.body).split(':')[0] or 'ok'}".strip() for a in answers)
+    return Outcome(
+        ", ".join(f"{k} x{n}" for k, n in statuses.items()),
+        max((a.seconds or 0) for a in answers),
+        f"{len(bomb) / 1e3:.0f} KB each; a valid 2 s clip during them: {valid.status} "
+        f"{error_code(valid.body) or ''} in {valid.seconds or 0:.1f} s; the gateway's CPU until idle: {cpu:.1f} s",
+    )
+
+
+async def video_load(lab: Lab, clips: int = 120) -> Outcome:
+    """``clips`` distinct valid 30 s 720p clips at once (each ~0.5 s to sample on this machine):
+    more work than two decoding threads do in 30 s."""
+    from bench import hostile_media
+
+    clip = hostile_media.heavy_clip()
+    bodies = [video_body(hostile_media.distinct(clip, i)) for i in range(clips)]
+    async with lab.hostile():
+        answers = await asyncio.gather(
+            *(exchange(lab.port, request_head(lab.port, len(b)), b, timeout_s=240) for b in bodies)
+        )
+    said = Counter(f"{a.status} {error_code(a.body).split(':')[0] or 'ok'}" for a in answers)
+    retry_after = sum(1 for a in answers if a.status == 503 and b"Retry-After" in a.head)
+    return Outcome(
+        ", ".join(f"{k} x{n}" for k, n in sorted(said.items())),
+        max((a.seconds or 0) for a in answers),
+        f"{clips} distinct {len(clip) / 1e6:.1f} MB 30 s 720p clips at once; 503s with Retry-After: {retry_after}",
+    )
+
+
+AUTH_SCENARIOS = frozenset({"metrics-flood"})
+LIMITS_S = {"decode-bomb": 400.0, "video-load": 300.0}  # the rest: SCENARIO_LIMIT_S
+
 SCENARIOS: dict[str, Callable[[Lab], Awaitable[Outcome]]] = {
     "amplification": amplification,
     "part-count": part_count,
@@ -630,6 +794,10 @@ SCENARIOS: dict[str, Callable[[Lab], Awaitable[Outcome]]] = {
     "expect-100": expect_100,
     "bigint": bigint,
     "deep-nesting": deep_nesting,
+    "ffconcat-file-read": ffconcat_file_read,
+    "metrics-flood": metrics_flood,
+    "decode-bomb": decode_bomb,
+    "video-load": video_load,
 }
 
 
@@ -639,21 +807,24 @@ SCENARIOS: dict[str, Callable[[Lab], Awaitable[Outcome]]] = {
 async def run_scenario(name: str, tree: Path, tmp: Path, fakes: str, args: argparse.Namespace) -> Row:
     port = free_port()
     config = tmp / f"routing-{name}.yaml"
-    config.write_text(routing_yaml(port, fakes, args.server))
+    config.write_text(routing_yaml(port, fakes, args.server, auth=name in AUTH_SCENARIOS))
     log = tmp / f"gateway-{name}.log"
+    workdir = tmp / f"work-{name}"
+    workdir.mkdir()
     command = ["-m", "gateway", "serve", "--config", str(config), "--port", str(port), "--log-level", "warning"]
+    limit_s = LIMITS_S.get(name, SCENARIO_LIMIT_S)
     async with (
         aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session,
-        running(command, tree, log, f"http://127.0.0.1:{port}/healthz") as proc,
+        running(command, tree, log, f"http://127.0.0.1:{port}/healthz", workdir=workdir) as proc,
     ):
         async with session.post(f"{fakes}/_reset") as resp:
             resp.raise_for_status()
-        lab = Lab(port, proc.pid, fakes, session, args.trickle_s)
+        lab = Lab(port, proc.pid, fakes, session, args.trickle_s, workdir)
         try:
-            async with asyncio.timeout(SCENARIO_LIMIT_S):
+            async with asyncio.timeout(limit_s):
                 result = await SCENARIOS[name](lab)
         except TimeoutError:
-            result = Outcome("-", None, f"scenario did not finish in {SCENARIO_LIMIT_S:g} s")
+            result = Outcome("-", None, f"scenario did not finish in {limit_s:g} s")
         if proc.returncode is not None:
             result.notes += f"; GATEWAY EXITED ({proc.returncode}): {log.read_text()[-300:]!r}"
         upstream = (await lab.stats()).get("chat_bytes", 0)
