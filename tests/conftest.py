@@ -133,6 +133,13 @@ needs_encoder = pytest.mark.skipif(
 )
 
 
+# Tests of video sampled as frames need the `video` extra (PyAV): a gateway refuses such a table
+# where PyAV is missing.
+needs_video = pytest.mark.skipif(
+    find_spec("av") is None, reason="needs the video extra (PyAV): pip install -e '.[video]'"
+)
+
+
 def error_body(error: openai.APIError) -> dict[str, Any]:
     """The gateway's error object, as the openai SDK hands it over (typed ``object``)."""
     assert isinstance(error.body, dict), error.body

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -12,7 +14,7 @@ from aiohttp import web
 
 from gateway.access_log import WRITE_BYTES, AccessLogWriter, _safe, access_logger
 from gateway.app import SERVER_OPTIONS, create_app
-from gateway.config import parse_config
+from gateway.config import GatewayConfig, parse_config
 from tests.conftest import Upstream
 
 LINE = re.compile(
@@ -85,6 +87,19 @@ def test_timestamps_are_utc_with_milliseconds() -> None:
     assert writer.timestamp(1_700_000_001.999) == "2023-11-14T22:13:21.999Z"
 
 
+@contextlib.asynccontextmanager
+async def served(config: GatewayConfig, writer: AccessLogWriter) -> AsyncIterator[int]:
+    """The gateway served as `serve` serves it, with ``writer`` as its access log: its port."""
+    runner = web.AppRunner(create_app(config), access_log_class=access_logger(writer), **SERVER_OPTIONS)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_served_request_gets_one_line_with_what_the_gateway_decided(upstream: Upstream, tmp_path: Path) -> None:
     config = parse_config(
         f"version: 1\nmodels:\n  - name: m\n    upstreams: [{upstream.url}]\n    accepts: [text]\n",
@@ -92,23 +107,15 @@ async def test_a_served_request_gets_one_line_with_what_the_gateway_decided(upst
     )
     stream = Stream()
     writer = AccessLogWriter(stream, flush_s=60)
-    runner = web.AppRunner(create_app(config), access_log_class=access_logger(writer), **SERVER_OPTIONS)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        async with aiohttp.ClientSession() as session:
-            for _ in range(3):
-                async with session.post(
-                    f"http://127.0.0.1:{port}/v1/chat/completions",
-                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-                    headers={"User-Agent": 'evil"agent'},
-                ) as resp:
-                    assert resp.status == 200
-                    rid = resp.headers["X-Request-Id"]
-    finally:
-        await runner.cleanup()
+    async with served(config, writer) as port, aiohttp.ClientSession() as session:
+        for _ in range(3):
+            async with session.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                headers={"User-Agent": 'evil"agent'},
+            ) as resp:
+                assert resp.status == 200
+                rid = resp.headers["X-Request-Id"]
     assert stream.writes == 0  # all three still gathered
     writer.flush()
     lines = stream.getvalue().decode().splitlines()
@@ -163,18 +170,10 @@ async def test_query_values_never_reach_the_log(upstream: Upstream, tmp_path: Pa
     config = parse_config(f"version: 1\nmodels:\n  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}\n")
     stream = Stream()
     writer = AccessLogWriter(stream, flush_s=60)
-    runner = web.AppRunner(create_app(config), access_log_class=access_logger(writer), **SERVER_OPTIONS)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        async with aiohttp.ClientSession() as session:
-            url = f"http://127.0.0.1:{port}/v1/models?api_key=sk-in-the-query&x&=v&token=abc%20def"
-            async with session.get(url) as resp:
-                assert resp.status == 200
-    finally:
-        await runner.cleanup()
+    async with served(config, writer) as port, aiohttp.ClientSession() as session:
+        url = f"http://127.0.0.1:{port}/v1/models?api_key=sk-in-the-query&x&=v&token=abc%20def"
+        async with session.get(url) as resp:
+            assert resp.status == 200
     writer.flush()
     (line,) = stream.getvalue().decode().splitlines()
     assert '"GET /v1/models?api_key=REDACTED&x=REDACTED&REDACTED&token=REDACTED HTTP/1.1" 200' in line

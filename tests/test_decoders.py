@@ -33,6 +33,14 @@ async def started(held: Held) -> None:
     assert await asyncio.to_thread(held.started.wait, 5)
 
 
+async def holding(pool: DecoderPool) -> tuple[asyncio.Task[str], Held]:
+    """A decode that holds one of the pool's threads until released."""
+    held = Held()
+    task = asyncio.create_task(pool.run(held))
+    await started(held)
+    return task, held
+
+
 async def test_decodes_run_on_few_threads_and_the_rest_wait_their_turn() -> None:
     pool = DecoderPool(1, queue=4, wait_s=30)
     first, second = Held(), Held()
@@ -50,29 +58,17 @@ async def test_decodes_run_on_few_threads_and_the_rest_wait_their_turn() -> None
     pool.close()
 
 
-async def test_a_full_queue_is_a_503_at_once() -> None:
-    pool = DecoderPool(1, queue=0, wait_s=30)
-    held = Held()
-    running = asyncio.create_task(pool.run(held))
-    await started(held)
+@pytest.mark.parametrize(
+    ("queue", "wait_s", "reason"), [(0, 30.0, "queue_full"), (4, 0.01, "queue_timeout")], ids=["full", "too long"]
+)
+async def test_a_full_queue_or_a_wait_too_long_is_a_503(queue: int, wait_s: float, reason: str) -> None:
+    pool = DecoderPool(1, queue=queue, wait_s=wait_s)
+    running, held = await holding(pool)
     with pytest.raises(DecodersBusyError) as caught:
         await pool.run(Held())
-    assert (caught.value.status, caught.value.code, caught.value.reason) == (503, "decoders_busy", "queue_full")
+    assert (caught.value.status, caught.value.code, caught.value.reason) == (503, "decoders_busy", reason)
     assert caught.value.headers == {"Retry-After": "1"}
-    held.release.set()
-    await running
-    pool.close()
-
-
-async def test_a_wait_too_long_is_a_503_and_leaves_the_queue() -> None:
-    pool = DecoderPool(1, queue=4, wait_s=0.01)
-    held = Held()
-    running = asyncio.create_task(pool.run(held))
-    await started(held)
-    with pytest.raises(DecodersBusyError) as caught:
-        await pool.run(Held())
-    assert caught.value.reason == "queue_timeout"
-    assert pool.waiting == 0
+    assert pool.waiting == 0  # a caller that gave up left the queue
     held.release.set()
     await running
     pool.close()
@@ -80,9 +76,8 @@ async def test_a_wait_too_long_is_a_503_and_leaves_the_queue() -> None:
 
 async def test_a_caller_that_leaves_the_queue_gives_its_turn_to_the_next() -> None:
     pool = DecoderPool(1, queue=4, wait_s=30)
-    held, after = Held(), Held()
-    running = asyncio.create_task(pool.run(held))
-    await started(held)
+    running, held = await holding(pool)
+    after = Held()
     leaving = asyncio.create_task(pool.run(Held()))
     staying = asyncio.create_task(pool.run(after))
     await asyncio.sleep(0)
@@ -99,9 +94,7 @@ async def test_a_caller_that_leaves_the_queue_gives_its_turn_to_the_next() -> No
 
 async def test_a_caller_that_leaves_stops_its_decode_and_the_thread_comes_back_when_it_ends() -> None:
     pool = DecoderPool(1, queue=4, wait_s=30)
-    held = Held()
-    task = asyncio.create_task(pool.run(held))
-    await started(held)
+    task, held = await holding(pool)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -119,8 +112,6 @@ async def test_a_caller_that_leaves_stops_its_decode_and_the_thread_comes_back_w
 
 async def test_closing_stops_what_runs() -> None:
     pool = DecoderPool(1)
-    held = Held()
-    task = asyncio.create_task(pool.run(held))
-    await started(held)
+    task, _ = await holding(pool)
     pool.close()
     assert await task == "stopped"

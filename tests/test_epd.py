@@ -21,7 +21,7 @@ import pytest
 from gateway.config import parse_config
 from gateway.errors import ConfigError
 from gateway.state import SERVICES_KEY
-from tests.conftest import Gateway, Upstream, error_body, free_port, routing
+from tests.conftest import Gateway, Upstream, error_body, free_port, needs_video, routing
 from tests.images import data_url, flat_png
 from tests.videos import video, video_part  # each skips without PyAV
 from tools.standin import StandIn
@@ -365,6 +365,7 @@ async def test_the_consumer_retry_keeps_to_retries_attempts(gateway_factory, clu
     assert gw.sample("gateway_retries_total", model="kimi", reason="ec_error") == 0
 
 
+@needs_video
 async def test_video_frames_are_primed_like_images_and_primed_again_after_a_miss(gateway_factory, cluster):
     """on_unsupported: {video: {frames: N}} with a vllm encoder: each frame is primed on the
     instance its uuid hashes to and reaches the consumer as a metadata-only reference; a consumer
@@ -394,6 +395,7 @@ async def test_video_frames_are_primed_like_images_and_primed_again_after_a_miss
     assert gw.sample("gateway_retries_total", model="kimi", reason="ec_error") == 1
 
 
+@needs_video
 async def test_frames_are_not_held_to_the_image_limit_and_a_refused_frame_names_its_video(gateway_factory, cluster):
     """A video's frames are the gateway's own JPEGs: primed as they are (not decoded again from
     their data URLs, not held to media.max_image_bytes). A refused group is blamed on the part

@@ -28,6 +28,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Any
 
 import pytest
@@ -45,6 +46,10 @@ SECONDS_PER_REQUEST = 5.0  # "end fast": far above what any of these takes when 
 FD_SLACK = 2
 TASK_SLACK = 1
 MODELS = ("vision", "omni", "texty", "epd", "silent", "framed", "sampled")
+# video sampled into frames where PyAV is (the video extra); without it, stripped and passed as sent
+HAS_PYAV = find_spec("av") is not None
+FRAMES = "{frames: 2}" if HAS_PYAV else "strip"
+SAMPLE = "\n    video: {sample: {frames: 2}}" if HAS_PYAV else ""
 TINY_PNG = (
     "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
 )
@@ -89,12 +94,11 @@ def table(upstream: str, encoder: str, whisper: str) -> str:
     accepts: [text, image]
     limits: {{image: 4}}
     on_unsupported:
-      video: {{frames: 2}}
+      video: {FRAMES}
       audio: {{transcribe: whisper}}""",
         f"""  - name: sampled
     upstreams: [{upstream}]
-    accepts: [text, video]
-    video: {{sample: {{frames: 2}}}}
+    accepts: [text, video]{SAMPLE}
     on_unsupported:
       audio: {{transcribe: whisper, on_error: reject}}""",
         f"""  - name: whisper

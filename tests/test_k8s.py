@@ -46,6 +46,7 @@ from gateway.app import SERVER_OPTIONS, create_app
 from gateway.config import GatewayConfig, load_config, parse_config
 from gateway.errors import ConfigError
 from gateway.state import SERVICES_KEY
+from tests.conftest import needs_video
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -390,6 +391,7 @@ def dependency_closure(requirements: list[str]) -> tuple[set[str], set[str]]:
     return seen, missing
 
 
+@needs_video  # the image installs the video extra: its dependencies must be installed here to be known
 def test_the_gateway_image_installs_the_gateway_and_its_dependencies_only() -> None:
     image = dockerfile("gateway")
     # one install, of the project itself with the video extra (PyAV): pyproject's base dependencies

@@ -374,10 +374,12 @@ def test_serve_help_names_workers_and_hides_the_internal_options(capsys: pytest.
 
 
 def test_a_worker_refuses_to_start_outside_a_master(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
-    assert main(["serve", "--config", "routing.yaml", "--worker", "0"]) == 2
+    config = tmp_path / "routing.yaml"
+    config.write_text("version: 1\nmodels:\n  - {name: m, upstreams: ['http://127.0.0.1:1'], accepts: [text]}\n")
+    assert main(["serve", "--config", str(config), "--worker", "0"]) == 2
     assert "--worker is internal to serve --workers N" in capsys.readouterr().err
 
 
