@@ -35,6 +35,18 @@ cluster-demo: $(STAMP) test-deps ## 2 gateways x 2 encoders on loopback: spread,
 test: $(STAMP) test-deps ## run every test
 	$(PY) -m pytest
 
+MIN_VENV := .venv-min
+MIN_STAMP := $(MIN_VENV)/.installed
+
+$(MIN_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install -q --upgrade pip
+	$(MIN_VENV)/bin/python -m pip install -q -e '.[dev]'
+	touch $@
+
+test-minimal: $(MIN_STAMP) test-deps ## every test again on the gateway alone, without the video and encoder extras (CI runs it)
+	$(MIN_VENV)/bin/python -m pytest -q
+
 test-deps: ## system packages the tests use: Debian's prometheus (promtool and the server), wrk (the bench harness's test), curl (the README's quick start)
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v wrk >/dev/null \
 	  && command -v curl >/dev/null || { \
@@ -59,4 +71,4 @@ fmt: $(STAMP) ## format and fix what ruff can
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-.PHONY: help install serve demo cluster-demo test test-deps bench bench-deps check fmt
+.PHONY: help install serve demo cluster-demo test test-minimal test-deps bench bench-deps check fmt
