@@ -18,8 +18,8 @@ status, the bytes sent (headers included), the seconds taken, then what the gate
 headers: the request id (``X-Request-Id``, which ties the line to the engine's logs), the model
 that served it, the route and how many images were encoded (``-`` where there is none). Values a
 client chose (path, user agent) have their quotes and control characters escaped, so a line
-cannot be forged. Query values are written as ``REDACTED`` (a key sent as ``?api_key=`` must not
-reach a log), and what aiohttp's parser refuses is not logged with the header bytes it quotes
+cannot be forged. A query is written as ``?REDACTED`` (a key sent as ``?api_key=`` must not reach
+a log), and what aiohttp's parser refuses is not logged with the header bytes it quotes
 (:class:`ParserErrorFilter`).
 """
 
@@ -115,13 +115,11 @@ def access_logger(writer: AccessLogWriter) -> type[AbstractAccessLogger]:
 
 
 def _target(path: str) -> str:
-    """The request target with every query value replaced by ``REDACTED``: the gateway's API
-    takes none, and a client that sends its key as ``?api_key=...`` must not find it in a log."""
-    target, sep, query = path.partition("?")
-    if not sep:
-        return path
-    names = (item.partition("=")[0] for item in query.split("&"))
-    return target + "?" + "&".join(f"{name}=REDACTED" if name else "REDACTED" for name in names)
+    """The request target with its query written as ``?REDACTED``: the gateway's API takes none,
+    and a client that sends its key as ``?api_key=...`` (or as a bare ``?sk-...``) must not find
+    it in a log."""
+    target, sep, _ = path.partition("?")
+    return target + "?REDACTED" if sep else path
 
 
 class ParserErrorFilter(logging.Filter):

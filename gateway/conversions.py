@@ -65,6 +65,10 @@ class ConversionCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is kept or being made: a request that asks for it now converts nothing."""
+        return key in self._entries or key in self._flights
+
     @property
     def enabled(self) -> bool:
         """False with ``media.cache_bytes: 0``: callers skip hashing and looking up."""

@@ -44,6 +44,7 @@ class DecoderPool:
         self._wait_s = WAIT_S if wait_s is None else wait_s
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._running: set[threading.Event] = set()
+        self._closed = False
 
     @property
     def waiting(self) -> int:
@@ -73,12 +74,20 @@ class DecoderPool:
             raise
 
     def close(self) -> None:
-        """Stop every decode at its next frame, refuse new ones, and let the threads go."""
+        """Stop every decode at its next frame, refuse new ones and those waiting, and let the
+        threads go."""
+        self._closed = True
         for stop in self._running:
             stop.set()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(_closing())
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _acquire(self) -> None:
+        if self._closed:
+            raise _closing()
         if self._free > 0 and not self._waiters:
             self._free -= 1
             return
@@ -93,8 +102,8 @@ class DecoderPool:
             async with asyncio.timeout(self._wait_s):
                 await waiter
         except BaseException as exc:
-            if waiter.done() and not waiter.cancelled():  # handed a thread just as it gave up
-                self._release()
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._release()  # handed a thread just as it gave up
             if isinstance(exc, TimeoutError):
                 raise DecodersBusyError(
                     f"Every video decoder of this gateway was busy for {self._wait_s:g}s; retry shortly",
@@ -116,9 +125,15 @@ class DecoderPool:
 
     def _release(self) -> None:
         """A thread free: to the first caller still waiting, else back to the pool."""
+        if self._closed:
+            return
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
                 return
         self._free += 1
+
+
+def _closing() -> DecodersBusyError:
+    return DecodersBusyError("The gateway is shutting down; retry on another", reason="queue_full")

@@ -16,7 +16,7 @@ from .admission import EXPAND, RoutePlan, Visible, admit, lookup, upstream_body
 from .affinity import chat_key, prompt_key
 from .auth import is_bearer
 from .body import dump_body, exact, read_json
-from .config import EncoderConfig, GatewayConfig, ModelConfig, as_dict
+from .config import EncoderConfig, GatewayConfig, ModelConfig, as_dict, env_secret
 from .encoder import NOTHING, Encoded, Replacements
 from .errors import (
     AuthenticationError,
@@ -265,35 +265,42 @@ async def admin_config(request: web.Request) -> web.Response:
 
 def metrics_endpoint(scrape: Handler) -> Handler:
     """``GET /metrics``. It names every model (those a key may not see too), every key's name and
-    the upstream URLs, and each scrape costs ~10 ms of the event loop: with ``auth:`` on and no
-    ``server.admin_listen`` (where it is served apart), it needs the admin token, as
-    ``/admin/*`` does; a refusal costs what a 401 costs. Without ``auth:`` the gateway is open,
-    /metrics too."""
+    the upstream URLs, and each scrape costs ~10 ms of the event loop: with ``auth:`` on it needs
+    the admin token, as ``/admin/*`` does, on the main port and on ``server.admin_listen`` alike
+    (a port apart is often reachable from a whole cluster); a refusal costs what a 401 costs.
+    Without ``auth:`` the gateway is open, /metrics too."""
 
     async def metrics(request: web.Request) -> web.StreamResponse:
         services = request.app[SERVICES_KEY]
-        if services.store.live.keyring is not None and services.lifecycle.admin_port is None:
+        if services.store.live.keyring is not None:
             env = services.store.current.server.admin_token_env
-            if not os.environ.get(env):
-                raise PermissionDeniedError(
-                    f"With auth: on, /metrics needs the admin token: set the {env} environment variable and "
-                    "scrape with it, or serve /metrics apart on server.admin_listen"
-                )
-            _check_admin(request, services)
+            _check_admin(
+                request,
+                services,
+                disabled=f"With auth: on, /metrics needs the admin token: set the {env} environment variable "
+                "and scrape with it ('Authorization: Bearer <token>')",
+            )
         return await scrape(request)
 
     return metrics
 
 
+def _admin_token(services: Services) -> str:
+    return env_secret(services.store.current.server.admin_token_env)
+
+
 def _is_admin(request: web.Request, services: Services) -> bool:
-    token = os.environ.get(services.store.current.server.admin_token_env, "")
+    token = _admin_token(services)
     return bool(token) and is_bearer(request.headers.get(hdrs.AUTHORIZATION), token)
 
 
-def _check_admin(request: web.Request, services: Services) -> None:
-    env = services.store.current.server.admin_token_env
-    if not os.environ.get(env):
-        raise PermissionDeniedError(f"Admin endpoints are disabled: set the {env} environment variable to enable them")
+def _check_admin(request: web.Request, services: Services, *, disabled: str | None = None) -> None:
+    """401 unless the request carries the admin token; 403 ``disabled`` while none is set."""
+    if not _admin_token(services):
+        env = services.store.current.server.admin_token_env
+        raise PermissionDeniedError(
+            disabled or f"Admin endpoints are disabled: set the {env} environment variable to enable them"
+        )
     if not _is_admin(request, services):
         raise AuthenticationError("Missing or wrong admin token (send 'Authorization: Bearer <token>')")
 

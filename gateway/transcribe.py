@@ -198,8 +198,7 @@ class Transcriber:
                     continue
                 lease.success()
             assert reply is not None
-            seconds = await asyncio.to_thread(_duration, reply, audio, fmt)  # a header read, off the loop
-            return text, seconds
+            return text, await _seconds(reply, audio, fmt)
         if timed_out:
             raise UpstreamTimeoutError(
                 f"{part.location}: transcription model '{target.name}' sent no transcript in time ({why})",
@@ -278,6 +277,16 @@ def _json(data: bytes) -> dict[str, Any] | None:
     return reply if isinstance(reply, dict) else None
 
 
+async def _seconds(reply: Mapping[str, Any], audio: bytes, fmt: str) -> float:
+    """:func:`_duration`, read off the loop. A counter never fails a request: what cannot be
+    read counts 0."""
+    try:
+        return await asyncio.to_thread(_duration, reply, audio, fmt)
+    except Exception:
+        log.warning("the length of a %s clip could not be read; counted as 0 s", fmt, exc_info=True)
+        return 0.0
+
+
 def _duration(reply: Mapping[str, Any], audio: bytes, fmt: str) -> float:
     """Seconds of audio, as read from the clip's own bytes: a WAV's samples that are there, or the
     length the container states (mp3, flac, ogg, ...: PyAV, where the video extra is installed);
@@ -299,8 +308,10 @@ def _wav_seconds(audio: bytes) -> float | None:
         with wave.open(io.BytesIO(audio)) as w:
             frames, rate = int(w.getnframes()), int(w.getframerate())
             size = int(w.getnchannels()) * int(w.getsampwidth())
-    except (wave.Error, EOFError):
-        return None  # a WAV the wave module cannot read (float samples, extensible headers): FFmpeg can
+    except (wave.Error, EOFError, RuntimeError, ValueError, OverflowError):
+        # a WAV the wave module cannot read (float samples, extensible headers: FFmpeg can), or a
+        # header that lies about its chunks (the wave module's RuntimeError, seeking past the end)
+        return None
     if not rate or not size:
         return 0.0
     return min(frames, len(audio) // size) / rate
@@ -309,9 +320,7 @@ def _wav_seconds(audio: bytes) -> float | None:
 def _stated_seconds(audio: bytes) -> float | None:
     try:
         container = open_media(audio, AUDIO_FORMATS)
-    except ImportError:  # pragma: no cover - the video extra is installed with the gateway
-        return None
-    except UnreadableMediaError:
+    except (ImportError, UnreadableMediaError):  # no PyAV (the video extra), or not audio FFmpeg reads
         return None
     try:
         duration: int | None = container.duration  # microseconds (AV_TIME_BASE)

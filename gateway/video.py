@@ -44,7 +44,8 @@ T = TypeVar("T")
 MAX_SECONDS = 3600.0  # a longer video is refused before any frame is decoded
 MAX_PIXELS = 3840 * 2160  # one frame's width x height
 # What sampling may decode, in pixels (frames decoded x their size, the frames between a keyframe
-# and a sample included): one video at most VIDEO_PIXELS, all of a request's videos REQUEST_PIXELS.
+# and a sample included): one video at most VIDEO_PIXELS; a request starts no more decodes once its
+# videos have spent REQUEST_PIXELS (so it spends at most REQUEST_PIXELS + VIDEO_PIXELS).
 # 2 Gpx is 240 frames of 4K, 1,000 of 1080p, 2,200 of 720p: what 8 samples of a 1080p video take
 # with libx264's default keyframe interval (250 frames). A video that needs more gets frames near
 # its sample times rather than at them (each sample's share spent, the frame reached stands for
@@ -52,7 +53,7 @@ MAX_PIXELS = 3840 * 2160  # one frame's width x height
 VIDEO_PIXELS = 2_000_000_000
 REQUEST_PIXELS = 4_000_000_000
 MIN_FRAME_PIXELS = 256 * 256  # what a frame costs at least (tiny frames cost their decoding's overhead)
-DECODE_S = 30.0  # a request's decoding time in all (on the decoding threads, its wait for one apart)
+DECODE_S = 30.0  # one video's decoding, and a request's before it starts no more (a wait for a thread apart)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +86,21 @@ class DecodeStopped(Exception):
     """Nobody waits for the decode any more: it stopped between two frames."""
 
 
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """What a video may be: ``max_seconds`` long, frames of ``max_pixels`` each."""
+
+    max_seconds: float = MAX_SECONDS
+    max_pixels: int = MAX_PIXELS
+
+
 def sample_frames(
     data: bytes,
     *,
     frames: int,
     fps: float | None = None,
     max_side: int = 768,
-    max_seconds: float = MAX_SECONDS,
-    max_pixels: int = MAX_PIXELS,
+    bounds: Bounds = Bounds(),
     budget: Budget | None = None,
 ) -> list[Frame]:
     """``frames`` frames of the video in ``data``, evenly spread (each in the middle of its
@@ -107,7 +115,7 @@ def sample_frames(
     except UnreadableMediaError as exc:
         raise InvalidVideoError(f"the video cannot be decoded ({exc}; the gateway reads {VIDEO_NAMES})") from None
     try:
-        wanted = _Wanted(frames, fps, max_side, max_seconds, max_pixels)
+        wanted = _Wanted(frames, fps, max_side, bounds.max_seconds, bounds.max_pixels)
         return _sample(container, av, wanted, budget or Budget())
     except (InvalidVideoError, DecodeStopped):
         raise
@@ -152,10 +160,10 @@ def _sample(container: Any, av: Any, wanted: _Wanted, budget: Budget) -> list[Fr
         if budget.pixels < max(width * height, MIN_FRAME_PIXELS):  # not even one more frame: those it has
             if sampled:
                 break
-            raise InvalidVideoError("the video needs more decoding than a request may spend to sample")
+            raise InvalidVideoError("the video needs more decoding to sample than its budget allows")
         # this sample's share: twice an even one, for samples need unequal work (how far back their
-        # keyframe is); what it leaves goes to the next ones, and the budget bounds them all
-        frame = reader.frame_at(t, share=2 * budget.pixels // (count - n))
+        # keyframe is), never more than is left; what it leaves goes to the next ones
+        frame = reader.frame_at(t, share=min(budget.pixels, 2 * budget.pixels // (count - n)))
         if frame is None:
             if sampled:  # a file that ends before its stated duration: the frames it had
                 break
@@ -200,7 +208,7 @@ class _Reader:
             frame = candidate
             if candidate.time is None or candidate.time - self.start >= t - 1e-6:
                 break
-            if spent + pixels > share:  # the share is spent: the frame reached stands for the sample
+            if spent + pixels > share or self._budget.pixels < pixels:  # spent: the frame reached stands for it
                 break
         return frame
 
@@ -217,11 +225,17 @@ def _duration(container: Any, stream: Any) -> float:
 
 @dataclass(slots=True)
 class Account:
-    """What a request's videos may still spend decoding, all together (they are sampled one after
-    another): ``pixels`` and ``seconds`` on the decoding threads."""
+    """What a request's videos have left to spend decoding, all together (they are sampled one
+    after another): ``pixels`` and ``seconds`` on the decoding threads. A request starts no decode
+    once either is spent; each decode has a video's own budget (VIDEO_PIXELS, DECODE_S), so that
+    what it makes is the video's alone, the same for every request that shares or finds it."""
 
     pixels: int = field(default_factory=lambda: REQUEST_PIXELS)
     seconds: float = field(default_factory=lambda: DECODE_S)
+
+    @property
+    def spent(self) -> bool:
+        return self.pixels <= 0 or self.seconds <= 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,23 +347,34 @@ async def _sample_part(
         )
     data = await _load(sampling.fetcher, url, part.location, refused)
     metrics, cache = sampling.metrics, sampling.cache
+    key = (*shape, await sha256(data)) if cache.enabled else None
+    if sampling.account.spent and (key is None or key not in cache):  # a decode it may not start
+        raise InvalidVideoError(
+            f"{part.location}: the request's videos need more decoding than a request may spend "
+            f"({REQUEST_PIXELS / 1e9:g} Gpx, {DECODE_S:g}s); send fewer or shorter videos",
+            param=part.location,
+            rejection=refused,
+        )
 
     async def decode() -> tuple[T, int]:
         started = time.perf_counter()
-        made = await _decode(sampling, functools.partial(work, data), model, part.location, refused)
+        made = await _decode(sampling, functools.partial(work, data), part.location, refused)
         metrics.video_decode_seconds.labels(model).observe(time.perf_counter() - started)
         return made
 
-    if cache.enabled:  # the same video sampled the same way (a later turn, a parallel request): once
-        key = (*shape, await sha256(data))
-        try:
-            result, count = await cache.get_or_make(
-                key, decode, lambda v: size_of(v[0]), shared_errors=(InvalidVideoError,)
-            )
-        except InvalidVideoError as exc:  # this video's fault, maybe found by a request that carried it too
-            raise exc.located_at(part.location) from None
-    else:
-        result, count = await decode()
+    try:
+        if key is None:
+            result, count = await decode()
+        else:  # the same video sampled the same way (a later turn, a parallel request): once
+            # what the video made, or its fault, is the same for every request that carries it; so
+            # is a full queue, which each would otherwise wait out again
+            shared = (InvalidVideoError, DecodersBusyError)
+            result, count = await cache.get_or_make(key, decode, lambda v: size_of(v[0]), shared_errors=shared)
+    except InvalidVideoError as exc:  # this video's fault, maybe found by a request that carried it too
+        raise exc.located_at(part.location) from None
+    except DecodersBusyError as exc:
+        metrics.video_decode_shed.labels(model, exc.reason).inc()
+        raise
     metrics.video_frames.labels(model).inc(count)
     return (part.message, part.index), original, result
 
@@ -363,26 +388,22 @@ async def _load(fetcher: MediaFetcher, url: str, location: str, refused: Rejecti
 
 
 async def _decode(
-    sampling: Sampling, work: Callable[[Budget], tuple[T, int]], model: str, location: str, refused: Rejection
+    sampling: Sampling, work: Callable[[Budget], tuple[T, int]], location: str, refused: Rejection
 ) -> tuple[T, int]:
-    """``work`` on a decoding thread, within what the request may still spend (its account); its
-    errors located at the part. A busy pool is the gateway's 503, counted apart."""
+    """``work`` on a decoding thread, within a video's budget, what it spent taken from the
+    request's account; its errors located at the part."""
     account = sampling.account
 
     def bounded(stop: threading.Event) -> tuple[T, int]:  # on the thread: the clock starts there
         began = time.monotonic()
-        budget = Budget(min(VIDEO_PIXELS, account.pixels), began + account.seconds, stop)
-        allowed = budget.pixels
+        budget = Budget(VIDEO_PIXELS, began + DECODE_S, stop)
         try:
             return work(budget)
         finally:
-            account.pixels -= allowed - budget.pixels
+            account.pixels -= VIDEO_PIXELS - budget.pixels
             account.seconds -= time.monotonic() - began
 
     try:
         return await sampling.decoders.run(bounded)
-    except DecodersBusyError as exc:
-        sampling.metrics.video_decode_shed.labels(model, exc.reason).inc()
-        raise
     except InvalidVideoError as exc:
         raise InvalidVideoError(f"{location}: {exc.message}", param=location, rejection=refused) from None

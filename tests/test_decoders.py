@@ -115,3 +115,16 @@ async def test_closing_stops_what_runs() -> None:
     task, _ = await holding(pool)
     pool.close()
     assert await task == "stopped"
+
+
+async def test_closing_refuses_those_waiting_and_those_to_come() -> None:
+    pool = DecoderPool(1, queue=4, wait_s=30)
+    task, _ = await holding(pool)
+    waiting = asyncio.create_task(pool.run(Held()))
+    await asyncio.sleep(0)
+    pool.close()
+    with pytest.raises(DecodersBusyError):
+        await waiting
+    with pytest.raises(DecodersBusyError):
+        await pool.run(Held())
+    assert await task == "stopped"

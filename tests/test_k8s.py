@@ -619,6 +619,23 @@ CRD_SCHEMAS = {
                             "interval": DURATION,
                             "scrapeTimeout": DURATION,
                             "honorLabels": {"type": "boolean"},
+                            "authorization": {  # SafeAuthorization: a Secret's key in the monitor's namespace
+                                "type": "object",
+                                "properties": {
+                                    "type": {"type": "string"},
+                                    "credentials": {
+                                        "type": "object",
+                                        "required": ["key"],
+                                        "properties": {
+                                            "key": {"type": "string"},
+                                            "name": {"type": "string"},
+                                            "optional": {"type": "boolean"},
+                                        },
+                                        "additionalProperties": False,
+                                    },
+                                },
+                                "additionalProperties": False,
+                            },
                         },
                         "additionalProperties": False,
                     },
@@ -821,10 +838,15 @@ def test_the_grace_period_covers_the_drain(variant: str) -> None:
 
 @needs_kubectl
 @pytest.mark.parametrize("variant", VARIANTS)
-async def test_the_probes_and_the_scrape_reach_the_gateway_on_their_ports(variant: str) -> None:
+async def test_the_probes_and_the_scrape_reach_the_gateway_on_their_ports(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The gateway, as the ConfigMap configures it, on loopback: each probe and the scrape get a
-    real answer on the port the manifests send them to, and the admin port stays apart."""
+    real answer on the port the manifests send them to (the scrape with the token its
+    ServiceMonitor names, from the gateway's own Secret), and the admin port stays apart."""
     config = routing(variant)
+    monkeypatch.setenv(config.server.admin_token_env, "admin-token")
+    secrets = {s["metadata"]["name"] for s in objects(variant, "Secret")}
     app = create_app(config, registry=CollectorRegistry(), watch=False)
     runner = web.AppRunner(app, **SERVER_OPTIONS)
     await runner.setup()
@@ -837,6 +859,7 @@ async def test_the_probes_and_the_scrape_reach_the_gateway_on_their_ports(varian
         loopback = {config.server.port: main, admin_port(config): admin}
         c = container(variant, GATEWAY)
         gets: list[tuple[int, str, int]] = []
+        scrapes_with_the_token: set[tuple[int, str]] = set()
         for probe in ("readinessProbe", "livenessProbe"):
             http = c[probe]["httpGet"]
             gets.append((container_port(c, http["port"]), http["path"], 200))
@@ -853,13 +876,20 @@ async def test_the_probes_and_the_scrape_reach_the_gateway_on_their_ports(varian
                 ):
                     for endpoint in monitor["spec"]["endpoints"]:
                         (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
-                        gets.append((container_port(c, port["targetPort"]), endpoint["path"], 200))
+                        where = (container_port(c, port["targetPort"]), endpoint["path"])
+                        credentials = endpoint["authorization"]["credentials"]  # auth is on: the token
+                        assert credentials["name"] in secrets and credentials["key"] == config.server.admin_token_env
+                        scrapes_with_the_token.add(where)
+                        gets.append((*where, 200))
+                        gets.append((*where, 401))  # without the token
             assert any(path == "/metrics" for _, path, _ in gets)
         # and what must not be on the API port, or on the admin port
         gets += [(config.server.port, "/metrics", 404), (admin_port(config), "/v1/models", 404)]
         async with aiohttp.ClientSession() as session:
             for port, path, status in gets:
-                async with session.get(f"http://127.0.0.1:{loopback[port]}{path}") as response:
+                token = (port, path) in scrapes_with_the_token and status == 200
+                headers = {"Authorization": "Bearer admin-token"} if token else {}
+                async with session.get(f"http://127.0.0.1:{loopback[port]}{path}", headers=headers) as response:
                     assert response.status == status, f"GET {path} on {port}: {response.status} {await response.text()}"
                     if path == "/metrics" and status == 200:
                         assert "gateway_requests_total" in await response.text()

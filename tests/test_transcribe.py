@@ -382,6 +382,19 @@ async def test_a_wav_header_claiming_hours_counts_the_seconds_it_holds(gateway_f
     assert gw.sample("gateway_audio_transcribed_seconds_total", model="texty") == pytest.approx(1.0, abs=0.01)
 
 
+async def test_a_wav_whose_chunks_lie_is_transcribed_and_counted_never_a_500(gateway_factory, upstream_factory) -> None:
+    """A fmt chunk that claims 64 KiB in a 1 KB file made the wave module raise RuntimeError, after
+    the transcription was paid for: a 500."""
+    chat, whisper = await upstream_factory("chat"), await upstream_factory("whisper")
+    gw = await gateway_factory(table(chat, whisper.url))
+    data = bytearray(wav(0.03))
+    data[16:20] = (0xFFFF).to_bytes(4, "little")
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=ask(input_audio(bytes(data))))
+    assert len(whisper.received) == 1
+    assert gw.sample("gateway_audio_transcribed_seconds_total", model="texty") <= len(data) * 8 / 6000
+
+
 async def test_a_replys_duration_is_bounded_by_the_bytes_sent(gateway_factory, upstream_factory) -> None:
     """A transcription reply's ``duration: 1e18`` was counted as it said, on every cache hit
     again; where the gateway reads nothing of the clip itself, the reply's word is held to what

@@ -11,7 +11,8 @@ import pytest
 
 from gateway.config import parse_config
 from gateway.errors import ConfigError, InvalidVideoError, TooManyItemsError
-from gateway.video import VIDEO_PIXELS, Budget, DecodeStopped, sample_frames
+from gateway.state import SERVICES_KEY
+from gateway.video import VIDEO_PIXELS, Bounds, Budget, DecodeStopped, sample_frames
 from tests.conftest import error_body, routing
 from tests.videos import SHADES, long_gop, playlist, shade, video, video_part
 
@@ -69,9 +70,9 @@ def test_a_truncated_video_is_invalid_or_gives_the_frames_it_has() -> None:
 
 def test_long_or_huge_videos_are_refused_before_decoding() -> None:
     with pytest.raises(InvalidVideoError, match="over the 2s allowed"):
-        sample_frames(video(seconds=3), frames=2, max_seconds=2)
+        sample_frames(video(seconds=3), frames=2, bounds=Bounds(max_seconds=2))
     with pytest.raises(InvalidVideoError, match="over the 1000 pixels allowed"):
-        sample_frames(video(seconds=1), frames=2, max_pixels=1000)
+        sample_frames(video(seconds=1), frames=2, bounds=Bounds(max_pixels=1000))
 
 
 # --- served: on_unsupported: {video: {frames: N}} ----------------------------------------------------
@@ -429,8 +430,18 @@ def test_a_long_gop_costs_its_budget_at_most_and_still_gives_frames() -> None:
 
 
 def test_a_video_that_needs_more_than_its_budget_for_one_frame_is_refused() -> None:
-    with pytest.raises(InvalidVideoError, match="needs more decoding than a request may spend"):
+    with pytest.raises(InvalidVideoError, match="needs more decoding to sample than its budget allows"):
         sample_frames(video(seconds=1, size=(320, 240)), frames=2, budget=Budget(pixels=1000))
+
+
+@pytest.mark.parametrize("frames", [1, 2, 8])
+def test_a_video_never_spends_more_than_its_budget(frames: int) -> None:
+    """A sample's share is twice an even one, never more than what is left: a bomb sampled once
+    decoded twice its budget."""
+    frame = 320 * 240
+    budget = Budget(pixels=100 * frame)
+    sample_frames(long_gop(frames=240), frames=frames, budget=budget)
+    assert 0 <= budget.pixels
 
 
 def test_a_decode_stops_between_two_frames_when_nobody_waits() -> None:
@@ -443,7 +454,9 @@ def test_a_decode_stops_between_two_frames_when_nobody_waits() -> None:
 
 
 async def test_a_requests_videos_share_one_account(gateway_factory, upstream, monkeypatch) -> None:
-    """Two videos of one request draw on one account: the second gets what the first left."""
+    """A request's videos draw on one account: once spent, it starts no decode. A video decoded
+    or kept already still serves it, and what a decode makes is the video's alone (its own
+    budget, whatever the account had left), so the next request finds it whole."""
     import gateway.video as video_module
 
     clip_a, clip_b = long_gop(frames=60), long_gop(frames=61)
@@ -454,11 +467,17 @@ async def test_a_requests_videos_share_one_account(gateway_factory, upstream, mo
         with pytest.raises(openai.BadRequestError) as caught:
             await client.chat.completions.create(
                 model="texty", messages=[{"role": "user", "content": [video_part(clip_a), video_part(clip_b)]}]
-            )  # the first takes its frame at 1 s (30 frames decoded): nothing is left for the second
-    error = error_body(caught.value)
-    assert (error["code"], error["param"]) == ("invalid_video", "messages[0].content[1]")
-    assert "needs more decoding than a request may spend" in error["message"]
-    assert upstream.received == []
+            )  # the first takes its frame at 1 s (31 frames decoded): the account is spent for the second
+        error = error_body(caught.value)
+        assert (error["code"], error["param"]) == ("invalid_video", "messages[0].content[1]")
+        assert "the request's videos need more decoding than a request may spend" in error["message"]
+        assert upstream.received == []
+        # clip_a, sampled whole before the account ran out, is kept; clip_b alone is decoded anew
+        await client.chat.completions.create(
+            model="texty", messages=[{"role": "user", "content": [video_part(clip_a), video_part(clip_b)]}]
+        )
+    assert gw.sample("gateway_media_cache_requests_total", kind="frames", result="hit") == 1
+    assert gw.sample("gateway_video_decode_seconds_count", model="texty") == 2
 
 
 async def test_busy_decoders_are_a_503_with_retry_after_not_the_videos_fault(
@@ -503,3 +522,46 @@ async def test_busy_decoders_are_a_503_with_retry_after_not_the_videos_fault(
     assert gw.sample("gateway_video_decode_shed_total", model="texty", reason="queue_full") == 1
     assert gw.sample("gateway_modality_rejections_total", model="texty", modality="video") == 0
     assert len(upstream.received) == 1
+
+
+async def test_requests_that_share_a_decode_share_its_busy_answer(gateway_factory, upstream, monkeypatch) -> None:
+    """Requests carrying the same video wait for one decode; when the threads stay busy, all of
+    them hear 503 once, each counted, rather than each waiting the whole wait out again."""
+    import asyncio
+    import threading
+
+    import gateway.decoders as decoders
+    import gateway.video as video_module
+
+    monkeypatch.setattr(decoders, "THREADS", 1)
+    monkeypatch.setattr(decoders, "WAIT_S", 0.3)
+    began, release = threading.Event(), threading.Event()
+    real = video_module.sample_frames
+
+    def held(data: bytes, **kwargs: Any) -> Any:
+        began.set()
+        release.wait(10)
+        return real(data, **kwargs)
+
+    monkeypatch.setattr(video_module, "sample_frames", held)
+    gw = await gateway_factory(framed(upstream, "{frames: 2}"))
+    pool = gw.app[SERVICES_KEY].decoders
+    async with gw.client() as client:
+        first = asyncio.create_task(
+            client.chat.completions.create(model="texty", messages=[{"role": "user", "content": [video_part(video())]}])
+        )
+        assert await asyncio.to_thread(began.wait, 10)
+        try:
+            same = [video_part(video(seconds=2))]
+            results = await asyncio.gather(
+                *(client.chat.completions.create(model="texty", messages=[{"role": "user", "content": same}])
+                  for _ in range(3)),
+                return_exceptions=True,
+            )  # fmt: skip
+        finally:
+            release.set()
+        await first
+    assert all(isinstance(r, openai.InternalServerError) and r.status_code == 503 for r in results), results
+    assert gw.sample("gateway_video_decode_shed_total", model="texty", reason="queue_timeout") == 3
+    assert gw.sample("gateway_media_cache_requests_total", kind="frames", result="shared") == 2
+    assert pool.waiting == 0

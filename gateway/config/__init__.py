@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import ConfigError, ConfigProblem
+from .environment import env_secret
 from .export import as_dict
 from .loader import TooLargeError
 from .sections import Parser
@@ -42,7 +43,7 @@ from .types import (
     ServerConfig,
     TimeoutConfig,
 )
-from .validate import env_secret, missing_software, validate, validate_host
+from .validate import missing_software, validate, validate_host
 
 __all__ = [
     "BALANCE_POLICIES",

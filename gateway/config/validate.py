@@ -4,12 +4,12 @@ and the checks of the host that will run it."""
 from __future__ import annotations
 
 import fnmatch
-import os
 from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
 
 from ..modality import Modality
+from .environment import env_secret
 from .loader import MarkedDocument
 from .types import BUILTIN_TOWERS, ENCODABLE, GatewayConfig, ModelConfig
 
@@ -142,12 +142,6 @@ def _check_redirect_loops(config: GatewayConfig, p: MarkedDocument) -> None:
                 state[target] = 1
                 trail.append((name, m))
                 stack.append((target, edges(config.models[index[target]])))
-
-
-def env_secret(name: str) -> str:
-    """A secret as an environment variable holds it, without the spaces and the line break a
-    mounted secret file ends in ("" when unset): how every key the gateway reads is read."""
-    return os.environ.get(name, "").strip()
 
 
 def missing_software(config: GatewayConfig) -> list[tuple[str, str]]:
