@@ -28,8 +28,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
-from gateway.app import SERVER_OPTIONS, create_app
 from gateway.config import parse_config
+from gateway.server.app import SERVER_OPTIONS, create_app
 from tools.standin import StandIn
 
 POLICIES = ("round_robin", "p2c", "affinity")

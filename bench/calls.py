@@ -29,8 +29,8 @@ import orjson
 from aiohttp import web
 
 from bench import minimal_proxy
-from gateway.app import SERVER_OPTIONS, create_app
 from gateway.config import parse_config
+from gateway.server.app import SERVER_OPTIONS, create_app
 from tools.standin import StandIn
 
 CONFIG = """

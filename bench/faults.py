@@ -32,8 +32,8 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry
 
 from bench.common import free_port, percentile_ms
-from gateway.app import SERVER_OPTIONS, create_app
 from gateway.config import parse_config
+from gateway.server.app import SERVER_OPTIONS, create_app
 from tools.standin import StandIn
 
 MODEL = "m"

@@ -24,7 +24,7 @@ import aiohttp
 import orjson
 
 from bench.common import free_port, percentile_ms, wait_up
-from gateway.admission import admit
+from gateway.admission.plan import admit
 from gateway.config import parse_config
 
 

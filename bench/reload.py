@@ -21,8 +21,8 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
-from gateway.app import SERVER_OPTIONS, create_app
 from gateway.config import load_config
+from gateway.server.app import SERVER_OPTIONS, create_app
 from tools.standin import StandIn
 
 

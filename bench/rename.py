@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from gateway.body import dump_body, exact
+from gateway.admission.body import dump_body, exact
 
 
 def body_of(image_bytes: int) -> bytes:

@@ -1,4 +1,4 @@
-"""What sampling a video's frames costs (gateway/video.py): time per video and per second of video.
+"""What sampling a video's frames costs (gateway/media/video.py): time per video and per second of video.
 
 Videos are made here with PyAV (H.264, 30 fps, solid shades changing each second, so that they
 compress as real footage with little motion would), at two sizes and three lengths; each is
@@ -19,8 +19,8 @@ import time
 import av
 import numpy as np
 
-from gateway.conversions import ConversionCache
-from gateway.video import sample_frames
+from gateway.media.conversions import ConversionCache
+from gateway.media.video import sample_frames
 
 
 def make(seconds: int, width: int, height: int, fps: int = 30) -> bytes:
@@ -71,7 +71,7 @@ def main() -> None:
             data = make(seconds, width, height)
             sampled = timed(lambda data=data: sample_frames(data, frames=8), args.repeats)
             whole = timed(lambda data=data: decode_all(data), 1)
-            # what a later turn that sends the same video pays instead (gateway.conversions): its sha256
+            # what a later turn that sends the same video pays instead (gateway.media.conversions): its sha256
             # and a lookup in the cache of what was sampled
             cache = ConversionCache(1 << 28)
             key = ("frames", 8, None, 768, True)

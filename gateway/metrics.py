@@ -1,30 +1,27 @@
 """Every metric the gateway exports, declared once on an injected CollectorRegistry.
 
 Label values are bounded: model and upstream names come from routing.yaml, modalities from
-:class:`~gateway.modality.Modality` (plus ``unknown`` for a part of no known type), codes are
-HTTP status codes. Never a URL from a request or a request id.
+:class:`~gateway.modalities.Modality` (plus ``unknown`` for a part of no known type), codes are
+HTTP status codes. Never a URL from a request or a request id. The series a config can produce are
+made at 0 by the config store when it takes the config (gateway.server.store); the replica
+pools' gauges are read at scrape time by gateway.upstream.collector.
 
 Under ``serve --workers N`` every worker keeps its counters, histograms and gauges in
 prometheus_client's multiprocess files, and any worker answering a scrape sums them all
 (:class:`WorkersCollector`). Each gauge says how its workers' values combine (``multiprocess_mode``,
-ignored in a single process). :class:`PoolCollector` reads the answering worker's own pools.
+ignored in a single process); the pools' collector reads the answering worker's own pools.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
-
-from .concurrency import Gates
-from .config import GatewayConfig
-from .modality import MODALITY_NAMES
-from .replicas import BREAKER_STATES, Pool
 
 REJECTION_REASONS = ("unsupported", "too_many_items", "invalid_content", "media_refused")
 UNKNOWN_MODEL = "_unknown"  # the model label of requests that name no configured model
@@ -250,10 +247,8 @@ class GatewayMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def declare(self, config: GatewayConfig) -> None:
-        """Create the series a config can produce at 0, so rate() and alerts see them from the start;
-        say which config is live."""
-        sha256 = config.sha256 or "none"
+    def live_config(self, sha256: str) -> None:
+        """``gateway_config_info{sha256}`` is 1 for the config in effect, and only for it."""
         if self._live_sha256 is not None and self._live_sha256 != sha256:
             if self._multiprocess:  # a series cannot leave a multiprocess file: 0, which scrapes drop
                 self.config_info.labels(self._live_sha256).set(0)
@@ -261,74 +256,6 @@ class GatewayMetrics:
                 self.config_info.remove(self._live_sha256)
         self.config_info.labels(sha256).set(1)
         self._live_sha256 = sha256
-        for key in config.auth.keys if config.auth is not None else ():
-            for reason in ("rate", "concurrency"):
-                self.rate_limited.labels(key.name, reason)
-        for model in config.models:
-            for modality in MODALITY_NAMES:
-                for reason in REJECTION_REASONS:
-                    self.rejections.labels(model.name, modality, reason)
-            self.retries_refused.labels(model.name)
-            if model.encode:
-                for decision in ("encoded", "direct"):
-                    self.encode_decisions.labels(model.name, decision)
-            if model.max_concurrency is not None:
-                for reason in ("queue_full", "queue_timeout"):
-                    self.shed.labels(model.name, reason)
-            for url in model.upstreams:
-                self.upstream_ejections.labels(model.name, url)
-            for modality, policy in model.on_unsupported.items():
-                if policy.action == "redirect" and policy.target:
-                    self.redirects.labels(model.name, modality.value, policy.target)
-                elif policy.action == "strip":
-                    self.stripped_parts.labels(model.name, modality.value)
-                elif policy.action == "transcribe":
-                    self.audio_transcribed_seconds.labels(model.name)
-                elif policy.action == "frames":
-                    self.video_frames.labels(model.name)
-            if model.video_sample is not None or any(p.action == "frames" for p in model.on_unsupported.values()):
-                for reason in ("queue_full", "queue_timeout"):
-                    self.video_decode_shed.labels(model.name, reason)
-
-
-class PoolCollector(Collector):
-    """The live pools' and queues' state, read at scrape time: nothing to keep in step per request."""
-
-    def __init__(self, pools: Callable[[], Mapping[str, Pool]], gates: Gates) -> None:
-        self._pools, self._gates = pools, gates
-
-    def collect(self) -> Iterator[Metric]:
-        healthy = GaugeMetricFamily(
-            "gateway_upstream_healthy",
-            "1 when the replica takes requests (its breaker is not open), else 0.",
-            labels=["model", "upstream"],
-        )
-        state = GaugeMetricFamily(
-            "gateway_upstream_breaker_state",
-            "The replica's circuit breaker: 1 for its current state (closed, half_open, open), 0 for the others.",
-            labels=["model", "upstream", "state"],
-        )
-        in_flight = GaugeMetricFamily(
-            "gateway_upstream_in_flight",
-            "Requests being sent to or relayed from the replica now.",
-            labels=["model", "upstream"],
-        )
-        for name, pool in self._pools().items():
-            for replica in pool.replicas:
-                healthy.add_metric([name, replica.url], 1.0 if replica.healthy else 0.0)
-                in_flight.add_metric([name, replica.url], replica.in_flight)
-                for s in BREAKER_STATES:
-                    state.add_metric([name, replica.url, s], 1.0 if replica.state == s else 0.0)
-        queued = GaugeMetricFamily(
-            "gateway_queue_depth", "Requests waiting for a slot of their model (max_concurrency).", labels=["model"]
-        )
-        active = GaugeMetricFamily(
-            "gateway_model_in_flight", "Requests holding a slot of their model (max_concurrency).", labels=["model"]
-        )
-        for name, gate in self._gates.items():
-            queued.add_metric([name], gate.queued)
-            active.add_metric([name], gate.active)
-        yield from (healthy, state, in_flight, queued, active)
 
 
 class WorkersCollector(Collector):

@@ -19,7 +19,7 @@ from bench.calls import Counts, measure, run
 
 # The calls the gateway hop adds per request, over the calls the minimal aiohttp proxy's hop adds
 # for the same request (so an aiohttp or Python upgrade, which moves both, moves neither ceiling).
-# Measured 2026-12-01 on asyncio's loop with the gateway's own upstream client (gateway/http1.py):
+# Measured 2026-12-01 on asyncio's loop with the gateway's own upstream client (gateway/upstream/http1.py):
 # text 589 / 561 = 1.05, stream (8 chunks) 568 / 561 = 1.01, reject (the gateway's own 400) 190 /
 # 561 = 0.34. With aiohttp's client: text 1.41, stream 1.48. Before this guard: text 1.86 on uvloop.
 CEILINGS = {"text": 1.16, "stream": 1.12, "reject": 0.38}

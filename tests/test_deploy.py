@@ -14,15 +14,15 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.server.app import create_app
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "modality-gateway.json"
 METRIC = re.compile(r"\b((?:gateway|vision_encoder)_[a-z_]+)")
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
-# The replica pools' metrics (gateway.replicas, gateway.retries, gateway.health): each on the
+# The replica pools' metrics (gateway.upstream.replicas, gateway.upstream.retries, gateway.upstream.health): each on the
 # dashboard's "Upstream health" row; the alerted ones also in alerts.yml.
 POOL_METRICS = (
     "gateway_upstream_healthy",
@@ -40,12 +40,12 @@ POOL_ALERTED = (
     "gateway_retries_refused_total",
     "gateway_health_checks_total",
 )
-# Per-model concurrency (gateway.concurrency): on the "Concurrency limits" row, shedding alerted.
+# Per-model concurrency (gateway.upstream.concurrency): on the "Concurrency limits" row, shedding alerted.
 CONCURRENCY_METRICS = ("gateway_queue_depth", "gateway_model_in_flight", "gateway_shed_total")
 CONCURRENCY_ALERTED = ("gateway_shed_total",)
 # Which routing.yaml each instance runs: on the "Traffic" row, beside the reloads.
 CONFIG_METRICS = ("gateway_config_info", "gateway_config_generation", "gateway_config_reloads_total")
-# API keys (gateway.auth): requests, refusals for a key and by a key's limits on the "Access (API
+# API keys (gateway.admission.auth): requests, refusals for a key and by a key's limits on the "Access (API
 # keys)" row; the refusals alerted.
 ACCESS_METRICS = ("gateway_requests_total", "gateway_auth_failures_total", "gateway_rate_limited_total")
 ACCESS_ALERTED = ("gateway_auth_failures_total", "gateway_rate_limited_total")

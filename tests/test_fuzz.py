@@ -35,7 +35,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from gateway.transcribe import CONCURRENCY
+from gateway.media.transcribe import CONCURRENCY
 from tests.conftest import Gateway, free_port, routing
 from tools.standin import Received
 

@@ -41,11 +41,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from prometheus_client import CollectorRegistry
 
-from gateway import cli
-from gateway.app import SERVER_OPTIONS, create_app
 from gateway.config import GatewayConfig, load_config, parse_config
 from gateway.errors import ConfigError
-from gateway.state import SERVICES_KEY
+from gateway.server import cli
+from gateway.server.app import SERVER_OPTIONS, create_app
+from gateway.server.state import SERVICES_KEY
 from tests.conftest import needs_video
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -418,7 +418,7 @@ def test_the_gateway_image_runs_modality_gateway_serve_on_a_mounted_config() -> 
     final = dockerfile("gateway").final
     entry = entrypoint(final)
     assert entry == ["modality-gateway", "serve"]
-    assert PYPROJECT["project"]["scripts"]["modality-gateway"] == "gateway.cli:main"
+    assert PYPROJECT["project"]["scripts"]["modality-gateway"] == "gateway.server.cli:main"
     args = cli._parser().parse_args([*entry[1:], *default_args(final)])
     assert args.command is cli._serve
     assert Path(args.config).is_absolute() and args.host is None and args.port is None

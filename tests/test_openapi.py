@@ -39,8 +39,8 @@ from schemathesis.specs.openapi import definitions
 from schemathesis.specs.openapi.checks import negative_data_rejection
 
 from gateway import errors
-from gateway.app import create_app
 from gateway.config import parse_config
+from gateway.server.app import create_app
 from tests.conftest import free_port, routing
 
 SPEC_PATH = Path(__file__).resolve().parent.parent / "docs" / "openapi.yaml"

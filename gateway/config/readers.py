@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..modality import MODALITY_NAMES, Modality
+from ..modalities import MODALITY_NAMES, Modality
 from .loader import MISSING, MarkedDocument, join_path
 from .types import BUILTIN_TOWERS, ENV_NAME, HOST_NAME
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
-from ..modality import MODALITY_NAMES, Modality
+from ..modalities import MODALITY_NAMES, Modality
 from .auth import AuthReaders
 from .loader import MISSING, join_path
 from .pools import PoolReaders

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from ..modality import DEFAULT_BOUNDS, ContentBounds, Modality
+from ..modalities import Modality
 
 SUPPORTED_VERSION = 1
 ENCODABLE = (Modality.IMAGE,)
@@ -19,7 +19,7 @@ HOST_NAME = re.compile(
     r"(?=.{1,253}$)([a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*", re.I
 )
 
-# Keys per section: the parser and docs/routing.schema.json must agree (tests/test_schema.py).
+# Keys per section: the parser and docs/routing.schema.json must agree (tests/config/test_schema.py).
 TOP_KEYS = ("version", "server", "media", "encoders", "auth", "models")
 SERVER_KEYS = (
     "host",
@@ -105,6 +105,19 @@ POLICY_ACTIONS = ("reject", "strip")
 
 
 @dataclass(frozen=True, slots=True)
+class ContentBounds:
+    """How much content one request may carry (``server.max_messages``, ``max_content_parts``,
+    ``max_text_chars``); checked cheaply, before or while parts are classified."""
+
+    messages: int = 4096
+    parts: int = 8192  # over all messages; a string content counts as one
+    text_chars: int = 8 * 1024 * 1024  # one text: ~2M tokens, past every context window but the largest
+
+
+DEFAULT_BOUNDS = ContentBounds()
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -137,8 +150,8 @@ class ServerConfig:
     # "HOST:PORT": /admin/* and /metrics are served there only, and the main port serves /v1/* and
     # health alone; None: everything on the main port
     admin_listen: str | None = None
-    access_log: bool = True  # a line per request (id, model, route), written in batches (gateway/access_log.py)
-    # how requests reach upstreams: the gateway's own HTTP/1.1 client (gateway/http1.py), or aiohttp's
+    access_log: bool = True  # a line per request (id, model, route), written in batches (gateway/server/access_log.py)
+    # how requests reach upstreams: the gateway's own HTTP/1.1 client (gateway/upstream/http1.py), or aiohttp's
     upstream_client: Literal["http1", "aiohttp"] = "http1"
 
     @property
@@ -166,7 +179,7 @@ class MediaConfig:
     # an audio clip sent for transcription: OpenAI's and vLLM's own limit for one file
     max_audio_bytes: int = 25 * 1024 * 1024
     # what the gateway made of media it converted (transcripts, video frames), kept for the next
-    # turn of the conversation, which sends them again (gateway.conversions); 0: not kept
+    # turn of the conversation, which sends them again (gateway.media.conversions); 0: not kept
     cache_bytes: int = 256 * 1024 * 1024
 
 
@@ -197,7 +210,7 @@ class RetryConfig:
 
 @dataclass(frozen=True, slots=True)
 class BreakerConfig:
-    """When a replica is ejected and let back (gateway.replicas)."""
+    """When a replica is ejected and let back (gateway.upstream.replicas)."""
 
     failures: int = 5  # consecutive failures that open the breaker
     open_s: float = 5.0  # skipped this long, then one probe at a time (default: server.upstream_cooldown_s)
@@ -224,7 +237,7 @@ class QueueConfig:
 
 @dataclass(frozen=True, slots=True)
 class HealthCheckConfig:
-    """Active health checks of a model's replicas (gateway.health)."""
+    """Active health checks of a model's replicas (gateway.upstream.health)."""
 
     path: str = "/health"  # vLLM and SGLang answer 200 here when ready
     interval_s: float = 5.0

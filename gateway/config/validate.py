@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
 
-from ..modality import Modality
+from ..modalities import Modality
 from .environment import env_secret
 from .loader import MarkedDocument
 from .types import BUILTIN_TOWERS, ENCODABLE, GatewayConfig, ModelConfig

@@ -159,7 +159,7 @@ async def test_image_urls_are_fetched_under_the_media_rules(gateway_factory, ups
 
 
 async def test_an_unreachable_encoder_is_503_encoder_unavailable(gateway_factory, upstream) -> None:
-    from tests.test_upstream import dead_url
+    from tests.upstream.test_client import dead_url
 
     gw = await gateway_factory(epd_config(upstream, [dead_url()]))
     async with gw.client() as client:
@@ -174,7 +174,7 @@ async def test_an_unreachable_encoder_is_503_encoder_unavailable(gateway_factory
 
 
 async def test_passthrough_sends_the_original_images_when_the_encoder_fails(gateway_factory, upstream) -> None:
-    from tests.test_upstream import dead_url
+    from tests.upstream.test_client import dead_url
 
     gw = await gateway_factory(epd_config(upstream, [dead_url()], passthrough=True))
     image = image_part(png())
@@ -188,7 +188,7 @@ async def test_passthrough_sends_the_original_images_when_the_encoder_fails(gate
 
 
 async def test_encoders_fail_over_and_spread_load(gateway_factory, upstream, backend_factory) -> None:
-    from tests.test_upstream import dead_url
+    from tests.upstream.test_client import dead_url
 
     first, second = await backend_factory(), await backend_factory()
     gw = await gateway_factory(epd_config(upstream, [dead_url(), first.url, second.url]))
@@ -208,7 +208,7 @@ async def test_encoders_fail_over_and_spread_load(gateway_factory, upstream, bac
 
 
 async def test_explain_shows_the_encode_action(gw: Gateway) -> None:
-    from gateway.admission import admit
+    from gateway.admission.plan import admit
 
     plan = admit(gw.config, {"model": "vl", "messages": [{"role": "user", "content": [image_part(png())]}]})
     decision = plan.explain()

@@ -1,0 +1,163 @@
+"""Who may come in: API keys, the models each key may use, and each key's limits.
+
+With an ``auth:`` section, every ``/v1/*`` request must carry ``Authorization: Bearer KEY`` (how
+the OpenAI SDKs send ``api_key``). The gateway never holds a key: it holds the sha256 of each
+(read from ``key_env`` when a generation is built, or given as ``key_sha256``) and compares the
+sha256 of what a client sends with every one of them in constant time, so neither the answer nor
+its timing says how close a guess came. No key and a wrong key are the same 401
+``invalid_api_key``; a model outside the key's ``models`` is the same 404 as a model that does not
+exist, and ``/v1/models`` lists only the key's models.
+
+Limits are per key and per gateway process: ``rate_limit`` is a token bucket
+(``requests_per_minute`` refill, ``burst`` at once) answering 429 ``rate_limit_exceeded`` with
+``Retry-After``; ``max_concurrency`` caps the key's requests in flight (429
+``concurrency_limit_exceeded``). Responses to a key with a rate limit carry the headers OpenAI
+clients read: ``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``,
+``x-ratelimit-reset-requests``. N gateway replicas behind a load balancer let a key through N
+times as fast: divide the limits by N (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ..config import ApiKey, AuthConfig, env_secret
+from ..errors import ConcurrencyLimitError, InvalidApiKeyError, RateLimitedError
+
+log = logging.getLogger(__name__)
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer TOKEN`` header (the scheme in any case), or None."""
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def digest_of(secret: str) -> bytes:
+    """The sha256 secrets are compared by: equal lengths whatever the secret, and any header
+    bytes (aiohttp hands non-UTF-8 ones over as surrogates) hash without an error."""
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+
+
+def is_bearer(authorization: str | None, secret: str) -> bool:
+    """Whether the header carries ``secret`` as its Bearer token, compared in constant time."""
+    token = bearer_token(authorization)
+    return token is not None and hmac.compare_digest(digest_of(token), digest_of(secret))
+
+
+@dataclass(frozen=True, slots=True)
+class Keyring:
+    """The keys of one config generation, by the sha256 of their value."""
+
+    entries: tuple[tuple[bytes, ApiKey], ...]
+
+    @classmethod
+    def build(cls, auth: AuthConfig) -> Keyring:
+        entries = []
+        for key in auth.keys:
+            if key.key_sha256 is not None:
+                entries.append((bytes.fromhex(key.key_sha256), key))
+            elif key.key_env is not None and (value := env_secret(key.key_env)):
+                entries.append((digest_of(value), key))
+            else:  # serve and reloads refuse this (validate_host); a config built in code may not
+                log.warning("API key %s: %s is not set; the key is not accepted", key.name, key.key_env)
+        return cls(tuple(entries))
+
+    def find(self, authorization: str | None) -> ApiKey:
+        """The key an ``Authorization`` header carries; InvalidApiKeyError when none matches."""
+        token = bearer_token(authorization)
+        if token is None:
+            raise InvalidApiKeyError("Missing API key: send 'Authorization: Bearer <key>'")
+        digest = digest_of(token)
+        found = None
+        for known, key in self.entries:  # every one, whatever matched: the time says nothing
+            if hmac.compare_digest(known, digest):
+                found = key
+        if found is None:
+            raise InvalidApiKeyError("Invalid API key")
+        return found
+
+
+@dataclass(slots=True)
+class _Bucket:
+    tokens: float
+    updated: float
+
+
+class KeyLimits:
+    """Every key's token bucket and requests in flight, by key name, for the life of the process."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+        self._active: dict[str, int] = {}
+
+    def take(self, key: ApiKey) -> dict[str, str]:
+        """Spend one request of the key's rate limit: the x-ratelimit-* headers, or RateLimitedError."""
+        limit = key.rate_limit
+        if limit is None:
+            return {}
+        per_s = limit.requests_per_minute / 60
+        now = self._clock()
+        bucket = self._buckets.get(key.name)
+        if bucket is None:
+            bucket = self._buckets[key.name] = _Bucket(float(limit.burst), now)
+        bucket.tokens = min(float(limit.burst), bucket.tokens + (now - bucket.updated) * per_s)
+        bucket.updated = now
+        allowed = bucket.tokens >= 1
+        if allowed:
+            bucket.tokens -= 1
+        headers = {
+            "x-ratelimit-limit-requests": _number(limit.requests_per_minute),
+            "x-ratelimit-remaining-requests": str(math.floor(bucket.tokens)),
+            "x-ratelimit-reset-requests": _duration((limit.burst - bucket.tokens) / per_s),
+        }
+        if not allowed:
+            wait = math.ceil((1 - bucket.tokens) / per_s)
+            raise RateLimitedError(
+                f"Rate limit of {_number(limit.requests_per_minute)} requests per minute reached for this key; "
+                f"retry in {wait}s",
+                headers={**headers, "Retry-After": str(max(1, wait))},
+            )
+        return headers
+
+    @contextmanager
+    def slot(self, key: ApiKey) -> Iterator[None]:
+        """Hold one of the key's max_concurrency slots for the request's life."""
+        limit = key.max_concurrency
+        if limit is None:
+            yield
+            return
+        active = self._active.get(key.name, 0)
+        if active >= limit:
+            raise ConcurrencyLimitError(
+                f"This key already has {limit} requests in flight (its max_concurrency); retry when one ends",
+                headers={"Retry-After": "1"},
+            )
+        self._active[key.name] = active + 1
+        try:
+            yield
+        finally:
+            self._active[key.name] -= 1
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if value == int(value) else f"{value:g}"
+
+
+def _duration(seconds: float) -> str:
+    """As OpenAI writes x-ratelimit-reset-*: ``20ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes}m{rest}s"

@@ -1,0 +1,1 @@
+"""Media: fetched safely, video sampled into frames, audio transcribed, what was converted kept."""

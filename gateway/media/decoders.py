@@ -1,0 +1,139 @@
+"""The process's media decoding threads: few at once, a bounded queue, and stops that hold.
+
+Decoding a video is CPU work for seconds that must not run on the event loop, nor take the cores
+the gateway serves with. :class:`DecoderPool` runs at most :data:`THREADS` decodes at once on its
+own threads (apart from the default executor, which DNS lookups and large data URLs use). A
+request that finds them busy waits in a queue of at most :data:`QUEUE` requests, for at most
+:data:`WAIT_S`; past either it is refused with 503 ``decoders_busy`` and ``Retry-After``: the
+gateway's saturation, which clients retry, not the video's fault. The wait is not part of the
+decode's own time limit (it was: 50 valid clips at once got 400 ``invalid_video`` for waiting).
+
+A decode is handed a :class:`threading.Event` that the pool sets when the request that waits for
+it ends (the client left, its time ran out, a sibling part failed): the decoder looks at it
+between two frames and stops. A thread is given back to the pool only when its decode has
+returned, so the threads bound the CPU really spent, not the requests still waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from ..errors import DecodersBusyError
+
+T = TypeVar("T")
+
+THREADS = 2  # decodes at once in a gateway process: the other cores stay for serving
+QUEUE = 128  # requests waiting for a thread (each holds its video's bytes); one more is refused at once
+WAIT_S = 30.0  # the longest wait for a thread: as long as a request's decoding may take
+
+
+class DecoderPool:
+    """Runs decodes on :data:`THREADS` threads of its own (see the module docstring)."""
+
+    def __init__(self, threads: int | None = None, *, queue: int | None = None, wait_s: float | None = None) -> None:
+        threads = THREADS if threads is None else threads
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="decode")
+        self._free = threads
+        self._queue = QUEUE if queue is None else queue
+        self._wait_s = WAIT_S if wait_s is None else wait_s
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._running: set[threading.Event] = set()
+        self._closed = False
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    async def run(self, work: Callable[[threading.Event], T]) -> T:
+        """``work(stop)`` on a thread of the pool, once one is free; DecodersBusyError when the
+        queue is full or the wait too long. A caller that leaves sets ``stop``."""
+        await self._acquire()
+        stop = threading.Event()
+        self._running.add(stop)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._executor, work, stop)
+        except BaseException:  # the pool was shut down
+            self._running.discard(stop)
+            self._release()
+            raise
+        future.add_done_callback(functools.partial(self._done, stop))
+        try:
+            return await asyncio.shield(future)
+        except BaseException:
+            stop.set()  # the decode ends at its next frame; its thread is given back then
+            raise
+
+    def close(self) -> None:
+        """Stop every decode at its next frame, refuse new ones and those waiting, and let the
+        threads go."""
+        self._closed = True
+        for stop in self._running:
+            stop.set()
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(_closing())
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _acquire(self) -> None:
+        if self._closed:
+            raise _closing()
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        if len(self._waiters) >= self._queue:
+            raise DecodersBusyError(
+                f"Every video decoder of this gateway is busy and {self._queue} requests wait for one; retry shortly",
+                reason="queue_full",
+            )
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self._wait_s):
+                await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._release()  # handed a thread just as it gave up
+            if isinstance(exc, TimeoutError):
+                raise DecodersBusyError(
+                    f"Every video decoder of this gateway was busy for {self._wait_s:g}s; retry shortly",
+                    reason="queue_timeout",
+                ) from None
+            raise
+        finally:
+            if not waiter.done() or waiter.cancelled():
+                try:
+                    self._waiters.remove(waiter)
+                except ValueError:
+                    pass
+
+    def _done(self, stop: threading.Event, future: asyncio.Future[Any]) -> None:
+        if not future.cancelled():
+            future.exception()  # retrieved: a decode stopped for a caller that left ends in DecodeStopped
+        self._running.discard(stop)
+        self._release()
+
+    def _release(self) -> None:
+        """A thread free: to the first caller still waiting, else back to the pool."""
+        if self._closed:
+            return
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._free += 1
+
+
+def _closing() -> DecodersBusyError:
+    return DecodersBusyError("The gateway is shutting down; retry on another", reason="queue_full")

@@ -1,0 +1,332 @@
+"""Audio a model cannot take, served as its transcript (``on_unsupported: {audio: {transcribe: M}}``).
+
+Each audio part of the request (``input_audio``: base64 data with its format; ``audio_url``: a
+data URL or an http(s) URL fetched under the ``media:`` rules) goes to one of model M's upstreams
+as the OpenAI transcription request, ``POST /v1/audio/transcriptions`` with a multipart ``file``
+and ``model`` (M's upstream name), as vLLM serves Whisper. The part is replaced by a text part
+holding the transcript, marked as such. A replica that refuses, resets, times out or answers 5xx
+is passed over to the next (M's pool: its choice, breakers and timeouts); a 4xx is the audio's
+fault (400 ``invalid_audio``). When every replica failed: 502 ``upstream_error`` / 504
+``upstream_timeout`` naming the part, or, with ``on_error: reject``, the 400 the model's
+rejection would have been. What is lost: everything but the words (tone, speakers, music,
+timing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import io
+import logging
+import math
+import wave
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from ..admission.parts import Part
+from ..admission.plan import RoutePlan
+from ..config import ModelConfig
+from ..errors import (
+    GatewayError,
+    InvalidAudioError,
+    MediaRefusedError,
+    Rejection,
+    UnsupportedModalityError,
+    UpstreamError,
+    UpstreamTimeoutError,
+    error_detail,
+)
+from ..metrics import GatewayMetrics
+from ..modalities import Modality
+from ..upstream.failures import CLIENT_ERRORS, failure_of, read_capped
+from ..upstream.http1 import KEEPALIVE_S
+from ..upstream.live import Live
+from ..upstream.replicas import Replica
+from .conversions import ConversionCache
+from .demux import AUDIO_FORMATS, UnreadableMediaError, open_media
+from .fetch import DECODE_IN_THREAD_CHARS, MediaFetcher, sha256
+
+log = logging.getLogger(__name__)
+TRANSCRIPT = "[Transcript of the user's audio] "  # marks the text part that replaced an audio part
+CONCURRENCY = 4  # audio parts of one request transcribed at once
+MAX_REPLY_BYTES = 4 << 20  # a transcript: words, a few KB
+MIN_BITRATE = 6000  # bits a second: Opus's lowest; no clip holds more seconds than its bytes at this rate
+FORMATS = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg", "webm": "audio/webm",
+           "m4a": "audio/mp4", "mp4": "audio/mp4", "mpeg": "audio/mpeg", "mpga": "audio/mpeg"}  # fmt: skip
+
+
+class Transcriber:
+    """Sends audio parts to a transcription model's upstreams over one ClientSession."""
+
+    def __init__(self, metrics: GatewayMetrics, fetcher: MediaFetcher, cache: ConversionCache | None = None) -> None:
+        self._metrics = metrics
+        self._fetcher = fetcher
+        self._cache = cache if cache is not None else ConversionCache(0)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        # connections let go before the engine's uvicorn closes them (5 s idle), as for chat requests
+        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def transcribe(
+        self, plan: RoutePlan, body: Mapping[str, Any], live: Live, *, request_id: str
+    ) -> dict[tuple[int, int], dict[str, Any]]:
+        """The text part that replaces each audio part of ``plan.transcribe_parts``."""
+        policy = plan.model.policy(Modality.AUDIO)
+        target = live.config.model(policy.target or "")
+        if target is None:  # validation forbids it; a config built in code may not
+            raise UpstreamError(f"Transcription model '{policy.target}' does not exist")
+        limit = asyncio.Semaphore(CONCURRENCY)
+        messages = body["messages"]
+
+        async def one(part: Part) -> tuple[tuple[int, int], dict[str, Any]]:
+            assert part.index is not None
+            async with limit:
+                try:
+                    value = messages[part.message]["content"][part.index]
+                    text = await self._one(value, part, plan, target, live, request_id)
+                except (UpstreamError, UpstreamTimeoutError) as exc:
+                    if policy.on_error != "reject":
+                        raise
+                    raise UnsupportedModalityError(
+                        f"Model '{plan.model.name}' does not accept audio input, and its transcription failed: "
+                        f"{part.location} is '{part.type}' ({exc.message})",
+                        param=part.location,
+                        rejection=Rejection(plan.model.name, "audio", "unsupported"),
+                    ) from None
+            return (part.message, part.index), {"type": "text", "text": TRANSCRIPT + text}
+
+        results = await asyncio.gather(*(one(p) for p in plan.transcribe_parts))
+        return dict(results)
+
+    async def _one(
+        self, value: Mapping[str, Any], part: Part, plan: RoutePlan, target: ModelConfig, live: Live, request_id: str
+    ) -> str:
+        audio, fmt = await self._audio(value, part, plan.model.name)
+        make = functools.partial(self._transcribe, audio, fmt, part, plan, target, live, request_id)
+        cache = self._cache
+        if cache.enabled:  # the same clip again (a later turn, a parallel request): one transcription
+            key = ("transcript", target.name, target.upstream_name, await sha256(audio), fmt)
+            # an empty transcript is not kept: the next turn asks again
+            try:
+                text, seconds = await cache.get_or_make(
+                    key,
+                    make,
+                    size_of=lambda v: len(v[0].encode()),
+                    keep=lambda v: bool(v[0].strip()),
+                    shared_errors=(InvalidAudioError,),  # refused by the transcription model: it would be again
+                )
+            except InvalidAudioError as exc:  # the clip's fault, maybe found by a request that carried it too
+                raise exc.located_at(part.location) from None
+        else:
+            text, seconds = await make()
+        self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)
+        return text
+
+    async def _transcribe(
+        self, audio: bytes, fmt: str, part: Part, plan: RoutePlan, target: ModelConfig, live: Live, request_id: str
+    ) -> tuple[str, float]:
+        """The clip's transcript and its seconds, from one of ``target``'s upstreams."""
+        assert self._session is not None, "Transcriber.start() was not called"
+        pool = live.pools[target.name]
+        headers = {"X-Request-Id": request_id}
+        auth = live.upstream_auth.get(target.name)
+        if auth is not None:
+            headers["Authorization"] = auth
+        t = target.timeouts
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + t.total_s if t.total_s else None  # over every try, as for a chat request
+        tried: list[Replica] = []
+        why = "no replica admits a request"
+        timed_out = False
+        tries = 1 + target.retries.attempts  # the model's retries.attempts; a refused connection is free
+        while tries > 0:
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                why, timed_out = f"timeouts.total_s of {t.total_s:g}s spent", True
+                break
+            lease = pool.lease(exclude=tried, panic=True)
+            if lease is None:
+                break
+            tried.append(lease.replica)
+            tries -= 1
+            timeout = aiohttp.ClientTimeout(total=left, connect=t.connect_s, sock_read=t.first_byte_s)
+            url = lease.replica.url
+            form = aiohttp.FormData()
+            form.add_field("model", target.upstream_name)
+            form.add_field("response_format", "json")
+            form.add_field(
+                "file", audio, filename=f"audio.{fmt}", content_type=FORMATS.get(fmt, "application/octet-stream")
+            )
+            with lease:
+                try:
+                    async with self._session.post(
+                        f"{url}/v1/audio/transcriptions", data=form, headers=headers, timeout=timeout
+                    ) as resp:
+                        status, data = resp.status, await read_capped(resp, MAX_REPLY_BYTES)
+                except CLIENT_ERRORS as exc:
+                    failure = failure_of(exc)
+                    lease.failure(failure.reason)
+                    log.warning("transcription upstream %s of model %s: %s", url, target.name, failure.reason)
+                    timed_out = failure.kind == "timeout"
+                    why = failure.reason
+                    if failure.kind == "connect":  # nothing reached the replica
+                        tries += 1
+                    continue  # the next replica, a timeout too: transcribing is idempotent
+                reply = _json(data) if status == 200 else None
+                text = reply.get("text") if reply is not None else None
+                if status in (400, 413, 415, 422):  # the audio's fault
+                    lease.success()
+                    raise InvalidAudioError(
+                        f"{part.location}: transcription model '{target.name}' could not transcribe the audio "
+                        f"(HTTP {status}{error_detail(data)})",
+                        param=part.location,
+                        rejection=Rejection(plan.model.name, "audio", "media_refused"),
+                    )
+                if not isinstance(text, str):  # failing, busy, not a transcription server, or not its reply
+                    if status != 429:
+                        lease.failure(f"HTTP {status}" if status != 200 else "not a transcription reply")
+                    why, timed_out = f"HTTP {status}", False
+                    continue
+                lease.success()
+            assert reply is not None
+            return text, await _seconds(reply, audio, fmt)
+        if timed_out:
+            raise UpstreamTimeoutError(
+                f"{part.location}: transcription model '{target.name}' sent no transcript in time ({why})",
+                param=part.location,
+            )
+        raise UpstreamError(
+            f"{part.location}: no upstream of transcription model '{target.name}' could transcribe the audio ({why})",
+            param=part.location,
+        )
+
+    async def _audio(self, value: Mapping[str, Any], part: Part, model: str) -> tuple[bytes, str]:
+        """The audio's bytes and format (wav, mp3, ...)."""
+        if part.type not in ("input_audio", "audio_url") or value.get(part.type) is None:
+            what = "embeddings" if part.type == "audio_embeds" else "a cached reference (no audio)"
+            raise UnsupportedModalityError(
+                f"Model '{model}' does not accept audio input, and {part.location} ('{part.type}') cannot be "
+                f"transcribed: it carries {what}",
+                param=part.location,
+                rejection=Rejection(model, "audio", "unsupported"),
+            )
+        refused = Rejection(model, "audio", "media_refused")
+        if part.type == "input_audio":
+            inner = value["input_audio"]  # classification checked its shape
+            fmt = str(inner.get("format", "wav")).lower()
+            encoded = inner["data"]
+            limit = self._fetcher.max_bytes("audio")
+            too_large = MediaRefusedError(
+                f"{part.location}: Audio is larger than media.max_audio_bytes ({limit} bytes)",
+                param=part.location,
+                rejection=refused,
+            )
+            if len(encoded) // 4 * 3 > limit + 2:  # refused before decoding
+                raise too_large
+            try:
+                if len(encoded) > DECODE_IN_THREAD_CHARS:  # 25 MB of base64 holds the loop for 30 ms
+                    data = await asyncio.to_thread(base64.b64decode, encoded, validate=True)
+                else:
+                    data = base64.b64decode(encoded, validate=True)
+            except ValueError:
+                raise InvalidAudioError(
+                    f"{part.location}: 'input_audio.data' is not base64", param=part.location, rejection=refused
+                ) from None
+            if len(data) > limit:
+                raise too_large
+            return data, fmt
+        audio_url = value.get("audio_url")
+        url = audio_url.get("url") if isinstance(audio_url, dict) else audio_url
+        if not isinstance(url, str) or not url:
+            raise InvalidAudioError(
+                f"{part.location}: the audio part carries no URL", param=part.location, rejection=refused
+            )
+        try:
+            data = await self._fetcher.load(url, "audio")
+        except GatewayError as exc:
+            kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidAudioError
+            raise kind(f"{part.location}: {exc.message}", param=part.location, rejection=refused) from None
+        return data, _format_of(url)
+
+
+def _format_of(url: str) -> str:
+    if url.startswith("data:"):
+        mime = url[5:].split(";", 1)[0].split(",", 1)[0].lower()
+        sub = mime.split("/", 1)[-1] if "/" in mime else ""
+        return {"mpeg": "mp3", "x-wav": "wav", "wave": "wav", "x-flac": "flac"}.get(sub, sub or "wav")
+    path = url.split("?", 1)[0].rsplit("/", 1)[-1]
+    ext = path.rsplit(".", 1)[-1].lower() if "." in path else ""
+    return ext if ext in FORMATS else "wav"
+
+
+def _json(data: bytes) -> dict[str, Any] | None:
+    """A transcription reply as the JSON object it should be, or None."""
+    try:
+        reply = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return reply if isinstance(reply, dict) else None
+
+
+async def _seconds(reply: Mapping[str, Any], audio: bytes, fmt: str) -> float:
+    """:func:`_duration`, read off the loop. A counter never fails a request: what cannot be
+    read counts 0."""
+    try:
+        return await asyncio.to_thread(_duration, reply, audio, fmt)
+    except Exception:
+        log.warning("the length of a %s clip could not be read; counted as 0 s", fmt, exc_info=True)
+        return 0.0
+
+
+def _duration(reply: Mapping[str, Any], audio: bytes, fmt: str) -> float:
+    """Seconds of audio, as read from the clip's own bytes: a WAV's samples that are there, or the
+    length the container states (mp3, flac, ogg, ...: PyAV, where the video extra is installed);
+    the reply's ``duration`` (verbose replies) only where neither says. Never more than the bytes
+    could hold at :data:`MIN_BITRATE`: a header or a reply may claim anything."""
+    most = len(audio) * 8 / MIN_BITRATE
+    seconds = _wav_seconds(audio) if fmt == "wav" else None
+    if seconds is None:
+        seconds = _stated_seconds(audio)
+    if seconds is None:
+        duration = reply.get("duration")
+        seconds = float(duration) if isinstance(duration, int | float) and duration >= 0 else 0.0
+    return min(seconds, most) if math.isfinite(seconds) else 0.0
+
+
+def _wav_seconds(audio: bytes) -> float | None:
+    """A WAV's seconds: the frames its header states, at most those its bytes hold."""
+    try:
+        with wave.open(io.BytesIO(audio)) as w:
+            frames, rate = int(w.getnframes()), int(w.getframerate())
+            size = int(w.getnchannels()) * int(w.getsampwidth())
+    except (wave.Error, EOFError, RuntimeError, ValueError, OverflowError):
+        # a WAV the wave module cannot read (float samples, extensible headers: FFmpeg can), or a
+        # header that lies about its chunks (the wave module's RuntimeError, seeking past the end)
+        return None
+    if not rate or not size:
+        return 0.0
+    return min(frames, len(audio) // size) / rate
+
+
+def _stated_seconds(audio: bytes) -> float | None:
+    try:
+        container = open_media(audio, AUDIO_FORMATS)
+    except (ImportError, UnreadableMediaError):  # no PyAV (the video extra), or not audio FFmpeg reads
+        return None
+    try:
+        duration: int | None = container.duration  # microseconds (AV_TIME_BASE)
+    except Exception:  # whatever FFmpeg makes of a file it cannot read: not counted, not an error
+        return None
+    finally:
+        container.close()
+    return duration / 1_000_000 if duration is not None and duration > 0 else None

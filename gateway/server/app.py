@@ -1,0 +1,151 @@
+"""The application factory: wiring only."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from prometheus_client.aiohttp import make_aiohttp_handler
+
+from ..config import GatewayConfig
+from ..encode.client import EncoderClient
+from ..encode.supervisor import DEFAULT_TIMINGS, Supervisor, Timings
+from ..media.conversions import ConversionCache
+from ..media.fetch import MediaFetcher
+from ..media.transcribe import Transcriber
+from ..metrics import GatewayMetrics, WorkersCollector
+from ..upstream.client import UpstreamClient
+from ..upstream.collector import PoolCollector
+from ..upstream.concurrency import Gates
+from ..upstream.health import HealthChecker
+from ..upstream.replicas import ReplicaSet
+from . import handlers
+from .access_log import quiet_parser_errors
+from .middlewares import expect_continue, front_middleware, rate_limit_headers
+from .state import SERVICES_KEY, Services
+from .store import ConfigStore
+
+# How the gateway must be served (web.run_app, AppRunner, TestServer): a client that leaves cancels
+# its handler, which closes the upstream request; bodies come as sent, Content-Encoding decoded by
+# gateway.admission.body within the gateway's limits.
+log = logging.getLogger(__name__)
+
+SERVER_OPTIONS: Mapping[str, Any] = MappingProxyType({"handler_cancellation": True, "auto_decompress": False})
+
+
+def create_app(
+    config: GatewayConfig,
+    *,
+    registry: CollectorRegistry | None = None,
+    config_path: str | None = None,
+    watch: bool = True,
+    encoder_command: Sequence[str] | None = None,
+    supervisor_timings: Timings = DEFAULT_TIMINGS,
+    supervisor: Supervisor | None = None,
+    multiprocess_dir: str | None = None,
+) -> web.Application:
+    """Build the gateway, to be served with :data:`SERVER_OPTIONS`.
+
+    ``config_path`` enables reloads (``watch`` also polls the file for edits); ``encoder_command``
+    replaces the local encoder backend's command line and ``supervisor_timings`` its watch (tests).
+    A worker of ``serve --workers N`` passes the master's ``supervisor`` view, and the
+    ``multiprocess_dir`` its metrics go to (``PROMETHEUS_MULTIPROC_DIR``): /metrics sums every worker's."""
+    quiet_parser_errors()  # no header a client sent (its key) in an ERROR traceback
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = GatewayMetrics(registry, multiprocess=multiprocess_dir is not None)
+    scrape = registry
+    if multiprocess_dir is not None:
+        scrape = CollectorRegistry()
+        scrape.register(WorkersCollector(multiprocess_dir))
+    replicas = ReplicaSet(on_open=lambda model, url: _ejected(metrics, model, url))
+    store = ConfigStore(config, metrics=metrics, path=config_path, replicas=replicas)
+    gates = Gates(on_shed=lambda model, reason: metrics.shed.labels(model, reason).inc())
+    scrape.register(PoolCollector(lambda: store.live.pools, gates))  # this process's pools, also in a worker
+    if supervisor is None:
+        supervisor = Supervisor(config, command=encoder_command, timings=supervisor_timings)
+    encoder = EncoderClient(metrics, MediaFetcher(config.media), supervisor.url)
+    conversions = ConversionCache(config.media.cache_bytes, metrics)
+    store.subscribe(encoder.update)
+    store.subscribe(supervisor.update)
+    store.subscribe(lambda new: conversions.resize(new.media.cache_bytes))
+    services = Services(
+        store,
+        metrics,
+        UpstreamClient(metrics, client=config.server.upstream_client),
+        encoder,
+        supervisor,
+        config.server.max_body_bytes,
+        gates,
+        transcriber=Transcriber(metrics, encoder.fetcher, conversions),
+        conversions=conversions,
+    )
+
+    app = web.Application(
+        client_max_size=config.server.max_body_bytes,
+        middlewares=[front_middleware],
+    )
+    app.on_response_prepare.append(rate_limit_headers)
+    app[SERVICES_KEY] = services
+    app.cleanup_ctx.append(_clients)
+    app.cleanup_ctx.append(_health_checks)
+    if config_path is not None and watch:
+        app.cleanup_ctx.append(_config_watcher)
+
+    # every route answers an Expect header the gateway's way (aiohttp's own 417 is plain text)
+    post = functools.partial(app.router.add_post, expect_handler=expect_continue)
+    get = functools.partial(app.router.add_get, expect_handler=expect_continue)
+    post("/v1/chat/completions", handlers.chat_completions)
+    post("/v1/completions", handlers.completions)
+    get("/v1/models", handlers.list_models)
+    get("/healthz", handlers.healthz)
+    get("/readyz", handlers.readyz)
+    post("/admin/reload", handlers.admin_reload)
+    get("/admin/config", handlers.admin_config)
+    get("/metrics", handlers.metrics_endpoint(make_aiohttp_handler(scrape)))
+    return app
+
+
+async def _clients(app: web.Application) -> AsyncIterator[None]:
+    services = app[SERVICES_KEY]
+    config = services.store.current
+    await services.upstream.start()
+    await services.encoder.start(config)
+    if services.transcriber is not None:
+        await services.transcriber.start()
+    await services.supervisor.start()
+    yield
+    await services.upstream.close()
+    await services.encoder.close()
+    if services.transcriber is not None:
+        await services.transcriber.close()
+    services.decoders.close()
+    await services.supervisor.close()  # supervised encoders stop last
+
+
+async def _health_checks(app: web.Application) -> AsyncIterator[None]:
+    services = app[SERVICES_KEY]
+    task = asyncio.create_task(HealthChecker(lambda: services.store.live, services.metrics).run(), name="health checks")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _config_watcher(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(app[SERVICES_KEY].store.watch(), name="routing.yaml watcher")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _ejected(metrics: GatewayMetrics, model: str, url: str) -> None:
+    log.warning("upstream %s of model %s: circuit breaker open, skipped until a probe succeeds", url, model)
+    metrics.upstream_ejections.labels(model, url).inc()

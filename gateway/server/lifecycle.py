@@ -1,0 +1,149 @@
+"""Serving the app as a process: listen, and on SIGTERM drain without losing a request.
+
+SIGTERM (or SIGINT) starts the drain::
+
+    /readyz -> 503 "draining"          load balancers stop sending new requests...
+    drain_grace_s: still listening     ...but until they notice, new connections are served
+    listener closed                    idle keep-alive connections closed
+    drain_timeout_s: in flight finish  requests and streams in flight run to their end
+    app cleanup                        clients closed, supervised encoders stopped last
+    exit 0
+
+A second signal during the grace period ends it at once (the listener closes, requests in flight
+still get their ``drain_timeout_s``); a signal after it is logged and changes nothing.
+
+A worker of ``serve --workers N`` is served the same way, on a port it shares with the others
+(``reuse_port``); it drains too when its master is gone (``parent_pid``), so no worker outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from aiohttp import web
+
+from ..config import ServerConfig
+from ..errors import ConfigError
+from .access_log import AccessLogWriter, access_logger
+from .app import SERVER_OPTIONS
+from .state import SERVICES_KEY
+
+log = logging.getLogger(__name__)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+PARENT_CHECK_S = 1.0
+
+
+async def serve(
+    app: web.Application,
+    host: str,
+    port: int,
+    server: ServerConfig,
+    *,
+    access_log: bool,
+    reuse_port: bool = False,
+    parent_pid: int | None = None,
+) -> None:
+    """Serve ``app`` on host:port until a stop signal, then drain (see the module docstring);
+    ``access_log``: a line a request (gateway.server.access_log). ``reuse_port``: listen with SO_REUSEPORT (the
+    kernel spreads connections over every process listening so); ``parent_pid``: drain as on
+    SIGTERM once that process is no longer this one's parent."""
+    lines = AccessLogWriter() if access_log else None
+    runner = web.AppRunner(
+        app,
+        keepalive_timeout=server.client_idle_timeout_s,  # also bounds headers that trickle in
+        shutdown_timeout=server.drain_timeout_s,
+        **({"access_log_class": access_logger(lines)} if lines is not None else {"access_log": None}),
+        **SERVER_OPTIONS,
+    )
+    await runner.setup()
+    loop = asyncio.get_running_loop()
+    signals = asyncio.Queue[signal.Signals]()
+    for sig in STOP_SIGNALS:
+        with contextlib.suppress(NotImplementedError):  # no signals on Windows
+            loop.add_signal_handler(sig, signals.put_nowait, sig)
+    orphaned = None
+    if parent_pid is not None:
+        orphaned = asyncio.create_task(_watch_parent(parent_pid, signals), name="parent watch")
+    try:
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port).start()
+        if (admin := server.admin_address) is not None:
+            await web.TCPSite(runner, *admin, reuse_port=reuse_port).start()
+            app[SERVICES_KEY].lifecycle.admin_port = admin[1]
+            log.info("admin endpoints and /metrics on http://%s only", server.admin_listen)
+        first = await signals.get()
+        await _drain(app, signals, first, server)
+    finally:
+        if orphaned is not None:
+            orphaned.cancel()
+        # closes the listener, waits for requests in flight, then app cleanup; a signal now is
+        # logged and changes nothing (the default action would kill the process mid-drain)
+        try:
+            await runner.cleanup()
+        finally:
+            if lines is not None:
+                lines.flush()  # the access log's last lines
+        for sig in STOP_SIGNALS:
+            with contextlib.suppress(NotImplementedError):
+                loop.remove_signal_handler(sig)
+    log.info("stopped")
+
+
+async def _watch_parent(pid: int, signals: asyncio.Queue[signal.Signals]) -> None:
+    while os.getppid() == pid:
+        await asyncio.sleep(PARENT_CHECK_S)
+    log.error("the master (pid %d) is gone; stopping", pid)
+    signals.put_nowait(signal.SIGTERM)
+
+
+async def _drain(
+    app: web.Application, signals: asyncio.Queue[signal.Signals], first: signal.Signals, server: ServerConfig
+) -> None:
+    app[SERVICES_KEY].lifecycle.draining = True
+    log.info(
+        "%s: draining; /readyz answers 503, new connections are served %gs more, then requests in flight "
+        "have %gs to finish",
+        first.name,
+        server.drain_grace_s,
+        server.drain_timeout_s,
+    )
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(server.drain_grace_s):
+            second = await signals.get()
+            log.info("%s: grace period cut short", second.name)
+    log.info("closing the listener")
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:  # later signals: said, not obeyed
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, log.info, "%s: already draining; requests in flight finish first", sig.name)
+
+
+async def reload_on_sighup(app: web.Application) -> AsyncIterator[None]:
+    """A cleanup context: SIGHUP reloads routing.yaml."""
+    store = app[SERVICES_KEY].store
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[Any]] = set()
+
+    def reload() -> None:
+        task = loop.create_task(reload_quietly(store.reload()))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    with contextlib.suppress(NotImplementedError):  # no signals on Windows
+        loop.add_signal_handler(signal.SIGHUP, reload)
+    yield
+    with contextlib.suppress(NotImplementedError):
+        loop.remove_signal_handler(signal.SIGHUP)
+        # a SIGHUP while the process finishes stopping (an operator's, or a master's) is ignored;
+        # the default action would kill it
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
+async def reload_quietly(reload: Awaitable[Any]) -> None:
+    with contextlib.suppress(ConfigError):  # logged and counted by the store
+        await reload

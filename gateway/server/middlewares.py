@@ -1,0 +1,201 @@
+"""The front door of every request: one middleware, the one place errors become responses.
+
+``front_middleware`` gives the request its id, counts it, refuses a path on the wrong port
+(``server.admin_listen``) and, with ``auth:``, a /v1/* request without a valid key or over its
+key's limits, and renders every error: every response, errors included, carries
+``X-Request-Id``, and the metrics see the rendered status of every error. (One layer, not one per
+concern: each layer is a coroutine frame that every resumption of the handler passes through.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+
+from aiohttp import hdrs, web
+from aiohttp.typedefs import Handler
+
+from ..admission.auth import Keyring
+from ..admission.body import body_too_large
+from ..errors import (
+    ConcurrencyLimitError,
+    GatewayError,
+    HTTPStatusError,
+    InvalidApiKeyError,
+    MethodNotAllowedError,
+    NotFoundError,
+    RateLimitedError,
+    clip,
+    render,
+)
+from ..metrics import NO_KEY, UNKNOWN_MODEL
+from ..upstream.relay import RelayResponse
+from .state import API_KEY_KEY, KEY_LABEL_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID = "X-Request-Id"
+# Request ids: 128 random bits, as uuid4 has, from a generator seeded once per process from the
+# OS (os.urandom is a system call per id: 2% of the gateway's CPU under load). An id names a
+# request in logs; it guards nothing, so it needs to be unique, not unpredictable.
+_ids = random.Random(os.urandom(32))
+CLIENT_CLOSED = 499  # nginx's code for "the client went away first"
+
+
+def _request_id(request: web.Request) -> str:
+    given = request.headers.get(REQUEST_ID, "")
+    if 0 < len(given) <= 200 and given.isascii() and given.isprintable():
+        return given
+    return f"{_ids.getrandbits(128):032x}"
+
+
+@web.middleware
+async def front_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Request id, in-flight gauge, errors rendered, and the request counted with the status sent
+    (499 when the client left first). Only requests to a model endpoint (those whose handler set
+    a model label) are counted in gateway_requests_total."""
+    services = request.app[SERVICES_KEY]
+    rid = request[REQUEST_ID_KEY] = _request_id(request)
+    metrics = services.metrics
+    started = time.perf_counter()
+    code = 500
+    metrics.in_flight.inc()
+    try:
+        try:
+            _check_port(request, services)
+            keyring = services.store.live.keyring
+            if keyring is None or not request.path.startswith("/v1/"):
+                response = await handler(request)
+            else:
+                response = await _with_key(request, handler, services, keyring)
+        except GatewayError as exc:
+            response = await _render_error(request, services, exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                code = exc.status
+                raise
+            response = render(_from_http_exception(request, exc, services))
+        except Exception:
+            log.exception("unhandled error in %s %s (request id %s)", request.method, request.path, rid)
+            response = render(GatewayError(f"Internal error in the gateway (request id {rid})"))
+        if not response.prepared:
+            response.headers[REQUEST_ID] = rid
+        gone = isinstance(response, RelayResponse) and response.client_gone
+        code = CLIENT_CLOSED if gone else response.status
+        return response
+    except asyncio.CancelledError:
+        code = CLIENT_CLOSED
+        raise
+    finally:
+        metrics.in_flight.dec()
+        model = request.get(MODEL_LABEL_KEY)
+        if model is not None:
+            metrics.child(metrics.requests, model, str(code), request.get(KEY_LABEL_KEY, NO_KEY)).inc()
+            metrics.child(metrics.request_duration, model).observe(time.perf_counter() - started)
+
+
+async def _render_error(request: web.Request, services: Services, exc: GatewayError) -> web.Response:
+    if exc.rejection is not None:
+        r = exc.rejection
+        services.metrics.child(services.metrics.rejections, r.model, r.modality, r.reason).inc()
+    response = render(exc)
+    if exc.stops_reading:
+        await _send_and_close(request, response)
+    return response
+
+
+def _check_port(request: web.Request, services: Services) -> None:
+    """With ``server.admin_listen``: /admin/* and /metrics only there, /v1/* only on the main port
+    (health on both). A path on the wrong port is a plain 404, as if it did not exist."""
+    admin_port = services.lifecycle.admin_port
+    if admin_port is None or request.path in ("/healthz", "/readyz"):
+        return
+    sockname = request.get_extra_info("sockname")
+    on_admin = isinstance(sockname, tuple) and len(sockname) >= 2 and sockname[1] == admin_port
+    if on_admin != (request.path.startswith("/admin/") or request.path == "/metrics"):
+        raise NotFoundError(f"Unknown endpoint: {request.method} {clip(request.path)}")
+
+
+async def _with_key(request: web.Request, handler: Handler, services: Services, keyring: Keyring) -> web.StreamResponse:
+    """With ``auth:``, a /v1/* request needs a key of the live generation, within its limits."""
+    header = request.headers.get(hdrs.AUTHORIZATION)
+    try:
+        key = keyring.find(header)
+    except InvalidApiKeyError:
+        services.metrics.auth_failures.labels("missing" if not header else "invalid").inc()
+        raise
+    request[API_KEY_KEY] = key
+    request[KEY_LABEL_KEY] = key.name
+    try:
+        request[RATE_HEADERS_KEY] = services.key_limits.take(key)
+        with services.key_limits.slot(key):
+            return await handler(request)
+    except RateLimitedError as exc:
+        reason = "concurrency" if isinstance(exc, ConcurrencyLimitError) else "rate"
+        services.metrics.rate_limited.labels(key.name, reason).inc()
+        request[MODEL_LABEL_KEY] = request.get(MODEL_LABEL_KEY, UNKNOWN_MODEL)
+        raise
+
+
+async def rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: the key's x-ratelimit-* headers on every answer to it."""
+    headers = request.get(RATE_HEADERS_KEY)
+    if headers:
+        for name, value in headers.items():
+            response.headers.setdefault(name, value)
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue``: say 413 instead of 100 when the declared body is over the limit,
+    so a client does not send 32 MB to be refused (aiohttp's default handler always says 100).
+
+    aiohttp calls this before the middlewares: an error answered here is counted here."""
+    if request.version != (1, 1):
+        return None
+    expect = request.headers.get("Expect", "")
+    if expect.lower() != "100-continue":
+        error: GatewayError = HTTPStatusError(417, f"Unsupported Expect header '{clip(expect)}'")
+    elif (request.content_length or 0) > (limit := request.app[SERVICES_KEY].max_body_bytes):
+        error = body_too_large(limit)
+    else:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the interim response is not the response's body
+        return None
+    request[REQUEST_ID_KEY] = _request_id(request)
+    if request.path.startswith("/v1/"):  # gateway_requests_total counts the API's requests
+        request.app[SERVICES_KEY].metrics.requests.labels(UNKNOWN_MODEL, str(error.status), NO_KEY).inc()
+    response = render(error)
+    await _send_and_close(request, response)  # the client waits for a 100 that will not come
+    return response
+
+
+async def _send_and_close(request: web.Request, response: web.Response) -> None:
+    """Answer, then close at once, where no more of the body should be waited for: one that
+    trickles in (408), or one whose sender waits for a 100 Continue that was refused. aiohttp would
+    linger up to 10 s for it; that stays right for a plain 413, whose client may still be sending
+    and must get to read the answer."""
+    response.headers[REQUEST_ID] = request[REQUEST_ID_KEY]
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:
+        pass
+    if request.transport is not None:
+        request.transport.close()  # after the buffered answer is written
+
+
+def _from_http_exception(request: web.Request, exc: web.HTTPException, services: Services) -> GatewayError:
+    if isinstance(exc, web.HTTPNotFound):
+        return NotFoundError(f"Unknown endpoint: {request.method} {clip(request.path)}")
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return MethodNotAllowedError(
+            f"Method {request.method} is not allowed on {clip(request.path)} (allowed: {allowed})",
+            headers={"Allow": allowed},
+        )
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return body_too_large(services.max_body_bytes)
+    return HTTPStatusError(exc.status, exc.reason)

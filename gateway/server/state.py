@@ -1,0 +1,60 @@
+"""What handlers and middlewares share, injected through the application (no globals)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from ..admission.auth import KeyLimits
+from ..config import ApiKey
+from ..encode.client import EncoderClient
+from ..encode.supervisor import Supervisor
+from ..media.conversions import ConversionCache
+from ..media.decoders import DecoderPool
+from ..media.transcribe import Transcriber
+from ..metrics import GatewayMetrics
+from ..upstream.client import UpstreamClient
+from ..upstream.concurrency import Gates
+from .store import ConfigStore
+
+
+@dataclass(slots=True)
+class Lifecycle:
+    """Where the process stands: ``draining`` from SIGTERM on (``/readyz`` answers 503)."""
+
+    draining: bool = False
+    admin_port: int | None = None  # where server.admin_listen listens, once it does
+    worker: int | None = None  # this process's index under `serve --workers N` (None: the only process)
+    reload_others: Callable[[], None] | None = None  # a worker's: have the master reload the other workers
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    store: ConfigStore
+    metrics: GatewayMetrics
+    upstream: UpstreamClient
+    encoder: EncoderClient
+    supervisor: Supervisor
+    max_body_bytes: int  # fixed at start: aiohttp reads it once
+    gates: Gates = field(default_factory=Gates)
+    key_limits: KeyLimits = field(default_factory=KeyLimits)
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    transcriber: Transcriber | None = None  # audio to text (on_unsupported: {audio: {transcribe: M}})
+    # transcripts and video frames made before, for the next turn (media.cache_bytes)
+    conversions: ConversionCache = field(default_factory=lambda: ConversionCache(0))
+    # videos sampled into frames (gateway.media.video): threads of their own, a bounded queue for them,
+    # apart from the default executor (DNS lookups, large data URLs); closed with the app
+    decoders: DecoderPool = field(default_factory=DecoderPool)
+
+
+SERVICES_KEY = web.AppKey("services", Services)
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
+# The model label of gateway_requests_total; set by handlers that serve a model.
+MODEL_LABEL_KEY = web.RequestKey("model_label", str)
+# The client's API key (auth on), set by the auth middleware for /v1/* requests; its name labels
+# gateway_requests_total ("-" when auth is off).
+API_KEY_KEY = web.RequestKey("api_key", ApiKey)
+KEY_LABEL_KEY = web.RequestKey("key_label", str)
+RATE_HEADERS_KEY = web.RequestKey("rate_headers", dict)  # x-ratelimit-* for the response

@@ -1,0 +1,389 @@
+"""The faithful relay of a request to one of a model's upstream replicas, retried where safe.
+
+The replica comes from the model's :class:`~gateway.upstream.replicas.Pool` (choice, load, health); each
+attempt reports how it went to its lease, which is what ejects a failing replica. A failed attempt
+is tried again on a replica not tried yet (:mod:`gateway.upstream.retries` says when): a refused connection
+always (nothing reached the engine, so it costs no budget), a reset or a status in
+``retries.on_status`` within ``retries.attempts`` and the retry budget. Once a byte of the answer went to
+the client, nothing is retried.
+
+Requests go out through the gateway's own HTTP/1.1 client (:mod:`gateway.upstream.http1`), or aiohttp's
+``ClientSession`` with ``server.upstream_client: aiohttp``; the errors of either are read by
+:mod:`gateway.upstream.failures` and become :mod:`gateway.errors` here. Bodies are relayed as they arrive
+(``iter_any``), so SSE streams reach the client chunk by chunk; compressed bodies pass through
+untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+import re
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import hdrs, web
+from aiohttp.payload import BytesPayload, Payload
+from multidict import CIMultiDict
+
+from ..config import ModelConfig
+from ..errors import GatewayError, NoHealthyUpstreamError, UpstreamConnectError, UpstreamError, UpstreamTimeoutError
+from ..metrics import GatewayMetrics
+from .failures import CLIENT_ERRORS, Failure, failure_of
+from .http1 import KEEPALIVE_S, Http1Client, ProtocolError
+from .relay import HOP_BY_HOP, Timeouts, UpstreamReply, outcome_of, relay
+from .replicas import Lease, Pool, Replica
+from .retries import RetryBudget, backoff
+
+log = logging.getLogger(__name__)
+
+# Request headers the gateway sets itself (or aiohttp computes). The gateway has decoded the body
+# (gateway.admission.body), so the client's Content-Encoding no longer describes it.
+_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding"}
+
+# vLLM and SGLang (uvicorn) close idle keep-alive connections after 5 s; reusing one at that moment
+# fails a POST that cannot be retried, so the client pool lets connections go first.
+KEEPALIVE_TIMEOUT_S = KEEPALIVE_S
+MAX_BUSY_S = 30.0  # the longest a replica that answered 429 is passed over
+LARGE_BODY_BYTES = 1 << 20  # aiohttp's own threshold for a "large" bytes body
+
+
+class UpstreamClient:
+    """Sends requests to a model's replicas over one client: the gateway's own (``http1``) or
+    aiohttp's ``ClientSession`` (``aiohttp``)."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        *,
+        client: str = "http1",
+        rng: random.Random | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._metrics = metrics
+        self._clock = clock  # the retry budget's
+        self._rng = rng or random.Random()
+        self._sleep = sleep  # the backoff's (tests inject one)
+        self._budgets: dict[str, RetryBudget] = {}  # by model name, across reloads
+        self._session: aiohttp.ClientSession | None = None
+        self._http1: Http1Client | None = None
+        self._client = client
+
+    async def start(self) -> None:
+        if self._client == "http1":
+            self._http1 = Http1Client()
+            return
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            request_class=_ForwardedRequest,
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+
+    async def close(self) -> None:
+        if self._http1 is not None:
+            await self._http1.close()
+        if self._session is not None:
+            await self._session.close()
+
+    def forward(
+        self,
+        request: web.Request,
+        model: ModelConfig,
+        pool: Pool,
+        body: bytes,
+        *,
+        timeouts: Timeouts,
+        gateway_headers: Mapping[str, str],
+        auth: str | None = None,
+        forward_client_auth: bool = True,
+        affinity_key: bytes | None = None,
+        ec_check: bool = False,
+    ) -> Coroutine[Any, Any, web.StreamResponse]:
+        """POST ``body`` to one of ``pool``'s replicas at the request's path; relay the answer.
+
+        ``gateway_headers`` go both ways; ``auth`` (the model's key) only upstream, in place of
+        the client's Authorization, which is not sent either when ``forward_client_auth`` is off.
+        The exchange is the coroutine returned (this prepares it without a frame of its own)."""
+        budget = self._budget(model)
+        budget.request()
+        attempts = _Attempts(model, budget, affinity_key)
+        if timeouts.total is not None:
+            attempts.deadline = asyncio.get_running_loop().time() + timeouts.total
+        headers = _upstream_headers(request, gateway_headers)
+        if auth is not None:
+            headers[hdrs.AUTHORIZATION] = auth
+        elif not forward_client_auth:
+            headers.popall(hdrs.AUTHORIZATION, None)
+        return self._forward(request, model, pool, body, attempts, timeouts, headers, gateway_headers, ec_check)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        model: ModelConfig,
+        pool: Pool,
+        body: bytes,
+        attempts: _Attempts,
+        timeouts: Timeouts,
+        headers: CIMultiDict[str],
+        gateway_headers: Mapping[str, str],
+        ec_check: bool = False,
+    ) -> web.StreamResponse:
+        http1, session = self._http1, self._session
+        assert http1 is not None or session is not None, "UpstreamClient.start() was not called"
+        loop = asyncio.get_running_loop()
+        # a stream's first chunk and gaps are the relay's deadlines (first_byte_s, idle_s), its
+        # headers the wait below; a non-streamed reply's silence is the socket's read timeout
+        sock_read = None if timeouts.stream_idle is not None else timeouts.read
+        timeout = _client_timeout(timeouts.connect, sock_read)
+        # origin-form even when the client sent absolute-form (POST http://host/v1/... HTTP/1.1)
+        path = request.rel_url.raw_path_qs
+        while True:
+            if attempts.delay:
+                await self._sleep(attempts.delay)
+                attempts.delay = 0.0
+            lease = pool.lease(exclude=attempts.tried, key=attempts.key)
+            if lease is None:
+                break
+            attempts.tried.append(lease.replica)
+            with lease:
+                replica = lease.replica
+                started = time.perf_counter()
+                wait = timeouts.stream_idle  # for the response headers
+                if attempts.deadline is not None:
+                    wait = min(wait or timeouts.read, max(0.0, attempts.deadline - loop.time()))
+                upstream: UpstreamReply
+                try:
+                    if http1 is not None:
+                        upstream = await http1.post(
+                            replica.url,
+                            path,
+                            headers,
+                            body,
+                            connect_timeout=timeouts.connect,
+                            head_timeout=wait,  # None: sock_read bounds the wait
+                            read_timeout=sock_read,
+                        )
+                    else:
+                        assert session is not None
+                        sent = session.post(
+                            replica.url + path,
+                            data=whole_body(body, "application/json"),
+                            headers=headers,
+                            timeout=timeout,
+                            allow_redirects=False,  # relayed as they are, like every other answer
+                        )
+                        if wait is None:  # no timer to set: the socket's read timeout bounds the wait
+                            upstream = await sent
+                        else:
+                            async with asyncio.timeout(wait):
+                                upstream = await sent
+                        _check_relayable(upstream)
+                except asyncio.CancelledError:  # the client left (handler cancellation)
+                    self._count(model, replica, "aborted")
+                    raise
+                except CLIENT_ERRORS as exc:
+                    failure = failure_of(exc)
+                    if failure.kind == "timeout" and attempts.deadline is not None and loop.time() >= attempts.deadline:
+                        self._count(model, replica, "timeout")  # the model's limit, not the replica's fault
+                        raise UpstreamTimeoutError(
+                            f"Upstream of model '{model.name}' did not finish within {timeouts.total:g}s"
+                        ) from None
+                    self._failed(lease, model, failure)
+                    if failure.kind == "connect":
+                        # nothing reached the engine: the next replica may take it, whatever the budget
+                        attempts.failure = UpstreamConnectError(
+                            f"Could not connect to any upstream of model '{model.name}' ({len(attempts.tried)} tried)"
+                        )
+                        if pool.available(exclude=attempts.tried):
+                            self._metrics.retries.labels(model.name, "connect_error").inc()
+                        continue
+                    if failure.kind == "timeout":
+                        waited = timeouts.stream_idle or timeouts.read
+                        raise UpstreamTimeoutError(
+                            f"Upstream of model '{model.name}' sent no response within {waited:g}s"
+                        ) from None
+                    attempts.failure = UpstreamError(
+                        f"Upstream of model '{model.name}' failed before responding: {failure.reason}"
+                    )
+                    if failure.kind == "reset" and self._retries(pool, attempts, "reset"):
+                        continue
+                    raise attempts.failure from None
+                status = upstream.status
+                if status == 429:
+                    lease.busy(_retry_after(upstream.headers.get(hdrs.RETRY_AFTER)))
+                if status in model.retries.on_status and self._retries(pool, attempts, f"http_{status}"):
+                    attempts.failure = None  # a replica answered: if none is left, that is no_healthy_upstream
+                    upstream.close()
+                    self._count(model, replica, outcome_of(status))
+                    if status >= 500:  # a 429 is the engine protecting itself, not failing
+                        lease.failure(f"HTTP {status}")
+                    continue
+                metrics = self._metrics
+                metrics.child(metrics.upstream_duration, model.name, replica.url).observe(time.perf_counter() - started)
+                if status >= 500:
+                    lease.failure(f"HTTP {status}")
+                else:
+                    lease.success()
+                try:
+                    async with upstream:
+                        relayed = await relay(
+                            request,
+                            upstream,
+                            model=model.name,
+                            gateway_headers=gateway_headers,
+                            timeouts=timeouts,
+                            deadline=attempts.deadline,
+                            ec_check=ec_check,
+                        )
+                except asyncio.CancelledError:  # the client left; closing upstream stops the engine
+                    self._count(model, replica, "aborted")
+                    raise
+                if relayed.upstream_failed:
+                    lease.failure("broke off mid-response")
+                self._count(model, replica, relayed.outcome)
+                if relayed.error is not None:
+                    raise relayed.error
+                assert relayed.response is not None
+                return relayed.response
+        # Replica addresses and errors are logged, not told to clients.
+        if attempts.failure is None:
+            raise NoHealthyUpstreamError(
+                f"Every upstream of model '{model.name}' is failing; retry later",
+                headers={"Retry-After": str(pool.retry_after())},
+            )
+        raise attempts.failure
+
+    def may_retry(self, model: ModelConfig, reason: str) -> bool:
+        """Whether one more try of a whole exchange (a handler's own retry: ``ec_error``) fits in
+        the model's ``retries.attempts`` and its retry budget; counted either way."""
+        return model.retries.attempts >= 1 and self._withdraw(model, self._budget(model), reason)
+
+    def _withdraw(self, model: ModelConfig, budget: RetryBudget, reason: str) -> bool:
+        """A retry taken from the model's budget, counted as taken or as refused."""
+        if not budget.withdraw(model.retries):
+            self._metrics.retries_refused.labels(model.name).inc()
+            return False
+        self._metrics.retries.labels(model.name, reason).inc()
+        return True
+
+    def _budget(self, model: ModelConfig) -> RetryBudget:
+        """The model's retry budget, kept by name across reloads."""
+        return self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
+
+    def _retries(self, pool: Pool, attempts: _Attempts, reason: str) -> bool:
+        """Whether the attempt that just failed for ``reason`` is tried again; if so, count it and
+        set the backoff the next attempt waits first."""
+        model, config = attempts.model, attempts.model.retries
+        if attempts.retries >= config.attempts or not pool.available(exclude=attempts.tried):
+            return False
+        if not self._withdraw(model, attempts.budget, reason):
+            return False
+        attempts.retries += 1
+        attempts.delay = backoff(attempts.retries, config, self._rng)
+        if attempts.deadline is not None:  # no wait past the model's total
+            attempts.delay = min(attempts.delay, max(0.0, attempts.deadline - asyncio.get_running_loop().time()))
+        return True
+
+    def _failed(self, lease: Lease, model: ModelConfig, failure: Failure) -> None:
+        log.warning("upstream %s of model %s: %s", lease.replica.url, model.name, failure.reason)
+        lease.failure(failure.reason)
+        self._count(model, lease.replica, failure.outcome)
+
+    def _count(self, model: ModelConfig, replica: Replica, outcome: str) -> None:
+        self._metrics.child(self._metrics.upstream_requests, model.name, replica.url, outcome).inc()
+
+
+@dataclass(slots=True)
+class _Attempts:
+    """One request's way through its pool."""
+
+    model: ModelConfig
+    budget: RetryBudget
+    key: bytes | None  # for balance: affinity
+    tried: list[Replica] = field(default_factory=list)
+    retries: int = 0  # retries that counted (a refused connection does not)
+    delay: float = 0.0  # the backoff before the next attempt
+    failure: GatewayError | None = None  # what the client is told when no attempt is left
+    deadline: float | None = None  # loop time by which the whole exchange must end (timeouts.total)
+
+
+# what aiohttp's server refuses to write in a status line or a header (aiohttp.http_writer), and
+# aiohttp's client lets through: such a reply is not HTTP the gateway can relay (the default
+# client, gateway.upstream.http1, refuses it as it parses the head)
+_UNRELAYABLE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _check_relayable(upstream: UpstreamReply) -> None:
+    """An aiohttp reply whose head the gateway's server could not write: a protocol failure (502),
+    not a dropped client connection."""
+    headers = upstream.headers
+    if _UNRELAYABLE.search(" ".join((upstream.reason or "", *headers.keys(), *headers.values()))):
+        upstream.close()
+        raise ProtocolError("a control character in the reply's status line or headers")
+
+
+@functools.lru_cache(maxsize=256)
+def _client_timeout(connect: float, sock_read: float | None) -> aiohttp.ClientTimeout:
+    """One ClientTimeout per distinct pair (a model's timeouts), not one per request."""
+    return aiohttp.ClientTimeout(total=None, connect=connect, sock_read=sock_read)
+
+
+class _ForwardedRequest(aiohttp.ClientRequest):
+    """A request to an upstream carries the client's headers and the gateway's, and none that
+    aiohttp would add of its own: no ``Accept: */*``, no ``User-Agent`` of aiohttp's, and no
+    ``Accept-Encoding: gzip, deflate`` the client did not send (an engine that compressed its
+    answer for it would have the gateway relay bytes the client never asked to decode).
+    ``skip_auto_headers`` would say the same at the cost of a sorted copy of the headers a request."""
+
+    def update_auto_headers(self, skip_auto_headers: Iterable[str] | None) -> None:
+        pass
+
+
+def whole_body(body: bytes, content_type: str) -> Payload:
+    """``body`` as one aiohttp payload written in one piece, whatever its size (see _WholeBody),
+    built here: no lookup in aiohttp's payload registry."""
+    if len(body) < LARGE_BODY_BYTES:
+        return BytesPayload(body, content_type=content_type)
+    return _WholeBody(body, content_type)
+
+
+class _WholeBody(BytesPayload):
+    """A large body, written in one piece as a small one is. aiohttp warns about large bytes and
+    would have a BytesIO instead, which it writes 64 KiB at a time with a turn of the event loop
+    between pieces: 32 turns and writes for a 2 MiB image request. The body is in memory already,
+    so one write costs a copy into the socket's buffer (the transport keeps what the kernel does
+    not take yet); the event loop is not held any longer than by the copy."""
+
+    def __init__(self, value: bytes, content_type: str) -> None:
+        Payload.__init__(self, value, content_type=content_type)  # BytesPayload's warns
+        self._size = len(value)
+
+
+def _retry_after(value: str | None) -> float:
+    """An engine's Retry-After in seconds (1 if absent or a date; at most MAX_BUSY_S)."""
+    try:
+        seconds = float(value) if value is not None else 1.0
+    except ValueError:
+        seconds = 1.0
+    return min(max(seconds, 0.0), MAX_BUSY_S) if seconds == seconds else 1.0
+
+
+def _upstream_headers(request: web.Request, extra: Mapping[str, str]) -> CIMultiDict[str]:
+    headers = request.headers.copy()  # in C; then the few names not forwarded go (cheaper than a filter in Python)
+    for name in _NOT_FORWARDED_UP:
+        if name in headers:
+            del headers[name]
+    headers.update(extra)
+    if request.remote:
+        forwarded = request.headers.get("X-Forwarded-For")
+        headers["X-Forwarded-For"] = f"{forwarded}, {request.remote}" if forwarded else request.remote
+    headers[hdrs.CONTENT_TYPE] = "application/json"
+    return headers

@@ -1,0 +1,406 @@
+"""The faithful relay of one upstream response to the client, under its deadlines.
+
+Bodies are relayed as they arrive (``iter_any``), so SSE streams reach the client chunk by chunk;
+compressed bodies pass through untouched (``auto_decompress=False``). Once the first byte went to
+the client, a failure can no longer be an HTTP error: an event stream ends with an SSE
+``data: {"error": ...}`` event, any other body is cut (the connection closed, so that a truncated
+body never looks complete).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, NamedTuple, Protocol
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from ..errors import GatewayError, UpstreamError, UpstreamTimeoutError
+from .failures import CLIENT_ERRORS
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+    )
+)
+# A non-streamed reply up to this size is read whole and sent in one write with its headers
+# (a chat completion is a few KB); larger ones, and every stream, are relayed chunk by chunk.
+SMALL_BODY_BYTES = 256 * 1024
+# Response headers the gateway's own server sets.
+_NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length", "server", "date"}
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """One request's upstream deadlines (a model's ``timeouts``, and the client's write deadline)."""
+
+    connect: float  # reaching a replica
+    read: float  # the longest silence of the replica (before a non-streamed reply, before a stream's first chunk)
+    client_write: float  # the longest a client may take no bytes before it is dropped
+    # "stream": true: the longest wait for the response headers, and between two chunks once the
+    # first came (the engine sends its headers at once, then queues and prefills); None otherwise
+    stream_idle: float | None = None
+    total: float | None = None  # the whole exchange with upstreams, retries and relay included
+
+
+class ReplyBody(Protocol):
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+    def set_exception(self, exc: BaseException) -> None: ...
+
+
+class UpstreamReply(Protocol):
+    """What the relay reads of an upstream reply: aiohttp's ``ClientResponse``, or the gateway's own
+    client's :class:`gateway.upstream.http1.Reply` (``server.upstream_client``)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def reason(self) -> str | None: ...
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]: ...
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    @property
+    def content_type(self) -> str: ...
+
+    @property
+    def content(self) -> ReplyBody: ...
+
+    async def read(self) -> bytes: ...
+
+    def close(self) -> None: ...
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
+
+
+class Relayed(NamedTuple):
+    response: web.StreamResponse | None  # None: nothing was sent, ``error`` is the answer
+    outcome: str  # for gateway_upstream_requests_total: ok, http_4xx, http_5xx, timeout, aborted
+    upstream_failed: bool  # the replica broke off or went silent (counts against its health)
+    error: GatewayError | None = None  # to raise once the attempt is counted
+
+
+def outcome_of(status: int) -> str:
+    """The ``outcome`` label of an upstream answer with this status."""
+    return "ok" if status < 400 else "http_4xx" if status < 500 else "http_5xx"
+
+
+# How a vLLM ec_consumer says an embedding the connector should have delivered was not there: a
+# 500 before any byte, or a generation that ends at once with finish_reason "error" (model text
+# cannot forge it: inside a string its quotes are escaped).
+_EC_ERROR = re.compile(rb'"finish_reason":\s*"error"')
+# A stream's opening that says the generation is under way: content, a tool call, another finish.
+_EC_UNDER_WAY = re.compile(rb'"content":\s*"[^"]|"tool_calls":\s*\[\s*\{|"finish_reason":\s*"|\[DONE\]')
+EC_PEEK_BYTES = 64 * 1024  # the most of a stream's opening read before deciding
+
+
+class EmbeddingsNotDelivered(UpstreamError):
+    """The consumer failed for want of the primed embeddings, before any byte reached the client:
+    the handler primes again and sends the request once more (never rendered to a client unless
+    that is impossible; then it is a 502 like any upstream failure)."""
+
+
+def ec_error(status: int, data: bytes) -> bool:
+    return status == 500 or _EC_ERROR.search(data) is not None
+
+
+class RelayResponse(web.StreamResponse):
+    """A relayed response; ``client_gone`` tells the metrics the client left before the end."""
+
+    client_gone = False
+
+
+def relay(
+    request: web.Request,
+    upstream: UpstreamReply,
+    *,
+    model: str,
+    gateway_headers: Mapping[str, str],
+    timeouts: Timeouts,
+    deadline: float | None = None,
+    ec_check: bool = False,
+) -> Coroutine[Any, Any, Relayed]:
+    """Relay ``upstream`` to the client (the coroutine that does it); ``deadline`` (loop time)
+    ends the exchange (``total``). A small non-streamed reply is read whole, any other relayed
+    chunk by chunk. ``ec_check``: a reply that says the primed embeddings were missing (see
+    :func:`ec_error`: the status, the whole small body or a stream's first chunk) is not relayed
+    but answered :class:`EmbeddingsNotDelivered`."""
+    outcome = outcome_of(upstream.status)
+    length = upstream.content_length
+    streamed = timeouts.stream_idle is not None  # the client asked for a stream
+    if not streamed and length is not None and length <= SMALL_BODY_BYTES:
+        return _relay_whole(upstream, model=model, outcome=outcome, gateway_headers=gateway_headers,
+                            timeouts=timeouts, deadline=deadline, ec_check=ec_check)  # fmt: skip
+    return _relay_stream(request, upstream, model=model, outcome=outcome, gateway_headers=gateway_headers,
+                         timeouts=timeouts, deadline=deadline, ec_check=ec_check)  # fmt: skip
+
+
+async def _relay_stream(
+    request: web.Request,
+    upstream: UpstreamReply,
+    *,
+    model: str,
+    outcome: str,
+    gateway_headers: Mapping[str, str],
+    timeouts: Timeouts,
+    deadline: float | None,
+    ec_check: bool = False,
+) -> Relayed:
+    """A reply relayed chunk by chunk as it arrives (every stream, and a reply of unknown or large
+    length), under the deadlines of :class:`_Deadlines`."""
+    length = upstream.content_length
+    streamed = timeouts.stream_idle is not None
+    first = b""
+    if ec_check:  # the stream's opening decides, before anything goes to the client
+        if ec_error(upstream.status, b""):
+            return Relayed(None, outcome, False, EmbeddingsNotDelivered(f"Upstream of model '{model}' answered 500"))
+        loop = asyncio.get_running_loop()
+        wait = timeouts.read if deadline is None else min(timeouts.read, max(0.0, deadline - loop.time()))
+        try:
+            async with asyncio.timeout(wait):
+                first = await _opening(upstream)
+        except CLIENT_ERRORS as exc:
+            log.warning("upstream of %s broke off before its first chunk: %r", model, exc)
+            if isinstance(exc, TimeoutError):
+                if deadline is not None and loop.time() >= deadline:
+                    message = f"Upstream of model '{model}' did not finish within {timeouts.total:g}s"
+                    return Relayed(None, "timeout", False, UpstreamTimeoutError(message))
+                message = f"Upstream of model '{model}' sent no first chunk within {timeouts.read:g}s"
+                return Relayed(None, "timeout", True, UpstreamTimeoutError(message))
+            return Relayed(None, "aborted", True, UpstreamError(f"Upstream of model '{model}' broke off its response"))
+        if ec_error(upstream.status, first):
+            return Relayed(None, outcome, False, EmbeddingsNotDelivered(f"Upstream of model '{model}' ended in error"))
+    response = RelayResponse(
+        status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers)
+    )
+    if length is not None:
+        response.content_length = length
+    await response.prepare(request)
+    loop = asyncio.get_running_loop()
+    deadlines = _Deadlines(
+        loop,
+        request,
+        upstream,
+        client_write=timeouts.client_write,
+        stream_idle=timeouts.stream_idle,
+        first_byte=timeouts.read if streamed else None,  # a non-streamed body: sock_read bounds it
+        total_at=deadline,
+    )
+    failed = False
+    try:
+        if first:
+            deadlines.writing_since = loop.time()
+            await response.write(first)
+            deadlines.writing_since = None
+            deadlines.waiting_since = loop.time()
+        async for chunk in upstream.content.iter_any():
+            deadlines.writing_since = loop.time()
+            await response.write(chunk)
+            deadlines.writing_since = None
+            deadlines.waiting_since = loop.time()
+        deadlines.writing_since = loop.time()
+        await response.write_eof()  # within the deadline too: a full buffer waits here
+    except ConnectionResetError:  # the client left: stop the engine's work by closing upstream
+        upstream.close()
+        response.client_gone = True
+        outcome = "aborted"
+    except CLIENT_ERRORS as exc:
+        failed = deadlines.expired != "total"  # a generation longer than the model allows is no fault
+        outcome = "timeout" if deadlines.expired else "aborted"
+        log.warning("upstream of %s broke off mid-response: %r", model, exc)
+        is_sse = upstream.content_type == "text/event-stream"
+        if is_sse and "Content-Encoding" not in upstream.headers:  # an event can't go into a compressed stream
+            deadlines.writing_since = loop.time()
+            event = b"data: " + orjson.dumps(_broken(model, deadlines, timeouts).to_dict()) + b"\n\n"
+            await _write_quietly(response, event)
+        elif request.transport is not None:
+            request.transport.close()  # a truncated body must not look complete
+    finally:
+        deadlines.cancel()
+        if deadlines.client_stalled:
+            log.warning("client took no bytes for %gs; dropped (model %s)", timeouts.client_write, model)
+    return Relayed(response, outcome, failed)
+
+
+async def _opening(upstream: UpstreamReply) -> bytes:
+    """A reply's first chunks, up to the one that says whether the generation is under way or
+    ended in error (vLLM sends the assistant's role first, alone), or EC_PEEK_BYTES, or the end."""
+    opening = b""
+    async for chunk in upstream.content.iter_any():
+        opening += chunk
+        if _EC_ERROR.search(opening) or _EC_UNDER_WAY.search(opening) or len(opening) >= EC_PEEK_BYTES:
+            break
+    return opening
+
+
+async def _relay_whole(
+    upstream: UpstreamReply,
+    *,
+    model: str,
+    outcome: str,
+    gateway_headers: Mapping[str, str],
+    timeouts: Timeouts,
+    deadline: float | None,
+    ec_check: bool = False,
+) -> Relayed:
+    """A small reply of known length, read whole and sent with its headers in one write. Nothing
+    reached the client before the body is complete, so a replica that breaks off is a clean 502
+    (raised by the caller once the attempt is counted, rendered like every other error)."""
+    try:
+        if deadline is None:
+            body = await upstream.read()  # bounded by the socket's read timeout (first_byte_s)
+        else:
+            async with asyncio.timeout_at(deadline):
+                body = await upstream.read()
+    except CLIENT_ERRORS as exc:
+        log.warning("upstream of %s broke off mid-response: %r", model, exc)
+        expired = deadline is not None and asyncio.get_running_loop().time() >= deadline
+        headers = dict(gateway_headers)
+        if expired:
+            error: GatewayError = UpstreamTimeoutError(
+                f"Upstream of model '{model}' did not finish within {timeouts.total:g}s", headers=headers
+            )
+        elif isinstance(exc, TimeoutError):
+            error = UpstreamTimeoutError(
+                f"Upstream of model '{model}' sent no response within {timeouts.read:g}s", headers=headers
+            )
+        else:
+            error = UpstreamError(f"Upstream of model '{model}' broke off its response", headers=headers)
+        return Relayed(None, "timeout" if isinstance(error, UpstreamTimeoutError) else "aborted", not expired, error)
+    if ec_check and ec_error(upstream.status, body):
+        return Relayed(None, outcome, False, EmbeddingsNotDelivered(f"Upstream of model '{model}' ended in error"))
+    response = web.Response(
+        status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers), body=body
+    )
+    return Relayed(response, outcome, False)
+
+
+def _broken(model: str, deadlines: _Deadlines, timeouts: Timeouts) -> GatewayError:
+    if deadlines.expired == "first_byte":
+        return UpstreamTimeoutError(f"Upstream of model '{model}' sent no first chunk within {timeouts.read:g}s")
+    if deadlines.expired == "idle":
+        return UpstreamTimeoutError(f"Upstream of model '{model}' sent nothing for {timeouts.stream_idle:g}s")
+    if deadlines.expired == "total":
+        return UpstreamTimeoutError(f"Upstream of model '{model}' did not finish within {timeouts.total:g}s")
+    return UpstreamError(f"Upstream of model '{model}' broke off the stream")
+
+
+class _Deadlines:
+    """The deadlines of a relayed response, kept by one timer rather than one per chunk.
+
+    A write that has waited ``client_write`` seconds means a client that stopped reading: its
+    connection is aborted, which ends the handler and so closes the upstream request (the engine
+    stops). That watch goes on to the end, the error event included. A stream whose engine sent
+    no first chunk within ``first_byte`` (queueing and prefill), or nothing for ``stream_idle``
+    seconds after a chunk, is hung, and an exchange past ``total_at`` is over: the upstream read
+    fails with a timeout, which the relay turns into an SSE error event (``expired`` says which).
+    """
+
+    __slots__ = ("_handle", "_loop", "_request", "_started", "_upstream", "client_stalled", "client_write",
+                 "expired", "first_byte", "stream_idle", "total_at", "waiting_since", "writing_since")  # fmt: skip
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        request: web.Request,
+        upstream: UpstreamReply,
+        *,
+        client_write: float,
+        stream_idle: float | None,
+        first_byte: float | None,
+        total_at: float | None,
+    ) -> None:
+        self._loop, self._request, self._upstream = loop, request, upstream
+        self.client_write, self.stream_idle, self.first_byte = client_write, stream_idle, first_byte
+        self.total_at = total_at
+        self._started = loop.time()
+        self.writing_since: float | None = None
+        self.waiting_since: float | None = None  # None until the first chunk came
+        self.client_stalled = False
+        self.expired: str | None = None  # "first_byte", "idle" or "total"
+        self._handle = loop.call_at(self._due(self._started), self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        writing = self.writing_since
+        if writing is not None and now - writing >= self.client_write:
+            self.client_stalled = True
+            if self._request.transport is not None:
+                self._request.transport.abort()
+            return
+        if self.expired is None:
+            waiting = self.waiting_since
+            if self.total_at is not None and now >= self.total_at:
+                self._expire("total")  # the next read fails, whatever the client is doing
+            elif writing is None and waiting is None and self.first_byte is not None:
+                if now - self._started >= self.first_byte:
+                    self._expire("first_byte")
+            elif writing is None and waiting is not None and self.stream_idle is not None:
+                if now - waiting >= self.stream_idle:
+                    self._expire("idle")
+        self._handle = self._loop.call_at(self._due(now), self._check)
+
+    def _due(self, now: float) -> float:
+        total = self.total_at if self.expired is None and self.total_at is not None else math.inf
+        if self.writing_since is not None:
+            return min(self.writing_since + self.client_write, total)
+        # a write or a chunk may start before the next due: look again within the shorter span
+        dues = [now + min(self.client_write, self.stream_idle or self.client_write), total]
+        if self.expired is None:
+            if self.waiting_since is None and self.first_byte is not None:
+                dues.append(self._started + self.first_byte)
+            elif self.waiting_since is not None and self.stream_idle is not None:
+                dues.append(self.waiting_since + self.stream_idle)
+        return min(dues)
+
+    def _expire(self, which: str) -> None:
+        self.expired = which
+        self._upstream.content.set_exception(aiohttp.ServerTimeoutError(f"stream {which}"))
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except ConnectionResetError:
+        pass
+
+
+def _client_headers(upstream: UpstreamReply, gateway_headers: Mapping[str, str]) -> CIMultiDict[str]:
+    """The upstream's headers for the client: a copy in C, less the few the gateway's server sets,
+    plus the gateway's own (which win over an upstream's of the same name)."""
+    headers = upstream.headers.copy()
+    for name in _NOT_RELAYED_DOWN:
+        if name in headers:
+            del headers[name]
+    headers.update(gateway_headers)
+    return headers
