@@ -9,6 +9,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     │   ├── UnreadableBodyError           400                       invalid_request
     │   ├── InvalidContentPartError       400                       invalid_content_part
     │   ├── InvalidImageError             400                       invalid_image
+    │   │   └── ImagesRefusedError        400                       invalid_image
     │   ├── InvalidVideoError             400                       invalid_video
     │   ├── InvalidAudioError             400                       invalid_audio
     │   └── MediaRefusedError             400                       media_refused
@@ -30,7 +31,8 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     ├── UpstreamError                     502 server_error          upstream_error
     │   ├── UpstreamConnectError          502                       upstream_unreachable
     │   ├── UpstreamTimeoutError          504                       upstream_timeout
-    │   └── NoHealthyUpstreamError        503                       no_healthy_upstream
+    │   ├── NoHealthyUpstreamError        503                       no_healthy_upstream
+    │   └── EmbeddingsNotDeliveredError   502                       upstream_error
     └── EncoderError                      503 server_error          encoder_unavailable
 
 ``HTTPStatusError`` carries any other status aiohttp raises itself (``http_417``, ...) in the same
@@ -115,16 +117,22 @@ class GatewayError(Exception):
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def located_at(self, location: str) -> GatewayError:
-        """The same error, said of the part at ``location`` (one request's error about a medium,
-        given to another request that carries the same medium elsewhere); itself when it is
-        said of that part already."""
-        if location == self.param:
+    def located_at(self, location: str, *, what: str = "", rejection: Rejection | None = None) -> GatewayError:
+        """The same error, said of the part at ``location``: one request's error about a medium,
+        given to another request that carries the same medium elsewhere, or an encoder's about an
+        image, said at its part (``what``: what of the part it is about, "a frame of the video";
+        ``rejection``: how it counts, else as it did). Itself when it is said of that part already."""
+        if location == self.param and not what and rejection is None:
             return self
         message = self.message
         if self.param and message.startswith(f"{self.param}: "):
             message = message[len(self.param) + 2 :]
-        return type(self)(f"{location}: {message}", param=location, headers=self.headers, rejection=self.rejection)
+        return type(self)(
+            f"{location}: {what + ': ' if what else ''}{message}",
+            param=location,
+            headers=self.headers,
+            rejection=rejection if rejection is not None else self.rejection,
+        )
 
 
 class InvalidRequestError(GatewayError, status=400, type="invalid_request_error", code="invalid_request"): ...
@@ -144,6 +152,15 @@ class InvalidContentPartError(InvalidRequestError, code="invalid_content_part"):
 
 
 class InvalidImageError(InvalidRequestError, code="invalid_image"): ...
+
+
+class ImagesRefusedError(InvalidImageError):
+    """A vLLM encoder instance refused a group of images (400, 422): the client's fault, said at
+    the request's first part that carries one of ``uuids``."""
+
+    def __init__(self, message: str, *, uuids: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.uuids = uuids
 
 
 class InvalidVideoError(InvalidRequestError, code="invalid_video"):
@@ -229,6 +246,12 @@ class UpstreamTimeoutError(UpstreamError, status=504, code="upstream_timeout"): 
 
 
 class NoHealthyUpstreamError(UpstreamError, status=503, code="no_healthy_upstream"): ...
+
+
+class EmbeddingsNotDeliveredError(UpstreamError):
+    """A vLLM EC consumer failed for want of the primed embeddings, before any byte reached the
+    client: the handler primes again and sends the request once more (never rendered to a client
+    unless that is impossible; then it is a 502 like any upstream failure)."""
 
 
 class QueueTimeoutError(GatewayError, status=503, code="queue_timeout"):

@@ -3,12 +3,15 @@ one rendering (as httpx's tests check that every exception is mapped)."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 import re
 
 import orjson
 import pytest
 
+import gateway
 from gateway import errors
 from gateway.errors import GatewayError, Rejection, render
 
@@ -23,6 +26,26 @@ CLASSES = sorted(
 TYPES = {"invalid_request_error", "authentication_error", "permission_error", "rate_limit_error", "server_error"}
 # One line of the docstring's tree: name, status, type (children may leave it to their parent), code.
 TREE_LINE = re.compile(r"^\s*[├└│─ ]*(\w+Error)\s+(\d{3})\s+(?:(\w+_error)\s+)?(\w+)$", re.M)
+
+
+def _every_error_anywhere() -> set[type[GatewayError]]:
+    """Every GatewayError subclass of every gateway module (each imported), wherever defined."""
+    for info in pkgutil.walk_packages(gateway.__path__, "gateway."):
+        if info.name != "gateway.__main__":
+            importlib.import_module(info.name)
+    found, stack = set(), [GatewayError]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            if sub.__module__.startswith("gateway."):
+                found.add(sub)
+            stack.append(sub)
+    return found
+
+
+def test_every_error_is_defined_in_the_one_tree() -> None:
+    """Errors defined elsewhere (video's, audio's, the EPD's) were outside the tree and this check."""
+    outside = sorted(f"{c.__module__}.{c.__name__}" for c in _every_error_anywhere() if c.__module__ != errors.__name__)
+    assert not outside, f"GatewayErrors outside gateway/errors.py: {outside}"
 
 
 def test_every_error_class_is_in_the_tree_with_its_status_and_code() -> None:

@@ -31,7 +31,15 @@ import orjson
 from ..admission.parts import Part
 from ..admission.plan import EXPAND, RoutePlan
 from ..config import BreakerConfig, EncoderConfig, GatewayConfig, ServerConfig
-from ..errors import EncoderError, GatewayError, InvalidImageError, MediaRefusedError, Rejection, error_detail
+from ..errors import (
+    EncoderError,
+    GatewayError,
+    ImagesRefusedError,
+    InvalidImageError,
+    MediaRefusedError,
+    Rejection,
+    error_detail,
+)
 from ..media.fetch import MediaFetcher, is_data_url, sha256
 from ..metrics import GatewayMetrics
 from ..upstream.client import KEEPALIVE_TIMEOUT_S, whole_body
@@ -269,7 +277,7 @@ class EncoderClient:
                 concurrency=PER_REQUEST_CONCURRENCY,
             )
         except InvalidImageError as exc:  # an instance refused a group: located at its first image
-            refused = set(exc.uuids) if isinstance(exc, epd.ImagesRefusedError) else set()
+            refused = set(exc.uuids) if isinstance(exc, ImagesRefusedError) else set()
             first = next((i for i, sha in zip(images, shas, strict=True) if sha in refused), images[0])
             raise _at_part(exc, first, plan.model.name) from None
         fields = {"ec_transfer_params": primed.transfer_params} if primed.transfer_params else {}
@@ -422,12 +430,11 @@ def _is_embeds(value: object) -> bool:
 
 
 def _at_part(error: GatewayError, image: Image, model: str) -> GatewayError:
-    """The same error, located at the image's part (a frame: at its video) and counted as refused
-    media."""
-    location, frame = image.part.location, image.frame is not None
-    return type(error)(
-        f"{location}: {'a frame of the video: ' if frame else ''}{error.message}",
-        param=location,
+    """The same error, said at the image's part (a frame: at its video) and counted as refused media."""
+    frame = image.frame is not None
+    return error.located_at(
+        image.part.location,
+        what="a frame of the video" if frame else "",
         rejection=Rejection(model, "video" if frame else "image", "media_refused"),
     )
 

@@ -41,7 +41,7 @@ import aiohttp
 import orjson
 
 from ..config import EncoderConfig
-from ..errors import EncoderError, InvalidImageError, error_detail
+from ..errors import EncoderError, ImagesRefusedError, error_detail
 from ..metrics import GatewayMetrics
 from ..upstream.failures import CLIENT_ERRORS, being_cancelled, failure_of, read_capped
 from ..upstream.replicas import Lease, Pool, Replica
@@ -65,15 +65,6 @@ def max_reply_bytes(items: int) -> int:
     """The most a priming reply for ``items`` images may be: its entries and the rest of a chat
     completion (choices, usage)."""
     return (1 + items) * MAX_ENTRY_BYTES
-
-
-class ImagesRefusedError(InvalidImageError):
-    """An encoder instance refused a group of images (400, 422): the client's fault, at the
-    request's first part that carries one of ``uuids``."""
-
-    def __init__(self, message: str, *, uuids: tuple[str, ...] = (), **kwargs: Any) -> None:
-        super().__init__(message, **kwargs)
-        self.uuids = uuids
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import (
     AuthenticationError,
     ConfigError,
+    EmbeddingsNotDeliveredError,
     EncoderError,
     InvalidConfigError,
     InvalidRequestError,
@@ -29,7 +30,7 @@ from ..errors import (
 from ..media import video
 from ..metrics import UNKNOWN_MODEL
 from ..upstream.live import Live
-from ..upstream.relay import EmbeddingsNotDelivered, Timeouts
+from ..upstream.relay import Timeouts
 from .state import API_KEY_KEY, MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ async def _forward_primed(
             request, services, live, plan.model, data, plan.route, headers, stream=stream, affinity_key=key,
             ec_check=True,
         )  # fmt: skip
-    except EmbeddingsNotDelivered as exc:
+    except EmbeddingsNotDeliveredError as exc:
         # within retries.attempts and the retry budget: a consumer failing for another reason
         # must not double every request's load
         if not services.upstream.may_retry(plan.model, "ec_error"):

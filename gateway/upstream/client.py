@@ -35,7 +35,7 @@ from ..config import ModelConfig
 from ..errors import GatewayError, NoHealthyUpstreamError, UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from ..metrics import GatewayMetrics
 from .failures import CLIENT_ERRORS, Failure, failure_of
-from .http1 import KEEPALIVE_S, Http1Client, ProtocolError
+from .http1 import KEEPALIVE_S, Http1Client, ProtocolError, UnsendableHeader
 from .relay import HOP_BY_HOP, Timeouts, UpstreamReply, outcome_of, relay
 from .replicas import Lease, Pool, Replica
 from .retries import RetryBudget, backoff
@@ -173,6 +173,7 @@ class UpstreamClient:
                         )
                     else:
                         assert session is not None
+                        _check_sendable(headers)  # aiohttp would raise a ValueError as it writes them
                         sent = session.post(
                             replica.url + path,
                             data=whole_body(body, "application/json"),
@@ -189,6 +190,11 @@ class UpstreamClient:
                 except asyncio.CancelledError:  # the client left (handler cancellation)
                     self._count(model, replica, "aborted")
                     raise
+                except UnsendableHeader:  # the gateway's own (its config): no replica is blamed or tried
+                    self._count(model, replica, "error")
+                    raise UpstreamError(
+                        f"A header the gateway would send to model '{model.name}' holds a line break; nothing was sent"
+                    ) from None
                 except CLIENT_ERRORS as exc:
                     failure = failure_of(exc)
                     if failure.kind == "timeout" and attempts.deadline is not None and loop.time() >= attempts.deadline:
@@ -319,6 +325,13 @@ class _Attempts:
 # aiohttp's client lets through: such a reply is not HTTP the gateway can relay (the default
 # client, gateway.upstream.http1, refuses it as it parses the head)
 _UNRELAYABLE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _check_sendable(headers: Mapping[str, str]) -> None:
+    """What the gateway's own client checks as it writes a head: no header value splits into two."""
+    for value in headers.values():
+        if "\r" in value or "\n" in value:
+            raise UnsendableHeader("a header value holds a line break; not sent")
 
 
 def _check_relayable(upstream: UpstreamReply) -> None:

@@ -86,7 +86,8 @@ class ProtocolError(Http1Error):
 
 class UnsendableHeader(ValueError):
     """A header value holds a line break: the gateway's own fault (its config), never the replica's,
-    so not an :class:`Http1Error`."""
+    so not an :class:`Http1Error` (no replica is blamed or tried again); the upstream client
+    answers it 502."""
 
 
 class Http1Client:

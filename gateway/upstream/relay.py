@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ..errors import GatewayError, UpstreamError, UpstreamTimeoutError
+from ..errors import EmbeddingsNotDeliveredError, GatewayError, UpstreamError, UpstreamTimeoutError
 from .failures import CLIENT_ERRORS
 
 log = logging.getLogger(__name__)
@@ -121,10 +121,8 @@ _EC_UNDER_WAY = re.compile(rb'"content":\s*"[^"]|"tool_calls":\s*\[\s*\{|"finish
 EC_PEEK_BYTES = 64 * 1024  # the most of a stream's opening read before deciding
 
 
-class EmbeddingsNotDelivered(UpstreamError):
-    """The consumer failed for want of the primed embeddings, before any byte reached the client:
-    the handler primes again and sends the request once more (never rendered to a client unless
-    that is impossible; then it is a 502 like any upstream failure)."""
+def _not_delivered(model: str, how: str) -> EmbeddingsNotDeliveredError:
+    return EmbeddingsNotDeliveredError(f"Upstream of model '{model}' {how}")
 
 
 def ec_error(status: int, data: bytes) -> bool:
@@ -151,7 +149,7 @@ def relay(
     ends the exchange (``total``). A small non-streamed reply is read whole, any other relayed
     chunk by chunk. ``ec_check``: a reply that says the primed embeddings were missing (see
     :func:`ec_error`: the status, the whole small body or a stream's first chunk) is not relayed
-    but answered :class:`EmbeddingsNotDelivered`."""
+    but answered :class:`~gateway.errors.EmbeddingsNotDeliveredError`."""
     outcome = outcome_of(upstream.status)
     length = upstream.content_length
     streamed = timeouts.stream_idle is not None  # the client asked for a stream
@@ -180,7 +178,9 @@ async def _relay_stream(
     first = b""
     if ec_check:  # the stream's opening decides, before anything goes to the client
         if ec_error(upstream.status, b""):
-            return Relayed(None, outcome, False, EmbeddingsNotDelivered(f"Upstream of model '{model}' answered 500"))
+            return Relayed(
+                None, outcome, False, EmbeddingsNotDeliveredError(f"Upstream of model '{model}' answered 500")
+            )
         loop = asyncio.get_running_loop()
         wait = timeouts.read if deadline is None else min(timeouts.read, max(0.0, deadline - loop.time()))
         try:
@@ -196,7 +196,9 @@ async def _relay_stream(
                 return Relayed(None, "timeout", True, UpstreamTimeoutError(message))
             return Relayed(None, "aborted", True, UpstreamError(f"Upstream of model '{model}' broke off its response"))
         if ec_error(upstream.status, first):
-            return Relayed(None, outcome, False, EmbeddingsNotDelivered(f"Upstream of model '{model}' ended in error"))
+            return Relayed(
+                None, outcome, False, EmbeddingsNotDeliveredError(f"Upstream of model '{model}' ended in error")
+            )
     response = RelayResponse(
         status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers)
     )
@@ -295,7 +297,7 @@ async def _relay_whole(
             error = UpstreamError(f"Upstream of model '{model}' broke off its response", headers=headers)
         return Relayed(None, "timeout" if isinstance(error, UpstreamTimeoutError) else "aborted", not expired, error)
     if ec_check and ec_error(upstream.status, body):
-        return Relayed(None, outcome, False, EmbeddingsNotDelivered(f"Upstream of model '{model}' ended in error"))
+        return Relayed(None, outcome, False, _not_delivered(model, "ended in error"))
     response = web.Response(
         status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers), body=body
     )

@@ -427,3 +427,22 @@ async def test_a_small_reply_cut_short_is_a_clean_502_not_a_truncated_200(upstre
     assert error_body(caught.value)["message"] == "Upstream of model 'm' broke off its response"
     assert caught.value.response.headers["X-Gateway-Model"] == "m"
     assert gw.sample("gateway_upstream_requests_total", model="m", outcome="aborted") == 1
+
+
+async def test_a_header_that_would_split_is_a_502_and_blames_no_replica(gateway_factory, upstream, monkeypatch) -> None:
+    """A config built in code skips the load-time check of an upstream key: one with a line break
+    inside made the gateway's client raise a ValueError, a 500 (aiohttp's raises one as it writes)."""
+    monkeypatch.setenv("MODALITY_GATEWAY_TEST_SPLIT_KEY", "sk-one\r\nX-Injected: yes")
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text], "
+            "api_key_env: MODALITY_GATEWAY_TEST_SPLIT_KEY, breaker: {failures: 1}}"
+        )
+    )
+    async with gw.client() as client:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model="m", messages=HI)
+    assert caught.value.status_code == 502 and error_body(caught.value)["code"] == "upstream_error"
+    assert "line break" in error_body(caught.value)["message"]
+    assert upstream.received == []
+    assert gw.sample("gateway_upstream_healthy", model="m") == 1  # its breaker is not open
