@@ -151,7 +151,7 @@ class ServerConfig:
     # health alone; None: everything on the main port
     admin_listen: str | None = None
     access_log: bool = True  # a line per request (id, model, route), written in batches (gateway/server/access_log.py)
-    # how requests reach upstreams: the gateway's own HTTP/1.1 client (gateway/upstream/http1.py), or aiohttp's
+    # how requests reach upstreams: the gateway's own HTTP/1.1 client (gateway/upstream/http1/), or aiohttp's
     upstream_client: Literal["http1", "aiohttp"] = "http1"
 
     @property

@@ -1,0 +1,220 @@
+"""The client and its pools: one per replica URL, of keep-alive connections, bounded in number."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Mapping
+from urllib.parse import quote, urlsplit
+
+from .connection import _Connection
+from .errors import ConnectError, ConnectTimeout, Disconnected, UnsendableHeader
+from .reply import Reply
+
+KEEPALIVE_S = 4.0  # < the 5 s after which uvicorn (vLLM, SGLang) closes an idle connection
+MAX_CONNECTIONS = 1024  # open to one replica (a request holds one while it is relayed)
+
+
+class Http1Client:
+    """Keep-alive connections to upstream replicas, one pool per replica URL."""
+
+    def __init__(self, *, keepalive_s: float = KEEPALIVE_S, max_connections: int = MAX_CONNECTIONS) -> None:
+        self._keepalive_s = keepalive_s
+        self.max_connections = max_connections
+        self._origins: dict[str, _Origin] = {}
+        self._ssl: ssl.SSLContext | None = None
+        self._sweep: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    def origin(self, url: str) -> _Origin:
+        origin = self._origins.get(url)
+        if origin is None:
+            origin = self._origins[url] = _Origin(self, url)
+        return origin
+
+    async def post(
+        self,
+        url: str,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes,
+        *,
+        connect_timeout: float,
+        head_timeout: float | None,
+        read_timeout: float | None,
+    ) -> Reply:
+        """POST ``body`` to ``path`` (origin-form, with its query) of replica ``url``; the reply once
+        its head came. ``head_timeout`` bounds the wait for the head, ``read_timeout`` every
+        silence after it (None: no bound, the caller keeps its own deadlines)."""
+        origin = self._origins.get(url) or self.origin(url)
+        data = origin.request_head(path, headers, body)
+        conn = origin.idle_connection()
+        if conn is None and len(origin.live) >= self.max_connections:
+            conn = await origin.wait_for_room(connect_timeout)  # a connection given back, or room for one
+        if conn is not None:
+            try:
+                return await conn.exchange(data, body, head_timeout, read_timeout)
+            except Disconnected:
+                if not conn.closed_as_sent():
+                    raise
+                # the engine closed the kept-alive connection as the request went: a fresh one
+        conn = await origin.connect(connect_timeout)
+        return await conn.exchange(data, body, head_timeout, read_timeout)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        return self._ssl
+
+    def released(self) -> None:
+        """A connection went back to a pool: make sure idle ones are let go in time."""
+        if self._sweep is None and not self._closed:
+            self._sweep = asyncio.get_running_loop().call_later(self._keepalive_s, self._let_go)
+
+    def _let_go(self) -> None:
+        self._sweep = None
+        now = asyncio.get_running_loop().time()
+        left = False
+        for origin in self._origins.values():
+            left = origin.let_go(now - self._keepalive_s) or left
+        if left:
+            self.released()
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        for origin in self._origins.values():
+            origin.close()
+        self._origins.clear()
+
+    @property
+    def keepalive_s(self) -> float:
+        return self._keepalive_s
+
+
+class _Origin:
+    """One replica: where to connect, what its requests start with, its idle connections, and the
+    requests waiting for room under :data:`MAX_CONNECTIONS`."""
+
+    __slots__ = ("_client", "_host_line", "host", "idle", "live", "port", "prefix", "tls", "url", "waiting")
+
+    def __init__(self, client: Http1Client, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self._client = client
+        self.url = url
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if self.tls else 80)
+        self.prefix = quote(parts.path.rstrip("/"), safe="/%:@!$&'()*+,;=-._~")
+        self._host_line = f"\r\nHost: {parts.netloc}\r\n"
+        self.idle: list[_Connection] = []  # most recently used last
+        self.live: set[_Connection] = set()
+        self.waiting: deque[asyncio.Future[_Connection | None]] = deque()
+
+    def request_head(self, path: str, headers: Mapping[str, str], body: bytes) -> bytes:
+        lines = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        if "Content-Type" not in headers:
+            lines += "Content-Type: application/json\r\n"
+        head = f"POST {self.prefix}{path} HTTP/1.1{self._host_line}{lines}Content-Length: {len(body)}\r\n\r\n"
+        # every header came through aiohttp's parser or the gateway's config; a CR or LF in one
+        # would split it into a header of someone else's choosing
+        lines_expected = len(headers) + 4 + ("Content-Type" not in headers)
+        if head.count("\n") != lines_expected or head.count("\r") != lines_expected:
+            raise UnsendableHeader("a header value holds a line break; not sent")
+        return head.encode("utf-8", "surrogateescape")
+
+    def idle_connection(self) -> _Connection | None:
+        """The most recently used idle connection still open, within keep-alive and holding no
+        bytes nobody asked for, or None."""
+        idle = self.idle
+        if not idle:
+            return None
+        oldest = asyncio.get_running_loop().time() - self._client.keepalive_s
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.last_used > oldest and conn.quiet():
+                return conn
+            conn.close()
+        return None
+
+    async def connect(self, timeout: float) -> _Connection:
+        loop = asyncio.get_running_loop()
+        conn = _Connection(self)
+        try:
+            async with asyncio.timeout(timeout):
+                if self.tls:
+                    ctx = self._client.ssl_context()
+                    await loop.create_connection(lambda: conn, self.host, self.port, ssl=ctx, server_hostname=self.host)
+                else:
+                    await loop.create_connection(lambda: conn, self.host, self.port)
+        except TimeoutError:
+            conn.close()
+            raise ConnectTimeout(f"connect to {self.host}:{self.port} timed out after {timeout:g}s") from None
+        except ConnectionRefusedError as exc:
+            raise ConnectError("connection refused", exc) from None
+        except OSError as exc:  # unreachable, no such host, TLS handshake
+            raise ConnectError(f"{type(exc).__name__}: {exc.strerror or exc}", exc) from None
+        except BaseException:  # cancelled while connecting: nothing is left open
+            conn.close()
+            raise
+        return conn
+
+    async def wait_for_room(self, timeout: float) -> _Connection | None:
+        """With :data:`MAX_CONNECTIONS` open: a connection given back (None: one closed, so a new
+        one may open), within ``timeout``; ConnectTimeout past it, nothing sent."""
+        waiter: asyncio.Future[_Connection | None] = asyncio.get_running_loop().create_future()
+        self.waiting.append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                return await waiter
+        except TimeoutError:
+            raise ConnectTimeout(
+                f"{len(self.live)} connections to {self.host}:{self.port} open and busy for {timeout:g}s"
+            ) from None
+        except BaseException:
+            if waiter.done() and not waiter.cancelled() and (conn := waiter.result()) is not None:
+                self.release(conn)  # handed a connection as it gave up: the next one takes it
+            raise
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+
+    def release(self, conn: _Connection) -> None:
+        conn.last_used = asyncio.get_running_loop().time()
+        while self.waiting:  # a request waiting for room takes it at once
+            waiter = self.waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+        self.idle.append(conn)
+        self._client.released()
+
+    def lost(self, conn: _Connection) -> None:
+        """A connection ended: room for another, for a request waiting for it."""
+        self.live.discard(conn)
+        while self.waiting:
+            waiter = self.waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def let_go(self, before: float) -> bool:
+        """Close idle connections last used before ``before``; whether idle ones remain."""
+        keep = []
+        for conn in self.idle:
+            if conn.closed or conn.last_used <= before:
+                conn.close()
+            else:
+                keep.append(conn)
+        self.idle[:] = keep
+        return bool(keep)
+
+    def close(self) -> None:
+        for conn in list(self.live):
+            conn.close()
+        self.idle.clear()
