@@ -429,3 +429,21 @@ def test_an_invalid_routing_yaml_is_a_documented_422_and_changes_nothing(live: L
     _check_answer(response, "POST", "/admin/reload", 422, "invalid_config")
     assert "unknown modality 'txt'" in response.json()["error"]["message"]
     assert requests.get(f"{live.url}/admin/config", headers=admin, timeout=10).json()["config_generation"] == generation
+
+
+def test_every_route_the_gateway_can_say_is_documented() -> None:
+    """X-Gateway-Route's values: "direct", or any of the actions, in their order."""
+    import itertools
+
+    from gateway.admission.plan import ROUTE_ACTIONS
+
+    pattern = re.compile(SPEC["components"]["headers"]["XGatewayRoute"]["schema"]["pattern"])
+    readme = (SPEC_PATH.parent.parent / "README.md").read_text()
+    said = ["direct"] + [
+        ", ".join(chosen)
+        for n in range(1, len(ROUTE_ACTIONS) + 1)
+        for chosen in itertools.combinations(ROUTE_ACTIONS, n)
+    ]
+    assert all(pattern.fullmatch(route) for route in said)
+    assert not pattern.fullmatch("strip, redirect") and not pattern.fullmatch("encode")
+    assert all(f"`{action}`" in readme for action in ROUTE_ACTIONS)

@@ -37,6 +37,8 @@ from ..modalities import Modality
 from .body import dump_body, exact
 from .parts import Classification, Part, classify
 
+# What X-Gateway-Route names, in this order, comma-separated; "direct" when none (docs/openapi.yaml)
+ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "transcode")
 # Image parts the gateway can turn into embeddings (image_embeds parts already are).
 ENCODABLE_TYPES = frozenset({"image_url", "input_image"})
 
@@ -69,17 +71,13 @@ class RoutePlan:
         ):
             return "direct"
         stripped = bool(self.stripped_parts) or self.mutes_audio_in_video
-        actions = [
-            a
-            for a, on in (
-                ("redirect", bool(self.redirects)),
-                ("strip", stripped),
-                ("transcribe", bool(self.transcribe_parts)),
-                ("transcode", bool(self.frame_parts) or bool(self.presample_parts)),
-            )
-            if on
-        ]
-        return ", ".join(actions) or "direct"
+        done = (
+            bool(self.redirects),
+            stripped,
+            bool(self.transcribe_parts),
+            bool(self.frame_parts or self.presample_parts),
+        )
+        return ", ".join(a for a, on in zip(ROUTE_ACTIONS, done, strict=True) if on) or "direct"
 
     @property
     def frame_parts(self) -> tuple[Part, ...]:
