@@ -40,6 +40,7 @@ from ..errors import (
     Rejection,
     error_detail,
 )
+from ..fanout import gather_all
 from ..media.fetch import MediaFetcher, is_data_url, sha256
 from ..metrics import GatewayMetrics
 from ..upstream.client import KEEPALIVE_TIMEOUT_S, whole_body
@@ -232,14 +233,12 @@ class EncoderClient:
             first.setdefault(sha, image)  # an error names the first part that carries the image
         limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)
         pool = self._replicas.pool(spec.name, self.urls(spec), breaker=self._breaker)  # once per request
-        replies = await asyncio.gather(
+        replies = await gather_all(  # a refused image stops the others' encoding at once
             *(
                 self._bounded(limit, self._encode_one(spec, pool, data, first[sha], model, request_id))
                 for sha, data in unique.items()
-            ),
-            return_exceptions=True,
+            )
         )
-        _raise_first(replies)
         by_sha = dict(zip(unique, replies, strict=True))
         return [{"type": "image_embeds", "image_embeds": by_sha[sha], "uuid": sha} for sha in shas]
 
@@ -288,8 +287,8 @@ class EncoderClient:
         # Each distinct fetched URL once. Data URLs are not compared (hashing a 30 MB string holds
         # the event loop for 30 ms); identical images are merged by their sha256 anyway. A video's
         # frames are not loaded: their bytes are at hand.
-        urls: list[str] = []
-        slots: list[int] = []  # per image to load, its index in urls
+        loads: list[Image] = []  # per load, the first image it is for (its error names that part)
+        slots: list[int] = []  # per image to load, its index in loads
         fetched: dict[str, int] = {}
         for image in images:
             if image.data is not None:
@@ -299,26 +298,20 @@ class EncoderClient:
                 if url in fetched:
                     slots.append(fetched[url])
                     continue
-                fetched[url] = len(urls)
-            slots.append(len(urls))
-            urls.append(url)
+                fetched[url] = len(loads)
+            slots.append(len(loads))
+            loads.append(image)
         limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)
-        loaded = await asyncio.gather(
-            *(self._bounded(limit, self.fetcher.load(u)) for u in urls), return_exceptions=True
-        )
-        blobs: list[bytes] = []
+        # an image refused (too large, unreachable, not allowed) stops the other fetches at once
+        loaded = await gather_all(*(self._bounded(limit, self._load(image, model)) for image in loads))
         slot = iter(slots)
-        for image in images:
-            if image.data is not None:
-                blobs.append(image.data)
-                continue
-            result = loaded[next(slot)]
-            if isinstance(result, GatewayError):
-                raise _at_part(result, image, model)
-            if isinstance(result, BaseException):
-                raise result
-            blobs.append(result)
-        return blobs
+        return [image.data if image.data is not None else loaded[next(slot)] for image in images]
+
+    async def _load(self, image: Image, model: str) -> bytes:
+        try:
+            return await self.fetcher.load(image.url)
+        except GatewayError as exc:
+            raise _at_part(exc, image, model) from None
 
     @staticmethod
     async def _bounded(limit: asyncio.Semaphore, work: Awaitable[T]) -> T:
@@ -437,9 +430,3 @@ def _at_part(error: GatewayError, image: Image, model: str) -> GatewayError:
         what="a frame of the video" if frame else "",
         rejection=Rejection(model, "video" if frame else "image", "media_refused"),
     )
-
-
-def _raise_first(results: list[Any]) -> None:
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result

@@ -42,6 +42,7 @@ import orjson
 
 from ..config import EncoderConfig
 from ..errors import EncoderError, ImagesRefusedError, error_detail
+from ..fanout import gather_all
 from ..metrics import GatewayMetrics
 from ..upstream.failures import CLIENT_ERRORS, being_cancelled, failure_of, read_capped
 from ..upstream.replicas import Lease, Pool, Replica
@@ -130,16 +131,10 @@ async def prime(
             for g in groups:  # one lease a priming request: its load, and its outcome for the breaker
                 replica = g.replica
                 g.leases.append(Lease(pool, replica, probe=replica.state == "half_open" and replica.probes == 0))
-            tasks = [
-                asyncio.ensure_future(_limited(limit, session, spec, g, upstream_model, carried, request_id, metrics))
-                for g in groups
-            ]
-            try:
-                results = await asyncio.gather(*tasks)
-            except BaseException:  # an image refused, or the client left: the other primes stop too
-                for task in tasks:
-                    task.cancel()
-                raise
+            try:  # an image refused, or the client left: the other primes stop too
+                results = await gather_all(
+                    *(_limited(limit, session, spec, g, upstream_model, carried, request_id, metrics) for g in groups)
+                )
             finally:  # every lease exited once, whether or not its request ever started
                 for g in groups:
                     for lease in g.leases:

@@ -40,6 +40,7 @@ from ..errors import (
     UpstreamTimeoutError,
     error_detail,
 )
+from ..fanout import gather_all
 from ..metrics import GatewayMetrics
 from ..modalities import Modality
 from ..upstream.failures import CLIENT_ERRORS, failure_of, read_capped
@@ -105,8 +106,8 @@ class Transcriber:
                     ) from None
             return (part.message, part.index), {"type": "text", "text": TRANSCRIPT + text}
 
-        results = await asyncio.gather(*(one(p) for p in plan.transcribe_parts))
-        return dict(results)
+        # a clip refused stops the others' transcriptions at once
+        return dict(await gather_all(*(one(p) for p in plan.transcribe_parts)))
 
     async def _one(
         self, value: Mapping[str, Any], part: Part, plan: RoutePlan, target: ModelConfig, live: Live, request_id: str
