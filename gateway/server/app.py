@@ -26,7 +26,7 @@ from ..upstream.collector import PoolCollector
 from ..upstream.concurrency import Gates
 from ..upstream.health import HealthChecker
 from ..upstream.replicas import ReplicaSet
-from . import handlers
+from . import chat, handlers
 from .access_log import quiet_parser_errors
 from .middlewares import expect_continue, front_middleware, rate_limit_headers
 from .state import SERVICES_KEY, Services
@@ -101,8 +101,8 @@ def create_app(
     # every route answers an Expect header the gateway's way (aiohttp's own 417 is plain text)
     post = functools.partial(app.router.add_post, expect_handler=expect_continue)
     get = functools.partial(app.router.add_get, expect_handler=expect_continue)
-    post("/v1/chat/completions", handlers.chat_completions)
-    post("/v1/completions", handlers.completions)
+    post("/v1/chat/completions", chat.chat_completions)
+    post("/v1/completions", chat.completions)
     get("/v1/models", handlers.list_models)
     get("/healthz", handlers.healthz)
     get("/readyz", handlers.readyz)

@@ -34,9 +34,10 @@ from multidict import CIMultiDict
 from ..config import ModelConfig
 from ..errors import GatewayError, NoHealthyUpstreamError, UpstreamConnectError, UpstreamError, UpstreamTimeoutError
 from ..metrics import GatewayMetrics
+from .dispatch import Dispatch
 from .failures import CLIENT_ERRORS, Failure, failure_of
 from .http1 import KEEPALIVE_S, Http1Client, ProtocolError, UnsendableHeader
-from .relay import HOP_BY_HOP, Timeouts, UpstreamReply, outcome_of, relay
+from .relay import HOP_BY_HOP, UpstreamReply, outcome_of, relay
 from .replicas import Lease, Pool, Replica
 from .retries import RetryBudget, backoff
 
@@ -93,49 +94,26 @@ class UpstreamClient:
         if self._session is not None:
             await self._session.close()
 
-    def forward(
-        self,
-        request: web.Request,
-        model: ModelConfig,
-        pool: Pool,
-        body: bytes,
-        *,
-        timeouts: Timeouts,
-        gateway_headers: Mapping[str, str],
-        auth: str | None = None,
-        forward_client_auth: bool = True,
-        affinity_key: bytes | None = None,
-        ec_check: bool = False,
-    ) -> Coroutine[Any, Any, web.StreamResponse]:
-        """POST ``body`` to one of ``pool``'s replicas at the request's path; relay the answer.
-
-        ``gateway_headers`` go both ways; ``auth`` (the model's key) only upstream, in place of
-        the client's Authorization, which is not sent either when ``forward_client_auth`` is off.
-        The exchange is the coroutine returned (this prepares it without a frame of its own)."""
+    def forward(self, request: web.Request, dispatch: Dispatch) -> Coroutine[Any, Any, web.StreamResponse]:
+        """POST ``dispatch.body`` to one of its pool's replicas at the request's path; relay the
+        answer. The exchange is the coroutine returned (this prepares it without a frame of its own)."""
+        model = dispatch.model
         budget = self._budget(model)
         budget.request()
-        attempts = _Attempts(model, budget, affinity_key)
-        if timeouts.total is not None:
-            attempts.deadline = asyncio.get_running_loop().time() + timeouts.total
-        headers = _upstream_headers(request, gateway_headers)
-        if auth is not None:
-            headers[hdrs.AUTHORIZATION] = auth
-        elif not forward_client_auth:
+        attempts = _Attempts(model, budget, dispatch.affinity_key)
+        if dispatch.timeouts.total is not None:
+            attempts.deadline = asyncio.get_running_loop().time() + dispatch.timeouts.total
+        headers = _upstream_headers(request, dispatch.gateway_headers)
+        if dispatch.auth is not None:
+            headers[hdrs.AUTHORIZATION] = dispatch.auth
+        elif not dispatch.forward_client_auth:
             headers.popall(hdrs.AUTHORIZATION, None)
-        return self._forward(request, model, pool, body, attempts, timeouts, headers, gateway_headers, ec_check)
+        return self._forward(request, dispatch, attempts, headers)
 
     async def _forward(
-        self,
-        request: web.Request,
-        model: ModelConfig,
-        pool: Pool,
-        body: bytes,
-        attempts: _Attempts,
-        timeouts: Timeouts,
-        headers: CIMultiDict[str],
-        gateway_headers: Mapping[str, str],
-        ec_check: bool = False,
+        self, request: web.Request, dispatch: Dispatch, attempts: _Attempts, headers: CIMultiDict[str]
     ) -> web.StreamResponse:
+        model, pool, body, timeouts = dispatch.model, dispatch.pool, dispatch.body, dispatch.timeouts
         http1, session = self._http1, self._session
         assert http1 is not None or session is not None, "UpstreamClient.start() was not called"
         loop = asyncio.get_running_loop()
@@ -240,15 +218,7 @@ class UpstreamClient:
                     lease.success()
                 try:
                     async with upstream:
-                        relayed = await relay(
-                            request,
-                            upstream,
-                            model=model.name,
-                            gateway_headers=gateway_headers,
-                            timeouts=timeouts,
-                            deadline=attempts.deadline,
-                            ec_check=ec_check,
-                        )
+                        relayed = await relay(request, upstream, dispatch, attempts.deadline)
                 except asyncio.CancelledError:  # the client left; closing upstream stops the engine
                     self._count(model, replica, "aborted")
                     raise

@@ -14,7 +14,6 @@ import logging
 import math
 import re
 from collections.abc import AsyncIterator, Coroutine, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, NamedTuple, Protocol
 
@@ -24,6 +23,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ..errors import EmbeddingsNotDeliveredError, GatewayError, UpstreamError, UpstreamTimeoutError
+from .dispatch import Dispatch, Timeouts
 from .failures import CLIENT_ERRORS
 
 log = logging.getLogger(__name__)
@@ -46,19 +46,6 @@ HOP_BY_HOP = frozenset(
 SMALL_BODY_BYTES = 256 * 1024
 # Response headers the gateway's own server sets.
 _NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length", "server", "date"}
-
-
-@dataclass(frozen=True, slots=True)
-class Timeouts:
-    """One request's upstream deadlines (a model's ``timeouts``, and the client's write deadline)."""
-
-    connect: float  # reaching a replica
-    read: float  # the longest silence of the replica (before a non-streamed reply, before a stream's first chunk)
-    client_write: float  # the longest a client may take no bytes before it is dropped
-    # "stream": true: the longest wait for the response headers, and between two chunks once the
-    # first came (the engine sends its headers at once, then queues and prefills); None otherwise
-    stream_idle: float | None = None
-    total: float | None = None  # the whole exchange with upstreams, retries and relay included
 
 
 class ReplyBody(Protocol):
@@ -136,43 +123,28 @@ class RelayResponse(web.StreamResponse):
 
 
 def relay(
-    request: web.Request,
-    upstream: UpstreamReply,
-    *,
-    model: str,
-    gateway_headers: Mapping[str, str],
-    timeouts: Timeouts,
-    deadline: float | None = None,
-    ec_check: bool = False,
+    request: web.Request, upstream: UpstreamReply, dispatch: Dispatch, deadline: float | None = None
 ) -> Coroutine[Any, Any, Relayed]:
     """Relay ``upstream`` to the client (the coroutine that does it); ``deadline`` (loop time)
     ends the exchange (``total``). A small non-streamed reply is read whole, any other relayed
-    chunk by chunk. ``ec_check``: a reply that says the primed embeddings were missing (see
-    :func:`ec_error`: the status, the whole small body or a stream's first chunk) is not relayed
-    but answered :class:`~gateway.errors.EmbeddingsNotDeliveredError`."""
+    chunk by chunk. ``dispatch.ec_check``: a reply that says the primed embeddings were missing
+    (see :func:`ec_error`: the status, the whole small body or a stream's first chunk) is not
+    relayed but answered :class:`~gateway.errors.EmbeddingsNotDeliveredError`."""
     outcome = outcome_of(upstream.status)
     length = upstream.content_length
-    streamed = timeouts.stream_idle is not None  # the client asked for a stream
+    streamed = dispatch.timeouts.stream_idle is not None  # the client asked for a stream
     if not streamed and length is not None and length <= SMALL_BODY_BYTES:
-        return _relay_whole(upstream, model=model, outcome=outcome, gateway_headers=gateway_headers,
-                            timeouts=timeouts, deadline=deadline, ec_check=ec_check)  # fmt: skip
-    return _relay_stream(request, upstream, model=model, outcome=outcome, gateway_headers=gateway_headers,
-                         timeouts=timeouts, deadline=deadline, ec_check=ec_check)  # fmt: skip
+        return _relay_whole(upstream, dispatch, deadline, outcome)
+    return _relay_stream(request, upstream, dispatch, deadline, outcome)
 
 
 async def _relay_stream(
-    request: web.Request,
-    upstream: UpstreamReply,
-    *,
-    model: str,
-    outcome: str,
-    gateway_headers: Mapping[str, str],
-    timeouts: Timeouts,
-    deadline: float | None,
-    ec_check: bool = False,
+    request: web.Request, upstream: UpstreamReply, dispatch: Dispatch, deadline: float | None, outcome: str
 ) -> Relayed:
     """A reply relayed chunk by chunk as it arrives (every stream, and a reply of unknown or large
     length), under the deadlines of :class:`_Deadlines`."""
+    model, gateway_headers, timeouts = dispatch.model.name, dispatch.gateway_headers, dispatch.timeouts
+    ec_check = dispatch.ec_check
     length = upstream.content_length
     streamed = timeouts.stream_idle is not None
     first = b""
@@ -262,19 +234,12 @@ async def _opening(upstream: UpstreamReply) -> bytes:
     return opening
 
 
-async def _relay_whole(
-    upstream: UpstreamReply,
-    *,
-    model: str,
-    outcome: str,
-    gateway_headers: Mapping[str, str],
-    timeouts: Timeouts,
-    deadline: float | None,
-    ec_check: bool = False,
-) -> Relayed:
+async def _relay_whole(upstream: UpstreamReply, dispatch: Dispatch, deadline: float | None, outcome: str) -> Relayed:
     """A small reply of known length, read whole and sent with its headers in one write. Nothing
     reached the client before the body is complete, so a replica that breaks off is a clean 502
     (raised by the caller once the attempt is counted, rendered like every other error)."""
+    model, gateway_headers, timeouts = dispatch.model.name, dispatch.gateway_headers, dispatch.timeouts
+    ec_check = dispatch.ec_check
     try:
         if deadline is None:
             body = await upstream.read()  # bounded by the socket's read timeout (first_byte_s)

@@ -16,9 +16,13 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from gateway.config import ModelConfig
+from gateway.modalities import Modality
 from gateway.upstream import http1
+from gateway.upstream.dispatch import Dispatch, Timeouts
 from gateway.upstream.http1 import Http1Client
-from gateway.upstream.relay import Timeouts, _relay_whole
+from gateway.upstream.relay import _relay_whole
+from gateway.upstream.replicas import Pool, Replica
 from tests.upstream.test_http1 import CHAT, connection, ok, script
 
 pytestmark = [pytest.mark.timeout(30)]
@@ -136,7 +140,9 @@ async def test_a_silence_in_a_small_body_is_a_timeout_for_the_relay() -> None:
     conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b'{"id": "x"')  # then nothing
     reply = await waiting
     timeouts = Timeouts(connect=1.0, read=0.05, client_write=1.0)
-    relayed = await _relay_whole(reply, model="m", outcome="ok", gateway_headers={}, timeouts=timeouts, deadline=None)
+    model = ModelConfig("m", ("http://127.0.0.1:9",), (Modality.TEXT,))
+    dispatch = Dispatch(model, Pool("m", [Replica("http://127.0.0.1:9")]), b"", timeouts, {})
+    relayed = await _relay_whole(reply, dispatch, None, "ok")
     assert relayed.error is not None
     assert (relayed.error.status, relayed.outcome) == (504, "timeout")
 

@@ -1,0 +1,233 @@
+"""One request, from admission to its last byte, and the stages it goes through.
+
+An API's handler begins an :class:`Exchange` (the generation it is admitted under, its body read
+and parsed once), admits it (its plan), and hands it to the stages, which are the same for every
+API: :func:`convert` (media the model takes in another form), :func:`encode` (images to
+embeddings, or primed on vLLM's encoder instances; the bytes to send) and :func:`forward` (the
+upstream hop, given a :class:`~gateway.upstream.client.Dispatch`: the transport never sees the
+exchange). Each stage reads what the ones before it left on the exchange.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from ..admission.body import exact, read_json
+from ..admission.plan import EXPAND, RoutePlan, Visible, upstream_body
+from ..config import GatewayConfig, ModelConfig
+from ..encode.client import NOTHING, Encoded, Replacements
+from ..errors import EmbeddingsNotDeliveredError, EncoderError, PayloadTooLargeError
+from ..media import video
+from ..metrics import UNKNOWN_MODEL
+from ..upstream.dispatch import Dispatch, Timeouts
+from ..upstream.live import Live
+from .state import API_KEY_KEY, MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What one request has: its generation (to its last byte), its body as sent and as parsed,
+    the model that serves it and how (the plan), the media converted, the gateway's response
+    headers, and whether its images were primed. The parsed body and the converted media are let
+    go before the reply is relayed (a 2 MB image is a 2 MB str); the bytes sent upstream stay."""
+
+    request: web.Request
+    services: Services
+    live: Live
+    config: GatewayConfig  # the live generation's
+    visible: Visible  # the model names the request's API key may use (None: every one, auth off)
+    raw: bytes
+    body: dict[str, Any]
+    stream: bool  # the client asked for a stream ("stream": true)
+    model: ModelConfig | None = None  # the model that serves it, once known
+    plan: RoutePlan | None = None  # for an API whose parts are admitted (chat)
+    converted: Replacements = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)  # beyond X-Request-Id, -Model, -Route
+    primed: bool = False  # its images went to vLLM's encoder instances
+
+    def serve_with(self, model: ModelConfig) -> None:
+        """The model the request names: its label in gateway_requests_total from now on."""
+        self.model = model
+        self.request[MODEL_LABEL_KEY] = model.name
+
+    def admitted(self, plan: RoutePlan) -> None:
+        """The plan: the model that serves the request, and what happens to its parts (counted)."""
+        self.plan, self.model = plan, plan.model
+        metrics = self.services.metrics
+        if plan.model.encode and (decision := plan.encode_decision) is not None:
+            metrics.encode_decisions.labels(plan.model.name, decision).inc()
+        for r in plan.redirects:
+            metrics.redirects.labels(r.source, r.modality.value, r.target).inc()
+        if plan.stripped:
+            for part in plan.stripped_parts:
+                metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
+
+
+def visible(request: web.Request) -> Visible:
+    """The model names the request's API key may use (None: every one, auth off)."""
+    key = request.get(API_KEY_KEY)
+    return key.allows if key is not None else None
+
+
+async def begin(request: web.Request) -> Exchange:
+    """The exchange of a request to a model endpoint: the live generation (the request keeps it to
+    its last byte), its body read within the limits and parsed."""
+    services = request.app[SERVICES_KEY]
+    live = services.store.live
+    request[MODEL_LABEL_KEY] = UNKNOWN_MODEL  # until the body names a model: a 413 or bad JSON counts too
+    raw, body = await read_json(request, live.config.server, max_bytes=services.max_body_bytes)
+    return Exchange(request, services, live, live.config, visible(request), raw, body, body.get("stream") is True)
+
+
+async def convert(ex: Exchange) -> None:
+    """Media the model takes in another form: audio as its transcript, video as frames (images)
+    or as vLLM's pre-sampled frames. Before encoding: a failure here costs no encoder work."""
+    plan, services = ex.plan, ex.services
+    assert plan is not None
+    if plan.transcribe_parts:
+        assert services.transcriber is not None
+        ex.converted |= await services.transcriber.transcribe(
+            plan, ex.body, ex.live, request_id=ex.request[REQUEST_ID_KEY]
+        )
+    if plan.frame_parts or plan.presample_parts:
+        sampling = video.Sampling(services.encoder.fetcher, services.metrics, services.decoders, services.conversions)
+        if plan.frame_parts:
+            ex.converted |= await video.frames_for(plan, ex.body, sampling)
+        if plan.presample_parts:
+            ex.converted |= await video.presampled_for(plan, ex.body, sampling)
+
+
+async def encode(ex: Exchange) -> bytes:
+    """The body to send upstream: the plan applied, its images encoded (``X-Gateway-Encoded``
+    says how many) or primed on vLLM's encoder instances (``ex.primed``)."""
+    plan = ex.plan
+    assert plan is not None
+    encoded = Encoded(ex.converted, {})
+    if plan.encode_parts or plan.encodes_frames:
+        images = await _encode(ex, plan)
+        ex.headers["X-Gateway-Encoded"] = str(images.images)
+        encoded = Encoded(ex.converted | images.replacements, images.fields)
+        ex.primed = bool(images.replacements) and ex.config.encoders[plan.encoder or ""].kind == "vllm"
+    if encoded.replacements:
+        _check_grown_size(ex.config, ex.raw, encoded)
+    return upstream_body(plan, ex.raw, ex.body, encoded.replacements, encoded.fields)
+
+
+async def _encode(ex: Exchange, plan: RoutePlan) -> Encoded:
+    services = ex.services
+    try:
+        return await services.encoder.encode(
+            plan, ex.body, request_id=ex.request[REQUEST_ID_KEY], encoders=ex.config.encoders, frames=ex.converted
+        )
+    except EncoderError as exc:
+        if plan.model.on_encoder_error != "passthrough":
+            raise
+        log.warning("encoder failed for model %s, sending the original images: %s", plan.model.name, exc.message)
+        services.metrics.encoder_passthrough.labels(plan.model.name, plan.encoder or "").inc()
+        return NOTHING
+
+
+async def forward(ex: Exchange, data: bytes, *, affinity_key: bytes | None = None) -> web.StreamResponse:
+    """The upstream hop, and the relay of its answer. Images primed on vLLM encoder instances may
+    not be found by the consumer (a 500, or an answer that ends at once in ``finish_reason:
+    "error"``: the connector could not deliver an embedding, evicted or lost): before any byte
+    reached the client, the request goes once more, its images primed again (the media converted
+    stand), within retries.attempts and the retry budget."""
+    if not ex.primed:
+        _let_go(ex)
+        return await _dispatch(ex, data, affinity_key)
+    assert ex.model is not None
+    try:
+        return await _dispatch(ex, data, affinity_key, ec_check=True)
+    except EmbeddingsNotDeliveredError as exc:
+        # a consumer failing for another reason must not double every request's load
+        if not ex.services.upstream.may_retry(ex.model, "ec_error"):
+            raise
+        log.warning("model %s: %s; priming its images again", ex.model.name, exc.message)
+    ex.body = exact(ex.raw, orjson.loads(ex.raw))  # the client's request again: the first try rewrote its parts
+    data = await encode(ex)
+    _let_go(ex)
+    return await _dispatch(ex, data, affinity_key)
+
+
+def _let_go(ex: Exchange) -> None:
+    """What the relay does not need: the parsed request and the converted media."""
+    ex.raw, ex.body, ex.converted = b"", {}, {}
+
+
+def _dispatch(
+    ex: Exchange, data: bytes, affinity_key: bytes | None, *, ec_check: bool = False
+) -> Awaitable[web.StreamResponse]:
+    """The upstream exchange, awaited by the caller (a plain function: no coroutine frame of its
+    own for every resumption of the exchange to pass through)."""
+    model, live, request = ex.model, ex.live, ex.request
+    assert model is not None
+    headers = {
+        "X-Request-Id": request[REQUEST_ID_KEY],
+        "X-Gateway-Model": model.name,
+        "X-Gateway-Route": ex.plan.route if ex.plan is not None else "direct",
+        **ex.headers,
+    }
+    t = model.timeouts
+    stream_idle = t.idle_s if ex.stream else None
+    dispatch = Dispatch(
+        model,
+        live.pools[model.name],
+        data,
+        Timeouts(t.connect_s, t.first_byte_s, live.config.server.client_write_timeout_s, stream_idle, t.total_s),
+        headers,
+        auth=live.upstream_auth.get(model.name),
+        forward_client_auth=live.keyring is None,  # with auth on, the client's key stays here
+        affinity_key=affinity_key,
+        ec_check=ec_check,
+    )
+    upstream = ex.services.upstream
+    if model.max_concurrency is None:
+        return upstream.forward(request, dispatch)
+    return _gated(ex.services, model, lambda: upstream.forward(request, dispatch))
+
+
+async def _gated(
+    services: Services, model: ModelConfig, exchange: Callable[[], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """The exchange, begun once the model's gate gives it a slot (``max_concurrency``): its
+    deadlines and retry budget count from then."""
+    async with services.gates.slot(model):
+        return await exchange()
+
+
+def _check_grown_size(config: GatewayConfig, raw: bytes, encoded: Encoded) -> None:
+    """413 before writing a body that encoding grew past ``server.max_upstream_body_bytes``."""
+    limit = config.server.max_upstream_body_bytes
+    # at most: the client's bytes, plus each new part and field (the parts they replace are left counted)
+    size = len(raw) + sum(_part_size(part) for part in encoded.replacements.values())
+    if encoded.fields:
+        size += len(orjson.dumps(encoded.fields))
+    if size > limit:
+        raise PayloadTooLargeError(
+            f"With its media encoded, sampled or transcribed, this request would be {size} bytes upstream, over "
+            f"the limit of {limit} bytes (server.max_upstream_body_bytes); send fewer or smaller images or videos"
+        )
+
+
+def _part_size(part: dict[str, Any]) -> int:
+    """A new part's size as written, near enough: embeddings are base64 strings (their length,
+    without writing megabytes again); frames are data URLs (theirs); anything else (metadata, a
+    raw image's uuid, a transcript) is small, written."""
+    if part.get("type") == EXPAND:
+        return sum(_part_size(p) if p.get("type") != "image_url" else len(p["image_url"]["url"]) + 64
+                   for p in part["parts"])  # fmt: skip
+    embeds = part.get("image_embeds")
+    if isinstance(embeds, str):
+        return len(embeds) + 128
+    if isinstance(embeds, dict) and all(isinstance(v, str) for v in embeds.values()):
+        return sum(len(v) for v in embeds.values()) + 128
+    return len(orjson.dumps({k: v for k, v in part.items() if k not in ("image_url", "input_image")})) + 128

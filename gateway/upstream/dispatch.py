@@ -1,0 +1,42 @@
+"""What the upstream hop needs of one request, and all it sees of it (the handler's exchange stays
+with the server): its deadlines, and the :class:`Dispatch` the client and the relay take."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from .replicas import Pool
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """One request's upstream deadlines (a model's ``timeouts``, and the client's write deadline)."""
+
+    connect: float  # reaching a replica
+    read: float  # the longest silence of the replica (before a non-streamed reply, before a stream's first chunk)
+    client_write: float  # the longest a client may take no bytes before it is dropped
+    # "stream": true: the longest wait for the response headers, and between two chunks once the
+    # first came (the engine sends its headers at once, then queues and prefills); None otherwise
+    stream_idle: float | None = None
+    total: float | None = None  # the whole exchange with upstreams, retries and relay included
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """What the upstream hop needs of one request, and all it sees of it: the model and its pool
+    of this generation, the bytes to send, the deadlines, the headers that go both ways, the
+    model's key (sent in place of the client's ``Authorization``, which is not sent either when
+    ``forward_client_auth`` is off), the balancing key, and whether an EC consumer's failure for
+    want of primed embeddings is looked for."""
+
+    model: ModelConfig
+    pool: Pool
+    body: bytes
+    timeouts: Timeouts
+    gateway_headers: Mapping[str, str]
+    auth: str | None = None
+    forward_client_auth: bool = True
+    affinity_key: bytes | None = None
+    ec_check: bool = False
