@@ -245,6 +245,7 @@ class Sampling:
     decoding threads, the cache of what was sampled before (gateway.media.conversions), and what the
     request may still spend decoding."""
 
+    model: str  # the request's model, as metrics and rejections name it
     fetcher: MediaFetcher
     metrics: GatewayMetrics
     decoders: DecoderPool
@@ -265,9 +266,7 @@ async def frames_for(
     )  # fmt: skip
     out: dict[tuple[int, int], dict[str, Any]] = {}
     for part in plan.frame_parts:
-        position, _, (parts, jpegs) = await _sample_part(
-            part, body, sampling, plan.model.name, ("frames", *shape), work, _frames_size
-        )
+        position, _, (parts, jpegs) = await _sample_part(part, body, sampling, ("frames", *shape), work, _frames_size)
         # the JPEGs too, by their index in parts: an encoder takes them as they are. The parts are
         # copies: the cache keeps the originals
         out[position] = {"type": EXPAND, "parts": [dict(p) for p in parts], "frames": jpegs}
@@ -312,7 +311,7 @@ async def presampled_for(
     key = ("presample", policy.frames, policy.fps, policy.max_side)
     out: dict[tuple[int, int], dict[str, Any]] = {}
     for part in plan.presample_parts:
-        position, original, url = await _sample_part(part, body, sampling, plan.model.name, key, work, len)
+        position, original, url = await _sample_part(part, body, sampling, key, work, len)
         value = original.get("video_url")
         kept = value if isinstance(value, dict) else {}
         out[position] = {**original, "video_url": {**kept, "url": url}}
@@ -328,7 +327,6 @@ async def _sample_part(
     part: Part,
     body: dict[str, Any],
     sampling: Sampling,
-    model: str,
     shape: tuple[Hashable, ...],
     work: Callable[[bytes, Budget], tuple[T, int]],
     size_of: Callable[[T], int],
@@ -338,6 +336,7 @@ async def _sample_part(
     and the bytes' sha256), counted. A request that leaves gives up its place in the threads'
     queue, and stops its decode between two frames."""
     assert part.index is not None
+    model = sampling.model
     original: dict[str, Any] = body["messages"][part.message]["content"][part.index]
     value = original.get("video_url")
     url = value.get("url") if isinstance(value, dict) else value

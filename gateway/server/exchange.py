@@ -98,7 +98,9 @@ async def convert(ex: Exchange) -> None:
             plan, ex.body, ex.live, request_id=ex.request[REQUEST_ID_KEY]
         )
     if plan.frame_parts or plan.presample_parts:
-        sampling = video.Sampling(services.encoder.fetcher, services.metrics, services.decoders, services.conversions)
+        sampling = video.Sampling(
+            plan.model.name, services.encoder.fetcher, services.metrics, services.decoders, services.conversions
+        )
         if plan.frame_parts:
             ex.converted |= await video.frames_for(plan, ex.body, sampling)
         if plan.presample_parts:
