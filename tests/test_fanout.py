@@ -43,3 +43,38 @@ async def test_of_failures_together_the_first_submitted_is_raised() -> None:
 
     with pytest.raises(KeyError, match="first"):
         await gather_all(fail("first"), fail("second"))
+
+
+async def test_the_caller_is_left_as_it_was_after_a_failure() -> None:
+    """Python 3.11's TaskGroup left its own cancel of the caller counted: the caller's
+    asyncio.timeout() and being_cancelled() then read a cancel that was nobody's."""
+
+    async def refuse() -> int:
+        raise ValueError("refused")
+
+    async def slow() -> int:
+        await asyncio.sleep(1)
+        return 0
+
+    current = asyncio.current_task()
+    assert current is not None
+    with pytest.raises(ValueError):
+        await gather_all(slow(), refuse())
+    assert current.cancelling() == 0
+    async with asyncio.timeout(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_caller_cancelled_is_cancelled_whatever_its_pieces_raise_as_they_stop() -> None:
+    async def noisy() -> int:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            raise ValueError("raised while stopping")
+        return 0
+
+    task = asyncio.ensure_future(gather_all(noisy(), noisy()))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task

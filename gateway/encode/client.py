@@ -20,6 +20,7 @@ handler turns into a passthrough of the original images for models with
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -235,7 +236,9 @@ class EncoderClient:
         pool = self._replicas.pool(spec.name, self.urls(spec), breaker=self._breaker)  # once per request
         replies = await gather_all(  # a refused image stops the others' encoding at once
             *(
-                self._bounded(limit, self._encode_one(spec, pool, data, first[sha], model, request_id))
+                self._bounded(
+                    limit, functools.partial(self._encode_one, spec, pool, data, first[sha], model, request_id)
+                )
                 for sha, data in unique.items()
             )
         )
@@ -303,7 +306,9 @@ class EncoderClient:
             loads.append(image)
         limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)
         # an image refused (too large, unreachable, not allowed) stops the other fetches at once
-        loaded = await gather_all(*(self._bounded(limit, self._load(image, model)) for image in loads))
+        loaded = await gather_all(
+            *(self._bounded(limit, functools.partial(self._load, image, model)) for image in loads)
+        )
         slot = iter(slots)
         return [image.data if image.data is not None else loaded[next(slot)] for image in images]
 
@@ -314,9 +319,11 @@ class EncoderClient:
             raise _at_part(exc, image, model) from None
 
     @staticmethod
-    async def _bounded(limit: asyncio.Semaphore, work: Awaitable[T]) -> T:
+    async def _bounded(limit: asyncio.Semaphore, work: Callable[[], Awaitable[T]]) -> T:
+        """``work()`` once one of the request's places is free: its coroutine made only then, so a
+        place given up (a sibling failed) leaves no coroutine that was never awaited."""
         async with limit:
-            return await work
+            return await work()
 
     async def _encode_one(
         self, spec: EncoderConfig, pool: Pool, data: bytes, image: Image, model: str, request_id: str

@@ -36,7 +36,7 @@ from ..errors import GatewayError, NoHealthyUpstreamError, UpstreamConnectError,
 from ..metrics import GatewayMetrics
 from .dispatch import Dispatch
 from .failures import CLIENT_ERRORS, Failure, failure_of
-from .http1 import KEEPALIVE_S, Http1Client, ProtocolError, UnsendableHeader
+from .http1 import KEEPALIVE_S, Http1Client, PoolFull, ProtocolError, UnsendableHeader
 from .relay import HOP_BY_HOP, UpstreamReply, outcome_of, relay
 from .replicas import Lease, Pool, Replica
 from .retries import RetryBudget, backoff
@@ -51,6 +51,7 @@ _NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-e
 # fails a POST that cannot be retried, so the client pool lets connections go first.
 KEEPALIVE_TIMEOUT_S = KEEPALIVE_S
 MAX_BUSY_S = 30.0  # the longest a replica that answered 429 is passed over
+POOL_FULL_PAUSE_S = 1.0  # a replica whose MAX_CONNECTIONS were all busy for a connect timeout is passed over this long
 LARGE_BODY_BYTES = 1 << 20  # aiohttp's own threshold for a "large" bytes body
 
 
@@ -173,6 +174,10 @@ class UpstreamClient:
                     raise UpstreamError(
                         f"A header the gateway would send to model '{model.name}' holds a line break; nothing was sent"
                     ) from None
+                except PoolFull:  # saturated from this gateway's side, not failing: no breaker count
+                    self._count(model, replica, "pool_full")
+                    lease.busy(POOL_FULL_PAUSE_S)
+                    continue  # nothing was sent: the next replica may take it; none left: 503 with Retry-After
                 except CLIENT_ERRORS as exc:
                     failure = failure_of(exc)
                     if failure.kind == "timeout" and attempts.deadline is not None and loop.time() >= attempts.deadline:

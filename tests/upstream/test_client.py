@@ -446,3 +446,35 @@ async def test_a_header_that_would_split_is_a_502_and_blames_no_replica(gateway_
     assert "line break" in error_body(caught.value)["message"]
     assert upstream.received == []
     assert gw.sample("gateway_upstream_healthy", model="m") == 1  # its breaker is not open
+
+
+async def test_a_replica_whose_connections_are_all_busy_is_passed_over_not_ejected(
+    gateway_factory, upstream, monkeypatch
+) -> None:
+    """MAX_CONNECTIONS busy for a connect timeout is this gateway's saturation, not the replica
+    failing: the request goes to another replica, or (none left) 503 with Retry-After, and no
+    breaker counts it: a request once a connection is free is served."""
+    from gateway.upstream.http1 import client as http1_client
+
+    monkeypatch.setattr(http1_client, "MAX_CONNECTIONS", 1)
+    upstream.standin.delay_ms = 1000  # holds its one connection
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text], timeouts: {{connect_s: 0.2}}, "
+            "breaker: {failures: 1}}"
+        )
+    )
+    if gw.config.server.upstream_client != "http1":
+        pytest.skip("the bound is the gateway's own client's")
+    async with gw.client() as client:
+        held = asyncio.ensure_future(client.chat.completions.create(model="m", messages=HI))
+        while not upstream.received:
+            await asyncio.sleep(0.01)  # bounded by the test's timeout
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model="m", messages=HI)
+        await held
+        upstream.standin.delay_ms = 0
+        await client.chat.completions.create(model="m", messages=HI)  # not ejected
+    assert caught.value.status_code == 503 and "Retry-After" in caught.value.response.headers
+    assert gw.sample("gateway_upstream_requests_total", model="m", outcome="pool_full") == 1
+    assert gw.sample("gateway_upstream_ejections_total", model="m") == 0

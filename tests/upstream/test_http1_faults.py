@@ -454,3 +454,125 @@ async def test_a_head_a_byte_a_read_is_read_or_refused_at_its_bound(over: bool) 
     else:
         reply = await waiting
         assert await reply.read() == b"ok"
+
+
+# --- found in review of the llhttp client ---------------------------------------------------------
+
+
+async def test_keep_alive_holds_past_descriptor_1023() -> None:
+    """select() refuses descriptors past 1023: every idle connection looked unsafe and was closed,
+    so a busy gateway opened a connection a request."""
+    import os
+    import resource
+
+    from tests.upstream.test_http1 import post, script
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("needs room for 1,200 open files")
+    pipes = []
+    try:
+        while not pipes or pipes[-1][1] < 1100:
+            pipes.append(os.pipe())
+        client = Http1Client()
+        try:
+            async with script(ok(), ok(), ok()) as s:
+                for _ in range(3):
+                    async with await post(client, s.url) as reply:
+                        assert await reply.read() == b'{"ok": true}'
+                assert s.connections == 1
+        finally:
+            await client.close()
+    finally:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+
+
+async def test_concurrent_requests_open_max_connections_at_most() -> None:
+    """The bound counted open connections only: requests that found none idle all connected at once."""
+    from tests.upstream.test_http1 import post, script
+
+    release = asyncio.Event()
+
+    async def held(writer: asyncio.StreamWriter) -> None:
+        await release.wait()
+        await ok(b"held")(writer)
+
+    client = Http1Client(max_connections=2)
+    try:
+        async with script(*[held] * 6) as s:
+            posts = [asyncio.ensure_future(post(client, s.url)) for _ in range(6)]
+            while len(s.requests) < 2:
+                await asyncio.sleep(0.01)  # bounded by the test's timeout
+            release.set()
+            for waiting in posts:
+                async with await waiting as reply:
+                    assert await reply.read() == b"held"
+            assert s.connections == 2
+    finally:
+        await client.close()
+
+
+async def test_a_waiter_that_leaves_passes_its_turn_on() -> None:
+    from tests.upstream.test_http1 import post, script
+
+    release = asyncio.Event()
+
+    async def held(writer: asyncio.StreamWriter) -> None:
+        await release.wait()
+        await ok(b"first")(writer)
+
+    client = Http1Client(max_connections=1)
+    try:
+        async with script(held, ok(b"third")) as s:
+            first = asyncio.ensure_future(post(client, s.url))
+            while not s.requests:
+                await asyncio.sleep(0.01)
+            leaving = asyncio.ensure_future(post(client, s.url))
+            staying = asyncio.ensure_future(post(client, s.url))
+            await asyncio.sleep(0)
+            leaving.cancel()
+            release.set()
+            async with await first as reply:
+                assert await reply.read() == b"first"
+            async with await staying as reply:  # the connection went on to it
+                assert await reply.read() == b"third"
+            assert s.connections == 1 and client.origin(s.url).waiting == type(client.origin(s.url).waiting)()
+    finally:
+        await client.close()
+
+
+async def test_trailers_that_never_end_are_refused_before_they_are_held() -> None:
+    client = Http1Client()
+    conn, sink = connection(client)
+    waiting = exchange(conn, client)
+    conn.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-Trailer: ")
+    reply = await waiting
+    piece = b"a" * 4096
+    for _ in range((http1.MAX_TRAILERS + 8 * 1024) // len(piece) + 2):
+        conn.data_received(piece)
+        if sink.closed:
+            break
+    assert sink.closed
+    with pytest.raises(http1.ProtocolError, match="too long"):
+        await reply.read()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nX-Big: "
+        + b"a" * (70 * 1024)
+        + b"\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/2.0 200 OK\r\nContent-Length: 0\r\n\r\n",
+    ],
+    ids=["a big head after an interim answer, in one read", "HTTP/2.0"],
+)
+async def test_what_llhttp_let_through_is_refused(data: bytes) -> None:
+    client = Http1Client()
+    conn, sink = connection(client)
+    waiting = exchange(conn, client)
+    conn.data_received(data)
+    with pytest.raises(http1.ProtocolError):
+        await waiting
+    assert sink.closed

@@ -39,7 +39,16 @@ from __future__ import annotations
 
 from .client import KEEPALIVE_S, MAX_CONNECTIONS, Http1Client
 from .connection import LARGE_BODY_BYTES, MAX_HEAD_BYTES, MAX_INTERIM, MAX_TRAILERS, STALE_WINDOW_S, _Connection
-from .errors import ConnectError, ConnectTimeout, Disconnected, Http1Error, ProtocolError, ReadTimeout, UnsendableHeader
+from .errors import (
+    ConnectError,
+    ConnectTimeout,
+    Disconnected,
+    Http1Error,
+    PoolFull,
+    ProtocolError,
+    ReadTimeout,
+    UnsendableHeader,
+)
 from .reply import _CHUNKED, _LENGTH, _NONE, _UNTIL_CLOSE, HIGH_WATER, Reply
 
 __all__ = [
@@ -60,6 +69,7 @@ __all__ = [
     "Disconnected",
     "Http1Client",
     "Http1Error",
+    "PoolFull",
     "ProtocolError",
     "ReadTimeout",
     "Reply",

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from urllib.parse import quote, urlsplit
 
 from .connection import _Connection
-from .errors import ConnectError, ConnectTimeout, Disconnected, UnsendableHeader
+from .errors import ConnectError, ConnectTimeout, Disconnected, PoolFull, UnsendableHeader
 from .reply import Reply
 
 KEEPALIVE_S = 4.0  # < the 5 s after which uvicorn (vLLM, SGLang) closes an idle connection
@@ -19,9 +19,9 @@ MAX_CONNECTIONS = 1024  # open to one replica (a request holds one while it is r
 class Http1Client:
     """Keep-alive connections to upstream replicas, one pool per replica URL."""
 
-    def __init__(self, *, keepalive_s: float = KEEPALIVE_S, max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(self, *, keepalive_s: float = KEEPALIVE_S, max_connections: int | None = None) -> None:
         self._keepalive_s = keepalive_s
-        self.max_connections = max_connections
+        self.max_connections = MAX_CONNECTIONS if max_connections is None else max_connections
         self._origins: dict[str, _Origin] = {}
         self._ssl: ssl.SSLContext | None = None
         self._sweep: asyncio.TimerHandle | None = None
@@ -50,8 +50,8 @@ class Http1Client:
         origin = self._origins.get(url) or self.origin(url)
         data = origin.request_head(path, headers, body)
         conn = origin.idle_connection()
-        if conn is None and len(origin.live) >= self.max_connections:
-            conn = await origin.wait_for_room(connect_timeout)  # a connection given back, or room for one
+        if conn is None and not origin.has_room():
+            conn = await origin.take_when_free(connect_timeout)  # a connection given back, or room for one
         if conn is not None:
             try:
                 return await conn.exchange(data, body, head_timeout, read_timeout)
@@ -99,7 +99,7 @@ class _Origin:
     """One replica: where to connect, what its requests start with, its idle connections, and the
     requests waiting for room under :data:`MAX_CONNECTIONS`."""
 
-    __slots__ = ("_client", "_host_line", "host", "idle", "live", "port", "prefix", "tls", "url", "waiting")
+    __slots__ = ("_client", "_host_line", "host", "idle", "live", "opening", "port", "prefix", "tls", "url", "waiting")
 
     def __init__(self, client: Http1Client, url: str) -> None:
         parts = urlsplit(url)
@@ -114,6 +114,7 @@ class _Origin:
         self._host_line = f"\r\nHost: {parts.netloc}\r\n"
         self.idle: list[_Connection] = []  # most recently used last
         self.live: set[_Connection] = set()
+        self.opening = 0  # connections being opened: they count against MAX_CONNECTIONS already
         self.waiting: deque[asyncio.Future[_Connection | None]] = deque()
 
     def request_head(self, path: str, headers: Mapping[str, str], body: bytes) -> bytes:
@@ -142,9 +143,14 @@ class _Origin:
             conn.close()
         return None
 
+    def has_room(self) -> bool:
+        """Whether a connection may open now: under MAX_CONNECTIONS, and nobody waits before."""
+        return not self.waiting and len(self.live) + self.opening < self._client.max_connections
+
     async def connect(self, timeout: float) -> _Connection:
         loop = asyncio.get_running_loop()
         conn = _Connection(self)
+        self.opening += 1
         try:
             async with asyncio.timeout(timeout):
                 if self.tls:
@@ -162,27 +168,48 @@ class _Origin:
         except BaseException:  # cancelled while connecting: nothing is left open
             conn.close()
             raise
+        finally:
+            self.opening -= 1
+            if conn.transport is None:  # it never opened: its room is another's
+                self._wake()
         return conn
 
-    async def wait_for_room(self, timeout: float) -> _Connection | None:
-        """With :data:`MAX_CONNECTIONS` open: a connection given back (None: one closed, so a new
-        one may open), within ``timeout``; ConnectTimeout past it, nothing sent."""
-        waiter: asyncio.Future[_Connection | None] = asyncio.get_running_loop().create_future()
-        self.waiting.append(waiter)
-        try:
-            async with asyncio.timeout(timeout):
-                return await waiter
-        except TimeoutError:
-            raise ConnectTimeout(
-                f"{len(self.live)} connections to {self.host}:{self.port} open and busy for {timeout:g}s"
-            ) from None
-        except BaseException:
-            if waiter.done() and not waiter.cancelled() and (conn := waiter.result()) is not None:
-                self.release(conn)  # handed a connection as it gave up: the next one takes it
-            raise
-        finally:
-            if not waiter.done():
-                waiter.cancel()
+    async def take_when_free(self, timeout: float) -> _Connection | None:
+        """With MAX_CONNECTIONS open (or requests waiting before this one): a connection given
+        back, or None once there is room to open one, within ``timeout``; past it, PoolFull,
+        nothing sent. A connection handed over as the wait ends (a timeout, a cancel) goes on to
+        the next in line, and so does room."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            waiter: asyncio.Future[_Connection | None] = loop.create_future()
+            self.waiting.append(waiter)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    conn = await waiter
+            except BaseException as exc:
+                if waiter.done() and not waiter.cancelled():  # handed over just as it gave up
+                    handed = waiter.result()
+                    if handed is not None:
+                        self.release(handed)
+                    else:
+                        self._wake()
+                if isinstance(exc, TimeoutError):
+                    raise PoolFull(
+                        f"{len(self.live)} connections to {self.host}:{self.port} open and busy for {timeout:g}s"
+                    ) from None
+                raise
+            finally:
+                if not waiter.done():
+                    waiter.cancel()
+                    if waiter in self.waiting:
+                        self.waiting.remove(waiter)
+            if conn is None:
+                if len(self.live) + self.opening < self._client.max_connections:
+                    return None  # room: the caller opens a connection
+                continue  # taken by another before this one ran: wait again
+            if not conn.closed:  # a connection closed since it was handed over: wait again
+                return conn
 
     def release(self, conn: _Connection) -> None:
         conn.last_used = asyncio.get_running_loop().time()
@@ -197,6 +224,10 @@ class _Origin:
     def lost(self, conn: _Connection) -> None:
         """A connection ended: room for another, for a request waiting for it."""
         self.live.discard(conn)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Room for one more connection: the first request waiting for it is told."""
         while self.waiting:
             waiter = self.waiting.popleft()
             if not waiter.done():

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers of a reply
 MAX_TRAILERS = 64 * 1024
+MAX_CHUNK_LINE = 4 * 1024  # a chunk's size line with its extensions
 MAX_INTERIM = 16  # 1xx answers before the real one
 LARGE_BODY_BYTES = 1 << 20  # written after the head rather than copied into it
 # A reused connection that ends with nothing received within this long of the request was closed
@@ -42,8 +43,9 @@ class _Connection(asyncio.Protocol):
     back and calls the ``on_*`` methods."""
 
     __slots__ = ("_complete", "_due", "_fields", "_head_fed", "_head_future", "_interim", "_limit", "_loop",
-                 "_origin", "_parser", "_paused", "_read_at", "_read_timeout", "_reason", "_sent_at", "_timer",
-                 "_trailer_bytes", "closed", "last_used", "nothing_received", "reply", "transport")  # fmt: skip
+                 "_origin", "_parser", "_paused", "_read_at", "_read_timeout", "_reason", "_sent_at",
+                 "_since_body", "_timer", "_trailer_bytes", "closed", "last_used", "nothing_received", "reply",
+                 "transport")  # fmt: skip
 
     def __init__(self, origin: _Origin) -> None:
         self._origin = origin
@@ -63,6 +65,7 @@ class _Connection(asyncio.Protocol):
         self._interim = 0  # 1xx answers of this exchange
         self._complete = False  # this exchange's reply came to its end
         self._trailer_bytes = 0
+        self._since_body = 0  # bytes of the reply since its body last came (chunk lines, trailers)
         self.nothing_received = True  # in this exchange
         self._sent_at = 0.0
         self._paused = False  # reading paused (a slow client)
@@ -86,12 +89,16 @@ class _Connection(asyncio.Protocol):
                 self.close()
                 return
             self._head_fed += len(data)
-        elif self._limit is not None:
-            self._read_at = self._loop.time()
+        else:
+            if self._limit is not None:
+                self._read_at = self._loop.time()
+            self._since_body += len(data)  # a chunk's size line or trailers, unless a body callback resets it
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
+            if isinstance(cause, BaseException) and not isinstance(cause, Exception):
+                raise cause from None  # KeyboardInterrupt, SystemExit: not the replica's
             self._refused(cause if isinstance(cause, Http1Error | _Unasked) else ProtocolError(str(cause or exc)))
             return
         except httptools.HttpParserUpgrade:
@@ -100,8 +107,11 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._refused(ProtocolError(f"not an HTTP/1.1 reply: {exc}"))
             return
-        if self.reply is None and self._head_future is not None and self._head_fed > MAX_HEAD_BYTES:
-            self._fail_head(ProtocolError(f"reply head over {MAX_HEAD_BYTES} bytes"))
+        if self.reply is None:
+            if self._head_future is not None and self._head_fed > MAX_HEAD_BYTES:
+                self._fail_head(ProtocolError(f"reply head over {MAX_HEAD_BYTES} bytes"))
+        elif self._since_body > MAX_TRAILERS + MAX_CHUNK_LINE:  # llhttp holds a partial trailer whole
+            self._refused(ProtocolError("a chunk-size line or trailers too long"))
 
     def eof_received(self) -> bool:
         if self.reply is not None:
@@ -149,6 +159,8 @@ class _Connection(asyncio.Protocol):
         parser = self._parser
         if self._head_fed > MAX_HEAD_BYTES and _head_size(self._reason, self._fields) > MAX_HEAD_BYTES:
             raise ProtocolError(f"reply head over {MAX_HEAD_BYTES} bytes")  # its end came in the same read
+        if parser.get_http_version() not in ("1.1", "1.0"):
+            raise ProtocolError(f"HTTP/{parser.get_http_version()} is not HTTP/1.1")
         status = parser.get_status_code()
         if not 100 <= status <= 599:
             raise ProtocolError(f"status {status} is no HTTP status")
@@ -169,17 +181,18 @@ class _Connection(asyncio.Protocol):
             raise _Unasked
         self.reply = reply
         self._trailer_bytes = 0
+        self._since_body = 0
         self._watch(self._read_timeout)
         future.set_result(reply)
 
     def on_body(self, body: bytes) -> None:
         if self.reply is not None:
+            self._since_body = 0
             self.reply.append(body)
 
     def on_message_complete(self) -> None:
         reply = self.reply
-        if reply is None:  # the end of an interim answer: the head of the next one begins
-            self._head_fed = 0
+        if reply is None:  # the end of an interim answer (its bytes count against the head's bound too)
             return
         self._complete = True
         reply.finish()
@@ -217,10 +230,11 @@ class _Connection(asyncio.Protocol):
         if sock is None:  # not a socket (a test's transport)
             return True
         try:
-            readable, _, _ = select.select([sock.fileno()], [], [], 0)
+            poll = select.poll()  # not select(): it refuses descriptors past 1023
+            poll.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+            return not poll.poll(0)  # readable, hung up or in error: not to be reused
         except (OSError, ValueError):
             return False
-        return not readable
 
     def closed_as_sent(self) -> bool:
         """Whether this exchange's connection ended with nothing received so soon after the

@@ -19,6 +19,12 @@ class ConnectTimeout(ConnectError):
     pass
 
 
+class PoolFull(ConnectTimeout):
+    """MAX_CONNECTIONS are open to the replica, all busy, for the whole connect timeout: nothing
+    was sent. The replica is saturated from this gateway's side, not failing: the upstream client
+    passes it over for a moment without counting it against its breaker."""
+
+
 class ReadTimeout(Http1Error, TimeoutError):
     """The replica went silent for longer than the exchange allows (a TimeoutError, as aiohttp's)."""
 
