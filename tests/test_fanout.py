@@ -69,8 +69,8 @@ async def test_a_caller_cancelled_is_cancelled_whatever_its_pieces_raise_as_they
     async def noisy() -> int:
         try:
             await asyncio.Event().wait()
-        finally:
-            raise ValueError("raised while stopping")
+        except asyncio.CancelledError:
+            raise ValueError("raised while stopping") from None
         return 0
 
     task = asyncio.ensure_future(gather_all(noisy(), noisy()))

@@ -469,7 +469,7 @@ async def test_keep_alive_holds_past_descriptor_1023() -> None:
 
     if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
         pytest.skip("needs room for 1,200 open files")
-    pipes = []
+    pipes: list[tuple[int, int]] = []
     try:
         while not pipes or pipes[-1][1] < 1100:
             pipes.append(os.pipe())
