@@ -480,20 +480,17 @@ async def test_a_requests_videos_share_one_account(gateway_factory, upstream, mo
     assert gw.sample("gateway_video_decode_seconds_count", model="texty") == 2
 
 
-async def test_busy_decoders_are_a_503_with_retry_after_not_the_videos_fault(
-    gateway_factory, upstream, monkeypatch
-) -> None:
-    """50 valid clips at once got 400 invalid_video for waiting for one of two threads: a client
-    error that clients do not retry, counted as refused media. Saturation is the gateway's: 503
-    decoders_busy with Retry-After, counted apart; the clip that waited is served."""
-    import asyncio
+def hold_the_decoding_thread(monkeypatch: pytest.MonkeyPatch, **pool: float) -> tuple[Any, Any]:
+    """One decoding thread (and ``pool``'s other settings); each decode waits for ``release``
+    once it ``began``."""
     import threading
 
     import gateway.media.decoders as decoders
     import gateway.media.video as video_module
 
     monkeypatch.setattr(decoders, "THREADS", 1)
-    monkeypatch.setattr(decoders, "QUEUE", 0)
+    for name, value in pool.items():
+        monkeypatch.setattr(decoders, name, value)
     began, release = threading.Event(), threading.Event()
     real = video_module.sample_frames
 
@@ -503,6 +500,18 @@ async def test_busy_decoders_are_a_503_with_retry_after_not_the_videos_fault(
         return real(data, **kwargs)
 
     monkeypatch.setattr(video_module, "sample_frames", held)
+    return began, release
+
+
+async def test_busy_decoders_are_a_503_with_retry_after_not_the_videos_fault(
+    gateway_factory, upstream, monkeypatch
+) -> None:
+    """50 valid clips at once got 400 invalid_video for waiting for one of two threads: a client
+    error that clients do not retry, counted as refused media. Saturation is the gateway's: 503
+    decoders_busy with Retry-After, counted apart; the clip that waited is served."""
+    import asyncio
+
+    began, release = hold_the_decoding_thread(monkeypatch, QUEUE=0)
     gw = await gateway_factory(framed(upstream, "{frames: 2}"))
     async with gw.client() as client:
         first = asyncio.create_task(
@@ -528,22 +537,8 @@ async def test_requests_that_share_a_decode_share_its_busy_answer(gateway_factor
     """Requests carrying the same video wait for one decode; when the threads stay busy, all of
     them hear 503 once, each counted, rather than each waiting the whole wait out again."""
     import asyncio
-    import threading
 
-    import gateway.media.decoders as decoders
-    import gateway.media.video as video_module
-
-    monkeypatch.setattr(decoders, "THREADS", 1)
-    monkeypatch.setattr(decoders, "WAIT_S", 0.3)
-    began, release = threading.Event(), threading.Event()
-    real = video_module.sample_frames
-
-    def held(data: bytes, **kwargs: Any) -> Any:
-        began.set()
-        release.wait(10)
-        return real(data, **kwargs)
-
-    monkeypatch.setattr(video_module, "sample_frames", held)
+    began, release = hold_the_decoding_thread(monkeypatch, WAIT_S=0.3)
     gw = await gateway_factory(framed(upstream, "{frames: 2}"))
     pool = gw.app[SERVICES_KEY].decoders
     async with gw.client() as client:

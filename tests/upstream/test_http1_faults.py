@@ -372,6 +372,16 @@ async def test_transfer_codings_in_two_fields_are_read_as_one_list() -> None:
     assert sink.closed and client.origin(ORIGIN).idle == []
 
 
+def held_until(release: asyncio.Event, body: bytes) -> Callable[[asyncio.StreamWriter], Awaitable[None]]:
+    """An answer written once ``release`` is set."""
+
+    async def held(writer: asyncio.StreamWriter) -> None:
+        await release.wait()
+        await ok(body)(writer)
+
+    return held
+
+
 # --- found reading the hand parser (issue 21): what llhttp and the pool now hold -----------------
 
 
@@ -408,10 +418,7 @@ async def test_a_replica_gets_max_connections_at_most_and_the_next_request_waits
     from tests.upstream.test_http1 import post, script
 
     release = asyncio.Event()
-
-    async def held(writer: asyncio.StreamWriter) -> None:
-        await release.wait()
-        await ok(b"held")(writer)
+    held = held_until(release, b"held")
 
     client = Http1Client(max_connections=2)
     try:
@@ -493,10 +500,7 @@ async def test_concurrent_requests_open_max_connections_at_most() -> None:
     from tests.upstream.test_http1 import post, script
 
     release = asyncio.Event()
-
-    async def held(writer: asyncio.StreamWriter) -> None:
-        await release.wait()
-        await ok(b"held")(writer)
+    held = held_until(release, b"held")
 
     client = Http1Client(max_connections=2)
     try:
@@ -517,10 +521,7 @@ async def test_a_waiter_that_leaves_passes_its_turn_on() -> None:
     from tests.upstream.test_http1 import post, script
 
     release = asyncio.Event()
-
-    async def held(writer: asyncio.StreamWriter) -> None:
-        await release.wait()
-        await ok(b"first")(writer)
+    held = held_until(release, b"first")
 
     client = Http1Client(max_connections=1)
     try:
