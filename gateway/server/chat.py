@@ -15,11 +15,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ex = await exchange.begin(request)
     requested = lookup(ex.config, ex.body, ex.visible)
     ex.serve_with(requested)
-    ex.admitted(admit(ex.config, ex.body, ex.visible, requested=requested))  # the model label stays the requested
+    plan = admit(ex.config, ex.body, ex.visible, requested=requested)
+    ex.admitted(plan)  # served by plan.model; the model label stays the one requested
     await exchange.convert(ex)
     data = await exchange.encode(ex)
-    model = ex.plan.model if ex.plan is not None else requested
-    key = chat_key(ex.body) if model.balance == "affinity" else None
+    key = chat_key(ex.body) if plan.model.balance == "affinity" else None
     return await exchange.forward(ex, data, affinity_key=key)
 
 
