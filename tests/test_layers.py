@@ -84,3 +84,72 @@ def test_the_walk_sees_every_kind_of_import() -> None:
     found = [t for _, t in _imports(source, ["upstream"])]
     assert found == ["server.state", "media.video", "upstream.relay", "encode"]
     assert [_layer(t) for t in found] == [0, 2, 3, 1]
+
+
+def _graph() -> dict[str, set[str]]:
+    """Every gateway module and the gateway modules it imports (a package: its ``__init__``)."""
+    names = {".".join(p.relative_to(GATEWAY).with_suffix("").parts): p for p in MODULES}
+    graph: dict[str, set[str]] = {}
+    for name, path in names.items():
+        package = list(path.relative_to(GATEWAY).parent.parts)
+        targets = set()
+        for _, target in _imports(path.read_text(), package):
+            if target in names:
+                targets.add(target)
+            elif f"{target}.__init__" in names:
+                targets.add(f"{target}.__init__")
+        graph[name] = targets - {name}
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    """No circle of imports, not even one for types only (what a module needs of another that
+    needs it is a Protocol of its own), and none through a package's ``__init__`` but those of
+    the package re-exporting its own modules."""
+    graph = _graph()
+    circles = []
+    for start in graph:
+        stack = [(start, [start])]
+        seen = set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    circles.append(" -> ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not circles, "import circles:\n" + "\n".join(sorted(circles))
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = node.args
+    names = [x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
+    if names and names[0] in ("self", "cls"):
+        names = names[1:]
+    return len(names) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def test_no_function_takes_more_than_six_parameters() -> None:
+    """State one request has travels in an object (the exchange, the dispatch, a job), not in
+    long parameter lists."""
+    long = [
+        f"gateway/{path.relative_to(GATEWAY)}:{node.lineno}: {node.name} takes {_parameters(node)}"
+        for path in MODULES
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _parameters(node) > 6
+    ]
+    assert not long, "\n".join(long)
+
+
+def test_one_attempt_loop_takes_every_lease_a_pool_chooses() -> None:
+    """Replica choice is the attempt loop's (gateway/upstream/attempts.py): no other module asks a
+    pool to choose and lease (a try loop of its own)."""
+    elsewhere = [
+        f"gateway/{path.relative_to(GATEWAY)}:{node.lineno}"
+        for path in MODULES
+        if path.name not in ("attempts.py", "replicas.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "lease"
+    ]
+    assert not elsewhere, "leases taken outside the attempt loop:\n" + "\n".join(elsewhere)

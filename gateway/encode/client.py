@@ -31,7 +31,7 @@ import orjson
 
 from ..admission.parts import Part
 from ..admission.plan import EXPAND, RoutePlan
-from ..config import BreakerConfig, EncoderConfig, GatewayConfig, ServerConfig
+from ..config import BreakerConfig, EncoderConfig, GatewayConfig, MediaConfig, ServerConfig
 from ..errors import (
     EncoderError,
     GatewayError,
@@ -44,9 +44,10 @@ from ..errors import (
 from ..fanout import gather_all
 from ..media.fetch import MediaFetcher, is_data_url, sha256
 from ..metrics import GatewayMetrics
+from ..upstream.attempts import Attempts
 from ..upstream.client import KEEPALIVE_TIMEOUT_S, whole_body
-from ..upstream.failures import CLIENT_ERRORS, failure_of
-from ..upstream.replicas import Pool, Replica, ReplicaSet
+from ..upstream.failures import CLIENT_ERRORS
+from ..upstream.replicas import Pool, ReplicaSet
 from . import epd
 
 OCTETS = "application/octet-stream"  # an image as sent to an encoder backend: its bytes
@@ -174,7 +175,6 @@ class EncoderClient:
         self._breaker = _breaker(config.server.upstream_cooldown_s)
         self._replicas.retain(u for spec in config.encoders.values() for u in self.urls(spec))
         self._rings.clear()
-        self.fetcher.update(config.media)
 
     def backends(self, urls: Sequence[str]) -> list[dict[str, object]]:
         """The health of these backends (or vLLM encoder instances), as /readyz reports upstreams."""
@@ -193,24 +193,25 @@ class EncoderClient:
         body: Mapping[str, Any],
         *,
         request_id: str,
-        encoders: Mapping[str, EncoderConfig],
+        config: GatewayConfig,
         frames: Replacements | None = None,
     ) -> Encoded:
         """New parts for the request's encodable images, and for the frames of its videos
         (``frames``: the videos' replacements, each a part expanded into its frames). Raises 400s
         for bad media, EncoderError.
 
-        ``encoders`` is the table of the config the request was admitted under: a reload that
-        removes the encoder while the request's images are fetched must not pull it away.
+        ``config`` is the one the request was admitted under: a reload that removes the encoder
+        while the request's images are fetched must not pull it away, nor change the ``media:``
+        rules they are fetched under.
         """
         name = plan.encoder
         assert name is not None
-        spec = encoders[name]  # validation guarantees it for the plan's own config
+        spec = config.encoders[name]  # validation guarantees it for the plan's own config
         images = _images(plan, body, frames or {})
         if not images:
             return NOTHING
         model = plan.model.name
-        blobs = await self._load_all(images, model)
+        blobs = await self._load_all(images, model, config.media)
         shas = await asyncio.gather(*(sha256(b) for b in blobs))
         if spec.kind == "vllm":
             new_parts, fields = await self._prime(spec, plan, body, images, shas, request_id)
@@ -234,11 +235,10 @@ class EncoderClient:
             first.setdefault(sha, image)  # an error names the first part that carries the image
         limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)
         pool = self._replicas.pool(spec.name, self.urls(spec), breaker=self._breaker)  # once per request
+        job = _Job(spec, pool, model, request_id)
         replies = await gather_all(  # a refused image stops the others' encoding at once
             *(
-                self._bounded(
-                    limit, functools.partial(self._encode_one, spec, pool, data, first[sha], model, request_id)
-                )
+                self._bounded(limit, functools.partial(self._encode_one, job, data, first[sha]))
                 for sha, data in unique.items()
             )
         )
@@ -263,21 +263,15 @@ class EncoderClient:
             pool = self._rings[(spec.name, urls)] = self._replicas.pool(
                 spec.name, urls, balance="affinity", breaker=self._breaker
             )
+        priming = epd.Priming(
+            self._session, spec, pool, plan.model.upstream_name, epd.carried(body), request_id, self._metrics
+        )
         items: dict[str, epd.Item] = {}
         for image, sha in zip(images, shas, strict=True):
-            items.setdefault(sha, epd.Item(sha, image.url))
+            if sha not in items:
+                items[sha] = epd.Item.of(priming, sha, image.url)
         try:
-            primed = await epd.prime(
-                self._session,
-                spec,
-                pool,
-                list(items.values()),
-                upstream_model=plan.model.upstream_name,
-                body=body,
-                request_id=request_id,
-                metrics=self._metrics,
-                concurrency=PER_REQUEST_CONCURRENCY,
-            )
+            primed = await epd.prime(priming, list(items.values()), PER_REQUEST_CONCURRENCY)
         except InvalidImageError as exc:  # an instance refused a group: located at its first image
             refused = set(exc.uuids) if isinstance(exc, ImagesRefusedError) else set()
             first = next((i for i, sha in zip(images, shas, strict=True) if sha in refused), images[0])
@@ -286,7 +280,7 @@ class EncoderClient:
         located = [(image.original, sha) for image, sha in zip(images, shas, strict=True)]
         return epd.parts_for_consumer(located, primed), fields
 
-    async def _load_all(self, images: list[Image], model: str) -> list[bytes]:
+    async def _load_all(self, images: list[Image], model: str, media: MediaConfig) -> list[bytes]:
         # Each distinct fetched URL once. Data URLs are not compared (hashing a 30 MB string holds
         # the event loop for 30 ms); identical images are merged by their sha256 anyway. A video's
         # frames are not loaded: their bytes are at hand.
@@ -307,14 +301,14 @@ class EncoderClient:
         limit = asyncio.Semaphore(PER_REQUEST_CONCURRENCY)
         # an image refused (too large, unreachable, not allowed) stops the other fetches at once
         loaded = await gather_all(
-            *(self._bounded(limit, functools.partial(self._load, image, model)) for image in loads)
+            *(self._bounded(limit, functools.partial(self._load, image, model, media)) for image in loads)
         )
         slot = iter(slots)
         return [image.data if image.data is not None else loaded[next(slot)] for image in images]
 
-    async def _load(self, image: Image, model: str) -> bytes:
+    async def _load(self, image: Image, model: str, media: MediaConfig) -> bytes:
         try:
-            return await self.fetcher.load(image.url)
+            return await self.fetcher.load(image.url, "image", media)
         except GatewayError as exc:
             raise _at_part(exc, image, model) from None
 
@@ -325,23 +319,20 @@ class EncoderClient:
         async with limit:
             return await work()
 
-    async def _encode_one(
-        self, spec: EncoderConfig, pool: Pool, data: bytes, image: Image, model: str, request_id: str
-    ) -> Any:
+    async def _encode_one(self, job: _Job, data: bytes, image: Image) -> Any:
         assert self._session is not None, "EncoderClient.start() was not called"
-        name = spec.name
+        name, spec = job.spec.name, job.spec
         # a backend that does not accept the connection is skipped, like an upstream replica
         timeout = aiohttp.ClientTimeout(total=spec.timeout_s, sock_connect=self._connect_timeout_s)
-        headers = {"Content-Type": OCTETS, "X-Request-Id": request_id}
-        tried: list[Replica] = []
+        headers = {"Content-Type": OCTETS, "X-Request-Id": job.request_id}
+        # encoding is idempotent: every backend may be tried once. With every backend skipped the
+        # first try goes anyway: one URL may be a whole fleet behind a Service, which one pod's
+        # failure must not take out of use
+        attempts = Attempts(job.pool, f"encoder {name} backend", panic=True)
         last_status: tuple[int, bytes] | None = None
         started = time.perf_counter()
         try:
-            # encoding is idempotent: every backend may be tried once. With every backend skipped
-            # the first try goes anyway: one URL may be a whole fleet behind a Service, which one
-            # pod's failure must not take out of use
-            while (lease := pool.lease(exclude=tried, panic=True)) is not None:
-                tried.append(lease.replica)
+            while (lease := await attempts.next()) is not None:
                 attempt = time.perf_counter()
                 with lease:
                     try:
@@ -354,8 +345,7 @@ class EncoderClient:
                             payload = await resp.read()
                             status = resp.status
                     except CLIENT_ERRORS as exc:
-                        failure = failure_of(exc)
-                        lease.failure(failure.reason)
+                        failure = attempts.failed(lease, exc)
                         outcome = "error" if failure.kind in ("reset", "protocol") else failure.outcome
                         self._count(name, outcome)
                         self._instance(name, lease.replica.url, outcome, attempt)
@@ -367,21 +357,22 @@ class EncoderClient:
                     if status >= 500:  # overloaded or failing: try another backend
                         lease.failure(f"HTTP {status}")
                         last_status = (status, payload)
-                        self._count(name, "overloaded" if status == 503 else "error")
-                        self._instance(name, lease.replica.url, "overloaded" if status == 503 else "error", attempt)
+                        outcome = "overloaded" if status == 503 else "error"
+                        self._count(name, outcome)
+                        self._instance(name, lease.replica.url, outcome, attempt)
                         continue
                     lease.success()
                     outcome = "ok" if status == 200 else "invalid" if status in (400, 413) else "error"
                     self._instance(name, lease.replica.url, outcome, attempt)
-                return self._reply(name, status, payload, image, model)
+                return self._reply(name, status, payload, image, job.model)
         finally:
             self._metrics.encoder_seconds.labels(name).observe(time.perf_counter() - started)
         self._count(name, "unavailable")
-        retry_after = {"Retry-After": str(pool.retry_after())}
+        retry_after = {"Retry-After": str(job.pool.retry_after())}
         if last_status is not None:
             status, payload = last_status
             raise EncoderError(f"Encoder '{name}' answered {status}{error_detail(payload)}", headers=retry_after)
-        if not tried:
+        if not attempts.tried:
             raise EncoderError(f"Encoder '{name}' has no healthy backend", headers=retry_after)
         raise EncoderError(f"Encoder '{name}' has no reachable backend", headers=retry_after)
 
@@ -415,6 +406,15 @@ class EncoderClient:
         metrics = self._metrics
         metrics.child(metrics.encoder_backend_requests, name, url, outcome).inc()
         metrics.child(metrics.encoder_backend_seconds, name, url).observe(time.perf_counter() - started)
+
+
+class _Job(NamedTuple):
+    """What each image of one request is encoded with, and for whom."""
+
+    spec: EncoderConfig
+    pool: Pool  # the encoder's backends, as of the request's generation
+    model: str  # the requested model, which errors name
+    request_id: str
 
 
 def _breaker(open_s: float) -> BreakerConfig:

@@ -31,10 +31,11 @@ reference proxy (``examples/disaggregated/disaggregated_encoder/disagg_epd_proxy
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -44,7 +45,8 @@ from ..config import EncoderConfig
 from ..errors import EncoderError, ImagesRefusedError, error_detail
 from ..fanout import gather_all
 from ..metrics import GatewayMetrics
-from ..upstream.failures import CLIENT_ERRORS, being_cancelled, failure_of, read_capped
+from ..upstream.attempts import Attempts, failed
+from ..upstream.failures import CLIENT_ERRORS, being_cancelled, read_capped
 from ..upstream.replicas import Lease, Pool, Replica
 
 log = logging.getLogger(__name__)
@@ -68,15 +70,40 @@ def max_reply_bytes(items: int) -> int:
     return (1 + items) * MAX_ENTRY_BYTES
 
 
+@dataclass(frozen=True, slots=True)
+class Priming:
+    """One request's priming: over which session, on which encoder's instances (``pool``: its
+    ring, of the request's generation), for which model, with which of the request's fields."""
+
+    session: aiohttp.ClientSession
+    spec: EncoderConfig
+    pool: Pool
+    upstream_model: str
+    carried: Mapping[str, Any]  # CARRIED_FIELDS of the request
+    request_id: str
+    metrics: GatewayMetrics
+
+
+def carried(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The request's fields an encoder instance must see (:data:`CARRIED_FIELDS`)."""
+    return {k: body[k] for k in CARRIED_FIELDS if k in body}
+
+
 @dataclass(slots=True)
 class Item:
-    """One distinct image of a request."""
+    """One distinct image of a request, and its way through the instances."""
 
     uuid: str  # sha256 of its bytes
     url: str  # as the client sent it (a data URL, or an http(s) URL)
-    tried: list[Replica] = field(default_factory=list)
+    attempts: Attempts  # its ring placement (by uuid), never an instance twice
     entry: dict[str, Any] | None = None  # its ec_transfer_params entry, once primed
     key: str = ""  # the entry's key: the cache key the encoder reported
+
+    @classmethod
+    def of(cls, priming: Priming, uuid: str, url: str) -> Item:
+        what = f"encoder {priming.spec.name} instance"
+        # panic: with every instance's breaker open the first try goes anyway (one URL may be a fleet)
+        return cls(uuid, url, Attempts(priming.pool, what, key=uuid.encode(), panic=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,65 +114,34 @@ class Primed:
     transfer_params: dict[str, Any]  # key -> entry, as vLLM's proxy passes them on
 
 
-async def prime(
-    session: aiohttp.ClientSession,
-    spec: EncoderConfig,
-    pool: Pool,
-    items: list[Item],
-    *,
-    upstream_model: str,
-    body: Mapping[str, Any],
-    request_id: str,
-    metrics: GatewayMetrics,
-    concurrency: int,
-) -> Primed:
-    """Prime every item on the instances of ``spec`` (see the module docstring)."""
-    carried = {k: body[k] for k in CARRIED_FIELDS if k in body}
+async def prime(priming: Priming, items: list[Item], concurrency: int) -> Primed:
+    """Prime every item on the instances of ``priming.spec`` (see the module docstring): each
+    round sends every item still pending to the next instance its own attempts place it on, and
+    ends when every item is primed, or one has no instance left to try."""
+    spec, metrics = priming.spec, priming.metrics
     limit = asyncio.Semaphore(concurrency)
     pending = list(items)
     failure: str | None = None
     started = time.perf_counter()
     try:
         while pending:
-            groups: list[_Group] = []
-            open_group: dict[str, _Group] = {}  # by instance URL: the group still taking images
-            unplaced: list[Item] = []
-            for item in pending:
-                # placement alone (the lease given back at once): this request's own images must
-                # not push each other off their instances by the load bound. panic: with every
-                # instance's breaker open the first try goes anyway (one URL may be a fleet)
-                placed = pool.lease(exclude=item.tried, key=item.uuid.encode(), panic=True)
-                if placed is None:
-                    unplaced.append(item)
-                    continue
-                placed.__exit__(None, None, None)
-                replica = placed.replica
-                item.tried.append(replica)
-                group = open_group.get(replica.url)
-                if group is None or len(group.items) >= spec.max_batch_size:
-                    group = open_group[replica.url] = _Group(replica, [])
-                    groups.append(group)
-                group.items.append(item)
-            if unplaced:  # an image no instance is left to take: the request cannot be primed
+            groups = _groups(pending, spec.max_batch_size)
+            if groups is None:  # an image no instance is left to take: the request cannot be primed
                 break
-            for g in groups:  # one lease a priming request: its load, and its outcome for the breaker
-                replica = g.replica
-                g.leases.append(Lease(pool, replica, probe=replica.state == "half_open" and replica.probes == 0))
-            try:  # an image refused, or the client left: the other primes stop too
-                results = await gather_all(
-                    *(_limited(limit, session, spec, g, upstream_model, carried, request_id, metrics) for g in groups)
-                )
-            finally:  # every lease exited once, whether or not its request ever started
+            # one lease a priming request (its load, and its outcome for the breaker), each given
+            # back once whether or not its request ever started
+            with contextlib.ExitStack() as leases:
                 for g in groups:
-                    for lease in g.leases:
-                        lease.__exit__(None, None, None)
+                    g.lease = leases.enter_context(priming.pool.lease_on(g.replica))
+                # an image refused, or the client left: the other primes stop too
+                results = await gather_all(*(_limited(limit, priming, g) for g in groups))
             pending = [item for g, failed in zip(groups, results, strict=True) if failed for item in g.items]
             failure = next((f for f in results if f), failure)
     finally:
         metrics.encoder_seconds.labels(spec.name).observe(time.perf_counter() - started)
     if pending:
         metrics.encoder_requests.labels(spec.name, "unavailable").inc(len(pending))
-        retry_after = {"Retry-After": str(pool.retry_after())}
+        retry_after = {"Retry-After": str(priming.pool.retry_after())}
         detail = f": {failure}" if failure else ""
         raise EncoderError(f"Encoder '{spec.name}' could not prime the images on any instance{detail}",
                            headers=retry_after)  # fmt: skip
@@ -154,62 +150,76 @@ async def prime(
     return Primed(entries, params)
 
 
+def _groups(pending: list[Item], max_batch_size: int) -> list[_Group] | None:
+    """The pending items by the instance each goes to next (placement alone: this request's own
+    images must not push each other off their instances by the load bound), ``max_batch_size`` a
+    group; None when one has no instance left."""
+    groups: list[_Group] = []
+    open_group: dict[str, _Group] = {}  # by instance URL: the group still taking images
+    for item in pending:
+        replica = item.attempts.place()
+        if replica is None:
+            return None
+        group = open_group.get(replica.url)
+        if group is None or len(group.items) >= max_batch_size:
+            group = open_group[replica.url] = _Group(replica, [])
+            groups.append(group)
+        group.items.append(item)
+    return groups
+
+
 @dataclass(slots=True)
 class _Group:
     replica: Replica
     items: list[Item]
-    leases: list[Lease] = field(default_factory=list)
+    lease: Lease | None = None  # while its request is out
 
 
-async def _limited(limit: asyncio.Semaphore, *args: Any) -> str | None:
+async def _limited(limit: asyncio.Semaphore, priming: Priming, group: _Group) -> str | None:
     """:func:`_send`, once one of the request's places is free (its coroutine made only then)."""
     async with limit:
-        return await _send(*args)
+        return await _send(priming, group)
 
 
-async def _send(
-    session: aiohttp.ClientSession,
-    spec: EncoderConfig,
-    group: _Group,
-    upstream_model: str,
-    carried: Mapping[str, Any],
-    request_id: str,
-    metrics: GatewayMetrics,
-) -> str | None:
+async def _send(priming: Priming, group: _Group) -> str | None:
     """One priming request; None when it went through (each item's entry set), else why it failed
     (the items are tried on another instance). A 400 is the images' fault: raised."""
+    spec, metrics = priming.spec, priming.metrics
     url = group.replica.url
     content = [{"type": "image_url", "image_url": {"url": item.url}, "uuid": item.uuid} for item in group.items]
-    payload = {"model": upstream_model, "messages": [{"role": "user", "content": content}], "stream": False, **carried}
-    timeout = aiohttp.ClientTimeout(total=spec.timeout_s)
-    first = group.leases[0]  # one request: one outcome for the breaker
+    payload = {
+        "model": priming.upstream_model,
+        "messages": [{"role": "user", "content": content}],
+        "stream": False,
+        **priming.carried,
+    }
+    lease = group.lease  # one request: one outcome for the breaker
+    assert lease is not None
     outcome = "error"
     started = time.perf_counter()
     try:
         try:
-            async with session.post(
+            async with priming.session.post(
                 f"{url}/v1/chat/completions",
                 data=orjson.dumps(payload),
-                headers={"Content-Type": JSON, "X-Request-Id": request_id},
-                timeout=timeout,
+                headers={"Content-Type": JSON, "X-Request-Id": priming.request_id},
+                timeout=aiohttp.ClientTimeout(total=spec.timeout_s),
             ) as resp:
                 status, data = resp.status, await read_capped(resp, max_reply_bytes(len(group.items)))
         except CLIENT_ERRORS as exc:
-            why = failure_of(exc)
-            first.failure(why.reason)
+            why = failed(lease, exc, f"encoder {spec.name} instance")
             outcome = "error" if why.kind in ("reset", "protocol") else why.outcome
-            log.warning("encoder %s instance %s: %s", spec.name, url, why.reason)
             return why.reason
         if status not in (200, 400, 422):  # failing, overloaded, or not an encoder the gateway can use
             if status == 429:
-                first.busy(1.0)
+                lease.busy(1.0)
             else:
-                first.failure(f"HTTP {status}")
+                lease.failure(f"HTTP {status}")
             outcome = "overloaded" if status in (429, 503) else "error"
             log.warning("encoder %s instance %s answered %d", spec.name, url, status)
             return f"HTTP {status}"
         if status != 200:  # 400, 422: the instance refused the images, the client's fault
-            first.success()
+            lease.success()
             outcome = "invalid"
             raise ImagesRefusedError(
                 f"encoder '{spec.name}' refused the image(s){error_detail(data)}",
@@ -217,10 +227,10 @@ async def _send(
             )
         unusable = _match(group.items, data)
         if unusable is not None:  # not what an encoder instance answers: its images go elsewhere
-            first.failure(unusable)
+            lease.failure(unusable)
             log.warning("encoder %s instance %s: %s", spec.name, url, unusable)
             return unusable
-        first.success()
+        lease.success()
         outcome = "ok"
         return None
     finally:  # a request cancelled (the client left) is not counted: it says nothing of the instance
@@ -297,13 +307,8 @@ def plan(spec: EncoderConfig, images: list[tuple[str, str | None]]) -> dict[str,
     pool = Pool(spec.name, [Replica(u) for u in spec.urls], balance="affinity")
     placed = []
     for location, uuid in images:
-        instance = None
-        if uuid is not None:
-            lease = pool.lease(key=uuid.encode())
-            if lease is not None:
-                instance = lease.replica.url
-                lease.__exit__(None, None, None)
-        placed.append({"location": location, "uuid": uuid, "instance": instance})
+        replica = pool.choose(key=uuid.encode()) if uuid is not None else None
+        placed.append({"location": location, "uuid": uuid, "instance": replica.url if replica else None})
     return {"instances": list(spec.urls), "max_batch_size": spec.max_batch_size, "images": placed}
 
 

@@ -23,6 +23,7 @@ import asyncio
 import base64
 import binascii
 import codecs
+import functools
 import hashlib
 import ipaddress
 import re
@@ -104,60 +105,68 @@ class PublicAddressResolver(AbstractResolver):
 
 
 class MediaFetcher:
-    """Loads image bytes from data URLs and from http(s) URLs, under the ``media:`` rules."""
+    """Loads image bytes from data URLs and from http(s) URLs, under the ``media:`` rules of the
+    config generation each request was admitted under (``media=``; the rules given here when
+    none is): a reload never changes the rules of a fetch that is under way or of a request
+    already admitted."""
 
     def __init__(self, media: MediaConfig, *, resolver: AbstractResolver | None = None) -> None:
         self._media = media
-        self._domains = _normalize_domains(media.allow_domains)
         self._inner_resolver = resolver  # the test seam; the default resolver when None
-        self._resolver: PublicAddressResolver | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._inner: AbstractResolver | None = None
+        # one session a value of allow_private_networks, each connecting through a resolver that
+        # drops what it must not connect to (made when first used)
+        self._sessions: dict[bool, aiohttp.ClientSession] = {}
+        self._started = False
 
     async def start(self) -> None:
-        inner = self._inner_resolver or DefaultResolver()
-        self._resolver = PublicAddressResolver(inner, allow_private=self._media.allow_private_networks)
-        # Rules can change on reload, and a pooled connection or a cached DNS answer was checked
-        # under the old ones: every fetch resolves and connects afresh.
-        connector = aiohttp.TCPConnector(resolver=self._resolver, use_dns_cache=False, force_close=True)
-        self._session = aiohttp.ClientSession(
+        self._started = True
+
+    def _session(self, allow_private: bool) -> aiohttp.ClientSession:
+        session = self._sessions.get(allow_private)
+        if session is not None:
+            return session
+        assert self._started, "MediaFetcher.start() was not called"
+        if self._inner is None:
+            self._inner = self._inner_resolver or DefaultResolver()
+        resolver = PublicAddressResolver(self._inner, allow_private=allow_private)
+        # a pooled connection or a cached DNS answer was checked under the rules of another
+        # request: every fetch resolves and connects afresh
+        connector = aiohttp.TCPConnector(resolver=resolver, use_dns_cache=False, force_close=True)
+        session = self._sessions[allow_private] = aiohttp.ClientSession(
             connector=connector,
             cookie_jar=aiohttp.DummyCookieJar(),
             trust_env=False,
             headers={"User-Agent": USER_AGENT, "Accept": "image/*"},
             timeout=aiohttp.ClientTimeout(total=None),  # load() bounds the whole fetch itself
         )
+        return session
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-        if self._resolver is not None:
-            await self._resolver.close()
-            self._resolver = None
+        sessions, self._sessions = self._sessions, {}
+        for session in sessions.values():
+            await session.close()
+        if self._inner is not None:
+            await self._inner.close()
+            self._inner = None
+        self._started = False
 
-    def update(self, media: MediaConfig) -> None:
-        self._media = media
-        self._domains = _normalize_domains(media.allow_domains)
-        if self._resolver is not None:
-            self._resolver.allow_private = media.allow_private_networks
+    def max_bytes(self, kind: MediaKind, media: MediaConfig | None = None) -> int:
+        """The size limit of one medium of this kind, under ``media`` (the request's rules)."""
+        return size_limit(media or self._media, kind)
 
-    def max_bytes(self, kind: MediaKind) -> int:
-        """The size limit of one medium of this kind, under the current rules."""
-        return size_limit(self._media, kind)
-
-    async def load(self, url: str, kind: MediaKind = "image") -> bytes:
-        """The bytes behind ``url``, within the size limit of its ``kind`` (``media.max_image_bytes``,
-        ``max_video_bytes``, ``max_audio_bytes``); raises MediaRefusedError or InvalidImageError,
-        their messages naming the kind."""
+    async def load(self, url: str, kind: MediaKind = "image", media: MediaConfig | None = None) -> bytes:
+        """The bytes behind ``url``, under ``media`` (the request's rules), within the size limit
+        of its ``kind`` (``media.max_image_bytes``, ``max_video_bytes``, ``max_audio_bytes``);
+        raises MediaRefusedError or InvalidImageError, their messages naming the kind."""
         try:
-            return await self._load(url, kind)
+            return await self._load(url, kind, media or self._media)
         except GatewayError as exc:
             if kind == "image":
                 raise
             raise type(exc)(_reworded(exc.message, kind), param=exc.param, rejection=exc.rejection) from None
 
-    async def _load(self, url: str, kind: MediaKind) -> bytes:
-        media, domains = self._media, self._domains  # one set of rules for the whole fetch
+    async def _load(self, url: str, kind: MediaKind, media: MediaConfig) -> bytes:
         limit = size_limit(media, kind)
         if is_data_url(url):
             if len(url) > DECODE_IN_THREAD_CHARS:
@@ -166,19 +175,19 @@ class MediaFetcher:
         target = _parse_url(url)
         try:
             async with asyncio.timeout(media.fetch_timeout_s):
-                return await self._fetch(target, media, domains, limit)
+                return await self._fetch(target, media, _normalize_domains(media.allow_domains), limit)
         except TimeoutError:
             raise MediaRefusedError(
                 f"Image URL host '{target.host}' did not deliver the image within {media.fetch_timeout_s:g}s"
             ) from None
 
     async def _fetch(self, url: URL, media: MediaConfig, domains: tuple[str, ...], limit: int) -> bytes:
-        assert self._session is not None, "MediaFetcher.start() was not called"
+        session = self._session(media.allow_private_networks)
         for hop in range(MAX_REDIRECTS + 1):
             what = "Image URL" if hop == 0 else "Image URL redirect"
             _check(url, media, domains, what)
             try:
-                async with self._session.get(url, allow_redirects=False) as response:
+                async with session.get(url, allow_redirects=False) as response:
                     if response.status in _REDIRECT_STATUSES:
                         url = _redirect_target(response, what)
                         continue
@@ -418,6 +427,7 @@ def _ip_literal(url: URL, what: str) -> IPAddress | None:
         raise MediaRefusedError(f"{what} host '{host}' is not a canonical IP address") from None
 
 
+@functools.lru_cache(maxsize=64)
 def _normalize_domains(domains: tuple[str, ...]) -> tuple[str, ...]:
     normalized = []
     for domain in domains:

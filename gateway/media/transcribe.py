@@ -22,14 +22,15 @@ import logging
 import math
 import wave
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import aiohttp
 import orjson
 
 from ..admission.parts import Part
 from ..admission.plan import RoutePlan
-from ..config import ModelConfig
+from ..config import MediaConfig, ModelConfig
 from ..errors import (
     GatewayError,
     InvalidAudioError,
@@ -43,10 +44,11 @@ from ..errors import (
 from ..fanout import gather_all
 from ..metrics import GatewayMetrics
 from ..modalities import Modality
-from ..upstream.failures import CLIENT_ERRORS, failure_of, read_capped
+from ..upstream.attempts import Attempts
+from ..upstream.failures import CLIENT_ERRORS, read_capped
 from ..upstream.http1 import KEEPALIVE_S
 from ..upstream.live import Live
-from ..upstream.replicas import Replica
+from ..upstream.retries import RetryBook
 from .conversions import ConversionCache
 from .demux import AUDIO_FORMATS, UnreadableMediaError, open_media
 from .fetch import DECODE_IN_THREAD_CHARS, MediaFetcher, sha256
@@ -63,9 +65,12 @@ FORMATS = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg":
 class Transcriber:
     """Sends audio parts to a transcription model's upstreams over one ClientSession."""
 
-    def __init__(self, metrics: GatewayMetrics, fetcher: MediaFetcher, cache: ConversionCache | None = None) -> None:
+    def __init__(
+        self, metrics: GatewayMetrics, fetcher: MediaFetcher, retries: RetryBook, cache: ConversionCache | None = None
+    ) -> None:
         self._metrics = metrics
         self._fetcher = fetcher
+        self._retries = retries  # the transcription model's budget, which its chat requests share
         self._cache = cache if cache is not None else ConversionCache(0)
         self._session: aiohttp.ClientSession | None = None
 
@@ -86,6 +91,7 @@ class Transcriber:
         target = live.config.model(policy.target or "")
         if target is None:  # validation forbids it; a config built in code may not
             raise UpstreamError(f"Transcription model '{policy.target}' does not exist")
+        job = _Job(plan, target, live, request_id)
         limit = asyncio.Semaphore(CONCURRENCY)
         messages = body["messages"]
 
@@ -93,8 +99,7 @@ class Transcriber:
             assert part.index is not None
             async with limit:
                 try:
-                    value = messages[part.message]["content"][part.index]
-                    text = await self._one(value, part, plan, target, live, request_id)
+                    text = await self._one(messages[part.message]["content"][part.index], part, job)
                 except (UpstreamError, UpstreamTimeoutError) as exc:
                     if policy.on_error != "reject":
                         raise
@@ -109,14 +114,13 @@ class Transcriber:
         # a clip refused stops the others' transcriptions at once
         return dict(await gather_all(*(one(p) for p in plan.transcribe_parts)))
 
-    async def _one(
-        self, value: Mapping[str, Any], part: Part, plan: RoutePlan, target: ModelConfig, live: Live, request_id: str
-    ) -> str:
-        audio, fmt = await self._audio(value, part, plan.model.name)
-        make = functools.partial(self._transcribe, audio, fmt, part, plan, target, live, request_id)
+    async def _one(self, value: Mapping[str, Any], part: Part, job: _Job) -> str:
+        audio, fmt = await self._audio(value, part, job.plan.model.name, job.live.config.media)
+        clip = _Clip(audio, fmt, part)
+        make = functools.partial(self._transcribe, clip, job)
         cache = self._cache
         if cache.enabled:  # the same clip again (a later turn, a parallel request): one transcription
-            key = ("transcript", target.name, target.upstream_name, await sha256(audio), fmt)
+            key = ("transcript", job.target.name, job.target.upstream_name, await sha256(audio), fmt)
             # an empty transcript is not kept: the next turn asks again
             try:
                 text, seconds = await cache.get_or_make(
@@ -130,59 +134,35 @@ class Transcriber:
                 raise exc.located_at(part.location) from None
         else:
             text, seconds = await make()
-        self._metrics.audio_transcribed_seconds.labels(plan.model.name).inc(seconds)
+        self._metrics.audio_transcribed_seconds.labels(job.plan.model.name).inc(seconds)
         return text
 
-    async def _transcribe(
-        self, audio: bytes, fmt: str, part: Part, plan: RoutePlan, target: ModelConfig, live: Live, request_id: str
-    ) -> tuple[str, float]:
-        """The clip's transcript and its seconds, from one of ``target``'s upstreams."""
+    async def _transcribe(self, clip: _Clip, job: _Job) -> tuple[str, float]:
+        """The clip's transcript and its seconds, from one of the transcription model's upstreams:
+        each try on a replica not tried yet, ``retries.attempts`` of them after the first within
+        the model's retry budget (a refused connection free), all within ``timeouts.total_s``."""
         assert self._session is not None, "Transcriber.start() was not called"
-        pool = live.pools[target.name]
-        headers = {"X-Request-Id": request_id}
-        auth = live.upstream_auth.get(target.name)
-        if auth is not None:
-            headers["Authorization"] = auth
+        target, part = job.target, clip.part
         t = target.timeouts
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + t.total_s if t.total_s else None  # over every try, as for a chat request
-        tried: list[Replica] = []
-        why = "no replica admits a request"
-        timed_out = False
-        tries = 1 + target.retries.attempts  # the model's retries.attempts; a refused connection is free
-        while tries > 0:
-            left = None if deadline is None else deadline - loop.time()
-            if left is not None and left <= 0:
-                why, timed_out = f"timeouts.total_s of {t.total_s:g}s spent", True
-                break
-            lease = pool.lease(exclude=tried, panic=True)
-            if lease is None:
-                break
-            tried.append(lease.replica)
-            tries -= 1
-            timeout = aiohttp.ClientTimeout(total=left, connect=t.connect_s, sock_read=t.first_byte_s)
-            url = lease.replica.url
-            form = aiohttp.FormData()
-            form.add_field("model", target.upstream_name)
-            form.add_field("response_format", "json")
-            form.add_field(
-                "file", audio, filename=f"audio.{fmt}", content_type=FORMATS.get(fmt, "application/octet-stream")
-            )
+        attempts = Attempts(
+            job.live.pools[target.name],
+            f"transcription model {target.name} upstream",
+            retries=self._retries.of(target),
+            panic=True,
+            deadline=asyncio.get_running_loop().time() + t.total_s if t.total_s else None,
+        )
+        why, timed_out = "no replica admits a request", False
+        while (lease := await attempts.next()) is not None:
             with lease:
                 try:
-                    async with self._session.post(
-                        f"{url}/v1/audio/transcriptions", data=form, headers=headers, timeout=timeout
-                    ) as resp:
-                        status, data = resp.status, await read_capped(resp, MAX_REPLY_BYTES)
+                    status, data = await self._post(lease.replica.url, clip, job, attempts.left())
                 except CLIENT_ERRORS as exc:
-                    failure = failure_of(exc)
-                    lease.failure(failure.reason)
-                    log.warning("transcription upstream %s of model %s: %s", url, target.name, failure.reason)
-                    timed_out = failure.kind == "timeout"
-                    why = failure.reason
-                    if failure.kind == "connect":  # nothing reached the replica
-                        tries += 1
-                    continue  # the next replica, a timeout too: transcribing is idempotent
+                    failure = attempts.failed(lease, exc)
+                    why, timed_out = failure.reason, failure.kind == "timeout"
+                    # the next replica, after a timeout too: transcribing is idempotent
+                    if attempts.again(failure.outcome, free=failure.kind == "connect"):
+                        continue
+                    break
                 reply = _json(data) if status == 200 else None
                 text = reply.get("text") if reply is not None else None
                 if status in (400, 413, 415, 422):  # the audio's fault
@@ -191,16 +171,20 @@ class Transcriber:
                         f"{part.location}: transcription model '{target.name}' could not transcribe the audio "
                         f"(HTTP {status}{error_detail(data)})",
                         param=part.location,
-                        rejection=Rejection(plan.model.name, "audio", "media_refused"),
+                        rejection=Rejection(job.plan.model.name, "audio", "media_refused"),
                     )
                 if not isinstance(text, str):  # failing, busy, not a transcription server, or not its reply
                     if status != 429:
                         lease.failure(f"HTTP {status}" if status != 200 else "not a transcription reply")
                     why, timed_out = f"HTTP {status}", False
-                    continue
+                    if attempts.again(f"http_{status}"):
+                        continue
+                    break
                 lease.success()
             assert reply is not None
-            return text, await _seconds(reply, audio, fmt)
+            return text, await _seconds(reply, clip.audio, clip.fmt)
+        if attempts.expired:
+            why, timed_out = f"timeouts.total_s of {t.total_s:g}s spent", True
         if timed_out:
             raise UpstreamTimeoutError(
                 f"{part.location}: transcription model '{target.name}' sent no transcript in time ({why})",
@@ -211,7 +195,27 @@ class Transcriber:
             param=part.location,
         )
 
-    async def _audio(self, value: Mapping[str, Any], part: Part, model: str) -> tuple[bytes, str]:
+    async def _post(self, url: str, clip: _Clip, job: _Job, left: float | None) -> tuple[int, bytes]:
+        """One try: the transcription request, its reply's status and (small) body."""
+        assert self._session is not None
+        target = job.target
+        headers = {"X-Request-Id": job.request_id}
+        auth = job.live.upstream_auth.get(target.name)
+        if auth is not None:
+            headers["Authorization"] = auth
+        t = target.timeouts
+        timeout = aiohttp.ClientTimeout(total=left, connect=t.connect_s, sock_read=t.first_byte_s)
+        form = aiohttp.FormData()
+        form.add_field("model", target.upstream_name)
+        form.add_field("response_format", "json")
+        mime = FORMATS.get(clip.fmt, "application/octet-stream")
+        form.add_field("file", clip.audio, filename=f"audio.{clip.fmt}", content_type=mime)
+        async with self._session.post(
+            f"{url}/v1/audio/transcriptions", data=form, headers=headers, timeout=timeout
+        ) as resp:
+            return resp.status, await read_capped(resp, MAX_REPLY_BYTES)
+
+    async def _audio(self, value: Mapping[str, Any], part: Part, model: str, media: MediaConfig) -> tuple[bytes, str]:
         """The audio's bytes and format (wav, mp3, ...)."""
         if part.type not in ("input_audio", "audio_url") or value.get(part.type) is None:
             what = "embeddings" if part.type == "audio_embeds" else "a cached reference (no audio)"
@@ -226,7 +230,7 @@ class Transcriber:
             inner = value["input_audio"]  # classification checked its shape
             fmt = str(inner.get("format", "wav")).lower()
             encoded = inner["data"]
-            limit = self._fetcher.max_bytes("audio")
+            limit = self._fetcher.max_bytes("audio", media)
             too_large = MediaRefusedError(
                 f"{part.location}: Audio is larger than media.max_audio_bytes ({limit} bytes)",
                 param=part.location,
@@ -253,11 +257,27 @@ class Transcriber:
                 f"{part.location}: the audio part carries no URL", param=part.location, rejection=refused
             )
         try:
-            data = await self._fetcher.load(url, "audio")
+            data = await self._fetcher.load(url, "audio", media)
         except GatewayError as exc:
             kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidAudioError
             raise kind(f"{part.location}: {exc.message}", param=part.location, rejection=refused) from None
         return data, _format_of(url)
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """What every clip of one request is transcribed for, and by whom."""
+
+    plan: RoutePlan  # the requested model's
+    target: ModelConfig  # the transcription model
+    live: Live  # its pool and key, of the request's generation
+    request_id: str
+
+
+class _Clip(NamedTuple):
+    audio: bytes
+    fmt: str  # wav, mp3, ...
+    part: Part  # the request's part, which errors name
 
 
 def _format_of(url: str) -> str:
@@ -284,8 +304,8 @@ async def _seconds(reply: Mapping[str, Any], audio: bytes, fmt: str) -> float:
     read counts 0."""
     try:
         return await asyncio.to_thread(_duration, reply, audio, fmt)
-    except Exception:
-        log.warning("the length of a %s clip could not be read; counted as 0 s", fmt, exc_info=True)
+    except Exception as exc:  # one line, no traceback: a client's file could make many
+        log.warning("the length of a %s clip could not be read; counted as 0 s: %r", fmt, exc)
         return 0.0
 
 

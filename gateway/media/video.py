@@ -37,6 +37,7 @@ from .demux import VIDEO_FORMATS, VIDEO_NAMES, UnreadableMediaError, open_media,
 from .fetch import sha256
 
 if TYPE_CHECKING:
+    from ..config import MediaConfig
     from ..metrics import GatewayMetrics
     from .fetch import MediaFetcher
 
@@ -241,12 +242,14 @@ class Account:
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """What sampling a request's videos uses: the fetcher (``media:`` rules), the metrics, the
+    """What sampling a request's videos uses: the fetcher and the ``media:`` rules of the request's
+    config generation, the metrics, the
     decoding threads, the cache of what was sampled before (gateway.media.conversions), and what the
     request may still spend decoding."""
 
     model: str  # the request's model, as metrics and rejections name it
     fetcher: MediaFetcher
+    media: MediaConfig
     metrics: GatewayMetrics
     decoders: DecoderPool
     cache: ConversionCache
@@ -345,7 +348,7 @@ async def _sample_part(
         raise InvalidVideoError(
             f"{part.location}: the video part carries no URL", param=part.location, rejection=refused
         )
-    data = await _load(sampling.fetcher, url, part.location, refused)
+    data = await _load(sampling, url, part.location, refused)
     metrics, cache = sampling.metrics, sampling.cache
     key = (*shape, await sha256(data)) if cache.enabled else None
     if sampling.account.spent and (key is None or key not in cache):  # a decode it may not start
@@ -379,9 +382,9 @@ async def _sample_part(
     return (part.message, part.index), original, result
 
 
-async def _load(fetcher: MediaFetcher, url: str, location: str, refused: Rejection) -> bytes:
+async def _load(sampling: Sampling, url: str, location: str, refused: Rejection) -> bytes:
     try:
-        return await fetcher.load(url, "video")
+        return await sampling.fetcher.load(url, "video", sampling.media)
     except GatewayError as exc:
         kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidVideoError
         raise kind(f"{location}: {exc.message}", param=location, rejection=refused) from None

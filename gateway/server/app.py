@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -16,7 +16,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from ..config import GatewayConfig
 from ..encode.client import EncoderClient
-from ..encode.supervisor import DEFAULT_TIMINGS, Supervisor, Timings
+from ..encode.supervisor import Supervisor
 from ..media.conversions import ConversionCache
 from ..media.fetch import MediaFetcher
 from ..media.transcribe import Transcriber
@@ -46,16 +46,15 @@ def create_app(
     registry: CollectorRegistry | None = None,
     config_path: str | None = None,
     watch: bool = True,
-    encoder_command: Sequence[str] | None = None,
-    supervisor_timings: Timings = DEFAULT_TIMINGS,
     supervisor: Supervisor | None = None,
     multiprocess_dir: str | None = None,
 ) -> web.Application:
     """Build the gateway, to be served with :data:`SERVER_OPTIONS`.
 
-    ``config_path`` enables reloads (``watch`` also polls the file for edits); ``encoder_command``
-    replaces the local encoder backend's command line and ``supervisor_timings`` its watch (tests).
-    A worker of ``serve --workers N`` passes the master's ``supervisor`` view, and the
+    ``config_path`` enables reloads (``watch`` also polls the file for edits). ``supervisor``
+    runs the local encoder backends (default: one of this process's own, on ``config``; tests
+    give one with another command line or watch); a worker of ``serve --workers N`` passes the
+    master's view of its, and the
     ``multiprocess_dir`` its metrics go to (``PROMETHEUS_MULTIPROC_DIR``): /metrics sums every worker's."""
     quiet_parser_errors()  # no header a client sent (its key) in an ERROR traceback
     registry = registry if registry is not None else CollectorRegistry()
@@ -69,21 +68,22 @@ def create_app(
     gates = Gates(on_shed=lambda model, reason: metrics.shed.labels(model, reason).inc())
     scrape.register(PoolCollector(lambda: store.live.pools, gates))  # this process's pools, also in a worker
     if supervisor is None:
-        supervisor = Supervisor(config, command=encoder_command, timings=supervisor_timings)
+        supervisor = Supervisor(config)
     encoder = EncoderClient(metrics, MediaFetcher(config.media), supervisor.url)
     conversions = ConversionCache(config.media.cache_bytes, metrics)
     store.subscribe(encoder.update)
     store.subscribe(supervisor.update)
     store.subscribe(lambda new: conversions.resize(new.media.cache_bytes))
+    upstream = UpstreamClient(metrics, client=config.server.upstream_client)
     services = Services(
         store,
         metrics,
-        UpstreamClient(metrics, client=config.server.upstream_client),
+        upstream,
         encoder,
         supervisor,
         config.server.max_body_bytes,
         gates,
-        transcriber=Transcriber(metrics, encoder.fetcher, conversions),
+        transcriber=Transcriber(metrics, encoder.fetcher, upstream.retries, conversions),
         conversions=conversions,
     )
 

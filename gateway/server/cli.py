@@ -194,7 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("serving %d models from %s on http://%s:%d", len(config.models), args.config, host, port)
     app = create_app(config, config_path=args.config)
     app.cleanup_ctx.append(reload_on_sighup)
-    run(serve(app, host, port, config.server, access_log=config.server.access_log))
+    run(serve(app, (host, port), config.server, access_log=config.server.access_log))
     return 0
 
 
@@ -225,7 +225,7 @@ def _serve_worker(args: argparse.Namespace, config: GatewayConfig, index: int, h
         return 2
     app = worker_app(config, config_path=args.config, index=index, run_dir=args.run_dir, control_fd=args.control_fd)
     access_log = config.server.access_log
-    run(serve(app, host, port, config.server, access_log=access_log, reuse_port=True, parent_pid=args.master_pid))
+    run(serve(app, (host, port), config.server, access_log=access_log, reuse_port=True, parent_pid=args.master_pid))
     return 0
 
 

@@ -10,6 +10,7 @@ exchange). Each stage reads what the ones before it left on the exchange.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from ..admission.body import exact, read_json
 from ..admission.plan import EXPAND, RoutePlan, Visible, upstream_body
 from ..config import GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
-from ..errors import EmbeddingsNotDeliveredError, EncoderError, PayloadTooLargeError
+from ..errors import EncoderError, PayloadTooLargeError
 from ..media import video
 from ..metrics import UNKNOWN_MODEL
 from ..upstream.dispatch import Dispatch, Timeouts
@@ -99,7 +100,12 @@ async def convert(ex: Exchange) -> None:
         )
     if plan.frame_parts or plan.presample_parts:
         sampling = video.Sampling(
-            plan.model.name, services.encoder.fetcher, services.metrics, services.decoders, services.conversions
+            plan.model.name,
+            services.encoder.fetcher,
+            ex.config.media,  # the request's rules: a reload does not change them under it
+            services.metrics,
+            services.decoders,
+            services.conversions,
         )
         if plan.frame_parts:
             ex.converted |= await video.frames_for(plan, ex.body, sampling)
@@ -127,7 +133,7 @@ async def _encode(ex: Exchange, plan: RoutePlan) -> Encoded:
     services = ex.services
     try:
         return await services.encoder.encode(
-            plan, ex.body, request_id=ex.request[REQUEST_ID_KEY], encoders=ex.config.encoders, frames=ex.converted
+            plan, ex.body, request_id=ex.request[REQUEST_ID_KEY], config=ex.config, frames=ex.converted
         )
     except EncoderError as exc:
         if plan.model.on_encoder_error != "passthrough":
@@ -137,41 +143,17 @@ async def _encode(ex: Exchange, plan: RoutePlan) -> Encoded:
         return NOTHING
 
 
-async def forward(ex: Exchange, data: bytes, *, affinity_key: bytes | None = None) -> web.StreamResponse:
-    """The upstream hop, and the relay of its answer. Images primed on vLLM encoder instances may
-    not be found by the consumer (a 500, or an answer that ends at once in ``finish_reason:
-    "error"``: the connector could not deliver an embedding, evicted or lost): before any byte
-    reached the client, the request goes once more, its images primed again (the media converted
-    stand), within retries.attempts and the retry budget."""
-    if not ex.primed:
-        _let_go(ex)
-        return await _dispatch(ex, data, affinity_key)
-    assert ex.model is not None
-    try:
-        return await _dispatch(ex, data, affinity_key, ec_check=True)
-    except EmbeddingsNotDeliveredError as exc:
-        # a consumer failing for another reason must not double every request's load
-        if not ex.services.upstream.may_retry(ex.model, "ec_error"):
-            raise
-        log.warning("model %s: %s; priming its images again", ex.model.name, exc.message)
-    ex.body = exact(ex.raw, orjson.loads(ex.raw))  # the client's request again: the first try rewrote its parts
-    data = await encode(ex)
-    _let_go(ex)
-    return await _dispatch(ex, data, affinity_key)
-
-
-def _let_go(ex: Exchange) -> None:
-    """What the relay does not need: the parsed request and the converted media."""
-    ex.raw, ex.body, ex.converted = b"", {}, {}
-
-
-def _dispatch(
-    ex: Exchange, data: bytes, affinity_key: bytes | None, *, ec_check: bool = False
-) -> Awaitable[web.StreamResponse]:
-    """The upstream exchange, awaited by the caller (a plain function: no coroutine frame of its
-    own for every resumption of the exchange to pass through)."""
+def forward(ex: Exchange, data: bytes, *, affinity_key: bytes | None = None) -> Awaitable[web.StreamResponse]:
+    """The upstream hop, and the relay of its answer (awaited by the caller: a plain function, no
+    coroutine frame of its own for every resumption of the exchange to pass through). Images
+    primed on vLLM encoder instances may not be found by the consumer: the attempt then primes
+    them again (``reprime``: the client's request again, its media converted stand) and tries
+    once more, within retries.attempts and the retry budget (:mod:`gateway.upstream.consumer`)."""
     model, live, request = ex.model, ex.live, ex.request
     assert model is not None
+    reprime = functools.partial(_reprime, ex) if ex.primed else None
+    if reprime is None:
+        _let_go(ex)
     headers = {
         "X-Request-Id": request[REQUEST_ID_KEY],
         "X-Gateway-Model": model.name,
@@ -189,12 +171,25 @@ def _dispatch(
         auth=live.upstream_auth.get(model.name),
         forward_client_auth=live.keyring is None,  # with auth on, the client's key stays here
         affinity_key=affinity_key,
-        ec_check=ec_check,
+        reprime=reprime,
     )
     upstream = ex.services.upstream
     if model.max_concurrency is None:
         return upstream.forward(request, dispatch)
     return _gated(ex.services, model, lambda: upstream.forward(request, dispatch))
+
+
+async def _reprime(ex: Exchange) -> bytes:
+    """The body of a request whose primed embeddings the consumer missed, its images primed again."""
+    ex.body = exact(ex.raw, orjson.loads(ex.raw))  # the client's request again: the first try rewrote its parts
+    data = await encode(ex)
+    _let_go(ex)
+    return data
+
+
+def _let_go(ex: Exchange) -> None:
+    """What the relay does not need: the parsed request and the converted media."""
+    ex.raw, ex.body, ex.converted = b"", {}, {}
 
 
 async def _gated(

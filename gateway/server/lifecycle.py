@@ -41,15 +41,14 @@ PARENT_CHECK_S = 1.0
 
 async def serve(
     app: web.Application,
-    host: str,
-    port: int,
+    address: tuple[str, int],
     server: ServerConfig,
     *,
     access_log: bool,
     reuse_port: bool = False,
     parent_pid: int | None = None,
 ) -> None:
-    """Serve ``app`` on host:port until a stop signal, then drain (see the module docstring);
+    """Serve ``app`` on ``address`` (host, port) until a stop signal, then drain (see the module docstring);
     ``access_log``: a line a request (gateway.server.access_log). ``reuse_port``: listen with SO_REUSEPORT (the
     kernel spreads connections over every process listening so); ``parent_pid``: drain as on
     SIGTERM once that process is no longer this one's parent."""
@@ -71,7 +70,7 @@ async def serve(
     if parent_pid is not None:
         orphaned = asyncio.create_task(_watch_parent(parent_pid, signals), name="parent watch")
     try:
-        await web.TCPSite(runner, host, port, reuse_port=reuse_port).start()
+        await web.TCPSite(runner, *address, reuse_port=reuse_port).start()
         if (admin := server.admin_address) is not None:
             await web.TCPSite(runner, *admin, reuse_port=reuse_port).start()
             app[SERVICES_KEY].lifecycle.admin_port = admin[1]

@@ -33,7 +33,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import orjson
@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import mark_process_dead
 
 from ..config import GatewayConfig, load_config, parse_config
-from ..encode.supervisor import DEFAULT_TIMINGS, Supervisor, SupervisorView, Timings
+from ..encode.supervisor import Supervisor, SupervisorView
 from ..errors import ConfigError
 from ..metrics import GatewayMetrics
 from .app import create_app
@@ -74,14 +74,12 @@ class Master:
         port: int,
         workers: int,
         log_level: str = "info",
-        backoff_s: Sequence[float] = BACKOFF_S,
-        supervisor_timings: Timings = DEFAULT_TIMINGS,
     ) -> None:
         self._config, self._config_path = config, config_path
         self._host, self._port, self._workers = host, port, workers
-        self._log_level, self._backoff_s = log_level, tuple(backoff_s)
+        self._log_level, self._backoff_s = log_level, BACKOFF_S
         self._store = ConfigStore(config, metrics=GatewayMetrics(CollectorRegistry()), path=config_path)
-        self._supervisor = Supervisor(config, timings=supervisor_timings)
+        self._supervisor = Supervisor(config)
         self._processes: dict[int, asyncio.subprocess.Process] = {}
         self._up: set[int] = set()  # workers that said they can take SIGHUP
         self._missed_reload: set[int] = set()  # workers that were starting when a reload came

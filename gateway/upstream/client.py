@@ -19,11 +19,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import random
 import re
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -32,14 +31,21 @@ from aiohttp.payload import BytesPayload, Payload
 from multidict import CIMultiDict
 
 from ..config import ModelConfig
-from ..errors import GatewayError, NoHealthyUpstreamError, UpstreamConnectError, UpstreamError, UpstreamTimeoutError
+from ..errors import (
+    EmbeddingsNotDeliveredError,
+    NoHealthyUpstreamError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeoutError,
+)
 from ..metrics import GatewayMetrics
-from .dispatch import Dispatch
-from .failures import CLIENT_ERRORS, Failure, failure_of
-from .http1 import KEEPALIVE_S, Http1Client, PoolFull, ProtocolError, UnsendableHeader
+from .attempts import Attempts
+from .dispatch import Dispatch, Timeouts
+from .failures import CLIENT_ERRORS, ClientFailure
+from .http1 import KEEPALIVE_S, Http1Client, PoolFull, ProtocolError, UnsendableHeader, Waits
 from .relay import HOP_BY_HOP, UpstreamReply, outcome_of, relay
-from .replicas import Lease, Pool, Replica
-from .retries import RetryBudget, backoff
+from .replicas import Lease, Replica
+from .retries import RetryBook
 
 log = logging.getLogger(__name__)
 
@@ -59,20 +65,9 @@ class UpstreamClient:
     """Sends requests to a model's replicas over one client: the gateway's own (``http1``) or
     aiohttp's ``ClientSession`` (``aiohttp``)."""
 
-    def __init__(
-        self,
-        metrics: GatewayMetrics,
-        *,
-        client: str = "http1",
-        rng: random.Random | None = None,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, metrics: GatewayMetrics, *, client: str = "http1", retries: RetryBook | None = None) -> None:
         self._metrics = metrics
-        self._clock = clock  # the retry budget's
-        self._rng = rng or random.Random()
-        self._sleep = sleep  # the backoff's (tests inject one)
-        self._budgets: dict[str, RetryBudget] = {}  # by model name, across reloads
+        self.retries = retries if retries is not None else RetryBook(metrics)  # every model's budget
         self._session: aiohttp.ClientSession | None = None
         self._http1: Http1Client | None = None
         self._client = client
@@ -98,74 +93,35 @@ class UpstreamClient:
     def forward(self, request: web.Request, dispatch: Dispatch) -> Coroutine[Any, Any, web.StreamResponse]:
         """POST ``dispatch.body`` to one of its pool's replicas at the request's path; relay the
         answer. The exchange is the coroutine returned (this prepares it without a frame of its own)."""
-        model = dispatch.model
-        budget = self._budget(model)
-        budget.request()
-        attempts = _Attempts(model, budget, dispatch.affinity_key)
-        if dispatch.timeouts.total is not None:
-            attempts.deadline = asyncio.get_running_loop().time() + dispatch.timeouts.total
+        model, timeouts = dispatch.model, dispatch.timeouts
+        deadline = None
+        if timeouts.total is not None:
+            deadline = asyncio.get_running_loop().time() + timeouts.total
+        attempts = Attempts(
+            dispatch.pool,
+            f"model {model.name} upstream",
+            retries=self.retries.of(model),
+            key=dispatch.affinity_key,
+            deadline=deadline,
+        )
         headers = _upstream_headers(request, dispatch.gateway_headers)
         if dispatch.auth is not None:
             headers[hdrs.AUTHORIZATION] = dispatch.auth
         elif not dispatch.forward_client_auth:
             headers.popall(hdrs.AUTHORIZATION, None)
-        return self._forward(request, dispatch, attempts, headers)
+        # origin-form even when the client sent absolute-form (POST http://host/v1/... HTTP/1.1)
+        return self._forward(request, dispatch, attempts, _Sending(request.rel_url.raw_path_qs, headers, timeouts))
 
     async def _forward(
-        self, request: web.Request, dispatch: Dispatch, attempts: _Attempts, headers: CIMultiDict[str]
+        self, request: web.Request, dispatch: Dispatch, attempts: Attempts, sending: _Sending
     ) -> web.StreamResponse:
-        model, pool, body, timeouts = dispatch.model, dispatch.pool, dispatch.body, dispatch.timeouts
-        http1, session = self._http1, self._session
-        assert http1 is not None or session is not None, "UpstreamClient.start() was not called"
-        loop = asyncio.get_running_loop()
-        # a stream's first chunk and gaps are the relay's deadlines (first_byte_s, idle_s), its
-        # headers the wait below; a non-streamed reply's silence is the socket's read timeout
-        sock_read = None if timeouts.stream_idle is not None else timeouts.read
-        timeout = _client_timeout(timeouts.connect, sock_read)
-        # origin-form even when the client sent absolute-form (POST http://host/v1/... HTTP/1.1)
-        path = request.rel_url.raw_path_qs
-        while True:
-            if attempts.delay:
-                await self._sleep(attempts.delay)
-                attempts.delay = 0.0
-            lease = pool.lease(exclude=attempts.tried, key=attempts.key)
-            if lease is None:
-                break
-            attempts.tried.append(lease.replica)
+        model = dispatch.model
+        while (lease := await attempts.next()) is not None:
             with lease:
                 replica = lease.replica
                 started = time.perf_counter()
-                wait = timeouts.stream_idle  # for the response headers
-                if attempts.deadline is not None:
-                    wait = min(wait or timeouts.read, max(0.0, attempts.deadline - loop.time()))
-                upstream: UpstreamReply
                 try:
-                    if http1 is not None:
-                        upstream = await http1.post(
-                            replica.url,
-                            path,
-                            headers,
-                            body,
-                            connect_timeout=timeouts.connect,
-                            head_timeout=wait,  # None: sock_read bounds the wait
-                            read_timeout=sock_read,
-                        )
-                    else:
-                        assert session is not None
-                        _check_sendable(headers)  # aiohttp would raise a ValueError as it writes them
-                        sent = session.post(
-                            replica.url + path,
-                            data=whole_body(body, "application/json"),
-                            headers=headers,
-                            timeout=timeout,
-                            allow_redirects=False,  # relayed as they are, like every other answer
-                        )
-                        if wait is None:  # no timer to set: the socket's read timeout bounds the wait
-                            upstream = await sent
-                        else:
-                            async with asyncio.timeout(wait):
-                                upstream = await sent
-                        _check_relayable(upstream)
+                    upstream = await self._post(replica, dispatch.body, sending, attempts.left())
                 except asyncio.CancelledError:  # the client left (handler cancellation)
                     self._count(model, replica, "aborted")
                     raise
@@ -179,36 +135,12 @@ class UpstreamClient:
                     lease.busy(POOL_FULL_PAUSE_S)
                     continue  # nothing was sent: the next replica may take it; none left: 503 with Retry-After
                 except CLIENT_ERRORS as exc:
-                    failure = failure_of(exc)
-                    if failure.kind == "timeout" and attempts.deadline is not None and loop.time() >= attempts.deadline:
-                        self._count(model, replica, "timeout")  # the model's limit, not the replica's fault
-                        raise UpstreamTimeoutError(
-                            f"Upstream of model '{model.name}' did not finish within {timeouts.total:g}s"
-                        ) from None
-                    self._failed(lease, model, failure)
-                    if failure.kind == "connect":
-                        # nothing reached the engine: the next replica may take it, whatever the budget
-                        attempts.failure = UpstreamConnectError(
-                            f"Could not connect to any upstream of model '{model.name}' ({len(attempts.tried)} tried)"
-                        )
-                        if pool.available(exclude=attempts.tried):
-                            self._metrics.retries.labels(model.name, "connect_error").inc()
-                        continue
-                    if failure.kind == "timeout":
-                        waited = timeouts.stream_idle or timeouts.read
-                        raise UpstreamTimeoutError(
-                            f"Upstream of model '{model.name}' sent no response within {waited:g}s"
-                        ) from None
-                    attempts.failure = UpstreamError(
-                        f"Upstream of model '{model.name}' failed before responding: {failure.reason}"
-                    )
-                    if failure.kind == "reset" and self._retries(pool, attempts, "reset"):
-                        continue
-                    raise attempts.failure from None
+                    self._failed(attempts, lease, model, exc, dispatch.timeouts)
+                    continue
                 status = upstream.status
                 if status == 429:
                     lease.busy(_retry_after(upstream.headers.get(hdrs.RETRY_AFTER)))
-                if status in model.retries.on_status and self._retries(pool, attempts, f"http_{status}"):
+                if status in model.retries.on_status and attempts.again(f"http_{status}"):
                     attempts.failure = None  # a replica answered: if none is left, that is no_healthy_upstream
                     upstream.close()
                     self._count(model, replica, outcome_of(status))
@@ -230,70 +162,110 @@ class UpstreamClient:
                 if relayed.upstream_failed:
                     lease.failure("broke off mid-response")
                 self._count(model, replica, relayed.outcome)
-                if relayed.error is not None:
-                    raise relayed.error
-                assert relayed.response is not None
-                return relayed.response
+                error = relayed.error
+                if not isinstance(error, EmbeddingsNotDeliveredError) or dispatch.reprime is None:
+                    if error is not None:
+                        raise error
+                    assert relayed.response is not None
+                    return relayed.response
+                # not the replica's fault: the images are primed again, and every replica may take them
+                if not attempts.again("ec_error", anew=True):
+                    raise error
+                log.warning("model %s: %s; priming its images again", model.name, error.message)
+            dispatch = replace(dispatch, body=await dispatch.reprime(), reprime=None)  # outside the lease
         # Replica addresses and errors are logged, not told to clients.
+        if attempts.expired:
+            raise _out_of_time(model, dispatch.timeouts)
         if attempts.failure is None:
             raise NoHealthyUpstreamError(
                 f"Every upstream of model '{model.name}' is failing; retry later",
-                headers={"Retry-After": str(pool.retry_after())},
+                headers={"Retry-After": str(dispatch.pool.retry_after())},
             )
         raise attempts.failure
 
-    def may_retry(self, model: ModelConfig, reason: str) -> bool:
-        """Whether one more try of a whole exchange (a handler's own retry: ``ec_error``) fits in
-        the model's ``retries.attempts`` and its retry budget; counted either way."""
-        return model.retries.attempts >= 1 and self._withdraw(model, self._budget(model), reason)
+    def _post(self, replica: Replica, body: bytes, sending: _Sending, left: float | None) -> Awaitable[UpstreamReply]:
+        """One try's request, on the gateway's own client or aiohttp's: its reply's head."""
+        timeouts = sending.timeouts
+        wait = timeouts.stream_idle  # for the response headers
+        if left is not None:
+            wait = min(wait or timeouts.read, left)
+        if self._http1 is not None:
+            # wait None: sock_read bounds the wait for the head
+            return self._http1.post(
+                replica.url, sending.path, sending.headers, body, Waits(timeouts.connect, wait, sending.sock_read)
+            )
+        return self._session_post(replica, body, sending, wait)
 
-    def _withdraw(self, model: ModelConfig, budget: RetryBudget, reason: str) -> bool:
-        """A retry taken from the model's budget, counted as taken or as refused."""
-        if not budget.withdraw(model.retries):
-            self._metrics.retries_refused.labels(model.name).inc()
-            return False
-        self._metrics.retries.labels(model.name, reason).inc()
-        return True
+    async def _session_post(
+        self, replica: Replica, body: bytes, sending: _Sending, wait: float | None
+    ) -> UpstreamReply:
+        session = self._session
+        assert session is not None, "UpstreamClient.start() was not called"
+        _check_sendable(sending.headers)  # aiohttp would raise a ValueError as it writes them
+        sent = session.post(
+            replica.url + sending.path,
+            data=whole_body(body, "application/json"),
+            headers=sending.headers,
+            timeout=_client_timeout(sending.timeouts.connect, sending.sock_read),
+            allow_redirects=False,  # relayed as they are, like every other answer
+        )
+        if wait is None:  # no timer to set: the socket's read timeout bounds the wait
+            upstream = await sent
+        else:
+            async with asyncio.timeout(wait):
+                upstream = await sent
+        _check_relayable(upstream)
+        return upstream
 
-    def _budget(self, model: ModelConfig) -> RetryBudget:
-        """The model's retry budget, kept by name across reloads."""
-        return self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
-
-    def _retries(self, pool: Pool, attempts: _Attempts, reason: str) -> bool:
-        """Whether the attempt that just failed for ``reason`` is tried again; if so, count it and
-        set the backoff the next attempt waits first."""
-        model, config = attempts.model, attempts.model.retries
-        if attempts.retries >= config.attempts or not pool.available(exclude=attempts.tried):
-            return False
-        if not self._withdraw(model, attempts.budget, reason):
-            return False
-        attempts.retries += 1
-        attempts.delay = backoff(attempts.retries, config, self._rng)
-        if attempts.deadline is not None:  # no wait past the model's total
-            attempts.delay = min(attempts.delay, max(0.0, attempts.deadline - asyncio.get_running_loop().time()))
-        return True
-
-    def _failed(self, lease: Lease, model: ModelConfig, failure: Failure) -> None:
-        log.warning("upstream %s of model %s: %s", lease.replica.url, model.name, failure.reason)
-        lease.failure(failure.reason)
+    def _failed(
+        self, attempts: Attempts, lease: Lease, model: ModelConfig, exc: ClientFailure, timeouts: Timeouts
+    ) -> None:
+        """A try that failed before any reply: returns when the next replica is tried, raises
+        what the client is told otherwise."""
+        if attempts.expired:
+            self._count(model, lease.replica, "timeout")  # the model's limit, not the replica's fault
+            raise _out_of_time(model, timeouts)
+        failure = attempts.failed(lease, exc)
         self._count(model, lease.replica, failure.outcome)
+        if failure.kind == "connect":
+            # nothing reached the engine: the next replica may take it, whatever the budget
+            attempts.failure = UpstreamConnectError(
+                f"Could not connect to any upstream of model '{model.name}' ({len(attempts.tried)} tried)"
+            )
+            attempts.again("connect_error", free=True)
+            return
+        if failure.kind == "timeout":
+            waited = timeouts.stream_idle or timeouts.read
+            raise UpstreamTimeoutError(
+                f"Upstream of model '{model.name}' sent no response within {waited:g}s"
+            ) from None
+        attempts.failure = UpstreamError(f"Upstream of model '{model.name}' failed before responding: {failure.reason}")
+        if failure.kind == "reset" and attempts.again("reset"):
+            return
+        raise attempts.failure from None
 
     def _count(self, model: ModelConfig, replica: Replica, outcome: str) -> None:
         self._metrics.child(self._metrics.upstream_requests, model.name, replica.url, outcome).inc()
 
 
-@dataclass(slots=True)
-class _Attempts:
-    """One request's way through its pool."""
+@dataclass(frozen=True, slots=True)
+class _Sending:
+    """What every try of one request sends, and how long each may wait."""
 
-    model: ModelConfig
-    budget: RetryBudget
-    key: bytes | None  # for balance: affinity
-    tried: list[Replica] = field(default_factory=list)
-    retries: int = 0  # retries that counted (a refused connection does not)
-    delay: float = 0.0  # the backoff before the next attempt
-    failure: GatewayError | None = None  # what the client is told when no attempt is left
-    deadline: float | None = None  # loop time by which the whole exchange must end (timeouts.total)
+    path: str
+    headers: CIMultiDict[str]
+    timeouts: Timeouts
+
+    @property
+    def sock_read(self) -> float | None:
+        """A stream's first chunk and gaps are the relay's deadlines (first_byte_s, idle_s), its
+        headers the wait of :meth:`UpstreamClient._post`; a non-streamed reply's silence is the
+        socket's read timeout."""
+        return None if self.timeouts.stream_idle is not None else self.timeouts.read
+
+
+def _out_of_time(model: ModelConfig, timeouts: Timeouts) -> UpstreamTimeoutError:
+    return UpstreamTimeoutError(f"Upstream of model '{model.name}' did not finish within {timeouts.total:g}s")
 
 
 # what aiohttp's server refuses to write in a status line or a header (aiohttp.http_writer), and

@@ -3,7 +3,7 @@ with the server): its deadlines, and the :class:`Dispatch` the client and the re
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from ..config import ModelConfig
@@ -28,8 +28,10 @@ class Dispatch:
     """What the upstream hop needs of one request, and all it sees of it: the model and its pool
     of this generation, the bytes to send, the deadlines, the headers that go both ways, the
     model's key (sent in place of the client's ``Authorization``, which is not sent either when
-    ``forward_client_auth`` is off), the balancing key, and whether an EC consumer's failure for
-    want of primed embeddings is looked for."""
+    ``forward_client_auth`` is off), the balancing key, and ``reprime``: for a request whose
+    images were primed on vLLM encoder instances, how to make its body again, the images primed
+    anew, when the EC consumer missed one (:mod:`gateway.upstream.consumer`); that second try
+    is relayed whatever it answers."""
 
     model: ModelConfig
     pool: Pool
@@ -39,4 +41,4 @@ class Dispatch:
     auth: str | None = None
     forward_client_auth: bool = True
     affinity_key: bytes | None = None
-    ec_check: bool = False
+    reprime: Callable[[], Awaitable[bytes]] | None = None

@@ -21,6 +21,7 @@ from . import http1
 Kind = Literal["connect", "timeout", "reset", "protocol"]
 # errors the clients catch around a request (CancelledError is not one: the client left)
 CLIENT_ERRORS = (aiohttp.ClientError, http1.Http1Error, TimeoutError)
+ClientFailure = aiohttp.ClientError | http1.Http1Error | TimeoutError  # what an `except CLIENT_ERRORS` catches
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,7 @@ class Failure:
         return {"connect": "connect_error", "timeout": "timeout", "reset": "reset", "protocol": "error"}[self.kind]
 
 
-def failure_of(exc: aiohttp.ClientError | http1.Http1Error | TimeoutError) -> Failure:
+def failure_of(exc: ClientFailure) -> Failure:
     if isinstance(exc, http1.Http1Error):
         return _http1_failure(exc)
     # order matters: ConnectionTimeoutError is a ServerTimeoutError, ClientConnectorError a ClientOSError

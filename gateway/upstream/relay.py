@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from types import TracebackType
 from typing import Any, NamedTuple, Protocol
@@ -22,7 +21,8 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ..errors import EmbeddingsNotDeliveredError, GatewayError, UpstreamError, UpstreamTimeoutError
+from ..errors import GatewayError, UpstreamError, UpstreamTimeoutError
+from . import consumer
 from .dispatch import Dispatch, Timeouts
 from .failures import CLIENT_ERRORS
 
@@ -99,23 +99,6 @@ def outcome_of(status: int) -> str:
     return "ok" if status < 400 else "http_4xx" if status < 500 else "http_5xx"
 
 
-# How a vLLM ec_consumer says an embedding the connector should have delivered was not there: a
-# 500 before any byte, or a generation that ends at once with finish_reason "error" (model text
-# cannot forge it: inside a string its quotes are escaped).
-_EC_ERROR = re.compile(rb'"finish_reason":\s*"error"')
-# A stream's opening that says the generation is under way: content, a tool call, another finish.
-_EC_UNDER_WAY = re.compile(rb'"content":\s*"[^"]|"tool_calls":\s*\[\s*\{|"finish_reason":\s*"|\[DONE\]')
-EC_PEEK_BYTES = 64 * 1024  # the most of a stream's opening read before deciding
-
-
-def _not_delivered(model: str, how: str) -> EmbeddingsNotDeliveredError:
-    return EmbeddingsNotDeliveredError(f"Upstream of model '{model}' {how}")
-
-
-def ec_error(status: int, data: bytes) -> bool:
-    return status == 500 or _EC_ERROR.search(data) is not None
-
-
 class RelayResponse(web.StreamResponse):
     """A relayed response; ``client_gone`` tells the metrics the client left before the end."""
 
@@ -127,9 +110,9 @@ def relay(
 ) -> Coroutine[Any, Any, Relayed]:
     """Relay ``upstream`` to the client (the coroutine that does it); ``deadline`` (loop time)
     ends the exchange (``total``). A small non-streamed reply is read whole, any other relayed
-    chunk by chunk. ``dispatch.ec_check``: a reply that says the primed embeddings were missing
-    (see :func:`ec_error`: the status, the whole small body or a stream's first chunk) is not
-    relayed but answered :class:`~gateway.errors.EmbeddingsNotDeliveredError`."""
+    chunk by chunk. ``dispatch.reprime``: a reply that says vLLM's EC consumer missed a primed
+    embedding (:mod:`gateway.upstream.consumer`: the status, the whole small body or a stream's
+    opening) is not relayed; its error goes back to the attempt, which primes again."""
     outcome = outcome_of(upstream.status)
     length = upstream.content_length
     streamed = dispatch.timeouts.stream_idle is not None  # the client asked for a stream
@@ -144,20 +127,17 @@ async def _relay_stream(
     """A reply relayed chunk by chunk as it arrives (every stream, and a reply of unknown or large
     length), under the deadlines of :class:`_Deadlines`."""
     model, gateway_headers, timeouts = dispatch.model.name, dispatch.gateway_headers, dispatch.timeouts
-    ec_check = dispatch.ec_check
     length = upstream.content_length
-    streamed = timeouts.stream_idle is not None
     first = b""
-    if ec_check:  # the stream's opening decides, before anything goes to the client
-        if ec_error(upstream.status, b""):
-            return Relayed(
-                None, outcome, False, EmbeddingsNotDeliveredError(f"Upstream of model '{model}' answered 500")
-            )
+    if dispatch.reprime is not None:  # the stream's opening decides, before anything goes to the client
+        missed = consumer.missed(model, upstream.status, b"")
+        if missed is not None:
+            return Relayed(None, outcome, False, missed)
         loop = asyncio.get_running_loop()
         wait = timeouts.read if deadline is None else min(timeouts.read, max(0.0, deadline - loop.time()))
         try:
             async with asyncio.timeout(wait):
-                first = await _opening(upstream)
+                first = await consumer.opening(upstream.content.iter_any())
         except CLIENT_ERRORS as exc:
             log.warning("upstream of %s broke off before its first chunk: %r", model, exc)
             if isinstance(exc, TimeoutError):
@@ -167,10 +147,9 @@ async def _relay_stream(
                 message = f"Upstream of model '{model}' sent no first chunk within {timeouts.read:g}s"
                 return Relayed(None, "timeout", True, UpstreamTimeoutError(message))
             return Relayed(None, "aborted", True, UpstreamError(f"Upstream of model '{model}' broke off its response"))
-        if ec_error(upstream.status, first):
-            return Relayed(
-                None, outcome, False, EmbeddingsNotDeliveredError(f"Upstream of model '{model}' ended in error")
-            )
+        missed = consumer.missed(model, upstream.status, first)
+        if missed is not None:
+            return Relayed(None, outcome, False, missed)
     response = RelayResponse(
         status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers)
     )
@@ -178,15 +157,7 @@ async def _relay_stream(
         response.content_length = length
     await response.prepare(request)
     loop = asyncio.get_running_loop()
-    deadlines = _Deadlines(
-        loop,
-        request,
-        upstream,
-        client_write=timeouts.client_write,
-        stream_idle=timeouts.stream_idle,
-        first_byte=timeouts.read if streamed else None,  # a non-streamed body: sock_read bounds it
-        total_at=deadline,
-    )
+    deadlines = _Deadlines(loop, request, upstream, timeouts, deadline)
     failed = False
     try:
         if first:
@@ -223,23 +194,11 @@ async def _relay_stream(
     return Relayed(response, outcome, failed)
 
 
-async def _opening(upstream: UpstreamReply) -> bytes:
-    """A reply's first chunks, up to the one that says whether the generation is under way or
-    ended in error (vLLM sends the assistant's role first, alone), or EC_PEEK_BYTES, or the end."""
-    opening = b""
-    async for chunk in upstream.content.iter_any():
-        opening += chunk
-        if _EC_ERROR.search(opening) or _EC_UNDER_WAY.search(opening) or len(opening) >= EC_PEEK_BYTES:
-            break
-    return opening
-
-
 async def _relay_whole(upstream: UpstreamReply, dispatch: Dispatch, deadline: float | None, outcome: str) -> Relayed:
     """A small reply of known length, read whole and sent with its headers in one write. Nothing
     reached the client before the body is complete, so a replica that breaks off is a clean 502
     (raised by the caller once the attempt is counted, rendered like every other error)."""
     model, gateway_headers, timeouts = dispatch.model.name, dispatch.gateway_headers, dispatch.timeouts
-    ec_check = dispatch.ec_check
     try:
         if deadline is None:
             body = await upstream.read()  # bounded by the socket's read timeout (first_byte_s)
@@ -261,8 +220,10 @@ async def _relay_whole(upstream: UpstreamReply, dispatch: Dispatch, deadline: fl
         else:
             error = UpstreamError(f"Upstream of model '{model}' broke off its response", headers=headers)
         return Relayed(None, "timeout" if isinstance(error, UpstreamTimeoutError) else "aborted", not expired, error)
-    if ec_check and ec_error(upstream.status, body):
-        return Relayed(None, outcome, False, _not_delivered(model, "ended in error"))
+    if dispatch.reprime is not None:
+        missed = consumer.missed(model, upstream.status, body)
+        if missed is not None:
+            return Relayed(None, outcome, False, missed)
     response = web.Response(
         status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers), body=body
     )
@@ -285,8 +246,9 @@ class _Deadlines:
     A write that has waited ``client_write`` seconds means a client that stopped reading: its
     connection is aborted, which ends the handler and so closes the upstream request (the engine
     stops). That watch goes on to the end, the error event included. A stream whose engine sent
-    no first chunk within ``first_byte`` (queueing and prefill), or nothing for ``stream_idle``
-    seconds after a chunk, is hung, and an exchange past ``total_at`` is over: the upstream read
+    no first chunk within ``first_byte`` (queueing and prefill: ``timeouts.read``; a non-streamed
+    body's silence is the socket's read timeout), or nothing for ``stream_idle`` seconds after a
+    chunk, is hung, and an exchange past ``total_at`` (loop time) is over: the upstream read
     fails with a timeout, which the relay turns into an SSE error event (``expired`` says which).
     """
 
@@ -298,14 +260,12 @@ class _Deadlines:
         loop: asyncio.AbstractEventLoop,
         request: web.Request,
         upstream: UpstreamReply,
-        *,
-        client_write: float,
-        stream_idle: float | None,
-        first_byte: float | None,
+        timeouts: Timeouts,
         total_at: float | None,
     ) -> None:
         self._loop, self._request, self._upstream = loop, request, upstream
-        self.client_write, self.stream_idle, self.first_byte = client_write, stream_idle, first_byte
+        self.client_write, self.stream_idle = timeouts.client_write, timeouts.stream_idle
+        self.first_byte = timeouts.read if timeouts.stream_idle is not None else None
         self.total_at = total_at
         self._started = loop.time()
         self.writing_since: float | None = None

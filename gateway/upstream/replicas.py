@@ -190,6 +190,17 @@ class Pool:
         """A lease on the replica that should take the next attempt; None if none admits one.
         ``key``: the request's affinity key (used by ``balance: affinity``). ``panic``: when no
         replica admits one, take one anyway (Envoy's panic routing: better a try than nothing)."""
+        chosen = self.choose(exclude, key=key, panic=panic)
+        return None if chosen is None else self.lease_on(chosen)
+
+    def lease_on(self, replica: Replica) -> Lease:
+        """A lease on a replica chosen before (:meth:`choose`); the probe, if it is half-open and free."""
+        return Lease(self, replica, probe=replica.state == "half_open" and replica.probes == 0)
+
+    def choose(
+        self, exclude: Collection[Replica] = (), *, key: bytes | None = None, panic: bool = False
+    ) -> Replica | None:
+        """The replica :meth:`lease` would lease, without a lease: nothing counted on it."""
         now = self.clock()
         candidates = [r for r in self.replicas if r not in exclude and r.admits(now, self.breaker)]
         if not candidates and panic and not exclude:
@@ -199,12 +210,10 @@ class Pool:
         # an engine that said 429 answers fast and so looks idle: without this it would draw the load
         candidates = [r for r in candidates if r.busy_until <= now] or candidates
         if self.balance == "round_robin":
-            chosen = self._round_robin(candidates)
-        elif self.balance == "affinity" and key is not None:
-            chosen = self._affinity(candidates, key)
-        else:
-            chosen = self._p2c(candidates)
-        return Lease(self, chosen, probe=chosen.state == "half_open" and chosen.probes == 0)
+            return self._round_robin(candidates)
+        if self.balance == "affinity" and key is not None:
+            return self._affinity(candidates, key)
+        return self._p2c(candidates)
 
     def available(self, exclude: Collection[Replica] = ()) -> bool:
         """Whether :meth:`lease` would find a replica now."""

@@ -15,11 +15,13 @@ connection is retried without touching the budget: nothing reached an engine.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-from ..config import RetryConfig
+from ..config import ModelConfig, RetryConfig
+from ..metrics import GatewayMetrics
 
 WINDOW_S = 10
 
@@ -61,3 +63,55 @@ def backoff(retry: int, config: RetryConfig, rng: random.Random) -> float:
     """Seconds to wait before retry number ``retry`` (1-based): jittered, exponential, capped."""
     ceiling = min(config.max_backoff_s, config.backoff_s * 2.0 ** (retry - 1))
     return ceiling / 2 + rng.uniform(0, ceiling / 2)
+
+
+class Retries:
+    """A model's retries as one request meets them: its ``retries:`` rules, its budget (shared by
+    every request of the model), the counters, and the backoff's draws and sleep."""
+
+    __slots__ = ("_book", "budget", "config", "model")
+
+    def __init__(self, book: RetryBook, model: str, config: RetryConfig, budget: RetryBudget) -> None:
+        self._book, self.model, self.config, self.budget = book, model, config, budget
+
+    def withdraw(self, reason: str) -> bool:
+        """One retry taken from the budget, counted as taken (by ``reason``) or as refused."""
+        if not self.budget.withdraw(self.config):
+            self._book.metrics.retries_refused.labels(self.model).inc()
+            return False
+        self.count(reason)
+        return True
+
+    def count(self, reason: str) -> None:
+        """A retry that costs no budget (nothing reached the replica), counted."""
+        self._book.metrics.retries.labels(self.model, reason).inc()
+
+    def backoff(self, retry: int) -> float:
+        return backoff(retry, self.config, self._book.rng)
+
+    def sleep(self, seconds: float) -> Awaitable[None]:
+        return self._book.sleep(seconds)
+
+
+class RetryBook:
+    """Every model's retry budget, kept by name across reloads, for every client that sends a
+    model work (the upstream hop, transcription): one budget a model, whoever retries."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.metrics, self.rng, self.sleep = metrics, rng or random.Random(), sleep
+        self._clock = clock
+        self._budgets: dict[str, RetryBudget] = {}
+
+    def of(self, model: ModelConfig, *, request: bool = True) -> Retries:
+        """The model's retries for one request, counted in its budget unless ``request`` is False."""
+        budget = self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
+        if request:
+            budget.request()
+        return Retries(self, model.name, model.retries, budget)

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from gateway.config import parse_config
-from gateway.encode.supervisor import Timings
+from gateway.encode.supervisor import Supervisor, Timings
 from gateway.server.app import create_app
 from gateway.server.state import SERVICES_KEY
 from tests.conftest import Gateway, Upstream, error_body, needs_encoder, routing
@@ -84,11 +84,9 @@ async def test_a_local_encoder_is_started_supervised_and_restarted(gateway_facto
 async def test_a_backend_that_keeps_dying_keeps_the_gateway_unready(upstream_factory, tmp_path) -> None:
     upstream = await upstream_factory("up")
     registry = CollectorRegistry()
-    app = create_app(
-        parse_config(local_config(upstream)),
-        registry=registry,
-        encoder_command=[sys.executable, "-c", "import sys; sys.exit(3)"],
-    )
+    config = parse_config(local_config(upstream))
+    supervisor = Supervisor(config, command=[sys.executable, "-c", "import sys; sys.exit(3)"])
+    app = create_app(config, registry=registry, supervisor=supervisor)
     server = TestServer(app, host="127.0.0.1", port=0)
     await server.start_server()
     try:
@@ -178,12 +176,10 @@ web.run_app(app, host='127.0.0.1', port=port, print=None)
 async def test_a_backend_that_stops_answering_is_killed_and_restarted(upstream_factory) -> None:
     upstream = await upstream_factory("up")
     registry = CollectorRegistry()
-    app = create_app(
-        parse_config(local_config(upstream)),
-        registry=registry,
-        encoder_command=[sys.executable, "-c", HANGING_BACKEND],
-        supervisor_timings=Timings(health_interval_s=0.1, health_timeout_s=0.3),
-    )
+    config = parse_config(local_config(upstream))
+    timings = Timings(health_interval_s=0.1, health_timeout_s=0.3)
+    supervisor = Supervisor(config, command=[sys.executable, "-c", HANGING_BACKEND], timings=timings)
+    app = create_app(config, registry=registry, supervisor=supervisor)
     server = TestServer(app, host="127.0.0.1", port=0)
     await server.start_server()
     try:

@@ -840,21 +840,21 @@ async def test_a_redirect_is_rechecked_for_scheme_and_domain(fetcher_factory, me
 # --- reload ----------------------------------------------------------------------------------
 
 
-async def test_update_switches_the_rules(fetcher_factory, media_server) -> None:
+async def test_each_fetch_is_held_to_the_rules_it_is_given(fetcher_factory, media_server) -> None:
+    # one fetcher, the rules of each request's config generation (a reload changes no fetch's)
     fetcher = await fetcher_factory(STRICT)
     by_name = media_server.url("/img.png", host="localhost")
     await refused(fetcher, by_name)
-    fetcher.update(LOOPBACK_OK)
-    assert await fetcher.load(by_name) == PNG
-    assert await fetcher.load(media_server.url("/img.png")) == PNG
-    # no pooled connection or cached DNS answer outlives the stricter rules
-    fetcher.update(STRICT)
+    assert await fetcher.load(by_name, "image", LOOPBACK_OK) == PNG
+    assert await fetcher.load(media_server.url("/img.png"), "image", LOOPBACK_OK) == PNG
+    # no pooled connection or cached DNS answer carries one request's rules to another
     await refused(fetcher, by_name)
     await refused(fetcher, media_server.url("/img.png"))
-    fetcher.update(MediaConfig(allow_domains=("example.com",), allow_private_networks=True))
-    error = await refused(fetcher, by_name)
-    assert "not in media.allow_domains" in error.message
-    fetcher.update(MediaConfig(allow_private_networks=True, max_image_bytes=10))
-    await refused(fetcher, by_name)
-    await refused(fetcher, "data:;base64," + PNG_B64)
+    with pytest.raises(MediaRefusedError) as info:
+        await fetcher.load(by_name, "image", MediaConfig(allow_domains=("example.com",), allow_private_networks=True))
+    assert "not in media.allow_domains" in info.value.message
+    with pytest.raises(MediaRefusedError):
+        await fetcher.load(by_name, "image", MediaConfig(allow_private_networks=True, max_image_bytes=10))
+    with pytest.raises(MediaRefusedError):
+        await fetcher.load("data:;base64," + PNG_B64, "image", MediaConfig(max_image_bytes=10))
     assert media_server.hits == ["/img.png"] * 3

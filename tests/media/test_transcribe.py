@@ -454,3 +454,32 @@ async def test_an_audio_playlist_opens_no_file(gateway_factory, upstream_factory
         await request
     assert not opened
     assert gw.sample("gateway_audio_transcribed_seconds_total", model="texty") == 0
+
+
+async def test_transcription_retries_are_the_transcription_models_own_counted_and_budgeted(
+    gateway_factory, upstream_factory
+) -> None:
+    # one attempt loop: a transcription's retries are counted like a chat request's, under the
+    # transcription model's name, and drawn from its retry budget (here spent: none is made)
+    chat, bad, good = await upstream_factory("chat"), await upstream_factory("bad"), await upstream_factory("good")
+    bad.standin.fail_status = 503
+    dead = f"http://127.0.0.1:{free_port()}"
+    config = table(chat, dead, bad.url, good.url).replace(
+        "accepts: [text, audio]}", "accepts: [text, audio], balance: round_robin}"
+    )
+    gw = await gateway_factory(config)
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.1))))
+    assert gw.sample("gateway_retries_total", model="whisper", reason="connect_error") == 1
+    assert gw.sample("gateway_retries_total", model="whisper", reason="http_503") == 1
+    assert len(good.standin.received) == 1
+
+    spent = table(chat, bad.url, good.url).replace(
+        "accepts: [text, audio]}", "accepts: [text, audio], balance: round_robin, retries: {budget: 0, min_per_s: 0}}"
+    )
+    gw = await gateway_factory(spent)
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask(input_audio(wav(0.2))))
+    assert caught.value.status_code == 502
+    assert gw.sample("gateway_retries_refused_total", model="whisper") == 1

@@ -161,6 +161,63 @@ async def test_a_reload_between_admission_and_encoding_does_not_pull_the_encoder
     assert upstream.received[0].json()["messages"][0]["content"][0]["type"] == "image_embeds"
 
 
+async def test_a_reload_that_tightens_the_media_rules_leaves_a_fetch_under_way_its_own(
+    gateway_factory, upstream_factory, monkeypatch
+) -> None:
+    # The fetcher's rules were swapped by a listener on every reload, behind the requests'
+    # snapshots: an image admitted under allow_private_networks: true whose redirect came after
+    # a reload to false was refused (400 media_refused), the redirect resolved under the new rules.
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    fetching, release = asyncio.Event(), asyncio.Event()
+
+    async def redirecting(request: web.Request) -> web.Response:
+        fetching.set()
+        await release.wait()
+        port = request.url.port
+        raise web.HTTPFound(f"http://localhost:{port}/cat.png")  # a name: resolved under the rules
+
+    async def image(request: web.Request) -> web.Response:
+        return web.Response(body=png(), content_type="image/png")
+
+    async def encode(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"image_embeds": "QUFB"})
+
+    media_app, encoder_app = web.Application(), web.Application()
+    media_app.router.add_get("/first.png", redirecting)
+    media_app.router.add_get("/cat.png", image)
+    encoder_app.router.add_post("/v1/encode", encode)
+    media, encoder = await upstream_factory("media", media_app), await upstream_factory("enc", encoder_app)
+    upstream = await upstream_factory("up")
+    server = f"server: {{admin_token_env: {TOKEN_ENV}, reload_interval_s: 0}}\n"
+    rest = (
+        f"encoders:\n  enc: {{kind: http, urls: [{encoder.url}]}}\nmodels:\n"
+        f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text, image], encode: {{image: enc}}}}\n"
+    )
+    before = f"version: 1\n{server}media: {{allow_private_networks: true}}\n{rest}"
+    after = f"version: 1\n{server}{rest}"  # private networks refused
+    gw = await gateway_factory(before, write_file=True)
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{media.url}/first.png"}}]}
+        ],
+    }
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.create_task(session.post(f"{gw.url}/v1/chat/completions", json=body))
+        await fetching.wait()  # admitted, its image on its way
+        (Path(gw.config.source)).write_text(after)
+        assert (await post_reload(gw, "s3cret"))[0] == 200
+        assert not gw.config.media.allow_private_networks
+        release.set()
+        async with await request as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["X-Gateway-Encoded"] == "1"
+        # a request admitted under the new rules is held to them
+        async with session.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["code"] == "media_refused"
+
+
 async def test_fifty_reloads_under_load_fail_no_request(gateway_factory, upstream_factory, tmp_path) -> None:
     a, b = await upstream_factory("a"), await upstream_factory("b")
     configs = [

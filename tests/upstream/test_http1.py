@@ -319,8 +319,8 @@ async def hang_up(writer: asyncio.StreamWriter) -> None:
 
 
 def post(client: Http1Client, url: str, **timeouts: float | None) -> Coroutine[Any, Any, Reply]:
-    options: dict[str, Any] = {"connect_timeout": 5.0, "head_timeout": None, "read_timeout": 5.0} | timeouts
-    return client.post(url, "/v1/chat/completions", {}, CHAT, **options)
+    options: dict[str, Any] = {"connect": 5.0, "head": None, "read": 5.0} | timeouts
+    return client.post(url, "/v1/chat/completions", {}, CHAT, http1.Waits(**options))
 
 
 @pytest.fixture
@@ -389,7 +389,7 @@ async def test_a_silent_replica_is_a_read_timeout_and_its_connection_closed(clie
 
     async with script(silent) as s:
         with pytest.raises(http1.ReadTimeout) as caught:
-            await post(client, s.url, head_timeout=0.05)
+            await post(client, s.url, head=0.05)
         assert failure_of(caught.value).kind == "timeout"
         await s.closed.wait()  # the engine sees the client leave
 
@@ -400,7 +400,7 @@ async def test_a_body_that_stops_coming_is_a_read_timeout(client: Http1Client) -
         await writer.drain()
 
     async with script(stalls) as s:
-        reply = await post(client, s.url, read_timeout=0.05)
+        reply = await post(client, s.url, read=0.05)
         with pytest.raises(http1.ReadTimeout):
             await reply.read()
         await s.closed.wait()
@@ -460,7 +460,7 @@ async def test_a_streamed_reply_arrives_chunk_by_chunk(client: Http1Client) -> N
 
     async with script(events) as s:
         seen = []
-        async with await post(client, s.url, read_timeout=None) as reply:
+        async with await post(client, s.url, read=None) as reply:
             async for chunk in reply.content.iter_any():
                 seen.append(chunk)  # each came before the next was written
                 next_chunk.set()

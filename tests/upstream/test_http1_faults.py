@@ -66,15 +66,15 @@ async def test_the_next_request_on_that_connection_gets_its_reply() -> None:
     client = Http1Client()
     try:
         async with script(large, ok(b"B")) as s:
-            options = {"connect_timeout": 5.0, "head_timeout": None, "read_timeout": 1.0}
-            a = await client.post(s.url, "/v1/chat/completions", {}, CHAT, **options)
+            waits = http1.Waits(connect=5.0, head=None, read=1.0)
+            a = await client.post(s.url, "/v1/chat/completions", {}, CHAT, waits)
             for _ in range(200):  # the relay is busy writing A's first chunks to a slow client
                 if a._done:
                     break
                 await asyncio.sleep(0.01)
             assert a._done
             a.close()  # A's client leaves
-            b = await client.post(s.url, "/v1/chat/completions", {}, CHAT, **options)
+            b = await client.post(s.url, "/v1/chat/completions", {}, CHAT, waits)
             assert await b.read() == b"B"
             assert s.connections == 1
     finally:
@@ -95,14 +95,14 @@ def test_on_uvloop_as_served() -> None:
         client = Http1Client()
         try:
             async with script(large, ok(b"B")) as s:
-                options = {"connect_timeout": 5.0, "head_timeout": 1.0, "read_timeout": 1.0}
-                a = await client.post(s.url, "/v1/chat/completions", {}, CHAT, **options)
+                waits = http1.Waits(connect=5.0, head=1.0, read=1.0)
+                a = await client.post(s.url, "/v1/chat/completions", {}, CHAT, waits)
                 async for _ in a:  # the relay writing to a client
                     await asyncio.sleep(0.005)
                     if a._done:
                         break  # A's client leaves during the last write
                 a.close()
-                b = await client.post(s.url, "/v1/chat/completions", {}, CHAT, **options)
+                b = await client.post(s.url, "/v1/chat/completions", {}, CHAT, waits)
                 assert await b.read() == b"B"
         finally:
             await client.close()
@@ -121,11 +121,11 @@ async def test_a_reused_connection_that_dies_mid_generation_is_not_resent() -> N
     client = Http1Client()
     try:
         async with script(ok(b"first"), works_then_dies, ok(b"again")) as s:
-            options = {"connect_timeout": 5.0, "head_timeout": None, "read_timeout": 5.0}
-            async with await client.post(s.url, "/v1/chat/completions", {}, CHAT, **options) as reply:
+            waits = http1.Waits(connect=5.0, head=None, read=5.0)
+            async with await client.post(s.url, "/v1/chat/completions", {}, CHAT, waits) as reply:
                 await reply.read()
             with pytest.raises(http1.Disconnected):  # the gateway's policy (retries.*) decides
-                await client.post(s.url, "/v1/chat/completions", {}, CHAT, **options)
+                await client.post(s.url, "/v1/chat/completions", {}, CHAT, waits)
             assert len(s.requests) == 2, "the engine was sent the same request twice"
     finally:
         await client.close()
@@ -349,7 +349,7 @@ async def test_read_timeout_applies_from_the_head_even_when_head_timeout_is_long
     client = Http1Client()
     try:
         async with script(stalls) as s:
-            reply = await client.post(s.url, "/", {}, CHAT, connect_timeout=5.0, head_timeout=10.0, read_timeout=0.1)
+            reply = await client.post(s.url, "/", {}, CHAT, http1.Waits(connect=5.0, head=10.0, read=0.1))
             with pytest.raises(http1.ReadTimeout):
                 async with asyncio.timeout(2.0):  # read_timeout is 0.1 s
                     await reply.read()
@@ -429,7 +429,7 @@ async def test_a_replica_gets_max_connections_at_most_and_the_next_request_waits
                 await asyncio.sleep(0.01)  # bounded by the test's timeout
             third = asyncio.ensure_future(post(client, s.url))
             with pytest.raises(http1.ConnectTimeout, match=r"2 connections .* open and busy"):
-                await post(client, s.url, connect_timeout=0.05)  # none frees in time: nothing sent
+                await post(client, s.url, connect=0.05)  # none frees in time: nothing sent
             release.set()
             for waiting in (first, second):
                 async with await waiting as reply:

@@ -37,7 +37,7 @@ Errors are :class:`Http1Error`; :mod:`gateway.upstream.failures` reads them as i
 
 from __future__ import annotations
 
-from .client import KEEPALIVE_S, MAX_CONNECTIONS, Http1Client
+from .client import KEEPALIVE_S, MAX_CONNECTIONS, Http1Client, Waits
 from .connection import LARGE_BODY_BYTES, MAX_HEAD_BYTES, MAX_INTERIM, MAX_TRAILERS, STALE_WINDOW_S, _Connection
 from .errors import (
     ConnectError,
@@ -74,5 +74,6 @@ __all__ = [
     "ReadTimeout",
     "Reply",
     "UnsendableHeader",
+    "Waits",
     "_Connection",
 ]

@@ -6,6 +6,7 @@ import asyncio
 import ssl
 from collections import deque
 from collections.abc import Mapping
+from typing import NamedTuple
 from urllib.parse import quote, urlsplit
 
 from .connection import _Connection
@@ -14,6 +15,14 @@ from .reply import Reply
 
 KEEPALIVE_S = 4.0  # < the 5 s after which uvicorn (vLLM, SGLang) closes an idle connection
 MAX_CONNECTIONS = 1024  # open to one replica (a request holds one while it is relayed)
+
+
+class Waits(NamedTuple):
+    """How long one request waits on its replica (None: no bound, the caller keeps its own deadlines)."""
+
+    connect: float  # for a connection (or a place among MAX_CONNECTIONS)
+    head: float | None  # for the reply's head; None: ``read`` bounds it
+    read: float | None  # every silence once the head came
 
 
 class Http1Client:
@@ -39,14 +48,11 @@ class Http1Client:
         path: str,
         headers: Mapping[str, str],
         body: bytes,
-        *,
-        connect_timeout: float,
-        head_timeout: float | None,
-        read_timeout: float | None,
+        waits: Waits,
     ) -> Reply:
         """POST ``body`` to ``path`` (origin-form, with its query) of replica ``url``; the reply once
-        its head came. ``head_timeout`` bounds the wait for the head, ``read_timeout`` every
-        silence after it (None: no bound, the caller keeps its own deadlines)."""
+        its head came, within ``waits``."""
+        connect_timeout, head_timeout, read_timeout = waits
         origin = self._origins.get(url) or self.origin(url)
         data = origin.request_head(path, headers, body)
         conn = origin.idle_connection()

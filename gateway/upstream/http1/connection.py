@@ -7,16 +7,25 @@ import asyncio
 import re
 import select
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from .errors import Disconnected, Http1Error, ProtocolError, ReadTimeout
-from .reply import _CHUNKED, _LENGTH, _NONE, _UNTIL_CLOSE, Reply
+from .reply import _CHUNKED, _LENGTH, _NONE, _UNTIL_CLOSE, Head, Reply
 
-if TYPE_CHECKING:
-    from .client import _Origin
+
+class Origin(Protocol):
+    """What a connection needs of the pool it belongs to (:class:`gateway.upstream.http1.client._Origin`)."""
+
+    idle: list[_Connection]  # given back, most recently used last
+    live: set[_Connection]  # every open one
+
+    def lost(self, conn: _Connection) -> None: ...
+
+    def release(self, conn: _Connection) -> None: ...
+
 
 MAX_HEAD_BYTES = 64 * 1024  # status line and headers of a reply
 MAX_TRAILERS = 64 * 1024
@@ -47,7 +56,7 @@ class _Connection(asyncio.Protocol):
                  "_since_body", "_timer", "_trailer_bytes", "closed", "last_used", "nothing_received", "reply",
                  "transport")  # fmt: skip
 
-    def __init__(self, origin: _Origin) -> None:
+    def __init__(self, origin: Origin) -> None:
         self._origin = origin
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
@@ -151,7 +160,9 @@ class _Connection(asyncio.Protocol):
         if self.reply is None:
             self._fields.append((name, value))
             return
-        self._trailer_bytes += len(name) + len(value) + 4  # a trailer: read past
+        # a trailer, read past: whole fields counted here (those of one read), a field still
+        # coming by data_received (a partial one llhttp holds)
+        self._trailer_bytes += len(name) + len(value) + 4
         if self._trailer_bytes > MAX_TRAILERS:
             raise ProtocolError("trailers too long")
 
@@ -371,4 +382,4 @@ def _reply(conn: _Connection, status: int, reason: bytes, fields: list[tuple[byt
     else:
         framing, keep_alive = _UNTIL_CLOSE, False
     text = reason.decode("utf-8", "replace")
-    return Reply(conn, status, text, CIMultiDictProxy(headers), framing, length, keep_alive)
+    return Reply(conn, Head(status, text, CIMultiDictProxy(headers)), framing, length, keep_alive)

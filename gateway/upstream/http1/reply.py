@@ -5,18 +5,36 @@ from __future__ import annotations
 
 import asyncio
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import NamedTuple, Protocol
 
 from multidict import CIMultiDictProxy
 
 from .errors import Disconnected
 
-if TYPE_CHECKING:
-    from .connection import _Connection
+
+class Carrier(Protocol):
+    """What a reply needs of the connection it comes on (:class:`gateway.upstream.http1.connection._Connection`)."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def done(self, keep_alive: bool) -> None: ...
+
+    def abort(self) -> None: ...
+
 
 HIGH_WATER = 256 * 1024  # bytes of a reply buffered before reading pauses
 # framing of a reply body
 _LENGTH, _CHUNKED, _UNTIL_CLOSE, _NONE = 0, 1, 2, 3
+
+
+class Head(NamedTuple):
+    """A reply's status line and headers."""
+
+    status: int
+    reason: str
+    headers: CIMultiDictProxy[str]
 
 
 class Reply:
@@ -28,21 +46,10 @@ class Reply:
     __slots__ = ("_buffered", "_chunks", "_conn", "_done", "_error", "_keep_alive", "_waiter", "_whole",
                  "content_length", "framing", "headers", "paused", "reason", "status")  # fmt: skip
 
-    def __init__(
-        self,
-        conn: _Connection,
-        status: int,
-        reason: str,
-        headers: CIMultiDictProxy[str],
-        framing: int,
-        length: int | None,
-        keep_alive: bool,
-    ) -> None:
+    def __init__(self, conn: Carrier, head: Head, framing: int, length: int | None, keep_alive: bool) -> None:
         self._conn = conn
-        self.status = status
-        self.reason = reason
-        self.headers = headers
-        self.framing = framing
+        self.status, self.reason, self.headers = head
+        self.framing = framing  # _LENGTH, _CHUNKED, _UNTIL_CLOSE or _NONE
         self.content_length = length
         self._keep_alive = keep_alive
         self._chunks: list[bytes] = []
@@ -135,7 +142,7 @@ class Reply:
                 raise self._error
             if self._done:
                 raise StopAsyncIteration
-            waiter = self._waiter = self._conn._loop.create_future()
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
             await waiter
 
     async def read(self) -> bytes:
@@ -145,7 +152,7 @@ class Reply:
             self.paused = False
             self._conn.resume()
         while not self._done and self._error is None:
-            waiter = self._waiter = self._conn._loop.create_future()
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
             await waiter
         if self._error is not None:
             raise self._error
