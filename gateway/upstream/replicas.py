@@ -191,7 +191,7 @@ class Pool:
         ``key``: the request's affinity key (used by ``balance: affinity``). ``panic``: when no
         replica admits one, take one anyway (Envoy's panic routing: better a try than nothing)."""
         chosen = self.choose(exclude, key=key, panic=panic)
-        return None if chosen is None else self.lease_on(chosen)
+        return None if chosen is None else Lease(self, chosen, probe=chosen.state == "half_open" and chosen.probes == 0)
 
     def lease_on(self, replica: Replica) -> Lease:
         """A lease on a replica chosen before (:meth:`choose`); the probe, if it is half-open and free."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.server.state import SERVICES_KEY
-from tests.conftest import Gateway, routing
+from tests.conftest import Gateway, Upstream, routing
 from tests.images import png
 
 TOKEN_ENV = "MODALITY_GATEWAY_TEST_ADMIN_TOKEN"
@@ -113,68 +114,41 @@ async def test_reload_without_a_file_is_a_clear_400(gateway_factory, upstream, m
     assert status == 400 and "without a config file" in body["error"]["message"]
 
 
-async def test_a_reload_between_admission_and_encoding_does_not_pull_the_encoder_away(
-    gateway_factory, upstream_factory, monkeypatch
-) -> None:
-    # The request holds the config it was admitted under; a reload that removes its encoder while
-    # its image is still being fetched used to make it a 500 (KeyError in the encoder client).
-    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+@dataclass
+class HeldImage:
+    """A media server whose images are held until ``release`` (``/cat.png``; ``/redirect.png``
+    then redirects to ``localhost``, a name the resolver checks), an encoder backend, an upstream."""
+
+    media: Upstream
+    encoder: Upstream
+    upstream: Upstream
+    fetching: asyncio.Event
+    release: asyncio.Event
+
+    def body(self, path: str) -> dict[str, Any]:
+        part = {"type": "image_url", "image_url": {"url": f"{self.media.url}{path}"}}
+        return {"model": "m", "messages": [{"role": "user", "content": [part]}]}
+
+    def table(self, *, media: str = "media: {allow_private_networks: true}\n", encode: bool = True) -> str:
+        server = f"server: {{admin_token_env: {TOKEN_ENV}, reload_interval_s: 0}}\n"
+        if not encode:
+            model = f"  - {{name: m, upstreams: [{self.upstream.url}], accepts: [text, image]}}\n"
+            return f"version: 1\n{server}{media}models:\n{model}"
+        return (
+            f"version: 1\n{server}{media}encoders:\n  enc: {{kind: http, urls: [{self.encoder.url}]}}\nmodels:\n"
+            f"  - {{name: m, upstreams: [{self.upstream.url}], accepts: [text, image], encode: {{image: enc}}}}\n"
+        )
+
+
+async def held_image(upstream_factory: Any) -> HeldImage:
     fetching, release = asyncio.Event(), asyncio.Event()
 
-    async def slow_image(request: web.Request) -> web.Response:
+    async def held(request: web.Request) -> web.Response:
         fetching.set()
         await release.wait()
+        if request.path == "/redirect.png":
+            raise web.HTTPFound(f"http://localhost:{request.url.port}/image.png")
         return web.Response(body=png(), content_type="image/png")
-
-    async def encode(request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response({"image_embeds": "QUFB"})
-
-    media_app, encoder_app = web.Application(), web.Application()
-    media_app.router.add_get("/cat.png", slow_image)
-    encoder_app.router.add_post("/v1/encode", encode)
-    media, encoder = await upstream_factory("media", media_app), await upstream_factory("enc", encoder_app)
-    upstream = await upstream_factory("up")
-    head = f"server: {{admin_token_env: {TOKEN_ENV}, reload_interval_s: 0}}\nmedia: {{allow_private_networks: true}}\n"
-    before = (
-        f"version: 1\n{head}encoders:\n  enc: {{kind: http, urls: [{encoder.url}]}}\nmodels:\n"
-        f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text, image], encode: {{image: enc}}}}\n"
-    )
-    after = f"version: 1\n{head}models:\n  - {{name: m, upstreams: [{upstream.url}], accepts: [text, image]}}\n"
-    gw = await gateway_factory(before, write_file=True)
-    body = {
-        "model": "m",
-        "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{media.url}/cat.png"}}]}
-        ],
-    }
-    async with aiohttp.ClientSession() as session:
-        request = asyncio.create_task(session.post(f"{gw.url}/v1/chat/completions", json=body))
-        await fetching.wait()  # admitted, encoder chosen, image on its way
-        (Path(gw.config.source)).write_text(after)
-        assert (await post_reload(gw, "s3cret"))[0] == 200
-        assert gw.config.encoders == {}
-        release.set()
-        async with await request as resp:
-            assert resp.status == 200, await resp.text()
-            assert resp.headers["X-Gateway-Encoded"] == "1"
-    assert upstream.received[0].json()["messages"][0]["content"][0]["type"] == "image_embeds"
-
-
-async def test_a_reload_that_tightens_the_media_rules_leaves_a_fetch_under_way_its_own(
-    gateway_factory, upstream_factory, monkeypatch
-) -> None:
-    # The fetcher's rules were swapped by a listener on every reload, behind the requests'
-    # snapshots: an image admitted under allow_private_networks: true whose redirect came after
-    # a reload to false was refused (400 media_refused), the redirect resolved under the new rules.
-    monkeypatch.setenv(TOKEN_ENV, "s3cret")
-    fetching, release = asyncio.Event(), asyncio.Event()
-
-    async def redirecting(request: web.Request) -> web.Response:
-        fetching.set()
-        await release.wait()
-        port = request.url.port
-        raise web.HTTPFound(f"http://localhost:{port}/cat.png")  # a name: resolved under the rules
 
     async def image(request: web.Request) -> web.Response:
         return web.Response(body=png(), content_type="image/png")
@@ -184,32 +158,52 @@ async def test_a_reload_that_tightens_the_media_rules_leaves_a_fetch_under_way_i
         return web.json_response({"image_embeds": "QUFB"})
 
     media_app, encoder_app = web.Application(), web.Application()
-    media_app.router.add_get("/first.png", redirecting)
-    media_app.router.add_get("/cat.png", image)
+    media_app.router.add_get("/cat.png", held)
+    media_app.router.add_get("/redirect.png", held)
+    media_app.router.add_get("/image.png", image)
     encoder_app.router.add_post("/v1/encode", encode)
     media, encoder = await upstream_factory("media", media_app), await upstream_factory("enc", encoder_app)
-    upstream = await upstream_factory("up")
-    server = f"server: {{admin_token_env: {TOKEN_ENV}, reload_interval_s: 0}}\n"
-    rest = (
-        f"encoders:\n  enc: {{kind: http, urls: [{encoder.url}]}}\nmodels:\n"
-        f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text, image], encode: {{image: enc}}}}\n"
-    )
-    before = f"version: 1\n{server}media: {{allow_private_networks: true}}\n{rest}"
-    after = f"version: 1\n{server}{rest}"  # private networks refused
-    gw = await gateway_factory(before, write_file=True)
-    body = {
-        "model": "m",
-        "messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{media.url}/first.png"}}]}
-        ],
-    }
+    return HeldImage(media, encoder, await upstream_factory("up"), fetching, release)
+
+
+async def test_a_reload_between_admission_and_encoding_does_not_pull_the_encoder_away(
+    gateway_factory, upstream_factory, monkeypatch
+) -> None:
+    # The request holds the config it was admitted under; a reload that removes its encoder while
+    # its image is still being fetched used to make it a 500 (KeyError in the encoder client).
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    held = await held_image(upstream_factory)
+    gw = await gateway_factory(held.table(), write_file=True)
+    async with aiohttp.ClientSession() as session:
+        request = asyncio.create_task(session.post(f"{gw.url}/v1/chat/completions", json=held.body("/cat.png")))
+        await held.fetching.wait()  # admitted, encoder chosen, image on its way
+        (Path(gw.config.source)).write_text(held.table(encode=False))
+        assert (await post_reload(gw, "s3cret"))[0] == 200
+        assert gw.config.encoders == {}
+        held.release.set()
+        async with await request as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["X-Gateway-Encoded"] == "1"
+    assert held.upstream.received[0].json()["messages"][0]["content"][0]["type"] == "image_embeds"
+
+
+async def test_a_reload_that_tightens_the_media_rules_leaves_a_fetch_under_way_its_own(
+    gateway_factory, upstream_factory, monkeypatch
+) -> None:
+    # The fetcher's rules were swapped by a listener on every reload, behind the requests'
+    # snapshots: an image admitted under allow_private_networks: true whose redirect came after
+    # a reload to false was refused (400 media_refused), the redirect resolved under the new rules.
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    held = await held_image(upstream_factory)
+    gw = await gateway_factory(held.table(), write_file=True)
+    body = held.body("/redirect.png")
     async with aiohttp.ClientSession() as session:
         request = asyncio.create_task(session.post(f"{gw.url}/v1/chat/completions", json=body))
-        await fetching.wait()  # admitted, its image on its way
-        (Path(gw.config.source)).write_text(after)
+        await held.fetching.wait()  # admitted, its image on its way
+        (Path(gw.config.source)).write_text(held.table(media=""))  # private networks refused
         assert (await post_reload(gw, "s3cret"))[0] == 200
         assert not gw.config.media.allow_private_networks
-        release.set()
+        held.release.set()
         async with await request as resp:
             assert resp.status == 200, await resp.text()
             assert resp.headers["X-Gateway-Encoded"] == "1"
