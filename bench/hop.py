@@ -45,7 +45,7 @@ from bench.report import Run, Series, Summary
 
 # Text first, large bodies last: a process keeps some memory it grew for 2 MiB bodies, which would
 # show in the peak RSS of the runs after.
-SCENARIOS = ("text", "reject", "stream-20", "stream-500", "sweep", "image-100k", "image-2m", "epd")
+SCENARIOS = ("text", "reject", "stream-20", "stream-500", "sweep", "image-100k", "image-2m", "epd", "apis")
 QUICK_SCENARIOS = ("text", "reject", "stream-20", "sweep", "image-100k")
 SWEEP = (1, 4, 16, 32, 64)
 QUICK_SWEEP = (1, 32)
@@ -74,6 +74,18 @@ def chat_body(model: str, *, image_url: str | None = None, stream_chunks: int | 
     if stream_chunks is not None:  # the stand-in then streams exactly this many content chunks
         body.update(stream=True, max_tokens=stream_chunks, ignore_eos=True)
     return orjson.dumps(body)
+
+
+def responses_body(model: str) -> bytes:
+    """The text chat request as the Responses API sends it."""
+    content = [{"type": "input_text", "text": PROMPT}]
+    return orjson.dumps({"model": model, "max_output_tokens": 16, "input": [{"role": "user", "content": content}]})
+
+
+def messages_body(model: str) -> bytes:
+    """The text chat request as Anthropic's Messages API sends it."""
+    content = [{"type": "text", "text": PROMPT}]
+    return orjson.dumps({"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": content}]})
 
 
 def image_body(model: str, size: int, *, seed: int = 0) -> bytes:
@@ -246,6 +258,7 @@ class Arm:
     script: Callable[[], Path]
     expect_ok: bool = True  # False: every answer is a 4xx
     counters: Callable[[], dict[str, float]] | None = None
+    route: str = "/v1/chat/completions"  # the API it posts to
 
 
 @dataclass
@@ -295,9 +308,12 @@ class Scripts:
         return script
 
 
-def _three(scenario: str, connections: int, stack: Stack, script: Callable[[], Path]) -> Plan:
+def _three(
+    scenario: str, connections: int, stack: Stack, script: Callable[[], Path], route: str = "/v1/chat/completions"
+) -> Plan:
     up, minimal, gw = stack.get("upstream"), stack.get(MINIMAL), stack.get(GATEWAY)
-    arms = [Arm(DIRECT, up, None, script), Arm(MINIMAL, minimal, minimal, script), Arm(GATEWAY, gw, gw, script)]
+    arms = [Arm(DIRECT, up, None, script, route=route), Arm(MINIMAL, minimal, minimal, script, route=route),
+            Arm(GATEWAY, gw, gw, script, route=route)]  # fmt: skip
     return Plan(scenario, connections, arms, reference=MINIMAL)
 
 
@@ -330,6 +346,14 @@ def plans(name: str, stack: Stack, scripts: Scripts, *, duration: int, sweep: Se
         return [_three(f"stream, {chunks} chunks", c, stack, body) for c in (1, CONNECTIONS)]
     if name == "epd":
         return [_epd_plan(stack, scripts, duration)]
+    if name == "apis":  # the other doors, side by side with chat: the same text, the same reply
+        responses = scripts.static("responses", lambda: [responses_body("bench")])
+        messages = scripts.static("messages", lambda: [messages_body("bench")])
+        return [
+            _three("text, chat API", CONNECTIONS, stack, text),
+            _three("text, Responses API", CONNECTIONS, stack, responses, "/v1/responses"),
+            _three("text, Messages API", CONNECTIONS, stack, messages, "/v1/messages"),
+        ]
     if name == "sweep":
         return [_three("sweep: text chat", c, stack, text) for c in sweep]
     raise ValueError(name)
@@ -381,7 +405,7 @@ def measure(arm: Arm, connections: int, duration: int) -> Run:
     before = arm.counters() if arm.counters else {}
     script = arm.script()
     with procstat.measure(pids) as usage:
-        result = wrk.run(arm.target.url + "/v1/chat/completions", script, connections=connections, duration_s=duration)
+        result = wrk.run(arm.target.url + arm.route, script, connections=connections, duration_s=duration)
     after = arm.counters() if arm.counters else {}
     counters = {k: after[k] - before.get(k, 0.0) for k in after}
     wanted = 0 if arm.expect_ok else result.requests

@@ -5,6 +5,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     GatewayError                          500 server_error          internal_error
     ├── InvalidRequestError               400 invalid_request_error invalid_request
     │   ├── UnsupportedModalityError      400                       unsupported_modality
+    │   ├── UnsupportedApiError           400                       unsupported_api
     │   ├── TooManyItemsError             400                       too_many_items
     │   ├── UnreadableBodyError           400                       invalid_request
     │   ├── InvalidContentPartError       400                       invalid_content_part
@@ -36,7 +37,11 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     └── EncoderError                      503 server_error          encoder_unavailable
 
 ``HTTPStatusError`` carries any other status aiohttp raises itself (``http_417``, ...) in the same
-shape; the encoder backend's errors (backends/vision_encoder/errors.py) are GatewayErrors too.
+shape. On the Anthropic Messages API the same errors take Anthropic's shape
+(:meth:`GatewayError.to_anthropic`: ``{"type": "error", "error": {"type", "message"}}``, the
+``type`` from the status as Anthropic's API and SDK name them); a stream that breaks after its
+first byte ends with each API's own error event (:func:`stream_event`). The encoder backend's
+errors (backends/vision_encoder/errors.py) are GatewayErrors too.
 
 Errors are raised anywhere and rendered only by :func:`render` (called by
 ``middlewares.front_middleware``, and by the encoder backend's middleware). An error that rejects
@@ -50,7 +55,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import orjson
 from aiohttp import web
@@ -117,6 +122,11 @@ class GatewayError(Exception):
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def to_anthropic(self) -> dict[str, Any]:
+        """Anthropic's shape (the Messages API), the message naming the part as in OpenAI's."""
+        kind = ANTHROPIC_TYPES.get(self.status) or ("invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
     def located_at(self, location: str, *, what: str = "", rejection: Rejection | None = None) -> GatewayError:
         """The same error, said of the part at ``location``: one request's error about a medium,
         given to another request that carries the same medium elsewhere, or an encoder's about an
@@ -143,6 +153,10 @@ class UnreadableBodyError(InvalidRequestError, closes_connection=True):
 
 
 class UnsupportedModalityError(InvalidRequestError, code="unsupported_modality"): ...
+
+
+class UnsupportedApiError(InvalidRequestError, code="unsupported_api"):
+    """A model whose upstreams do not serve the API the request came in on (routing.yaml ``apis:``)."""
 
 
 class TooManyItemsError(InvalidRequestError, code="too_many_items"): ...
@@ -271,13 +285,43 @@ class DecodersBusyError(GatewayError, status=503, code="decoders_busy"):
 class EncoderError(GatewayError, status=503, code="encoder_unavailable"): ...
 
 
-def render(error: GatewayError) -> web.Response:
-    """The only place a GatewayError becomes a response."""
+# Anthropic's error types by status (docs.claude.com/en/api/errors; the SDK's ErrorType)
+ANTHROPIC_TYPES: Mapping[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+Shape = Literal["openai", "anthropic"]
+
+
+def render(error: GatewayError, shape: Shape = "openai") -> web.Response:
+    """The only place a GatewayError becomes a response, in the shape of the API it answers."""
     headers = {"Content-Type": "application/json", **error.headers}  # as a header: content_type= parses it
-    response = web.Response(status=error.status, body=orjson.dumps(error.to_dict()), headers=headers)
+    body = error.to_anthropic() if shape == "anthropic" else error.to_dict()
+    response = web.Response(status=error.status, body=orjson.dumps(body), headers=headers)
     if error.closes_connection:
         response.force_close()
     return response
+
+
+def stream_event(error: GatewayError, api: str) -> bytes:
+    """The event that ends a stream broken after its first byte, as each API's clients read it:
+    chat's ``data: {"error": ...}`` (the openai SDK raises it), the Responses API's ``error``
+    event, Anthropic's ``event: error`` (the anthropic SDK raises it)."""
+    if api == "messages":
+        return b"event: error\ndata: " + orjson.dumps(error.to_anthropic()) + b"\n\n"
+    if api == "responses":
+        event = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+    return b"data: " + orjson.dumps(error.to_dict()) + b"\n\n"
 
 
 def clip(text: str, limit: int = 64) -> str:

@@ -10,6 +10,7 @@ class Modality(StrEnum):
     IMAGE = "image"
     VIDEO = "video"
     AUDIO = "audio"
+    FILE = "file"  # documents: a chat `file` part, a Responses `input_file`, an Anthropic `document`
 
 
 MODALITIES = tuple(Modality)  # in order; iterating the Enum class itself costs a call per member

@@ -263,3 +263,25 @@ def test_a_tiny_run_of_the_whole_harness(tmp_path: Path, capsys: pytest.CaptureF
     assert rows["minimal proxy"]["ratio"] == 1.0 and rows["gateway"]["ratio"] > 0
     assert rows["gateway"]["cpu_us"] > 0 and rows["gateway"]["rss_mib"] > 10
     assert data["goals"][0]["what"] == "text chat, c=32, x minimal proxy"
+
+
+async def test_the_apis_scenario_sends_the_same_text_through_each_door(gateway_factory, upstream) -> None:
+    """bench.hop's `apis` scenario: the Responses and Messages bodies are admitted and answered as
+    the chat one is (what the run measures is their cost, not an error path)."""
+    import aiohttp
+
+    from tests.conftest import routing
+
+    gw = await gateway_factory(routing(f"  - {{name: bench, upstreams: [{upstream.url}], accepts: [text, image]}}"))
+    async with aiohttp.ClientSession() as session:
+        for route, body in (
+            ("/v1/chat/completions", hop.chat_body("bench")),
+            ("/v1/responses", hop.responses_body("bench")),
+            ("/v1/messages", hop.messages_body("bench")),
+        ):
+            async with session.post(gw.url + route, data=body, headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["X-Gateway-Route"] == "direct"
+    assert [r.path for r in upstream.received] == ["/v1/chat/completions", "/v1/responses", "/v1/messages"]
+    assert [r.body for r in upstream.received] == [hop.chat_body("bench"), hop.responses_body("bench"),
+                                                   hop.messages_body("bench")]  # fmt: skip

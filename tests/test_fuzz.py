@@ -275,6 +275,68 @@ CHAT_BODIES = ADMISSIBLE_CHAT_BODIES | st.fixed_dictionaries(
     {"model": st.sampled_from(MODELS) | TEXT, "messages": st.lists(MESSAGES, min_size=1, max_size=4)},
     optional=OPTIONAL_FIELDS,
 )
+# The Responses API: its parts, its items (messages, tool outputs, items carrying no media), hostile too
+RESPONSE_PARTS: st.SearchStrategy[Any] = st.one_of(
+    *(_part(kind, "text", TEXT) for kind in ("input_text", "output_text")),
+    _part("refusal", "refusal", TEXT),
+    _part("input_image", "image_url", MEDIA_URLS | _url_obj(MEDIA_URLS)),
+    _part("input_image", "file_id", TEXT),
+    _part("input_file", "file_data", B64),
+    _part("input_audio", "input_audio", st.fixed_dictionaries({"data": B64}, optional={"format": TEXT})),
+    st.fixed_dictionaries({"type": st.just("input_audio"), "data": B64, "format": TEXT}),  # flat, as older SDKs
+    _part("image_url", "image_url", _url_obj(MEDIA_URLS)),  # chat's: not a Responses part
+    st.builds(lambda t: {"type": t}, TEXT),
+    TEXT,
+)
+RESPONSE_CONTENT = ODD_TEXT | st.lists(RESPONSE_PARTS, max_size=4)
+RESPONSE_ITEMS: st.SearchStrategy[Any] = st.one_of(
+    st.fixed_dictionaries({"role": ROLES, "content": RESPONSE_CONTENT}, optional={"type": st.just("message")}),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": TEXT, "output": RESPONSE_CONTENT | st.none()}
+    ),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "reasoning", "item_reference"]), "id": TEXT}),
+    st.fixed_dictionaries({"type": st.just("message"), "content": RESPONSE_CONTENT}),  # no role
+    JSON_VALUES,
+)
+RESPONSE_BODIES = st.fixed_dictionaries(
+    {"model": st.sampled_from(MODELS) | TEXT, "input": ODD_TEXT | st.lists(RESPONSE_ITEMS, max_size=4)},
+    optional={"instructions": TEXT | INTS, "stream": st.booleans(), "previous_response_id": TEXT},
+)
+# The Anthropic Messages API: its blocks (tool results with blocks inside), hostile too
+SOURCES = st.one_of(
+    st.fixed_dictionaries({"type": st.just("base64"), "media_type": TEXT, "data": B64}),
+    st.fixed_dictionaries({"type": st.just("url"), "url": MEDIA_URLS}),
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "file", "content", "nope"]), "data": TEXT}),
+    JSON_VALUES,
+)
+BLOCKS: st.SearchStrategy[Any] = st.one_of(
+    _part("text", "text", TEXT),
+    _part("image", "source", SOURCES),
+    _part("document", "source", SOURCES),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": TEXT, "name": TEXT, "input": JSON_VALUES}),
+    _part("thinking", "thinking", TEXT),
+    _part("redacted_thinking", "data", TEXT),
+    st.builds(lambda t: {"type": t}, TEXT),
+    TEXT,
+)
+BLOCKS_WITH_RESULTS = BLOCKS | st.fixed_dictionaries(
+    {"type": st.just("tool_result"), "tool_use_id": TEXT},
+    optional={"content": ODD_TEXT | st.lists(BLOCKS, max_size=3) | JSON_VALUES},
+)
+MESSAGE_BODIES = st.fixed_dictionaries(
+    {
+        "model": st.sampled_from(MODELS) | TEXT,
+        "max_tokens": INTS,
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "assistant"]) | TEXT,
+                 "content": ODD_TEXT | st.lists(BLOCKS_WITH_RESULTS, max_size=4)}
+            ),
+            max_size=3,
+        ),
+    },
+    optional={"system": TEXT | st.lists(_part("text", "text", TEXT), max_size=2) | INTS, "stream": st.booleans()},
+)  # fmt: skip
 PROMPTS = TEXT | st.lists(TEXT, max_size=3) | st.lists(INTS, max_size=3) | st.lists(st.lists(INTS, max_size=3))
 ADMISSIBLE_COMPLETION_BODIES = st.fixed_dictionaries(
     {"model": st.sampled_from(MODELS), "prompt": st.text(max_size=12) | st.lists(st.integers(0, 1000), max_size=3)}
@@ -389,7 +451,7 @@ CONTENT_TYPES = [
     None, "application/json", "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=zz",
     "application/json; charset=latin-1", "application/octet-stream", "garbage", "",
 ]  # fmt: skip
-ENDPOINTS = st.sampled_from(["/v1/chat/completions", "/v1/completions"])
+ENDPOINTS = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"])
 
 
 @functools.cache
@@ -539,6 +601,17 @@ def _chunked(body: bytes) -> bytes:
     return b"".join(b"%X\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
 
 
+def assert_error(reply: Reply, path: str) -> None:
+    """The error in the shape of the API it came in on."""
+    if path.startswith("/v1/messages"):
+        payload = json.loads(reply.body)
+        assert set(payload) == {"type", "error"} and payload["type"] == "error", payload
+        assert set(payload["error"]) == {"type", "message"}, payload
+        assert all(isinstance(v, str) and v for v in payload["error"].values()), payload
+        return
+    assert_openai_error(reply)
+
+
 def assert_openai_error(reply: Reply) -> None:
     payload = json.loads(reply.body)
     error = payload["error"]
@@ -548,8 +621,9 @@ def assert_openai_error(reply: Reply) -> None:
     assert error["param"] is None or isinstance(error["param"], str), payload
 
 
-# What the gateway may change on the way up: the model's name, the parts it strips, the flag it mutes.
-REWRITTEN_FIELDS = frozenset({"model", "messages", "mm_processor_kwargs"})
+# What the gateway may change on the way up: the model's name, the parts it strips (wherever the
+# API keeps them), the flag it mutes.
+REWRITTEN_FIELDS = frozenset({"model", "messages", "mm_processor_kwargs", "input", "instructions", "system"})
 
 
 def assert_fields_kept(case: Case, received: list[Received]) -> None:
@@ -584,7 +658,7 @@ def exchange(target: Target, case: Case) -> None:
     else:
         assert reply.status < 500, f"{reply.status}: {reply.body[:500]!r}"
         if reply.status >= 400:
-            assert_openai_error(reply)
+            assert_error(reply, case.path)
     health = send(target.port, Case("/healthz", b"", ()), method="GET")
     assert health.status == 200, "the gateway stopped answering /healthz"
     assert target.crashes[crashes:] == [], "an exception escaped a request handler"
@@ -624,6 +698,14 @@ def mutated_chat_bodies(target: Target, value: Any, data: st.DataObject) -> None
     data=st.data(),
 )
 def completions_bodies(target: Target, path: str, value: Any, data: st.DataObject) -> None:
+    exchange(target, Case(path, data.draw(encoded(value), label="body")))
+
+
+@fuzz(300)
+@given(path=st.sampled_from(["/v1/responses", "/v1/messages"]), data=st.data())
+def responses_and_messages_bodies(target: Target, path: str, data: st.DataObject) -> None:
+    bodies = RESPONSE_BODIES if path == "/v1/responses" else MESSAGE_BODIES
+    value = data.draw(bodies | mutated(bodies), label="value")
     exchange(target, Case(path, data.draw(encoded(value), label="body")))
 
 
@@ -745,6 +827,7 @@ PROPERTIES: list[Callable[[Target], None]] = [
     generated_chat_bodies,
     mutated_chat_bodies,
     completions_bodies,
+    responses_and_messages_bodies,
     deeply_nested_bodies,
     mutated_byte_bodies,
     content_encodings,

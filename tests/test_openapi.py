@@ -208,17 +208,17 @@ auth:
       rate_limit: {{requests_per_minute: 6000000, burst: 1000000}}  # never spent: its headers are checked
     - {{name: limited, key_sha256: {limited}, rate_limit: {{requests_per_minute: 1}}}}
 models:
-  - {{name: qwen-omni, upstreams: ['{upstream}'], accepts: [text, image, video, audio]}}
+  - {{name: qwen-omni, upstreams: ['{upstream}'], accepts: [text, image, video, audio, file]}}
   - name: kimi-k3
     upstreams: ['{upstream}']
     upstream_model: moonshotai/Kimi-K3
     accepts: [text, image]
-    on_unsupported: {{video: {{redirect: qwen-omni}}, audio: {{redirect: qwen-omni}}}}
+    on_unsupported: {{video: {{redirect: qwen-omni}}, audio: {{redirect: qwen-omni}}, file: {{redirect: qwen-omni}}}}
   - name: kimi-k3-text
     upstreams: ['{upstream}']
     upstream_model: moonshotai/Kimi-K3
     accepts: [text]
-    on_unsupported: {{image: strip, video: strip, audio: strip}}
+    on_unsupported: {{image: strip, video: strip, audio: strip, file: strip}}
 """
 
 
@@ -353,6 +353,7 @@ def _credentials(path: str) -> dict[str, str]:
 def test_an_undocumented_method_is_a_405_with_allow_on_every_path(live: Live) -> None:
     # Schemathesis sends these among the invalid boundary cases, which chat completions go without.
     error = _validator("#/components/responses/MethodNotAllowed/content/application~1json/schema")
+    anthropic = _validator("#/components/schemas/AnthropicError")  # every error of /v1/messages
     request_id = _validator("#/components/headers/XRequestId/schema")
     for path, item in SPEC["paths"].items():
         documented = {method.upper() for method in item}
@@ -363,7 +364,7 @@ def test_an_undocumented_method_is_a_405_with_allow_on_every_path(live: Live) ->
             response = requests.request(method, live.url + path, headers=_credentials(path), timeout=10)
             assert response.status_code == 405, (method, path, response.text)
             assert set(response.headers["Allow"].split(", ")) == allowed, (method, path)
-            error.validate(response.json())
+            (anthropic if path == "/v1/messages" else error).validate(response.json())
             request_id.validate(response.headers["X-Request-Id"])
 
 

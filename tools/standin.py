@@ -1,8 +1,11 @@
 """A stand-in OpenAI-compatible upstream (what vLLM or SGLang would be) for tests, demos and benchmarks.
 
-It speaks the chat completions and completions protocol exactly, SSE streaming included, records
-every request it receives, and answers deterministically: the reply names the model it was asked
-for and counts the content parts by type. Knobs, sent as request headers (the gateway forwards them):
+It speaks the chat completions and completions protocol exactly, and the Responses and Anthropic
+Messages APIs as vLLM serves them (``/v1/responses``: named SSE events with a ``sequence_number``
+from ``response.created`` to ``response.completed``; ``/v1/messages``: ``message_start`` to
+``message_stop``, errors in Anthropic's shape), SSE streaming included, records every request it
+receives, and answers deterministically: the reply names the model it was asked for and counts
+the content parts by type. Knobs, sent as request headers (the gateway forwards them):
 
     X-Standin-Status: 503        answer with this status and an OpenAI error body
     X-Standin-Delay-Ms: 200      wait before the response headers
@@ -64,6 +67,8 @@ class StandIn:
         app = web.Application(client_max_size=1 << 30)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/v1/messages", self._messages)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/audio/transcriptions", self._transcribe)
         app.router.add_get("/health", self._health)
@@ -80,6 +85,10 @@ class StandIn:
         if delay:
             await asyncio.sleep(delay / 1000)
         status = self.fail_status or int(request.headers.get("X-Standin-Status", "200"))
+        if status != 200 and request.path == "/v1/messages":  # vLLM's Anthropic handler: its own error names
+            kind = "BadRequestError" if status < 500 else "InternalServerError"
+            error = {"type": "error", "error": {"type": kind, "message": f"stand-in {self.name} says {status}"}}
+            return {}, web.json_response(error, status=status)
         if status != 200:
             error = {
                 "error": {
@@ -139,6 +148,107 @@ class StandIn:
             return error
         text = f"[{self.name}] model={payload.get('model')} prompt={payload.get('prompt')!r}"
         return await self._answer(request, payload, _fixed_length(text, payload), chat=False)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API, as vLLM answers it: a ``response`` object, or its named events."""
+        payload, error = await self._record(request)
+        if error is not None:
+            return error
+        items = payload.get("input")
+        items = [{"role": "user", "content": items}] if isinstance(items, str) else items or []
+        text = _fixed_length(f"[{self.name}] model={payload.get('model')} " + describe(items), payload)
+        self.served += 1
+        rid, mid = f"resp_{self.name}_{self.served}", f"msg_{self.name}_{self.served}"
+        words = len(text.split())
+        usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": words,
+                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 10 + words}  # fmt: skip
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        item: dict[str, Any] = {
+            "id": mid,
+            "type": "message",
+            "role": "assistant",
+            "status": "completed",
+            "content": [part],
+        }
+
+        def response(status: str, output: list[Any], usage: Any) -> dict[str, Any]:
+            return {"id": rid, "object": "response", "created_at": CREATED, "status": status,
+                    "model": payload.get("model"), "output": output, "usage": usage, "parallel_tool_calls": True,
+                    "tool_choice": "auto", "tools": []}  # fmt: skip
+
+        if not payload.get("stream"):
+            return web.Response(
+                body=orjson.dumps(response("completed", [item], usage)), content_type="application/json"
+            )
+        at: dict[str, Any] = {"item_id": mid, "output_index": 0, "content_index": 0}
+        opening: list[dict[str, Any]] = [
+            {"type": "response.created", "response": response("in_progress", [], None)},
+            {"type": "response.in_progress", "response": response("in_progress", [], None)},
+            {"type": "response.output_item.added", "output_index": 0, "item": {**item, "status": "in_progress",
+                                                                                "content": []}},
+            {"type": "response.content_part.added", **at, "part": {**part, "text": ""}},
+        ]  # fmt: skip
+        deltas = [{"type": "response.output_text.delta", **at, "delta": p, "logprobs": []} for p in _pieces(text)]
+        closing = [
+            {"type": "response.output_text.done", **at, "text": text, "logprobs": []},
+            {"type": "response.content_part.done", **at, "part": part},
+            {"type": "response.output_item.done", "output_index": 0, "item": item},
+            {"type": "response.completed", "response": response("completed", [item], usage)},
+        ]
+        events = [{**e, "sequence_number": n} for n, e in enumerate([*opening, *deltas, *closing])]
+        return await self._events(request, events, first_delta=len(opening))
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """The Anthropic Messages API, as vLLM answers it: a ``message``, or its named events."""
+        payload, error = await self._record(request)
+        if error is not None:
+            return error
+        text = _fixed_length(f"[{self.name}] model={payload.get('model')} " + describe(payload.get("messages", [])),
+                             payload)  # fmt: skip
+        self.served += 1
+        words = len(text.split())
+        message: dict[str, Any] = {"id": f"msg_{self.name}_{self.served}", "type": "message", "role": "assistant",
+                   "content": [{"type": "text", "text": text}], "model": payload.get("model"),
+                   "stop_reason": "end_turn", "stop_sequence": None,
+                   "usage": {"input_tokens": 10, "output_tokens": words}}  # fmt: skip
+        if not payload.get("stream"):
+            return web.Response(body=orjson.dumps(message), content_type="application/json")
+        start = {**message, "content": [], "stop_reason": None, "usage": {"input_tokens": 10, "output_tokens": 0}}
+        opening: list[dict[str, Any]] = [
+            {"type": "message_start", "message": start},
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        ]
+        deltas: list[dict[str, Any]] = [
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": p}}
+            for p in _pieces(text)
+        ]
+        closing: list[dict[str, Any]] = [
+            {"type": "content_block_stop", "index": 0},
+            {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+             "usage": {"input_tokens": 10, "output_tokens": words}},
+            {"type": "message_stop"},
+        ]  # fmt: skip
+        return await self._events(request, [*opening, *deltas, *closing], first_delta=len(opening))
+
+    async def _events(
+        self, request: web.Request, events: list[dict[str, Any]], *, first_delta: int
+    ) -> web.StreamResponse:
+        """Named SSE events (``event: <type>``), as the Responses and Messages APIs stream; the
+        knobs count the content deltas, which begin at ``first_delta``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        break_after = int(request.headers.get("X-Standin-Break-After", "-1"))
+        chunk_delay = int(request.headers.get("X-Standin-Chunk-Delay-Ms", "0")) / 1000
+        for n, event in enumerate(events):
+            if break_after >= 0 and n == first_delta + break_after:
+                assert request.transport is not None
+                request.transport.close()
+                return response
+            await response.write(f"event: {event['type']}\ndata: ".encode() + orjson.dumps(event) + b"\n\n")
+            if chunk_delay and n >= first_delta:
+                await asyncio.sleep(chunk_delay)
+        await response.write_eof()
+        return response
 
     async def _answer(
         self, request: web.Request, payload: dict[str, Any], text: str, *, chat: bool
@@ -226,17 +336,29 @@ def _fixed_length(text: str, payload: dict[str, Any]) -> str:
     return " ".join(words[i % len(words)] for i in range(length))
 
 
+def _pieces(text: str) -> list[str]:
+    """A reply's words as its stream's deltas (the first without its space)."""
+    return [word if i == 0 else " " + word for i, word in enumerate(text.split(" "))]
+
+
 def describe(messages: list[Any]) -> str:
-    """'messages=2 text=1 image_url=1': the part types received, in a stable order."""
+    """'messages=2 text=1 image_url=1': the part types received, in a stable order (parts in a
+    Responses ``function_call_output`` or an Anthropic ``tool_result`` counted too)."""
     counts: Counter[str] = Counter()
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
+
+    def count(content: Any) -> None:
         if isinstance(content, str):
             counts["text"] += 1
         elif isinstance(content, list):
             for part in content:
                 kind = (part.get("type") or "untyped") if isinstance(part, dict) else "text"
                 counts[kind] += 1
+                if kind == "tool_result":
+                    count(part.get("content"))
+
+    for message in messages:
+        if isinstance(message, dict):
+            count(message.get("content", message.get("output")))
     return " ".join([f"messages={len(messages)}", *(f"{k}={v}" for k, v in sorted(counts.items()))])
 
 

@@ -23,11 +23,25 @@ URL_SAMPLE = 1024
 
 
 def chat_key(body: Mapping[str, Any]) -> bytes | None:
-    """The key of a chat completions body; None when it has no user message to key on."""
-    messages = body.get("messages")
+    """The key of a chat completions (or Anthropic Messages) body; None when it has no user
+    message to key on."""
+    return _opening(body.get("messages"), body.get("system"))
+
+
+def responses_key(body: Mapping[str, Any]) -> bytes | None:
+    """The key of a Responses body: its instructions and input up to the first user message."""
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    return _opening(items, body.get("instructions"))
+
+
+def _opening(messages: Any, system: Any) -> bytes | None:
     if not isinstance(messages, list):
         return None
     h = hashlib.blake2b(digest_size=16)
+    if system is not None:
+        _content(h, system)
     for message in messages:
         if not isinstance(message, dict):
             return None
@@ -60,7 +74,7 @@ def _content(h: Any, content: Any) -> None:
             continue
         kind = part.get("type")
         h.update(f"\0{kind}\0".encode())
-        if kind == "text" and isinstance(part.get("text"), str):
+        if kind in ("text", "input_text") and isinstance(part.get("text"), str):
             h.update(part["text"].encode("utf-8", "surrogatepass"))
             continue
         for field in ("image_url", "input_image", "video_url", "audio_url"):

@@ -75,7 +75,7 @@ class Keyring:
         """The key an ``Authorization`` header carries; InvalidApiKeyError when none matches."""
         token = bearer_token(authorization)
         if token is None:
-            raise InvalidApiKeyError("Missing API key: send 'Authorization: Bearer <key>'")
+            raise InvalidApiKeyError("Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
         digest = digest_of(token)
         found = None
         for known, key in self.entries:  # every one, whatever matched: the time says nothing

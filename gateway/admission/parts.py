@@ -1,14 +1,20 @@
-"""The classification of every content part of a chat request.
+"""The classification of every content part of a request, whatever its API.
 
-``classify(body)`` walks every message (not only the last) and every content part, and returns
-one :class:`Part` per part with the modalities it carries. It accepts every part shape that
-OpenAI, vLLM and SGLang clients send:
+An API's request keeps its content in lists of parts (or strings): a chat request in each
+message's ``content``, a Responses request in its ``input`` items, an Anthropic one in its
+messages and their ``tool_result`` blocks. The API's view of a body (gateway.admission.apis)
+is the sequence of those :class:`Content` places; :func:`classify_contents` walks every one (not
+only the last message) and every part, with the API's table of part types, and returns one
+:class:`Part` per part with the modalities it carries. :func:`classify` is the chat API's.
+
+The chat table accepts every part shape that OpenAI, vLLM and SGLang clients send:
 
 * text-like: ``text``, ``input_text``, ``output_text``, ``refusal``, ``thinking``,
   ``tool_reference``, ``prompt_embeds`` (embeddings of text), and plain strings in a content array;
 * image: ``image_url``, ``input_image`` (Responses-API style), ``image_embeds``;
 * video: ``video_url`` (also audio when ``mm_processor_kwargs.use_audio_in_video`` is true);
 * audio: ``input_audio``, ``audio_url``, ``audio_embeds``;
+* file: ``file`` (a document: ``file_data`` or ``file_id``);
 * parts without ``type`` that carry exactly one media key (``{"image_url": ...}``), as vLLM allows.
 
 Media may be ``null`` when the part carries a ``uuid`` (vLLM's reference to cached media).
@@ -17,8 +23,8 @@ Anything else is an :class:`~gateway.errors.InvalidContentPartError` naming the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.types import DEFAULT_BOUNDS, ContentBounds
@@ -27,19 +33,32 @@ from ..modalities import MODALITIES, Modality
 
 
 @dataclass(frozen=True, slots=True)
+class Content:
+    """One place of a request that holds content: ``holder[key]``, a list of parts or a string."""
+
+    holder: dict[str, Any]
+    key: str
+    where: str = ""  # its location as errors say it; "" for a chat message (messages[i].content)
+
+    @property
+    def value(self) -> Any:
+        return self.holder[self.key]
+
+
+@dataclass(frozen=True, slots=True)
 class Part:
     """One content part: where it is, what it was sent as, and what it carries."""
 
-    message: int
-    index: int | None  # None when the message content is a plain string
+    message: int  # the place of its content in the API's view (a chat request: the message)
+    index: int | None  # None when the content is a plain string
     type: str
     modalities: tuple[Modality, ...]
+    where: str = field(default="", compare=False)  # its content's location ("": messages[message].content)
 
     @property
     def location(self) -> str:
-        if self.index is None:
-            return f"messages[{self.message}].content"
-        return f"messages[{self.message}].content[{self.index}]"
+        where = self.where or f"messages[{self.message}].content"
+        return where if self.index is None else f"{where}[{self.index}]"
 
     @property
     def modality(self) -> Modality:
@@ -66,7 +85,7 @@ class Classification:
 # --- part validators: return an error message, or None when the part is well formed -----------
 
 
-def _str_field(key: str) -> Callable[[Mapping[str, Any]], str | None]:
+def str_field(key: str) -> Callable[[Mapping[str, Any]], str | None]:
     def check(part: Mapping[str, Any]) -> str | None:
         if not isinstance(part.get(key), str):
             return f"'{key}' must be a string"
@@ -135,19 +154,39 @@ def _input_audio(part: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _file(part: Mapping[str, Any]) -> str | None:
+    value = part.get("file")
+    if not isinstance(value, dict) or not any(isinstance(value.get(k), str) for k in ("file_data", "file_id")):
+        return "'file' must be an object with a string 'file_data' or 'file_id'"
+    return None
+
+
 _Check = Callable[[Mapping[str, Any]], str | None]
 # URL parts that may carry a bare string: untyped ones (vLLM), and input_image (the Responses API).
 _BARE_URL: Mapping[str, _Check] = {key: _url_field(key, bare=True) for key in ("image_url", "video_url", "audio_url")}
 
+
+@dataclass(frozen=True, slots=True)
+class PartTable:
+    """An API's part types: each one's modality and check, the field of those that are text
+    (bounded by server.max_text_chars), and how a part without ``type`` is read (chat: by its one
+    media key, as vLLM reads it; ``untyped`` empty: refused)."""
+
+    types: Mapping[str, tuple[Modality, _Check]]
+    text_fields: Mapping[str, str]
+    untyped: Mapping[str, _Check] = field(default_factory=dict)
+    strings: bool = True  # a plain string may stand among the parts (text)
+
+
 # part type -> (modality, validator)
 PART_TYPES: Mapping[str, tuple[Modality, _Check]] = {
-    "text": (Modality.TEXT, _str_field("text")),
-    "input_text": (Modality.TEXT, _str_field("text")),
-    "output_text": (Modality.TEXT, _str_field("text")),
-    "refusal": (Modality.TEXT, _str_field("refusal")),
-    "thinking": (Modality.TEXT, _str_field("thinking")),
-    "tool_reference": (Modality.TEXT, _str_field("name")),
-    "prompt_embeds": (Modality.TEXT, _str_field("data")),
+    "text": (Modality.TEXT, str_field("text")),
+    "input_text": (Modality.TEXT, str_field("text")),
+    "output_text": (Modality.TEXT, str_field("text")),
+    "refusal": (Modality.TEXT, str_field("refusal")),
+    "thinking": (Modality.TEXT, str_field("thinking")),
+    "tool_reference": (Modality.TEXT, str_field("name")),
+    "prompt_embeds": (Modality.TEXT, str_field("data")),
     "image_url": (Modality.IMAGE, _url_field("image_url", bare=False)),
     "input_image": (Modality.IMAGE, _input_image),
     "image_embeds": (Modality.IMAGE, _embeds_field("image_embeds")),
@@ -155,6 +194,7 @@ PART_TYPES: Mapping[str, tuple[Modality, _Check]] = {
     "input_audio": (Modality.AUDIO, _input_audio),
     "audio_url": (Modality.AUDIO, _url_field("audio_url", bare=False)),
     "audio_embeds": (Modality.AUDIO, _embeds_field("audio_embeds")),
+    "file": (Modality.FILE, _file),
 }
 
 # The text of text parts, bounded by server.max_text_chars (prompt_embeds are embeddings, not text).
@@ -168,13 +208,14 @@ TEXT_FIELDS: Mapping[str, str] = {
 
 # Keys that identify a part sent without "type" (vLLM accepts these, its URLs also as bare strings).
 UNTYPED_MEDIA_KEYS = ("image_url", "image_embeds", "video_url", "input_audio", "audio_url", "audio_embeds")
-_UNTYPED_CHECKS: Mapping[str, _Check] = {
-    **{key: check for key, (_, check) in PART_TYPES.items() if key in UNTYPED_MEDIA_KEYS},
-    **_BARE_URL,
-}
+CHAT_PARTS = PartTable(
+    PART_TYPES,
+    TEXT_FIELDS,
+    {**{key: check for key, (_, check) in PART_TYPES.items() if key in UNTYPED_MEDIA_KEYS}, **_BARE_URL},
+)
 
 
-def classify(body: Mapping[str, Any], *, model: str, bounds: ContentBounds = DEFAULT_BOUNDS) -> Classification:
+def classify(body: dict[str, Any], *, model: str, bounds: ContentBounds = DEFAULT_BOUNDS) -> Classification:
     """Classify every content part of every message of a chat completions body.
 
     ``model`` only labels the rejection that a malformed part is counted as. The numbers of
@@ -182,31 +223,52 @@ def classify(body: Mapping[str, Any], *, model: str, bounds: ContentBounds = DEF
     Raises InvalidRequestError for a malformed or oversized ``messages`` and InvalidContentPartError
     for a part.
     """
+    contents = chat_contents(body, bounds)
+    return classify_contents(contents, CHAT_PARTS, model=model, bounds=bounds, audio_in_video=audio_in_video(body))
+
+
+def chat_contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
+    """A chat request's view: each message's ``content``, in order (a message's place is its index)."""
+    return [Content(message, "content") for message in messages_of(body, bounds)]
+
+
+def messages_of(body: Mapping[str, Any], bounds: ContentBounds) -> list[dict[str, Any]]:
+    """The body's ``messages``, checked: a non-empty array, within server.max_messages, of objects
+    each with a string ``role`` (the chat and Anthropic Messages APIs keep them alike)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("'messages' must be a non-empty array of message objects", param="messages")
-    _check_counts(messages, bounds)
-    audio_in_video = _audio_in_video(body)
-    parts: list[Part] = []
+    check_messages(messages, bounds)
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidRequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
         if not isinstance(message.get("role"), str):
             raise InvalidRequestError(f"messages[{i}].role must be a string", param=f"messages[{i}].role")
-        content = message.get("content")
-        if content is None:
+    return messages
+
+
+def classify_contents(
+    contents: Sequence[Content], table: PartTable, *, model: str, bounds: ContentBounds, audio_in_video: bool = False
+) -> Classification:
+    """Classify every part of every place of an API's view, with the API's table of parts."""
+    _check_parts(contents, bounds)
+    walk = _Walk(table, model, bounds.text_chars, audio_in_video)
+    parts: list[Part] = []
+    for i, content in enumerate(contents):
+        value = content.holder.get(content.key)
+        where = content.where
+        if value is None:
             continue
-        if isinstance(content, str):
-            _check_text(content, f"messages[{i}].content", bounds.text_chars)
-            parts.append(Part(i, None, "string", (Modality.TEXT,)))
-        elif isinstance(content, list):
-            parts.extend(
-                _classify_part(i, j, p, audio_in_video, model, bounds.text_chars) for j, p in enumerate(content)
-            )
+        if isinstance(value, str):
+            _check_text(value, where or f"messages[{i}].content", bounds.text_chars)
+            parts.append(Part(i, None, "string", (Modality.TEXT,), where))
+        elif isinstance(value, list):
+            parts.extend(_classify_part(walk, i, j, where, p) for j, p in enumerate(value))
         else:
+            location = where or f"messages[{i}].content"
             raise InvalidContentPartError(
-                f"messages[{i}].content must be a string, an array of content parts, or null",
-                param=f"messages[{i}].content",
+                f"{location} must be a string, an array of content parts, or null",
+                param=location,
                 rejection=Rejection(model, "unknown", "invalid_content"),
             )
     counts: dict[Modality, int] = {}
@@ -216,21 +278,25 @@ def classify(body: Mapping[str, Any], *, model: str, bounds: ContentBounds = DEF
     return Classification(tuple(parts), counts, audio_in_video)
 
 
-def _check_counts(messages: list[Any], bounds: ContentBounds) -> None:
+def check_messages(messages: list[Any], bounds: ContentBounds, name: str = "messages") -> None:
+    """400 when a request has more messages (or input items) than server.max_messages."""
     if len(messages) > bounds.messages:
         raise InvalidRequestError(
-            f"Request has {len(messages)} messages, over the limit of {bounds.messages} (server.max_messages)",
-            param="messages",
+            f"Request has {len(messages)} {name}, over the limit of {bounds.messages} (server.max_messages)",
+            param=name,
         )
+
+
+def _check_parts(contents: Sequence[Content], bounds: ContentBounds) -> None:
     total = 0
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        total += len(content) if isinstance(content, list) else 1
+    for i, content in enumerate(contents):
+        value = content.holder.get(content.key)
+        total += len(value) if isinstance(value, list) else 1
         if total > bounds.parts:
             raise InvalidRequestError(
                 f"Request has more than {bounds.parts} content parts in all (server.max_content_parts); "
-                f"the limit is passed in messages[{i}]",
-                param=f"messages[{i}].content",
+                f"the limit is passed in {content.where or f'messages[{i}]'}",
+                param=content.where or f"messages[{i}].content",
             )
 
 
@@ -242,45 +308,56 @@ def _check_text(text: str, location: str, limit: int) -> None:
         )
 
 
-def _audio_in_video(body: Mapping[str, Any]) -> bool:
+def audio_in_video(body: Mapping[str, Any]) -> bool:
     kwargs = body.get("mm_processor_kwargs")
     return isinstance(kwargs, dict) and kwargs.get("use_audio_in_video") is True
 
 
-def _classify_part(i: int, j: int, part: object, audio_in_video: bool, model: str, max_text: int) -> Part:
-    location = f"messages[{i}].content[{j}]"
+@dataclass(frozen=True, slots=True)
+class _Walk:
+    """What classifying one request's parts goes by."""
+
+    table: PartTable
+    model: str  # labels the rejection a malformed part counts as
+    max_text: int
+    audio_in_video: bool
+
+
+def _classify_part(walk: _Walk, i: int, j: int, where: str, part: object) -> Part:
+    location = f"{where or f'messages[{i}].content'}[{j}]"
+    table = walk.table
 
     def invalid(message: str, modality: str = "unknown") -> InvalidContentPartError:
         return InvalidContentPartError(
-            f"{location}: {message}", param=location, rejection=Rejection(model, modality, "invalid_content")
+            f"{location}: {message}", param=location, rejection=Rejection(walk.model, modality, "invalid_content")
         )
 
-    if isinstance(part, str):
-        _check_text(part, location, max_text)
-        return Part(i, j, "string", (Modality.TEXT,))
+    if isinstance(part, str) and table.strings:
+        _check_text(part, location, walk.max_text)
+        return Part(i, j, "string", (Modality.TEXT,), where)
     if not isinstance(part, dict):
-        raise invalid("a content part must be an object or a string")
+        raise invalid("a content part must be an object" + (" or a string" if table.strings else ""))
     part_type = part.get("type")
-    if part_type is None:
-        keys = [k for k in UNTYPED_MEDIA_KEYS if k in part]
+    if part_type is None and table.untyped:
+        keys = [k for k in table.untyped if k in part]
         if len(keys) != 1:
             found = f"it carries {', '.join(keys)}" if keys else "it carries no media key"
             raise invalid(
-                f"a content part without 'type' must carry exactly one of {', '.join(UNTYPED_MEDIA_KEYS)} ({found})"
+                f"a content part without 'type' must carry exactly one of {', '.join(table.untyped)} ({found})"
             )
         part_type = keys[0]
-        modality, check = PART_TYPES[part_type][0], _UNTYPED_CHECKS[part_type]
+        modality, check = table.types[part_type][0], table.untyped[part_type]
     elif not isinstance(part_type, str):
         raise invalid("'type' must be a string")
-    elif (entry := PART_TYPES.get(part_type)) is None:
-        raise invalid(f"unknown content part type '{clip(part_type)}' (expected one of: {', '.join(PART_TYPES)})")
+    elif (entry := table.types.get(part_type)) is None:
+        raise invalid(f"unknown content part type '{clip(part_type)}' (expected one of: {', '.join(table.types)})")
     else:
         modality, check = entry
     problem = check(part)
     if problem is not None:
         raise invalid(f"malformed '{part_type}' part: {problem}", modality.value)
-    if (field := TEXT_FIELDS.get(part_type)) is not None:
-        _check_text(part[field], location, max_text)
-    if modality is Modality.VIDEO and audio_in_video:
-        return Part(i, j, part_type, (Modality.VIDEO, Modality.AUDIO))
-    return Part(i, j, part_type, (modality,))
+    if (text_field := table.text_fields.get(part_type)) is not None:
+        _check_text(part[text_field], location, walk.max_text)
+    if modality is Modality.VIDEO and walk.audio_in_video:
+        return Part(i, j, part_type, (Modality.VIDEO, Modality.AUDIO), where)
+    return Part(i, j, part_type, (modality,), where)

@@ -1,4 +1,8 @@
-"""The admission decision: what happens to a chat request, decided before any upstream is touched.
+"""The admission decision: what happens to a request, decided before any upstream is touched.
+
+The same for every API whose requests carry parts (gateway.admission.apis): the API says where
+the parts are; the model must serve the API (``apis:``, else 400 ``unsupported_api``), and so
+must a redirect target.
 
 :func:`admit` turns a parsed request body into a :class:`RoutePlan` or raises a
 :class:`~gateway.errors.GatewayError`. The rules, applied to the modalities the request carries:
@@ -24,18 +28,21 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from ..config import GatewayConfig, ModelConfig
+from ..config.types import ContentBounds
 from ..errors import (
     GatewayError,
     InvalidRequestError,
     ModelNotFoundError,
     Rejection,
     TooManyItemsError,
+    UnsupportedApiError,
     UnsupportedModalityError,
     clip,
 )
 from ..modalities import Modality
+from .apis import CHAT, Api
 from .body import dump_body, exact
-from .parts import Classification, Part, classify
+from .parts import Classification, Part
 
 # What X-Gateway-Route names, in this order, comma-separated; "direct" when none (docs/openapi.yaml)
 ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "transcode")
@@ -62,6 +69,7 @@ class RoutePlan:
     stripped: frozenset[Modality] = frozenset()
     transcribed: frozenset[Modality] = frozenset()  # audio sent to a transcription model, as text
     frames_per_video: int = 0  # on_unsupported: {video: {frames: N}}: each video as this many images
+    api: Api = CHAT  # the API it came in on
 
     @property
     def route(self) -> str:
@@ -87,7 +95,7 @@ class RoutePlan:
     @property
     def presample_parts(self) -> tuple[Part, ...]:
         """Video parts sent as vLLM's pre-sampled frames (the model's ``video: {sample: ...}``)."""
-        return self._video_urls if self.model.video_sample is not None else ()
+        return self._video_urls if self.model.video_sample is not None and self.api.converts else ()
 
     @property
     def _video_urls(self) -> tuple[Part, ...]:
@@ -128,7 +136,7 @@ class RoutePlan:
     def encoder(self) -> str | None:
         """The encoder that turns this request's images into embeddings: the model's, unless the
         request has fewer images than its ``encode.min_images`` (then they go upstream raw)."""
-        name = self.model.encode.get(Modality.IMAGE)
+        name = self.model.encode.get(Modality.IMAGE) if self.api.converts else None  # else: sent as they are
         if name is None or self.model.encode_min_images <= 1:
             return name
         images = len(self._encodable) + self.frames_per_video * len(self.frame_parts)  # frames planned
@@ -138,7 +146,11 @@ class RoutePlan:
     def encode_decision(self) -> str | None:
         """For a request with images (or video as frames) to a model that encodes them:
         ``encoded``, or ``direct`` (under ``encode.min_images``); None otherwise."""
-        if Modality.IMAGE not in self.model.encode or not (self._encodable or self.frame_parts):
+        if (
+            Modality.IMAGE not in self.model.encode
+            or not self.api.converts
+            or not (self._encodable or self.frame_parts)
+        ):
             return None
         return "encoded" if self.encoder is not None else "direct"
 
@@ -191,9 +203,10 @@ class RoutePlan:
         }
 
 
-def lookup(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = None) -> ModelConfig:
+def lookup(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = None, api: str = "chat") -> ModelConfig:
     """The model a request names; 400 when it names none, 404 when the table lacks it or
-    ``visible`` (the caller's API key) does not show it: the two are the same answer."""
+    ``visible`` (the caller's API key) does not show it: the two are the same answer; 400
+    ``unsupported_api`` when its upstreams do not serve ``api`` (the engine is not asked)."""
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise InvalidRequestError("'model' is required and must be a non-empty string", param="model")
@@ -201,25 +214,36 @@ def lookup(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = No
     if model is None or (visible is not None and not visible(name)):
         known = ", ".join(m.name for m in config.models if visible is None or visible(m.name)) or "none"
         raise ModelNotFoundError(f"The model '{clip(name)}' does not exist (models: {known})", param="model")
+    if api not in model.apis:
+        raise UnsupportedApiError(
+            f"Model '{model.name}' is not served on the {api} API here (it serves: {', '.join(model.apis)})",
+            param="model",
+        )
     return model
 
 
 def admit(
-    config: GatewayConfig, body: Mapping[str, Any], visible: Visible = None, *, requested: ModelConfig | None = None
+    config: GatewayConfig,
+    body: dict[str, Any],
+    visible: Visible = None,
+    *,
+    requested: ModelConfig | None = None,
+    api: Api = CHAT,
 ) -> RoutePlan:
-    """The routing decision for a chat body; ``visible``: which model names the caller may use;
-    ``requested``: the model :func:`lookup` found for it already (else looked up here)."""
+    """The routing decision for a body of ``api`` (chat by default); ``visible``: which model
+    names the caller may use; ``requested``: the model :func:`lookup` found for it already (else
+    looked up here)."""
     if requested is None:
-        requested = lookup(config, body, visible)
-    classification = classify(body, model=requested.name, bounds=config.server.content_bounds)
+        requested = lookup(config, body, visible, api.name)
+    classification = api.classify(body, model=requested.name, bounds=config.server.content_bounds)
     present = classification.present
     model = requested
     redirects: list[Redirect] = []
     if all(m in model.accepts for m in present):  # the common case: nothing to redirect, reject or strip
         _enforce_limits(model, classification, frozenset())
-        return RoutePlan(requested.name, model, classification)
+        return RoutePlan(requested.name, model, classification, api=api)
     while True:
-        redirect = _choose_redirect(config, model, present, visible)
+        redirect = _choose_redirect(config, model, present, _Caller(visible, api.name))
         if redirect is None:
             break
         if any(r.source == redirect.target for r in redirects) or redirect.target == requested.name:
@@ -238,10 +262,28 @@ def admit(
         if (policy := model.policy(m)).action == "transcribe" and _may_use(visible, policy.target or "")
     )
     framed = frozenset(m for m in unsupported if model.policy(m).action == "frames")
+    if not api.converts and (transcribed or framed):
+        _refuse_conversion(model, classification, transcribed | framed, api)
     _reject_unsupported(model, classification, unsupported, stripped | transcribed | framed, redirects)
     _enforce_limits(model, classification, stripped | transcribed | framed)
     per_video = _frames_per_video(model, classification, stripped) if framed else 0
-    return RoutePlan(requested.name, model, classification, tuple(redirects), stripped, transcribed, per_video)
+    return RoutePlan(requested.name, model, classification, tuple(redirects), stripped, transcribed, per_video, api)
+
+
+def _refuse_conversion(
+    model: ModelConfig, classification: Classification, converted: frozenset[Modality], api: Api
+) -> None:
+    """Audio to transcribe or video to sample, on an API whose parts the gateway does not convert:
+    refused as the model's own modality, saying where it is served."""
+    part = next(p for p in classification.parts if p.modality in converted)
+    action = "as its transcript" if part.modality is Modality.AUDIO else "as frames"
+    raise UnsupportedModalityError(
+        f"Model '{model.name}' does not accept {part.modality} input, and takes it only {action}, which the gateway "
+        f"makes on /v1/chat/completions, not on the {api.name} API: {part.location} is '{part.type}'. "
+        f"It accepts: {model.accepts_text()}.",
+        param=part.location,
+        rejection=Rejection(model.name, part.modality.value, "unsupported"),
+    )
 
 
 def _frames_per_video(model: ModelConfig, classification: Classification, stripped: frozenset[Modality]) -> int:
@@ -273,8 +315,19 @@ def _may_use(visible: Visible, model: str) -> bool:
     return visible is None or visible(model)
 
 
+@dataclass(frozen=True, slots=True)
+class _Caller:
+    visible: Visible  # the models its key may use
+    api: str  # the API it came in on: a redirect target must serve it
+
+
+def _serves(config: GatewayConfig, name: str, api: str) -> bool:
+    target = config.model(name)
+    return target is None or api in target.apis  # a missing one: admit() says so
+
+
 def _choose_redirect(
-    config: GatewayConfig, model: ModelConfig, present: tuple[Modality, ...], visible: Visible
+    config: GatewayConfig, model: ModelConfig, present: tuple[Modality, ...], caller: _Caller
 ) -> Redirect | None:
     candidates = [
         Redirect(model.name, m, policy.target)
@@ -282,7 +335,8 @@ def _choose_redirect(
         if m not in model.accepts
         and (policy := model.policy(m)).action == "redirect"
         and policy.target
-        and _may_use(visible, policy.target)
+        and _may_use(caller.visible, policy.target)
+        and _serves(config, policy.target, caller.api)
     ]
     for candidate in candidates:
         target = config.model(candidate.target)
@@ -332,6 +386,7 @@ def _enforce_limits(model: ModelConfig, classification: Classification, stripped
             )
 
 
+_UNBOUNDED = ContentBounds(messages=1 << 62, parts=1 << 62, text_chars=1 << 62)
 MAX_FRAMES = 64  # frames of all a request's videos (on_unsupported: {video: {frames: N}}), whatever the image limit
 
 # A replacement that stands for several parts, {"type": EXPAND, "parts": [...]}, spliced in place
@@ -365,21 +420,22 @@ def rewrite(
     """Apply the plan to ``body`` (in place) and serialize it. ``replacements`` maps
     (message, part) indices to new parts (encoded images)."""
     body["model"] = plan.model.upstream_name
-    messages = body["messages"]
+    contents = plan.api.contents(body, _UNBOUNDED)  # the places the plan's parts index (checked at admission)
     for (i, j), new_part in (replacements or {}).items():
-        messages[i]["content"][j] = new_part
+        contents[i].value[j] = new_part
     for part in reversed(plan.stripped_parts):  # reversed keeps earlier indices valid
-        content = messages[part.message]["content"]
+        content = contents[part.message]
         if part.index is None:
-            messages[part.message]["content"] = ""
+            content.holder[content.key] = ""
         else:
-            del content[part.index]
-            if not content:
-                messages[part.message]["content"] = ""
+            del content.value[part.index]
+            if not content.value:
+                content.holder[content.key] = ""
     expanded = {i for (i, _), new_part in (replacements or {}).items() if new_part.get("type") == EXPAND}
     for i in expanded:  # a part replaced by several (a video by its frames), in place
-        messages[i]["content"] = [
-            q for p in messages[i]["content"] for q in (p["parts"] if p.get("type") == EXPAND else (p,))
+        content = contents[i]
+        content.holder[content.key] = [
+            q for p in content.value for q in (p["parts"] if p.get("type") == EXPAND else (p,))
         ]
     if plan.mutes_audio_in_video:
         body["mm_processor_kwargs"] = {**body["mm_processor_kwargs"], "use_audio_in_video": False}

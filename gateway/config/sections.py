@@ -12,6 +12,8 @@ from .loader import MISSING, join_path
 from .pools import PoolReaders
 from .readers import describe, fields, show, unknown_message
 from .types import (
+    API_NAMES,
+    DEFAULT_APIS,
     DEFAULT_ENCODE_IMAGE_LIMIT,
     ENCODER_ERROR_ACTIONS,
     ENCODER_KEYS,
@@ -206,6 +208,7 @@ class Parser(PoolReaders, AuthReaders):
         upstreams, weights = self.upstreams(raw.get("upstreams", MISSING), f"{path}.upstreams")
         pool = self.pool(raw, path, server)
         accepts = self.accepts(raw.get("accepts", MISSING), f"{path}.accepts")
+        apis = self.apis(raw.get("apis", MISSING), f"{path}.apis")
         upstream_model = raw.get("upstream_model", MISSING)
         upstream_model = None if upstream_model is MISSING else self.string(upstream_model, f"{path}.upstream_model")
         limits = self.modality_map(raw.get("limits", {}), f"{path}.limits", self.limit)
@@ -235,6 +238,7 @@ class Parser(PoolReaders, AuthReaders):
             name=name,
             upstreams=tuple(upstreams),
             accepts=accepts,
+            apis=apis,
             upstream_model=upstream_model,
             limits=MappingProxyType(limits),
             encode=MappingProxyType(encode),
@@ -245,6 +249,22 @@ class Parser(PoolReaders, AuthReaders):
             weights=weights if any(w != 1 for w in weights) else (),
             **pool,
         )
+
+    def apis(self, value: Any, path: str) -> tuple[str, ...]:
+        if value is MISSING:
+            return DEFAULT_APIS
+        if not isinstance(value, list) or not value:
+            self.problem(path, f"must be a non-empty list of APIs ({', '.join(API_NAMES)}), not {describe(value)}")
+            return DEFAULT_APIS
+        seen: list[str] = []
+        for i, item in enumerate(value):
+            if item not in API_NAMES:
+                self.problem(f"{path}[{i}]", unknown_message(item, API_NAMES, "API"))
+            elif item in seen:
+                self.problem(f"{path}[{i}]", f"API '{item}' is listed twice")
+            else:
+                seen.append(item)
+        return tuple(a for a in API_NAMES if a in seen)
 
     def accepts(self, value: Any, path: str) -> tuple[Modality, ...] | None:
         if value is MISSING:

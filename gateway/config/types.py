@@ -69,6 +69,7 @@ MODEL_KEYS = (
     "upstreams",
     "upstream_model",
     "accepts",
+    "apis",
     "limits",
     "encode",
     "on_encoder_error",
@@ -83,6 +84,10 @@ MODEL_KEYS = (
     "health_check",
     "video",
 )
+# The APIs a model's upstreams may serve (routing.yaml `apis:`), and what a generative model
+# served by vLLM or SGLang serves when the key is left out.
+API_NAMES = ("chat", "completions", "responses", "messages")
+DEFAULT_APIS = API_NAMES
 ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
 UPSTREAM_CLIENTS = ("http1", "aiohttp")
 UPSTREAM_KEYS = ("url", "weight")
@@ -307,6 +312,7 @@ class ModelConfig:
     upstreams: tuple[str, ...]
     accepts: tuple[Modality, ...]  # in Modality order
     upstream_model: str | None = None
+    apis: tuple[str, ...] = DEFAULT_APIS  # the APIs its upstreams serve, in API_NAMES order
     limits: Mapping[Modality, int] = field(default_factory=lambda: MappingProxyType({}))
     encode: Mapping[Modality, str] = field(default_factory=lambda: MappingProxyType({}))
     # video.sample: for a model that takes video, each video_url sent as vLLM's pre-sampled form

@@ -71,6 +71,14 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                     f"{where}.redirect",
                     f"redirect target '{target.name}' does not accept '{m}' (it accepts: {target.accepts_text()})",
                 )
+            elif missing := [a for a in model.apis if a != "completions" and a not in target.apis]:
+                # a request on an API the target does not serve could not be redirected there
+                p.problem(
+                    f"{where}.redirect",
+                    f"redirect target '{target.name}' does not serve {', '.join(missing)} (its apis: "
+                    f"{', '.join(target.apis)}), which '{model.name}' does: add them to its apis or remove them "
+                    f"from this model's",
+                )
     if config.auth is not None:
         _check_keys(config, p)
     if not p.problems:

@@ -103,6 +103,8 @@ def create_app(
     get = functools.partial(app.router.add_get, expect_handler=expect_continue)
     post("/v1/chat/completions", chat.chat_completions)
     post("/v1/completions", chat.completions)
+    post("/v1/responses", chat.responses)
+    post("/v1/messages", chat.messages)
     get("/v1/models", handlers.list_models)
     get("/healthz", handlers.healthz)
     get("/readyz", handlers.readyz)

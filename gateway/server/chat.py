@@ -1,32 +1,53 @@
-"""The OpenAI chat API's doors: ``/v1/chat/completions`` (every content part admitted) and the
-text-only ``/v1/completions``. Each reads as the stages of its exchange (gateway.server.exchange)."""
+"""The doors whose requests carry content parts: ``/v1/chat/completions``, ``/v1/responses`` and
+``/v1/messages`` (every part admitted, gateway.admission.apis), and the text-only
+``/v1/completions``. Each reads as the stages of its exchange (gateway.server.exchange)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
 from aiohttp import web
 
-from ..admission.affinity import chat_key, prompt_key
+from ..admission.affinity import chat_key, prompt_key, responses_key
+from ..admission.apis import CHAT, Api
+from ..admission.apis.messages import MESSAGES
+from ..admission.apis.responses import RESPONSES
 from ..admission.body import dump_body, exact
 from ..admission.plan import admit, lookup
 from . import exchange
 
+Key = Callable[[Mapping[str, Any]], bytes | None]  # a request's affinity key (gateway.admission.affinity)
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    ex = await exchange.begin(request)
-    requested = lookup(ex.config, ex.body, ex.visible)
-    ex.serve_with(requested)
-    plan = admit(ex.config, ex.body, ex.visible, requested=requested)
-    ex.admitted(plan)  # served by plan.model; the model label stays the one requested
-    await exchange.convert(ex)
-    data = await exchange.encode(ex)
-    key = chat_key(ex.body) if plan.model.balance == "affinity" else None
-    return await exchange.forward(ex, data, affinity_key=key)
+
+def door(api: Api, key: Key) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The handler of an API whose parts are admitted."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        ex = await exchange.begin(request)
+        requested = lookup(ex.config, ex.body, ex.visible, api.name)
+        ex.serve_with(requested)
+        plan = admit(ex.config, ex.body, ex.visible, requested=requested, api=api)
+        ex.admitted(plan)  # served by plan.model; the model label stays the one requested
+        await exchange.convert(ex)
+        data = await exchange.encode(ex)
+        affinity = key(ex.body) if plan.model.balance == "affinity" else None
+        return await exchange.forward(ex, data, affinity_key=affinity)
+
+    handler.__name__ = handler.__qualname__ = f"{api.name}_handler"
+    return handler
+
+
+APIS = (CHAT, RESPONSES, MESSAGES)  # every API whose parts are admitted
+chat_completions = door(CHAT, chat_key)
+responses = door(RESPONSES, responses_key)
+messages = door(MESSAGES, chat_key)  # an Anthropic conversation opens as a chat one does
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """Text-only: the model must exist; the body passes through, renamed for its upstream."""
     ex = await exchange.begin(request)
-    model = lookup(ex.config, ex.body, ex.visible)
+    model = lookup(ex.config, ex.body, ex.visible, "completions")
     ex.serve_with(model)
     data = ex.raw
     if ex.body["model"] != model.upstream_name:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from ..admission.apis import CHAT
 from ..admission.plan import RoutePlan, admit
 from ..config import GatewayConfig, load_config
 from ..encode import epd
@@ -24,6 +25,7 @@ from ..encode.client import image_url
 from ..errors import ConfigError, GatewayError
 from ..media.fetch import decode_data_url, is_data_url
 from .app import create_app
+from .chat import APIS
 from .lifecycle import reload_on_sighup, serve
 from .workers import MULTIPROC_ENV, Master, worker_app, worker_config
 
@@ -75,7 +77,14 @@ def _parser() -> argparse.ArgumentParser:
 
     explain = sub.add_parser("explain", help="print the routing decision for a request, sending nothing")
     explain.add_argument("--config", default=DEFAULT_CONFIG, help="routing.yaml (default: %(default)s)")
-    explain.add_argument("request", metavar="REQUEST.json", help="a chat completions body ('-' for stdin)")
+    explain.add_argument("request", metavar="REQUEST.json", help="a request body ('-' for stdin)")
+    explain.add_argument(
+        "--api",
+        choices=[api.name for api in APIS],
+        default=CHAT.name,
+        help="the API the body is for, or its path (/v1/responses); default: %(default)s",
+        type=_api_name,
+    )
     explain.set_defaults(command=_explain)
     return parser
 
@@ -110,6 +119,11 @@ def _check(args: argparse.Namespace) -> int:
     return status
 
 
+def _api_name(value: str) -> str:
+    """An API by its name or its path (``--api /v1/messages``)."""
+    return next((api.name for api in APIS if value == api.path), value)
+
+
 def _explain(args: argparse.Namespace) -> int:
     config = _load(args.config)
     if config is None:
@@ -124,8 +138,9 @@ def _explain(args: argparse.Namespace) -> int:
         print(f"{args.request}: the request must be a JSON object", file=sys.stderr)
         return 2
     try:
-        plan = admit(config, body)
-        decision = plan.explain()
+        api = next(a for a in APIS if a.name == args.api)
+        plan = admit(config, body, api=api)
+        decision = {"api": api.name, **plan.explain()}
         if plan.encoder is not None:
             decision["encoding"] = _encoding(config, plan, body)
         status = 0

@@ -172,6 +172,7 @@ def forward(ex: Exchange, data: bytes, *, affinity_key: bytes | None = None) -> 
         forward_client_auth=live.keyring is None,  # with auth on, the client's key stays here
         affinity_key=affinity_key,
         reprime=reprime,
+        api=ex.plan.api.name if ex.plan is not None else "completions",
     )
     upstream = ex.services.upstream
     if model.max_concurrency is None:

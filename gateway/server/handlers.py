@@ -39,6 +39,7 @@ async def list_models(request: web.Request) -> web.Response:
             "created": created,
             "owned_by": "modality-gateway",
             "input_modalities": [str(x) for x in m.accepts],
+            "apis": list(m.apis),
         }
         for m in store.current.models
         if visible is None or visible(m.name)

@@ -18,6 +18,7 @@ import time
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
+from ..admission.apis.messages import MESSAGES
 from ..admission.auth import Keyring
 from ..admission.body import body_too_large
 from ..errors import (
@@ -28,6 +29,7 @@ from ..errors import (
     MethodNotAllowedError,
     NotFoundError,
     RateLimitedError,
+    Shape,
     clip,
     render,
 )
@@ -77,10 +79,10 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
             if exc.status < 400:
                 code = exc.status
                 raise
-            response = render(_from_http_exception(request, exc, services))
+            response = render(_from_http_exception(request, exc, services), shape_of(request.path))
         except Exception:
             log.exception("unhandled error in %s %s (request id %s)", request.method, request.path, rid)
-            response = render(GatewayError(f"Internal error in the gateway (request id {rid})"))
+            response = render(GatewayError(f"Internal error in the gateway (request id {rid})"), shape_of(request.path))
         if not response.prepared:
             response.headers[REQUEST_ID] = rid
         gone = isinstance(response, RelayResponse) and response.client_gone
@@ -101,10 +103,15 @@ async def _render_error(request: web.Request, services: Services, exc: GatewayEr
     if exc.rejection is not None:
         r = exc.rejection
         services.metrics.child(services.metrics.rejections, r.model, r.modality, r.reason).inc()
-    response = render(exc)
+    response = render(exc, shape_of(request.path))
     if exc.stops_reading:
         await _send_and_close(request, response)
     return response
+
+
+def shape_of(path: str) -> Shape:
+    """The shape of the errors a path answers: Anthropic's on the Messages API, else OpenAI's."""
+    return "anthropic" if path == MESSAGES.path or path.startswith(MESSAGES.path + "/") else "openai"
 
 
 def _check_port(request: web.Request, services: Services) -> None:
@@ -122,6 +129,8 @@ def _check_port(request: web.Request, services: Services) -> None:
 async def _with_key(request: web.Request, handler: Handler, services: Services, keyring: Keyring) -> web.StreamResponse:
     """With ``auth:``, a /v1/* request needs a key of the live generation, within its limits."""
     header = request.headers.get(hdrs.AUTHORIZATION)
+    if header is None and (x_api_key := request.headers.get("x-api-key")) is not None:
+        header = f"Bearer {x_api_key}"  # Anthropic's clients send their key so (Claude Code, the SDKs)
     try:
         key = keyring.find(header)
     except InvalidApiKeyError:
@@ -167,7 +176,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     request[REQUEST_ID_KEY] = _request_id(request)
     if request.path.startswith("/v1/"):  # gateway_requests_total counts the API's requests
         request.app[SERVICES_KEY].metrics.requests.labels(UNKNOWN_MODEL, str(error.status), NO_KEY).inc()
-    response = render(error)
+    response = render(error, shape_of(request.path))
     await _send_and_close(request, response)  # the client waits for a 100 that will not come
     return response
 

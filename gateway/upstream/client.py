@@ -109,6 +109,8 @@ class UpstreamClient:
             headers[hdrs.AUTHORIZATION] = dispatch.auth
         elif not dispatch.forward_client_auth:
             headers.popall(hdrs.AUTHORIZATION, None)
+        if dispatch.auth is not None or not dispatch.forward_client_auth:
+            headers.popall("x-api-key", None)  # an Anthropic client's key: the gateway's, or not the engine's
         # origin-form even when the client sent absolute-form (POST http://host/v1/... HTTP/1.1)
         return self._forward(request, dispatch, attempts, _Sending(request.rel_url.raw_path_qs, headers, timeouts))
 

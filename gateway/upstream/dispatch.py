@@ -42,3 +42,4 @@ class Dispatch:
     forward_client_auth: bool = True
     affinity_key: bytes | None = None
     reprime: Callable[[], Awaitable[bytes]] | None = None
+    api: str = "chat"  # the API it came in on (routing.yaml's name): how a broken stream's error event looks

@@ -17,11 +17,10 @@ from types import TracebackType
 from typing import Any, NamedTuple, Protocol
 
 import aiohttp
-import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ..errors import GatewayError, UpstreamError, UpstreamTimeoutError
+from ..errors import GatewayError, UpstreamError, UpstreamTimeoutError, stream_event
 from . import consumer
 from .dispatch import Dispatch, Timeouts
 from .failures import CLIENT_ERRORS
@@ -183,7 +182,7 @@ async def _relay_stream(
         is_sse = upstream.content_type == "text/event-stream"
         if is_sse and "Content-Encoding" not in upstream.headers:  # an event can't go into a compressed stream
             deadlines.writing_since = loop.time()
-            event = b"data: " + orjson.dumps(_broken(model, deadlines, timeouts).to_dict()) + b"\n\n"
+            event = stream_event(_broken(model, deadlines, timeouts), dispatch.api)
             await _write_quietly(response, event)
         elif request.transport is not None:
             request.transport.close()  # a truncated body must not look complete

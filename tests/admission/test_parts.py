@@ -11,7 +11,7 @@ from gateway.config.types import ContentBounds
 from gateway.errors import InvalidContentPartError, InvalidRequestError, Rejection
 from gateway.modalities import Modality
 
-TEXT, IMAGE, VIDEO, AUDIO = Modality.TEXT, Modality.IMAGE, Modality.VIDEO, Modality.AUDIO
+TEXT, IMAGE, VIDEO, AUDIO, FILE = Modality.TEXT, Modality.IMAGE, Modality.VIDEO, Modality.AUDIO, Modality.FILE
 
 URL = "https://example.com/cat.png"
 B64 = "AAAA"
@@ -55,6 +55,12 @@ WELL_FORMED: list[tuple[str, dict[str, Any], Modality]] = [
     ("audio_url", {"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}, AUDIO),
     ("audio_embeds", {"type": "audio_embeds", "audio_embeds": B64}, AUDIO),
     ("audio_embeds", {"type": "audio_embeds", "audio_embeds": {"audio_embeds": B64}}, AUDIO),
+    (
+        "file",
+        {"type": "file", "file": {"file_data": "data:application/pdf;base64,JVBERi0=", "filename": "a.pdf"}},
+        FILE,
+    ),
+    ("file", {"type": "file", "file": {"file_id": "file-123"}}, FILE),
 ]
 
 
@@ -349,8 +355,8 @@ KEYS = "image_url, image_embeds, video_url, input_audio, audio_url, audio_embeds
         (None, "a content part must be an object or a string"),
         (["text", "hi"], "a content part must be an object or a string"),
         (
-            {"type": "file", "file": {"file_id": "f"}},
-            f"unknown content part type 'file' (expected one of: {ALL_TYPES})",
+            {"type": "document", "file": {"file_id": "f"}},
+            f"unknown content part type 'document' (expected one of: {ALL_TYPES})",
         ),
         ({"type": "Text", "text": "hi"}, f"unknown content part type 'Text' (expected one of: {ALL_TYPES})"),
         ({"type": "", "text": "hi"}, f"unknown content part type '' (expected one of: {ALL_TYPES})"),
@@ -485,7 +491,7 @@ def test_null_uuid_does_not_excuse_null_media() -> None:
 def test_first_bad_part_wins_across_messages() -> None:
     request_body = body(
         user({"type": "text", "text": "ok"}),
-        user({"type": "image_url", "image_url": {"url": URL}}, {"type": "file"}),
+        user({"type": "image_url", "image_url": {"url": URL}}, {"type": "document"}),
         user({"type": "image_url"}),
     )
     with pytest.raises(InvalidContentPartError) as info:

@@ -123,7 +123,7 @@ def test_model_is_looked_up_before_messages() -> None:
 
 def test_classification_errors_carry_the_requested_model() -> None:
     with pytest.raises(InvalidContentPartError) as info:
-        admit(TABLE, request("vision", user(txt(), {"type": "file"})))
+        admit(TABLE, request("vision", user(txt(), {"type": "document"})))
     assert info.value.param == "messages[0].content[1]"
     assert info.value.rejection == Rejection("vision", "unknown", "invalid_content")
 

@@ -19,7 +19,7 @@ from gateway.errors import ConfigError, ConfigProblem
 from gateway.modalities import Modality
 
 ROOT = Path(__file__).resolve().parents[2]
-MODALITIES = "(expected one of: text, image, video, audio)"
+MODALITIES = "(expected one of: text, image, video, audio, file)"
 SERVER_KEYS = (
     "(expected one of: host, port, max_body_bytes, admin_token_env, reload_interval_s, "
     "upstream_connect_timeout_s, upstream_read_timeout_s, upstream_cooldown_s, upstream_stream_idle_timeout_s, "
@@ -28,8 +28,8 @@ SERVER_KEYS = (
     "admin_listen, access_log, upstream_client)"
 )
 MODEL_KEYS = (
-    "(expected one of: name, upstreams, upstream_model, accepts, limits, encode, on_encoder_error, on_unsupported, "
-    "api_key_env, balance, retries, breaker, timeouts, max_concurrency, queue, health_check, video)"
+    "(expected one of: name, upstreams, upstream_model, accepts, apis, limits, encode, on_encoder_error, "
+    "on_unsupported, api_key_env, balance, retries, breaker, timeouts, max_concurrency, queue, health_check, video)"
 )
 # A valid models section on two lines, for documents that test the sections above it.
 MODELS = ("models:", "  - {name: a, upstreams: ['http://h:1'], accepts: [text]}")
@@ -134,7 +134,7 @@ UNKNOWN_KEYS = [
         doc("version: 1", "models:", "  - name: a", "    upstreams: [http://h:1]", "    accept: [text]"),
         [
             "r.yaml:3:5: models[0].accepts: is required: list the modalities the model takes "
-            "(text, image, video, audio)",
+            "(text, image, video, audio, file)",
             f"r.yaml:5:5: models[0].accept: unknown key 'accept' {MODEL_KEYS}; did you mean 'accepts'?",
         ],
         id="model-misspelled-required-key",
@@ -481,7 +481,7 @@ DOCUMENT = [
         [
             "r.yaml:3:5: models[0].upstreams: is required: list the model's OpenAI-compatible servers",
             "r.yaml:3:5: models[0].accepts: is required: list the modalities the model takes "
-            "(text, image, video, audio)",
+            "(text, image, video, audio, file)",
         ],
         id="model-required-keys",
     ),

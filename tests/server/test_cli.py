@@ -20,7 +20,7 @@ BAD_PROBLEMS = [
     "{path}:1:10: version: unsupported version 2 (the only version is 1)",
     "{path}:3:27: models[0].upstreams[0]: bad URL 'ftp://h': must be an http:// or https:// URL",
     "{path}:3:55: models[0].accepts[1]: unknown modality 'vidoe' "
-    "(expected one of: text, image, video, audio); did you mean 'video'?",
+    "(expected one of: text, image, video, audio, file); did you mean 'video'?",
 ]
 
 
@@ -143,6 +143,7 @@ def test_explain_direct(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
     status, decision, err = explain(capsys, write_request(tmp_path, chat("kimi-k3", IMAGE)))
     assert (status, err) == (0, "")
     assert decision == {
+        "api": "chat",
         "decision": "accept",
         "requested_model": "kimi-k3",
         "model": "kimi-k3",

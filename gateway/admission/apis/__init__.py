@@ -1,0 +1,54 @@
+"""The APIs whose requests carry content parts, each as the one admission core sees it.
+
+An :class:`Api` says where a request of that API keeps its content (its view: the
+:class:`~gateway.admission.parts.Content` places, in order), which part types it has (its
+:class:`~gateway.admission.parts.PartTable`), which of the table's actions it can carry, and how
+its errors look to its clients. Classification, limits and actions are the same for all
+(gateway.admission.plan); what differs is said here, one module an API:
+
+======================  ===========  =================  =====================================
+API                     ``apis:``    errors             actions on its parts
+======================  ===========  =================  =====================================
+/v1/chat/completions    chat         OpenAI             every one
+/v1/responses           responses    OpenAI             reject, redirect, strip
+/v1/messages            messages     Anthropic          reject, redirect, strip
+======================  ===========  =================  =====================================
+
+An action an API cannot carry is never silently skipped: audio to transcribe and video to
+sample into frames are refused (400 ``unsupported_modality``, saying where they are served);
+images of a model with ``encode:`` go to the engine as sent, which encodes them itself
+(docs/routing.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ...config.types import ContentBounds
+from ..parts import CHAT_PARTS, Classification, Content, PartTable, audio_in_video, chat_contents, classify_contents
+
+ErrorShape = Literal["openai", "anthropic"]
+
+
+@dataclass(frozen=True, slots=True)
+class Api:
+    """One API whose requests carry content parts."""
+
+    name: str  # as routing.yaml's `apis:` names it
+    path: str  # the gateway's route, and the engine's
+    table: PartTable
+    contents: Callable[[dict[str, Any], ContentBounds], list[Content]]  # the view of a body, checked
+    converts: bool = False  # audio transcribed, video sampled, images encoded: the chat API only
+    errors: ErrorShape = "openai"
+    text_part: str = "text"  # the type of a text part, for a part the gateway writes
+
+    def classify(self, body: dict[str, Any], *, model: str, bounds: ContentBounds) -> Classification:
+        """Every part of the body's view, classified with the API's table (see gateway.admission.parts)."""
+        contents = self.contents(body, bounds)
+        with_audio = self.converts and audio_in_video(body)  # vLLM's flag, of a chat request
+        return classify_contents(contents, self.table, model=model, bounds=bounds, audio_in_video=with_audio)
+
+
+CHAT = Api("chat", "/v1/chat/completions", CHAT_PARTS, chat_contents, converts=True)

@@ -1,0 +1,97 @@
+"""The Anthropic Messages API (``POST /v1/messages``) as admission sees it.
+
+Content lives in ``system`` (a string, or text blocks), in each message's ``content`` (a
+string, or blocks) and in the ``content`` of every ``tool_result`` block (a string, or blocks:
+an agent's screenshot tool returns its image there). Blocks: ``text``, ``image`` (``source``:
+``base64`` with ``media_type`` and ``data``, ``url``, or ``file``), ``document`` (a PDF or text:
+the ``file`` modality, which vLLM and SGLang do not take), ``tool_use``, ``tool_result``,
+``tool_reference``, ``thinking``, ``redacted_thinking``, ``search_result`` and the server tools'
+blocks (text to the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ...config.types import ContentBounds
+from ...modalities import Modality
+from ..parts import Content, PartTable, messages_of, str_field
+from . import Api
+
+SOURCES = {"base64": "data", "url": "url", "file": "file_id", "text": "data", "content": "content"}
+
+
+def _source(*kinds: str) -> Any:
+    allowed = " or ".join(repr(k) for k in kinds)
+
+    def check(part: Mapping[str, Any]) -> str | None:
+        source = part.get("source")
+        if not isinstance(source, dict) or source.get("type") not in kinds:
+            return f"'source' must be an object of type {allowed}"
+        key = SOURCES[source["type"]]
+        value = source.get(key)
+        if key == "content" and isinstance(value, str | list):
+            return None
+        if not isinstance(value, str) or not value:
+            return f"'source.{key}' must be a non-empty string"
+        return None
+
+    return check
+
+
+def _tool_result(part: Mapping[str, Any]) -> str | None:
+    if not isinstance(part.get("tool_use_id"), str):
+        return "'tool_use_id' must be a string"
+    content = part.get("content")
+    if content is not None and not isinstance(content, str | list):
+        return "'content' must be a string or an array of blocks"
+    return None
+
+
+def _any(part: Mapping[str, Any]) -> str | None:
+    return None
+
+
+TEXT = Modality.TEXT
+PARTS = PartTable(
+    {
+        "text": (TEXT, str_field("text")),
+        "image": (Modality.IMAGE, _source("base64", "url", "file")),
+        "document": (Modality.FILE, _source("base64", "url", "file", "text", "content")),
+        "tool_use": (TEXT, str_field("name")),
+        "tool_result": (TEXT, _tool_result),  # its content: a place of its own in the view
+        "tool_reference": (TEXT, _any),
+        "thinking": (TEXT, str_field("thinking")),
+        "redacted_thinking": (TEXT, str_field("data")),
+        "search_result": (TEXT, _any),
+        "server_tool_use": (TEXT, _any),
+        "web_search_tool_result": (TEXT, _any),
+        "web_fetch_tool_result": (TEXT, _any),
+        "mcp_tool_use": (TEXT, _any),
+        "mcp_tool_result": (TEXT, _any),
+    },
+    {"text": "text", "thinking": "thinking"},
+    strings=False,
+)
+
+
+def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
+    """A Messages request's view: ``system``, then each message's ``content``, each followed by
+    the ``content`` of its ``tool_result`` blocks."""
+    view = []
+    if body.get("system") is not None:
+        view.append(Content(body, "system", "system"))
+    for i, message in enumerate(messages_of(body, bounds)):
+        view.append(Content(message, "content", f"messages[{i}].content"))
+        content = message.get("content")
+        if isinstance(content, list):
+            view.extend(
+                Content(block, "content", f"messages[{i}].content[{j}].content")
+                for j, block in enumerate(content)
+                if isinstance(block, dict) and block.get("type") == "tool_result" and block.get("content") is not None
+            )
+    return view
+
+
+MESSAGES = Api("messages", "/v1/messages", PARTS, contents, errors="anthropic")

@@ -1,0 +1,94 @@
+"""The OpenAI Responses API (``POST /v1/responses``) as admission sees it.
+
+Content lives in ``input``: a string (text), or a list of items. A message item
+(``{"type": "message", "role", "content"}``, ``type`` optional) keeps its parts in ``content``; a
+``function_call_output`` in ``output`` (a string, or parts: a tool that returns a screenshot).
+Other items (function calls, reasoning, references to stored items) carry no media and are not
+looked into, nor are computer-use items, which vLLM and SGLang do not take. ``instructions`` is
+text.
+
+Parts: ``input_text``, ``output_text`` and ``refusal`` (text); ``input_image`` (``image_url``: a
+URL or a data URL; or a ``file_id``); ``input_file`` (a document: ``file_data``, ``file_url`` or
+``file_id``); ``input_audio`` (``{"input_audio": {"data", "format"}}`` as the SDK sends it now,
+``{"data", "format"}`` as older ones did).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ...config.types import ContentBounds
+from ...errors import InvalidRequestError
+from ...modalities import Modality
+from ..parts import TEXT_FIELDS, Content, PartTable, check_messages, str_field
+from . import Api
+
+
+def _image(part: Mapping[str, Any]) -> str | None:
+    url = part.get("image_url")
+    if isinstance(url, dict):  # the chat shape, {"url": ...}
+        url = url.get("url")
+    if isinstance(url, str) and url:
+        return None
+    if url is None and isinstance(part.get("file_id"), str):
+        return None
+    return "'image_url' must be a non-empty string (a URL or a data URL), or 'file_id' a string"
+
+
+def _file(part: Mapping[str, Any]) -> str | None:
+    if any(isinstance(part.get(k), str) for k in ("file_data", "file_url", "file_id")):
+        return None
+    return "one of 'file_data', 'file_url' or 'file_id' must be a string"
+
+
+def _audio(part: Mapping[str, Any]) -> str | None:
+    value = part.get("input_audio", part)  # nested (the SDK now), or flat (older SDKs)
+    if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+        return "'input_audio' must be an object with a base64 string 'data' and a 'format'"
+    if "format" in value and not isinstance(value["format"], str):
+        return "'format' must be a string"
+    return None
+
+
+PARTS = PartTable(
+    {
+        "input_text": (Modality.TEXT, str_field("text")),
+        "output_text": (Modality.TEXT, str_field("text")),
+        "refusal": (Modality.TEXT, str_field("refusal")),
+        "input_image": (Modality.IMAGE, _image),
+        "input_file": (Modality.FILE, _file),
+        "input_audio": (Modality.AUDIO, _audio),
+    },
+    TEXT_FIELDS,
+    strings=False,
+)
+
+
+def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
+    """A Responses request's view: ``instructions``, then ``input`` (a string, or its items' parts)."""
+    view = []
+    if isinstance(body.get("instructions"), str):
+        view.append(Content(body, "instructions", "instructions"))
+    items = body.get("input")
+    if items is None or isinstance(items, str):
+        if items is not None:
+            view.append(Content(body, "input", "input"))
+        return view
+    if not isinstance(items, list):
+        raise InvalidRequestError("'input' must be a string or an array of input items", param="input")
+    check_messages(items, bounds, "input")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise InvalidRequestError(f"input[{i}] must be an object", param=f"input[{i}]")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            if not isinstance(item.get("role"), str):
+                raise InvalidRequestError(f"input[{i}].role must be a string", param=f"input[{i}].role")
+            view.append(Content(item, "content", f"input[{i}].content"))
+        elif kind == "function_call_output" and item.get("output") is not None:
+            view.append(Content(item, "output", f"input[{i}].output"))
+    return view
+
+
+RESPONSES = Api("responses", "/v1/responses", PARTS, contents, text_part="input_text")

@@ -1,0 +1,147 @@
+"""The Anthropic Messages API (``POST /v1/messages``) through admission, with the real anthropic
+SDK as the client (as Claude Code and agents call it) and a stand-in that answers as vLLM does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import anthropic
+import pytest
+
+from tests.conftest import Gateway, Upstream, routing
+
+pytestmark = pytest.mark.timeout(60)
+PNG_B64 = "iVBORw0KGgo="
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_B64}}
+DOCUMENT = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
+KEY_ENV = "MODALITY_GATEWAY_TEST_CLIENT_KEY"
+
+
+def table(texty: Upstream, vision: Upstream, *, extra: str = "") -> str:
+    return routing(
+        f"  - {{name: texty, upstreams: [{texty.url}], accepts: [text]}}",
+        f"  - {{name: vision, upstreams: [{vision.url}], accepts: [text, image]}}",
+        extra=extra,
+    )
+
+
+def client(gw: Gateway, key: str = "sk-test") -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=gw.url, api_key=key, max_retries=0)
+
+
+def text_of(reply: anthropic.types.Message) -> str:
+    block = reply.content[0]
+    assert isinstance(block, anthropic.types.TextBlock)
+    return block.text
+
+
+def ask(*blocks: dict[str, Any]) -> list[Any]:
+    return [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, *blocks]}]
+
+
+@pytest.fixture
+async def both(upstream_factory) -> tuple[Upstream, Upstream]:
+    return await upstream_factory("texty"), await upstream_factory("vision")
+
+
+async def test_an_image_to_a_text_only_model_is_anthropics_400_naming_the_block(gateway_factory, both) -> None:
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    async with client(gw) as c:
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await c.messages.create(model="texty", max_tokens=16, messages=ask(IMAGE))
+    body = caught.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "does not accept image input: messages[0].content[1] is 'image'" in body["error"]["message"]
+    assert caught.value.response.headers["X-Request-Id"]
+    assert texty.received == [] and vision.received == []
+    assert gw.sample("gateway_modality_rejections_total", model="texty", modality="image", reason="unsupported") == 1
+
+
+async def test_images_inside_tool_results_and_documents_are_classified(gateway_factory, both) -> None:
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    screenshot = [
+        *ask(),
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "screenshot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "here"}, IMAGE]}]},
+    ]  # fmt: skip
+    async with client(gw) as c:
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await c.messages.create(model="texty", max_tokens=16, messages=screenshot)
+        assert "messages[2].content[0].content[1] is 'image'" in str(caught.value)
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await c.messages.create(model="vision", max_tokens=16, messages=ask(DOCUMENT))
+        assert "does not accept file input: messages[0].content[1] is 'document'" in str(caught.value)
+        # the same screenshot to the model that takes images: through, the tool result intact
+        reply = await c.messages.create(model="vision", max_tokens=16, messages=screenshot)
+    assert text_of(reply) == "[vision] model=vision messages=3 image=1 text=2 tool_result=1 tool_use=1"
+    assert vision.received[-1].json()["messages"] == screenshot
+    assert texty.received == []
+
+
+async def test_a_stream_is_read_through_text_stream(gateway_factory, both) -> None:
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    async with client(gw) as c:
+        async with c.messages.stream(model="vision", max_tokens=16, messages=ask(IMAGE)) as stream:
+            text = "".join([piece async for piece in stream.text_stream])
+            final = await stream.get_final_message()
+    assert text == "[vision] model=vision messages=1 image=1 text=1"
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens == 5
+
+
+async def test_a_stream_that_breaks_ends_with_anthropics_error_event(gateway_factory, both) -> None:
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    async with client(gw) as c:
+        with pytest.raises(anthropic.APIStatusError) as caught:
+            async with c.messages.stream(
+                model="texty", max_tokens=16, messages=ask(), extra_headers={"X-Standin-Break-After": "2"}
+            ) as stream:
+                async for _ in stream.text_stream:
+                    pass
+    assert isinstance(caught.value.body, dict) and caught.value.body["error"]["type"] == "api_error"
+    assert "broke off the stream" in caught.value.body["error"]["message"]
+
+
+async def test_an_unknown_model_and_a_missing_key_answer_in_anthropics_shape(
+    gateway_factory, both, monkeypatch
+) -> None:
+    texty, vision = both
+    monkeypatch.setenv(KEY_ENV, "sk-right")
+    gw = await gateway_factory(
+        table(texty, vision, extra=f"auth:\n  keys:\n    - {{name: team, key_env: {KEY_ENV}}}\n")
+    )
+    async with client(gw, "sk-wrong") as c:
+        with pytest.raises(anthropic.AuthenticationError) as caught:
+            await c.messages.create(model="texty", max_tokens=16, messages=ask())
+    assert caught.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "Invalid API key"},
+    }
+    async with client(gw, "sk-right") as c:  # the anthropic SDK sends its key as x-api-key
+        with pytest.raises(anthropic.NotFoundError) as missing:
+            await c.messages.create(model="claude-nope", max_tokens=16, messages=ask())
+        reply = await c.messages.create(model="texty", max_tokens=16, messages=ask())
+    assert isinstance(missing.value.body, dict) and missing.value.body["error"]["type"] == "not_found_error"
+    assert text_of(reply).startswith("[texty] model=texty")
+    sent = texty.received[-1].headers
+    assert "x-api-key" not in sent and "Authorization" not in sent  # the client's key stays at the gateway
+
+
+async def test_a_bad_body_is_anthropics_400_and_the_gateway_keeps_serving(gateway_factory, both) -> None:
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    async with aiohttp.ClientSession() as session:
+        for body in (b"{not json", b'{"model": "texty", "messages": "hi"}', b'{"model": "texty", "messages": [5]}'):
+            async with session.post(f"{gw.url}/v1/messages", data=body) as resp:
+                assert resp.status == 400
+                answer = await resp.json()
+                assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error"
+    async with client(gw) as c:
+        reply = await c.messages.create(model="texty", max_tokens=16, messages=ask())
+    assert reply.stop_reason == "end_turn"

@@ -1,0 +1,147 @@
+"""The Responses API (``POST /v1/responses``) through admission, with the real openai SDK as the
+client and a stand-in that answers as vLLM does (its named events included)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from tests.conftest import Gateway, Upstream, error_body, routing
+
+pytestmark = pytest.mark.timeout(60)
+PNG = "data:image/png;base64,iVBORw0KGgo="
+PDF = "data:application/pdf;base64,JVBERi0xLjQK"
+
+
+def table(texty: Upstream, vision: Upstream, *, texty_extra: str = "", vision_extra: str = "") -> str:
+    return routing(
+        f"  - {{name: texty, upstreams: [{texty.url}], accepts: [text]{texty_extra}}}",
+        f"  - {{name: vision, upstreams: [{vision.url}], accepts: [text, image]{vision_extra}}}",
+    )
+
+
+def user(*parts: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "input_text", "text": "what is this?"}, *parts]}]
+
+
+IMAGE = {"type": "input_image", "image_url": PNG}
+
+
+@pytest.fixture
+async def both(upstream_factory) -> tuple[Upstream, Upstream]:
+    return await upstream_factory("texty"), await upstream_factory("vision")
+
+
+async def test_an_image_to_a_text_only_model_is_a_400_naming_the_part_and_no_engine_is_asked(
+    gateway_factory, both
+) -> None:
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(model="texty", input=user(IMAGE))
+    error = error_body(caught.value)
+    assert error["code"] == "unsupported_modality" and error["param"] == "input[0].content[1]"
+    assert "does not accept image input: input[0].content[1] is 'input_image'" in error["message"]
+    assert texty.received == [] and vision.received == []
+    assert gw.sample("gateway_modality_rejections_total", model="texty", modality="image", reason="unsupported") == 1
+
+
+async def test_an_accepted_request_reaches_the_engine_intact_and_its_answer_the_client(gateway_factory, both) -> None:
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    items = user(IMAGE)
+    async with gw.client() as client:
+        response = await client.responses.create(model="vision", input=items, instructions="be brief")
+    assert response.output_text == "[vision] model=vision messages=1 input_image=1 input_text=1"
+    sent = vision.received[-1]
+    assert sent.path == "/v1/responses" and sent.json()["input"] == items and sent.json()["instructions"] == "be brief"
+
+
+async def test_a_stream_is_relayed_event_by_event_to_response_completed(gateway_factory, both) -> None:
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    async with gw.client() as client:
+        stream = await client.responses.create(model="vision", input=user(IMAGE), stream=True)
+        kinds = [event.type async for event in stream]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    assert kinds[-1] == "response.completed" and kinds.count("response.output_text.delta") == 5
+
+
+async def test_a_redirect_and_a_strip_work_on_responses_as_on_chat(gateway_factory, both) -> None:
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision, texty_extra=", on_unsupported: {image: {redirect: vision}}"))
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "texty", "input": user(IMAGE)}
+        async with session.post(f"{gw.url}/v1/responses", json=body) as resp:
+            assert resp.status == 200 and resp.headers["X-Gateway-Route"] == "redirect"
+    assert vision.received[-1].json()["model"] == "vision" and texty.received == []
+
+    gw = await gateway_factory(table(texty, vision, texty_extra=", on_unsupported: {image: strip}"))
+    async with gw.client() as client:
+        await client.responses.create(model="texty", input=user(IMAGE))
+    assert texty.received[-1].json()["input"] == [{"role": "user", "content": [user()[0]["content"][0]]}]
+
+
+async def test_parts_in_a_tool_output_and_documents_are_classified(gateway_factory, both) -> None:
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    screenshot = [
+        *user(),
+        {"type": "function_call", "call_id": "c1", "name": "screenshot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [IMAGE]},
+    ]
+    document = user({"type": "input_file", "file_data": PDF, "filename": "a.pdf"})
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(model="texty", input=screenshot)
+        assert error_body(caught.value)["param"] == "input[2].output[0]"
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(model="vision", input=document)
+        assert error_body(caught.value)["param"] == "input[0].content[1]"
+        assert "does not accept file input" in error_body(caught.value)["message"]
+        # a string input is text
+        response = await client.responses.create(model="texty", input="hello")
+    assert response.output_text.endswith("messages=1 text=1")
+    assert texty.received[-1].json()["input"] == "hello"
+
+
+async def test_a_model_not_served_on_responses_and_conversions_chat_alone_makes_are_clear_400s(
+    gateway_factory, both
+) -> None:
+    texty, vision = both
+    config = table(texty, vision, texty_extra=", apis: [chat], on_unsupported: {audio: {transcribe: vision}}")
+    gw = await gateway_factory(config.replace("accepts: [text, image]}", "accepts: [text, image, audio]}"))
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(model="texty", input="hi")
+        assert error_body(caught.value)["code"] == "unsupported_api"
+        assert "is not served on the responses API here (it serves: chat)" in error_body(caught.value)["message"]
+    assert texty.received == []
+
+    transcribing = table(texty, vision, texty_extra=", on_unsupported: {audio: {transcribe: vision}}")
+    gw = await gateway_factory(transcribing.replace("accepts: [text, image]}", "accepts: [text, image, audio]}"))
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(model="texty", input=user(audio))
+    error = error_body(caught.value)
+    assert error["code"] == "unsupported_modality" and error["param"] == "input[0].content[1]"
+    assert "which the gateway makes on /v1/chat/completions, not on the responses API" in error["message"]
+    assert texty.received == [] and vision.received == []
+
+
+async def test_a_stream_that_breaks_ends_with_the_responses_error_event(gateway_factory, both) -> None:
+    texty, vision = both
+    gw: Gateway = await gateway_factory(table(texty, vision))
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "texty", "input": "hi", "stream": True}
+        async with session.post(f"{gw.url}/v1/responses", json=body, headers={"X-Standin-Break-After": "2"}) as resp:
+            text = await resp.text()
+    assert text.count("event: response.output_text.delta\n") == 2
+    last = text.strip().split("\n\n")[-1]
+    assert last.startswith("event: error\ndata: ") and '"type":"error","code":"upstream_error"' in last
