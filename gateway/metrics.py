@@ -194,6 +194,13 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
+        self.stored_responses = Counter(
+            "gateway_stored_response_routes",
+            "Responses API requests that continue a stored response (previous_response_id), by where they went: "
+            "holder (the replica that served it), elsewhere (it admitted no request), unknown (not relayed here).",
+            ["model", "result"],
+            registry=registry,
+        )
         self.upstream_ejections = Counter(
             "gateway_upstream_ejections",
             "Times a replica's circuit breaker opened (it is skipped until a probe succeeds).",

@@ -62,6 +62,7 @@ class StandIn:
     delay_ms: int = 0
     healthy: bool = True  # GET /health: 200, or 503 when False
     record: bool = True  # False: keep nothing in ``received`` (a benchmark's millions of requests)
+    stored: set[str] = field(default_factory=set)  # ids of the responses it stores, as vLLM's store keeps them
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -154,11 +155,18 @@ class StandIn:
         payload, error = await self._record(request)
         if error is not None:
             return error
+        previous = payload.get("previous_response_id")
+        if previous is not None and previous not in self.stored:  # vLLM's answer: only its process has it
+            missing = {"message": f"Response with id '{previous}' not found.", "type": "invalid_request_error",
+                       "param": "response_id", "code": 404}  # fmt: skip
+            return web.json_response({"error": missing}, status=404)
         items = payload.get("input")
         items = [{"role": "user", "content": items}] if isinstance(items, str) else items or []
         text = _fixed_length(f"[{self.name}] model={payload.get('model')} " + describe(items), payload)
         self.served += 1
         rid, mid = f"resp_{self.name}_{self.served}", f"msg_{self.name}_{self.served}"
+        if payload.get("store", True) is not False:
+            self.stored.add(rid)
         words = len(text.split())
         usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": words,
                  "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 10 + words}  # fmt: skip

@@ -328,7 +328,7 @@ class EncoderClient:
         # encoding is idempotent: every backend may be tried once. With every backend skipped the
         # first try goes anyway: one URL may be a whole fleet behind a Service, which one pod's
         # failure must not take out of use
-        attempts = Attempts(job.pool, f"encoder {name} backend", panic=True)
+        attempts = Attempts(job.pool, panic=True)
         last_status: tuple[int, bytes] | None = None
         started = time.perf_counter()
         try:

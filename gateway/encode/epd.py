@@ -101,9 +101,8 @@ class Item:
 
     @classmethod
     def of(cls, priming: Priming, uuid: str, url: str) -> Item:
-        what = f"encoder {priming.spec.name} instance"
         # panic: with every instance's breaker open the first try goes anyway (one URL may be a fleet)
-        return cls(uuid, url, Attempts(priming.pool, what, key=uuid.encode(), panic=True))
+        return cls(uuid, url, Attempts(priming.pool, key=uuid.encode(), panic=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +206,7 @@ async def _send(priming: Priming, group: _Group) -> str | None:
             ) as resp:
                 status, data = resp.status, await read_capped(resp, max_reply_bytes(len(group.items)))
         except CLIENT_ERRORS as exc:
-            why = failed(lease, exc, f"encoder {spec.name} instance")
+            why = failed(lease, exc, spec.name)
             outcome = "error" if why.kind in ("reset", "protocol") else why.outcome
             return why.reason
         if status not in (200, 400, 422):  # failing, overloaded, or not an encoder the gateway can use

@@ -146,7 +146,6 @@ class Transcriber:
         t = target.timeouts
         attempts = Attempts(
             job.live.pools[target.name],
-            f"transcription model {target.name} upstream",
             retries=self._retries.of(target),
             panic=True,
             deadline=asyncio.get_running_loop().time() + t.total_s if t.total_s else None,

@@ -151,6 +151,7 @@ def forward(ex: Exchange, data: bytes, *, affinity_key: bytes | None = None) -> 
     once more, within retries.attempts and the retry budget (:mod:`gateway.upstream.consumer`)."""
     model, live, request = ex.model, ex.live, ex.request
     assert model is not None
+    continues = ex.body.get("previous_response_id") if ex.plan is not None and ex.plan.api.name == "responses" else None
     reprime = functools.partial(_reprime, ex) if ex.primed else None
     if reprime is None:
         _let_go(ex)
@@ -173,6 +174,7 @@ def forward(ex: Exchange, data: bytes, *, affinity_key: bytes | None = None) -> 
         affinity_key=affinity_key,
         reprime=reprime,
         api=ex.plan.api.name if ex.plan is not None else "completions",
+        continues=continues if isinstance(continues, str) else None,
     )
     upstream = ex.services.upstream
     if model.max_concurrency is None:

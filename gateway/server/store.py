@@ -164,6 +164,9 @@ def declare(metrics: GatewayMetrics, config: GatewayConfig) -> None:
             for reason in REJECTION_REASONS:
                 metrics.rejections.labels(model.name, modality, reason)
         metrics.retries_refused.labels(model.name)
+        if "responses" in model.apis:
+            for result in ("holder", "elsewhere", "unknown"):
+                metrics.stored_responses.labels(model.name, result)
         if model.encode:
             for decision in ("encoded", "direct"):
                 metrics.encode_decisions.labels(model.name, decision)

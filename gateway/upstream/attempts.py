@@ -4,7 +4,7 @@ The upstream hop (:mod:`gateway.upstream.client`), the encoder backends
 (:mod:`gateway.encode.client`), vLLM's encoder instances (:mod:`gateway.encode.epd`) and the
 transcription model's upstreams (:mod:`gateway.media.transcribe`) all go through it::
 
-    attempts = Attempts(pool, "model m upstream", retries=book.of(model), deadline=...)
+    attempts = Attempts(pool, retries=book.of(model), deadline=...)
     while (lease := await attempts.next()) is not None:
         with lease:
             try:
@@ -50,19 +50,20 @@ log = logging.getLogger(__name__)
 class Attempts:
     """One piece of work's way through ``pool``; see the module docstring."""
 
-    __slots__ = ("_delay", "_retries", "deadline", "failure", "key", "panic", "pool", "retried", "tried", "what")
+    __slots__ = ("_delay", "_retries", "deadline", "failure", "key", "panic", "pool", "prefer", "retried", "tried")
 
     def __init__(
         self,
         pool: Pool,
-        what: str,
         *,
         retries: Retries | None = None,
         key: bytes | None = None,
         panic: bool = False,
         deadline: float | None = None,
+        prefer: str | None = None,
     ) -> None:
-        self.pool, self.what, self.key, self.panic, self.deadline = pool, what, key, panic, deadline
+        self.pool, self.key, self.panic, self.deadline = pool, key, panic, deadline
+        self.prefer = prefer  # the replica that alone can serve it (a stored response's), while it admits
         self._retries = retries
         self.tried: list[Replica] = []
         self.retried = 0  # retries that counted (a free one does not)
@@ -78,7 +79,7 @@ class Attempts:
             self._delay = 0.0
         if self.expired:
             return None
-        lease = self.pool.lease(exclude=self.tried, key=self.key, panic=self.panic)
+        lease = self.pool.lease(exclude=self.tried, key=self.key, panic=self.panic, prefer=self.prefer)
         if lease is not None:
             self.tried.append(lease.replica)
         return lease
@@ -92,8 +93,8 @@ class Attempts:
         return replica
 
     def failed(self, lease: Lease, exc: ClientFailure) -> Failure:
-        """:func:`failed`, said of this work's replicas."""
-        return failed(lease, exc, self.what)
+        """:func:`failed`, said of this work's pool."""
+        return failed(lease, exc, self.pool.name)
 
     def again(self, reason: str, *, free: bool = False, anew: bool = False) -> bool:
         """Whether the work whose try just failed for ``reason`` is tried once more; counted
@@ -133,10 +134,10 @@ class Attempts:
         return self.deadline is not None and asyncio.get_running_loop().time() >= self.deadline
 
 
-def failed(lease: Lease, exc: ClientFailure, what: str) -> Failure:
-    """A client error of the try under ``lease``, read, logged (``what``: whose replica) and
-    reported to the replica's breaker."""
+def failed(lease: Lease, exc: ClientFailure, pool: str) -> Failure:
+    """A client error of the try under ``lease``, read, logged (``pool``: the model or encoder
+    whose replica it is) and reported to the replica's breaker."""
     failure = failure_of(exc)
-    log.warning("%s %s: %s", what, lease.replica.url, failure.reason)
+    log.warning("%s replica %s: %s", pool, lease.replica.url, failure.reason)
     lease.failure(failure.reason)
     return failure

@@ -42,6 +42,7 @@ from ..metrics import GatewayMetrics
 from .attempts import Attempts
 from .dispatch import Dispatch, Timeouts
 from .failures import CLIENT_ERRORS, ClientFailure
+from .holders import Holders
 from .http1 import KEEPALIVE_S, Http1Client, PoolFull, ProtocolError, UnsendableHeader, Waits
 from .relay import HOP_BY_HOP, UpstreamReply, outcome_of, relay
 from .replicas import Lease, Replica
@@ -68,6 +69,7 @@ class UpstreamClient:
     def __init__(self, metrics: GatewayMetrics, *, client: str = "http1", retries: RetryBook | None = None) -> None:
         self._metrics = metrics
         self.retries = retries if retries is not None else RetryBook(metrics)  # every model's budget
+        self.holders = Holders()  # the replica that holds each stored response (the Responses API)
         self._session: aiohttp.ClientSession | None = None
         self._http1: Http1Client | None = None
         self._client = client
@@ -99,10 +101,10 @@ class UpstreamClient:
             deadline = asyncio.get_running_loop().time() + timeouts.total
         attempts = Attempts(
             dispatch.pool,
-            f"model {model.name} upstream",
             retries=self.retries.of(model),
             key=dispatch.affinity_key,
             deadline=deadline,
+            prefer=self.holders.find(dispatch.continues) if dispatch.continues is not None else None,
         )
         headers = _upstream_headers(request, dispatch.gateway_headers)
         if dispatch.auth is not None:
@@ -119,6 +121,8 @@ class UpstreamClient:
     ) -> web.StreamResponse:
         model = dispatch.model
         while (lease := await attempts.next()) is not None:
+            if dispatch.continues is not None and len(attempts.tried) == 1:
+                self._stored(model, attempts.prefer, lease.replica)
             with lease:
                 replica = lease.replica
                 started = time.perf_counter()
@@ -163,6 +167,8 @@ class UpstreamClient:
                     raise
                 if relayed.upstream_failed:
                     lease.failure("broke off mid-response")
+                if relayed.response_id is not None:
+                    self.holders.remember(relayed.response_id, replica.url)
                 self._count(model, replica, relayed.outcome)
                 error = relayed.error
                 if not isinstance(error, EmbeddingsNotDeliveredError) or dispatch.reprime is None:
@@ -245,6 +251,11 @@ class UpstreamClient:
         if failure.kind == "reset" and attempts.again("reset"):
             return
         raise attempts.failure from None
+
+    def _stored(self, model: ModelConfig, holder: str | None, first: Replica) -> None:
+        """Where a request that continues a stored response went first."""
+        result = "unknown" if holder is None else "holder" if first.url == holder else "elsewhere"
+        self._metrics.child(self._metrics.stored_responses, model.name, result).inc()
 
     def _count(self, model: ModelConfig, replica: Replica, outcome: str) -> None:
         self._metrics.child(self._metrics.upstream_requests, model.name, replica.url, outcome).inc()

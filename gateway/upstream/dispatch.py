@@ -43,3 +43,4 @@ class Dispatch:
     affinity_key: bytes | None = None
     reprime: Callable[[], Awaitable[bytes]] | None = None
     api: str = "chat"  # the API it came in on (routing.yaml's name): how a broken stream's error event looks
+    continues: str | None = None  # the stored response it continues (previous_response_id): its holder first

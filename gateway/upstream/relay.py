@@ -24,6 +24,7 @@ from ..errors import GatewayError, UpstreamError, UpstreamTimeoutError, stream_e
 from . import consumer
 from .dispatch import Dispatch, Timeouts
 from .failures import CLIENT_ERRORS
+from .holders import PEEK_BYTES, id_of_response, id_of_stream
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Relayed(NamedTuple):
     outcome: str  # for gateway_upstream_requests_total: ok, http_4xx, http_5xx, timeout, aborted
     upstream_failed: bool  # the replica broke off or went silent (counts against its health)
     error: GatewayError | None = None  # to raise once the attempt is counted
+    response_id: str | None = None  # a stored response's id (the Responses API), learned from the reply
 
 
 def outcome_of(status: int) -> str:
@@ -158,6 +160,9 @@ async def _relay_stream(
     loop = asyncio.get_running_loop()
     deadlines = _Deadlines(loop, request, upstream, timeouts, deadline)
     failed = False
+    # a Responses stream: the id of the response it stores, from its response.created event
+    learning = dispatch.api == "responses" and upstream.status == 200
+    seen, response_id = first, None
     try:
         if first:
             deadlines.writing_since = loop.time()
@@ -169,6 +174,10 @@ async def _relay_stream(
             await response.write(chunk)
             deadlines.writing_since = None
             deadlines.waiting_since = loop.time()
+            if learning:
+                seen += chunk
+                response_id = id_of_stream(seen)
+                learning = response_id is None and len(seen) < PEEK_BYTES
         deadlines.writing_since = loop.time()
         await response.write_eof()  # within the deadline too: a full buffer waits here
     except ConnectionResetError:  # the client left: stop the engine's work by closing upstream
@@ -190,7 +199,7 @@ async def _relay_stream(
         deadlines.cancel()
         if deadlines.client_stalled:
             log.warning("client took no bytes for %gs; dropped (model %s)", timeouts.client_write, model)
-    return Relayed(response, outcome, failed)
+    return Relayed(response, outcome, failed, response_id=response_id)
 
 
 async def _relay_whole(upstream: UpstreamReply, dispatch: Dispatch, deadline: float | None, outcome: str) -> Relayed:
@@ -226,6 +235,8 @@ async def _relay_whole(upstream: UpstreamReply, dispatch: Dispatch, deadline: fl
     response = web.Response(
         status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers), body=body
     )
+    if dispatch.api == "responses" and upstream.status == 200:  # the id of the response it stores
+        return Relayed(response, outcome, False, response_id=id_of_response(body))
     return Relayed(response, outcome, False)
 
 

@@ -185,12 +185,19 @@ class Pool:
             )
 
     def lease(
-        self, exclude: Collection[Replica] = (), *, key: bytes | None = None, panic: bool = False
+        self,
+        exclude: Collection[Replica] = (),
+        *,
+        key: bytes | None = None,
+        panic: bool = False,
+        prefer: str | None = None,
     ) -> Lease | None:
         """A lease on the replica that should take the next attempt; None if none admits one.
         ``key``: the request's affinity key (used by ``balance: affinity``). ``panic``: when no
-        replica admits one, take one anyway (Envoy's panic routing: better a try than nothing)."""
-        chosen = self.choose(exclude, key=key, panic=panic)
+        replica admits one, take one anyway (Envoy's panic routing: better a try than nothing).
+        ``prefer``: the URL of the one replica that can serve it (a stored response's), whenever
+        it admits a request, whatever its load."""
+        chosen = self.choose(exclude, key=key, panic=panic, prefer=prefer)
         return None if chosen is None else Lease(self, chosen, probe=chosen.state == "half_open" and chosen.probes == 0)
 
     def lease_on(self, replica: Replica) -> Lease:
@@ -198,7 +205,12 @@ class Pool:
         return Lease(self, replica, probe=replica.state == "half_open" and replica.probes == 0)
 
     def choose(
-        self, exclude: Collection[Replica] = (), *, key: bytes | None = None, panic: bool = False
+        self,
+        exclude: Collection[Replica] = (),
+        *,
+        key: bytes | None = None,
+        panic: bool = False,
+        prefer: str | None = None,
     ) -> Replica | None:
         """The replica :meth:`lease` would lease, without a lease: nothing counted on it."""
         now = self.clock()
@@ -207,6 +219,10 @@ class Pool:
             candidates = list(self.replicas)
         if not candidates:
             return None
+        if prefer is not None:
+            for r in candidates:
+                if r.url == prefer:
+                    return r
         # an engine that said 429 answers fast and so looks idle: without this it would draw the load
         candidates = [r for r in candidates if r.busy_until <= now] or candidates
         if self.balance == "round_robin":

@@ -145,3 +145,45 @@ async def test_a_stream_that_breaks_ends_with_the_responses_error_event(gateway_
     assert text.count("event: response.output_text.delta\n") == 2
     last = text.strip().split("\n\n")[-1]
     assert last.startswith("event: error\ndata: ") and '"type":"error","code":"upstream_error"' in last
+
+
+async def test_a_follow_up_goes_to_the_replica_that_holds_its_stored_response(
+    gateway_factory, upstream_factory
+) -> None:
+    a, b = await upstream_factory("a"), await upstream_factory("b")
+    gw = await gateway_factory(routing(f"  - {{name: m, upstreams: [{a.url}, {b.url}], accepts: [text]}}"))
+    async with gw.client() as client:
+        first = await client.responses.create(model="m", input="hi")  # streamed or not, the id is learned
+        async for event in await client.responses.create(model="m", input="and you?", stream=True):
+            if event.type == "response.completed":
+                streamed = event.response.id
+        previous = first.id
+        for i in range(20):
+            reply = await client.responses.create(model="m", input=f"turn {i}", previous_response_id=previous)
+            previous = reply.id
+        follow = await client.responses.create(model="m", input="more", previous_response_id=streamed)
+    continued = [
+        (replica.standin.name, r.json()["previous_response_id"])
+        for replica in (a, b)
+        for r in replica.received
+        if r.json().get("previous_response_id")
+    ]
+    assert len(continued) == 21
+    assert all(previous.startswith(f"resp_{name}_") for name, previous in continued)  # each on its holder
+    assert follow.id.split("_")[1] == streamed.split("_")[1]  # the stream's holder served its follow-up too
+    assert gw.sample("gateway_stored_response_routes_total", model="m", result="holder") == 21
+
+
+async def test_a_holder_gone_leaves_the_engines_own_answer_never_a_hang(gateway_factory, upstream_factory) -> None:
+    a, b = await upstream_factory("a"), await upstream_factory("b")
+    gw = await gateway_factory(routing(f"  - {{name: m, upstreams: [{a.url}, {b.url}], accepts: [text]}}"))
+    async with gw.client() as client:
+        first = await client.responses.create(model="m", input="hi")
+        holder, other = (a, b) if first.id.startswith("resp_a") else (b, a)
+        await holder.server.close()  # its stored responses are gone with it
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.responses.create(model="m", input="again", previous_response_id=first.id)
+        unknown = await client.responses.create(model="m", input="fresh")  # a new conversation: served
+    assert f"Response with id '{first.id}' not found." in str(caught.value)  # the other replica's own 404
+    assert other.received[-2].json()["previous_response_id"] == first.id and unknown.id.startswith("resp_")
+    assert gw.sample("gateway_stored_response_routes_total", model="m", result="holder") == 1

@@ -51,7 +51,7 @@ def pool(n: int = 3, *, balance: str = "round_robin") -> Pool:
 
 
 async def test_without_retries_every_replica_is_tried_once() -> None:
-    attempts = Attempts(pool(), "test")
+    attempts = Attempts(pool())
     seen = []
     while (lease := await attempts.next()) is not None:
         with lease:
@@ -66,8 +66,8 @@ async def test_panic_sends_the_first_try_when_every_breaker_is_open() -> None:
         lease = p.lease_on(replica)
         lease.failure("down")  # failures: 1 opens it
         lease.__exit__()
-    assert await Attempts(p, "test").next() is None
-    attempts = Attempts(p, "test", panic=True)
+    assert await Attempts(p).next() is None
+    attempts = Attempts(p, panic=True)
     first = await attempts.next()
     assert first is not None
     first.__exit__()
@@ -76,7 +76,7 @@ async def test_panic_sends_the_first_try_when_every_breaker_is_open() -> None:
 
 async def test_counted_retries_stop_at_attempts_and_free_ones_cost_none() -> None:
     book = Book()
-    attempts = Attempts(pool(), "test", retries=book.book.of(model(attempts=1)))
+    attempts = Attempts(pool(), retries=book.book.of(model(attempts=1)))
     assert attempts.again("connect_error", free=True)  # a refused connection: free, counted
     assert attempts.again("reset")
     assert not attempts.again("reset")  # attempts: 1
@@ -87,7 +87,7 @@ async def test_a_retry_waits_its_backoff_clipped_to_the_deadline() -> None:
     book = Book()
     retries = book.book.of(model(attempts=2, backoff_s=5.0, max_backoff_s=5.0))
     loop = asyncio.get_running_loop()
-    attempts = Attempts(pool(), "test", retries=retries, deadline=loop.time() + 0.5)
+    attempts = Attempts(pool(), retries=retries, deadline=loop.time() + 0.5)
     assert (await attempts.next()) is not None
     assert attempts.again("http_503")
     await attempts.next()
@@ -96,7 +96,7 @@ async def test_a_retry_waits_its_backoff_clipped_to_the_deadline() -> None:
 
 async def test_no_try_starts_past_the_deadline() -> None:
     loop = asyncio.get_running_loop()
-    attempts = Attempts(pool(), "test", deadline=loop.time() - 1)
+    attempts = Attempts(pool(), deadline=loop.time() - 1)
     assert attempts.expired and attempts.left() == 0.0
     assert await attempts.next() is None
     assert attempts.tried == []
@@ -104,7 +104,7 @@ async def test_no_try_starts_past_the_deadline() -> None:
 
 async def test_a_spent_budget_refuses_the_retry_and_says_so() -> None:
     book = Book()
-    attempts = Attempts(pool(), "test", retries=book.book.of(model(attempts=3, budget=0.0, min_per_s=0.0)))
+    attempts = Attempts(pool(), retries=book.book.of(model(attempts=3, budget=0.0, min_per_s=0.0)))
     assert not attempts.again("http_503")
     assert (book.retries("http_503"), book.refused()) == (0, 1)
 
@@ -112,7 +112,7 @@ async def test_a_spent_budget_refuses_the_retry_and_says_so() -> None:
 async def test_anew_lets_the_failed_replica_take_the_next_try_within_attempts() -> None:
     # vLLM's EC consumer missed an embedding: not the replica's fault, and no backoff
     book = Book()
-    attempts = Attempts(pool(1), "test", retries=book.book.of(model(attempts=1)))
+    attempts = Attempts(pool(1), retries=book.book.of(model(attempts=1)))
     lease = await attempts.next()
     assert lease is not None
     lease.__exit__()
@@ -125,7 +125,7 @@ async def test_anew_lets_the_failed_replica_take_the_next_try_within_attempts() 
 
 async def test_a_failure_is_read_logged_and_told_to_the_breaker() -> None:
     p = pool(1)
-    attempts = Attempts(p, "test")
+    attempts = Attempts(p)
     lease = await attempts.next()
     assert lease is not None
     with lease:
@@ -137,3 +137,19 @@ async def test_every_request_of_a_model_shares_one_budget() -> None:
     book = Book()
     one, two = book.book.of(model()), book.book.of(model())
     assert one.budget is two.budget
+
+
+async def test_the_preferred_replica_takes_the_first_try_while_it_admits_whatever_its_load() -> None:
+    p = pool(3, balance="p2c")
+    busy = p.replicas[2]
+    busy.in_flight = 50  # far above the others: p2c would never choose it
+    attempts = Attempts(p, prefer=busy.url)
+    first = await attempts.next()
+    assert first is not None and first.replica is busy
+    first.__exit__()
+    lease = p.lease_on(busy)
+    lease.failure("down")  # its breaker opens (failures: 1)
+    lease.__exit__()
+    second = await Attempts(p, prefer=busy.url).next()
+    assert second is not None and second.replica is not busy  # not admitting: another one
+    second.__exit__()
