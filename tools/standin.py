@@ -70,6 +70,9 @@ class StandIn:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_post("/v1/messages", self._messages)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        for path in ("/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank"):
+            app.router.add_post(path, self._scores)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/audio/transcriptions", self._transcribe)
         app.router.add_get("/health", self._health)
@@ -237,6 +240,32 @@ class StandIn:
             {"type": "message_stop"},
         ]  # fmt: skip
         return await self._events(request, [*opening, *deltas, *closing], first_delta=len(opening))
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        """A pooling model's embeddings, as vLLM answers them: one vector an input."""
+        payload, error = await self._record(request)
+        if error is not None:
+            return error
+        inputs = payload.get("input")
+        count = len(inputs) if isinstance(inputs, list) and inputs and not isinstance(inputs[0], int) else 1
+        data = [{"object": "embedding", "index": i, "embedding": [0.5, -0.25, 0.125]} for i in range(count)]
+        usage = {"prompt_tokens": 10, "total_tokens": 10}
+        return web.json_response({"id": f"embd-{self.name}", "object": "list", "created": CREATED,
+                                  "model": payload.get("model"), "data": data, "usage": usage})  # fmt: skip
+
+    async def _scores(self, request: web.Request) -> web.StreamResponse:
+        """A scoring model's answer, as vLLM's /score and /rerank give it."""
+        payload, error = await self._record(request)
+        if error is not None:
+            return error
+        usage = {"prompt_tokens": 10, "total_tokens": 10}
+        if request.path.endswith("score"):
+            data = [{"index": 0, "object": "score", "score": 0.5}]
+            return web.json_response({"id": f"score-{self.name}", "object": "list", "created": CREATED,
+                                      "model": payload.get("model"), "data": data, "usage": usage})  # fmt: skip
+        results = [{"index": 0, "document": {"text": "d"}, "relevance_score": 0.5}]
+        return web.json_response({"id": f"rerank-{self.name}", "model": payload.get("model"), "usage": usage,
+                                  "results": results})  # fmt: skip
 
     async def _events(
         self, request: web.Request, events: list[dict[str, Any]], *, first_delta: int

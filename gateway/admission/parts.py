@@ -39,6 +39,7 @@ class Content:
     holder: dict[str, Any]
     key: str
     where: str = ""  # its location as errors say it; "" for a chat message (messages[i].content)
+    table: PartTable | None = None  # its own part types, where they are not its API's (SGLang's items)
 
     @property
     def value(self) -> Any:
@@ -176,6 +177,7 @@ class PartTable:
     text_fields: Mapping[str, str]
     untyped: Mapping[str, _Check] = field(default_factory=dict)
     strings: bool = True  # a plain string may stand among the parts (text)
+    combined: bool = False  # an untyped part may carry several keys, and is every modality it carries
 
 
 # part type -> (modality, validator)
@@ -263,7 +265,8 @@ def classify_contents(
             _check_text(value, where or f"messages[{i}].content", bounds.text_chars)
             parts.append(Part(i, None, "string", (Modality.TEXT,), where))
         elif isinstance(value, list):
-            parts.extend(_classify_part(walk, i, j, where, p) for j, p in enumerate(value))
+            own = walk if content.table is None else _Walk(content.table, model, bounds.text_chars, audio_in_video)
+            parts.extend(_classify_part(own, i, j, where, p) for j, p in enumerate(value))
         else:
             location = where or f"messages[{i}].content"
             raise InvalidContentPartError(
@@ -338,6 +341,8 @@ def _classify_part(walk: _Walk, i: int, j: int, where: str, part: object) -> Par
     if not isinstance(part, dict):
         raise invalid("a content part must be an object" + (" or a string" if table.strings else ""))
     part_type = part.get("type")
+    if part_type is None and table.combined:
+        return _combined(walk, (i, j, where), part, invalid)
     if part_type is None and table.untyped:
         keys = [k for k in table.untyped if k in part]
         if len(keys) != 1:
@@ -361,3 +366,22 @@ def _classify_part(walk: _Walk, i: int, j: int, where: str, part: object) -> Par
     if modality is Modality.VIDEO and walk.audio_in_video:
         return Part(i, j, part_type, (Modality.VIDEO, Modality.AUDIO), where)
     return Part(i, j, part_type, (modality,), where)
+
+
+def _combined(
+    walk: _Walk, at: tuple[int, int, str], part: dict[str, Any], invalid: Callable[..., InvalidContentPartError]
+) -> Part:
+    """An item that carries several keys (SGLang's ``{"text", "image"}``): every modality it has."""
+    table = walk.table
+    keys = [k for k in table.untyped if k in part]
+    if not keys:
+        raise invalid(f"an item must carry one of {', '.join(table.untyped)}")
+    for key in keys:
+        problem = table.untyped[key](part)
+        if problem is not None:
+            raise invalid(f"malformed item: {problem}", table.types[key][0].value)
+    if "text" in keys and isinstance(part.get("text"), str):
+        _check_text(part["text"], f"{at[2]}[{at[1]}]", walk.max_text)
+    found = {table.types[k][0] for k in keys}
+    modalities = tuple(m for m in (*MODALITIES[1:], Modality.TEXT) if m in found)  # media first
+    return Part(at[0], at[1], "+".join(keys), modalities, at[2])

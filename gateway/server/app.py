@@ -105,6 +105,11 @@ def create_app(
     post("/v1/completions", chat.completions)
     post("/v1/responses", chat.responses)
     post("/v1/messages", chat.messages)
+    post("/v1/embeddings", chat.embeddings)
+    for path in ("/v1/score", "/score"):  # vLLM serves each under both names
+        post(path, chat.score)
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        post(path, chat.rerank)
     get("/v1/models", handlers.list_models)
     get("/healthz", handlers.healthz)
     get("/readyz", handlers.readyz)

@@ -12,6 +12,7 @@ from aiohttp import web
 from ..admission.affinity import chat_key, prompt_key, responses_key
 from ..admission.apis import CHAT, Api
 from ..admission.apis.messages import MESSAGES
+from ..admission.apis.pooling import EMBEDDINGS, RERANK, SCORE
 from ..admission.apis.responses import RESPONSES
 from ..admission.body import dump_body, exact
 from ..admission.plan import admit, lookup
@@ -38,10 +39,13 @@ def door(api: Api, key: Key) -> Callable[[web.Request], Awaitable[web.StreamResp
     return handler
 
 
-APIS = (CHAT, RESPONSES, MESSAGES)  # every API whose parts are admitted
+APIS = (CHAT, RESPONSES, MESSAGES, EMBEDDINGS, SCORE, RERANK)  # every API whose parts are admitted
 chat_completions = door(CHAT, chat_key)
 responses = door(RESPONSES, responses_key)
 messages = door(MESSAGES, chat_key)  # an Anthropic conversation opens as a chat one does
+embeddings = door(EMBEDDINGS, lambda body: None)
+score = door(SCORE, lambda body: None)
+rerank = door(RERANK, lambda body: None)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

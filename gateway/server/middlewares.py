@@ -69,7 +69,7 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
         try:
             _check_port(request, services)
             keyring = services.store.live.keyring
-            if keyring is None or not request.path.startswith("/v1/"):
+            if keyring is None or not is_api(request.path):
                 response = await handler(request)
             else:
                 response = await _with_key(request, handler, services, keyring)
@@ -107,6 +107,15 @@ async def _render_error(request: web.Request, services: Services, exc: GatewayEr
     if exc.stops_reading:
         await _send_and_close(request, response)
     return response
+
+
+# The APIs vLLM serves outside /v1/ too (its pooling routes): keys and limits hold on them as well
+UNVERSIONED_APIS = frozenset({"/score", "/rerank", "/v2/rerank"})
+
+
+def is_api(path: str) -> bool:
+    """Whether a path is an API's (with ``auth:``, a key is needed)."""
+    return path.startswith("/v1/") or path in UNVERSIONED_APIS
 
 
 def shape_of(path: str) -> Shape:
@@ -174,7 +183,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         request.writer.output_size = 0  # the interim response is not the response's body
         return None
     request[REQUEST_ID_KEY] = _request_id(request)
-    if request.path.startswith("/v1/"):  # gateway_requests_total counts the API's requests
+    if is_api(request.path):  # gateway_requests_total counts the API's requests
         request.app[SERVICES_KEY].metrics.requests.labels(UNKNOWN_MODEL, str(error.status), NO_KEY).inc()
     response = render(error, shape_of(request.path))
     await _send_and_close(request, response)  # the client waits for a 100 that will not come

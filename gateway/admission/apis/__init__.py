@@ -12,6 +12,9 @@ API                     ``apis:``    errors             actions on its parts
 /v1/chat/completions    chat         OpenAI             every one
 /v1/responses           responses    OpenAI             reject, redirect, strip
 /v1/messages            messages     Anthropic          reject, redirect, strip
+/v1/embeddings          embeddings   OpenAI             reject, redirect, strip
+/v1/score, /score       score        OpenAI             reject, redirect, strip
+/v1/rerank, ...         rerank       OpenAI             reject, redirect, strip
 ======================  ===========  =================  =====================================
 
 An action an API cannot carry is never silently skipped: audio to transcribe and video to

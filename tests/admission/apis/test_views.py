@@ -157,11 +157,9 @@ def test_check_refuses_a_redirect_to_a_model_that_does_not_serve_its_apis() -> N
         "messages (its apis: chat, completions), which 'a' does: add them to its apis or remove them from this "
         "model's"
     ]
-    found = problems(
-        "  - {name: c, upstreams: ['http://127.0.0.1:9'], accepts: [text], apis: [chat, chat, embeddings]}"
-    )
+    found = problems("  - {name: c, upstreams: ['http://127.0.0.1:9'], accepts: [text], apis: [chat, chat, nope]}")
     assert [p.split(": ", 2)[2] for p in found] == [
         "API 'chat' is listed twice",
-        "unknown API 'embeddings' (expected one of: chat, completions, responses, messages)",
+        "unknown API 'nope' (expected one of: chat, completions, responses, messages, embeddings, score, rerank)",
     ]
     assert Modality.FILE.value == "file"

@@ -1,0 +1,100 @@
+"""The pooling APIs through admission: embeddings (the real openai SDK as the client), score and
+rerank (vLLM's bodies, with images of documents), to stand-ins that answer as vLLM does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from tests.conftest import Upstream, error_body, routing
+
+pytestmark = pytest.mark.timeout(60)
+PNG = "data:image/png;base64,iVBORw0KGgo="
+IMAGE = {"type": "image_url", "image_url": {"url": PNG}}
+
+
+def table(text: Upstream, vision: Upstream) -> str:
+    return routing(
+        f"  - {{name: bge, upstreams: [{text.url}], accepts: [text], apis: [embeddings, score, rerank]}}",
+        f"  - {{name: vlm2vec, upstreams: [{vision.url}], accepts: [text, image], apis: [embeddings, score, rerank]}}",
+        f"  - {{name: chatty, upstreams: [{text.url}], accepts: [text]}}",
+    )
+
+
+@pytest.fixture
+async def both(upstream_factory) -> tuple[Upstream, Upstream]:
+    return await upstream_factory("text"), await upstream_factory("vision")
+
+
+async def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_embeddings_of_text_and_of_images_are_admitted_by_the_table(gateway_factory, both) -> None:
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    async with gw.client() as client:
+        reply = await client.embeddings.create(model="bge", input=["a", "b"])
+        assert len(reply.data) == 2 and reply.data[0].embedding == [0.5, -0.25, 0.125]
+        messages = [{"role": "user", "content": [{"type": "text", "text": "a cat"}, IMAGE]}]
+        with pytest.raises(openai.BadRequestError) as caught:  # vLLM's chat-style embedding request
+            await client.embeddings.create(model="bge", input="", extra_body={"messages": messages})
+        assert error_body(caught.value)["param"] == "messages[0].content[1]"
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.embeddings.create(model="chatty", input="a")
+        assert error_body(caught.value)["code"] == "unsupported_api"
+        await client.embeddings.create(model="vlm2vec", input="", extra_body={"messages": messages})
+    assert vision.received[-1].json()["messages"] == messages
+    # SGLang's items: each carries every modality it has
+    status, body = await post(f"{gw.url}/v1/embeddings", {"model": "bge", "input": [{"text": "t", "image": PNG}]})
+    assert status == 400 and body["error"]["param"] == "input[0]" and "'text+image'" in body["error"]["message"]
+    assert [r.path for r in text.received] == ["/v1/embeddings"]  # the refused ones reached no engine
+
+
+@pytest.mark.parametrize("path", ["/v1/score", "/score"])
+async def test_score_documents_with_images_are_classified(gateway_factory, both, path: str) -> None:
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    body = {"model": "bge", "text_1": "slm markdown", "text_2": {"content": [IMAGE, IMAGE]}}
+    status, answer = await post(gw.url + path, body)
+    assert status == 400 and answer["error"]["param"] == "text_2.content[0]"
+    assert answer["error"]["code"] == "unsupported_modality"
+    status, answer = await post(gw.url + path, {**body, "model": "vlm2vec"})
+    assert status == 200 and answer["data"][0]["object"] == "score"
+    assert vision.received[-1].path == path and vision.received[-1].json()["text_2"] == body["text_2"]
+    status, answer = await post(gw.url + path, {"model": "bge", "text_1": ["a", "b"], "text_2": ["c", "d"]})
+    assert status == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank", "/v2/rerank"])
+async def test_rerank_documents_with_images_are_classified(gateway_factory, both, path: str) -> None:
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    body = {"model": "bge", "query": "a cat", "documents": [{"content": [{"type": "text", "text": "x"}, IMAGE]}]}
+    status, answer = await post(gw.url + path, body)
+    assert status == 400 and answer["error"]["param"] == "documents[0].content[1]"
+    status, answer = await post(gw.url + path, {**body, "model": "vlm2vec"})
+    assert status == 200 and answer["results"][0]["relevance_score"] == 0.5
+    status, answer = await post(gw.url + path, {"model": "bge", "query": "q", "documents": ["a", 5]})
+    assert status == 400 and answer["error"]["param"] == "documents[1]"
+    assert text.received == []
+
+
+@pytest.mark.parametrize("path", ["/score", "/rerank", "/v2/rerank", "/v1/embeddings"])
+async def test_the_routes_outside_v1_need_a_key_too(gateway_factory, both, monkeypatch, path: str) -> None:
+    text, vision = both
+    monkeypatch.setenv("POOLING_TEST_KEY", "sk-right")
+    gw = await gateway_factory(
+        table(text, vision).replace("models:", "auth:\n  keys:\n    - {name: t, key_env: POOLING_TEST_KEY}\nmodels:")
+    )
+    body = {"model": "bge", "input": "a", "text_1": "a", "text_2": "b", "query": "q", "documents": ["d"]}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(gw.url + path, json=body) as resp:
+            assert resp.status == 401 and (await resp.json())["error"]["code"] == "invalid_api_key"
+        async with session.post(gw.url + path, json=body, headers={"Authorization": "Bearer sk-right"}) as resp:
+            assert resp.status == 200
+    assert len(text.received) == 1 and "Authorization" not in text.received[0].headers
