@@ -62,8 +62,15 @@ class Holders:
         return url
 
 
+# vLLM and SGLang write a response object's id first: read without parsing the whole reply
+_LEADING_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*"([A-Za-z0-9_\-.:]{1,256})"')
+
+
 def id_of_response(body: bytes) -> str | None:
     """The ``id`` of a response object (a non-streamed Responses reply)."""
+    leading = _LEADING_ID.match(body)
+    if leading is not None:
+        return leading.group(1).decode()
     try:
         reply = orjson.loads(body)
     except orjson.JSONDecodeError:
