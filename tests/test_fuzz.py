@@ -463,6 +463,7 @@ ENDPOINTS = st.sampled_from(
         "/v1/embeddings",
         "/v1/rerank",
         "/score",
+        "/v1/audio/transcriptions",  # JSON or bytes where a form belongs: a 400, never a 5xx
     ]
 )
 

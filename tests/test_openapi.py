@@ -55,7 +55,7 @@ MODELS = ("qwen-omni", "kimi-k3", "kimi-k3-text")
 MAX_EXAMPLES = 40  # drawn cases per operation, after the examples and boundary cases
 LIMITED_KEY = "sk-openapi-test-limited"  # one request a minute
 MAX_BODY_BYTES = 1 << 20
-APIS = "[chat, completions, responses, messages, embeddings, score, rerank]"  # every door, for every model
+APIS = "[chat, completions, responses, messages, embeddings, score, rerank, transcriptions, translations]"  # every door
 
 
 # --- the description itself ---------------------------------------------------------------------
@@ -222,7 +222,7 @@ models:
     upstream_model: moonshotai/Kimi-K3
     accepts: [text]
     apis: {APIS}
-    on_unsupported: {{image: strip, video: strip, audio: strip, file: strip}}
+    on_unsupported: {{image: strip, video: strip, audio: {{redirect: qwen-omni}}, file: strip}}
 """
 
 

@@ -75,6 +75,7 @@ class StandIn:
             app.router.add_post(path, self._scores)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/audio/transcriptions", self._transcribe)
+        app.router.add_post("/v1/audio/translations", self._transcribe)
         app.router.add_get("/health", self._health)
         return app
 
@@ -111,7 +112,7 @@ class StandIn:
             )
         return payload, None
 
-    async def _transcribe(self, request: web.Request) -> web.Response:
+    async def _transcribe(self, request: web.Request) -> web.StreamResponse:
         """The OpenAI transcription API (what vLLM serves for Whisper): multipart ``file`` and
         ``model``; the transcript names the file, its size and the model, so tests can tell them apart."""
         if self.reset and request.transport is not None:
@@ -125,8 +126,9 @@ class StandIn:
             if isinstance(part, BodyPartReader) and part.name:
                 data = await part.read()
                 fields[part.name] = (part.filename, part.headers.get("Content-Type"), data)
-        if self.record:
-            body = orjson.dumps({k: [v[0], v[1], len(v[2])] for k, v in fields.items()})
+        if self.record:  # per field: its filename, type and size, and the value of a small one
+            body = orjson.dumps({k: [v[0], v[1], len(v[2]), v[2].decode() if k != "file" and len(v[2]) < 4096 else None]
+                                 for k, v in fields.items()})  # fmt: skip
             self.received.append(Received(request.method, request.path_qs, CIMultiDict(request.headers), body))
         if self.fail_status:
             error = {"message": f"stand-in {self.name} says {self.fail_status}", "type": "InternalServerError",
@@ -137,7 +139,20 @@ class StandIn:
             return web.json_response({"error": error}, status=400)
         filename, _, audio = fields["file"]
         model = fields["model"][2].decode()
-        return web.json_response({"text": f"[{self.name}] {model} heard {filename} ({len(audio)} bytes)"})
+        text = f"[{self.name}] {model} heard {filename} ({len(audio)} bytes)"
+        if "stream" not in fields or fields["stream"][2].decode().lower() != "true":
+            return web.json_response({"text": text})
+        # vLLM's streamed transcription: transcription.chunk events, then [DONE]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for piece in _pieces(text):
+            choice = {"delta": {"content": piece}, "finish_reason": None, "stop_reason": None}
+            chunk = {"id": f"trsc-{self.name}", "object": "transcription.chunk", "created": CREATED, "model": model,
+                     "choices": [choice]}  # fmt: skip
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         payload, error = await self._record(request)

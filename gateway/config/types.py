@@ -86,7 +86,8 @@ MODEL_KEYS = (
 )
 # The APIs a model's upstreams may serve (routing.yaml `apis:`), and what a generative model
 # served by vLLM or SGLang serves when the key is left out.
-API_NAMES = ("chat", "completions", "responses", "messages", "embeddings", "score", "rerank")
+API_NAMES = ("chat", "completions", "responses", "messages", "embeddings", "score", "rerank", "transcriptions",
+             "translations")  # fmt: skip
 DEFAULT_APIS = API_NAMES[:4]  # a generative model's; a pooling model lists embeddings, score or rerank
 ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
 UPSTREAM_CLIENTS = ("http1", "aiohttp")

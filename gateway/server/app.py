@@ -26,7 +26,7 @@ from ..upstream.collector import PoolCollector
 from ..upstream.concurrency import Gates
 from ..upstream.health import HealthChecker
 from ..upstream.replicas import ReplicaSet
-from . import chat, handlers
+from . import audio, chat, handlers
 from .access_log import quiet_parser_errors
 from .middlewares import expect_continue, front_middleware, rate_limit_headers
 from .state import SERVICES_KEY, Services
@@ -106,6 +106,8 @@ def create_app(
     post("/v1/responses", chat.responses)
     post("/v1/messages", chat.messages)
     post("/v1/embeddings", chat.embeddings)
+    post("/v1/audio/transcriptions", audio.transcriptions)
+    post("/v1/audio/translations", audio.translations)
     for path in ("/v1/score", "/score"):  # vLLM serves each under both names
         post(path, chat.score)
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):

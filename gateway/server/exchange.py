@@ -19,8 +19,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ..admission.body import exact, read_json
+from ..admission.body import exact, read_body, read_json
 from ..admission.plan import EXPAND, RoutePlan, Visible, upstream_body
+from ..admission.upload import Form, parse_form
 from ..config import GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
@@ -88,6 +89,18 @@ async def begin(request: web.Request) -> Exchange:
     return Exchange(request, services, live, live.config, visible(request), raw, body, body.get("stream") is True)
 
 
+async def begin_upload(request: web.Request) -> tuple[Exchange, Form]:
+    """The exchange of an audio upload (multipart/form-data), its form read where its parts lie."""
+    services = request.app[SERVICES_KEY]
+    live = services.store.live
+    request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
+    server = live.config.server
+    raw = await read_body(request, timeout_s=server.client_body_timeout_s, max_bytes=services.max_body_bytes)
+    form = parse_form(raw, request.headers.get("Content-Type", ""))
+    streamed = (form.value("stream") or "").lower() == "true"
+    return Exchange(request, services, live, live.config, visible(request), raw, {}, streamed), form
+
+
 async def convert(ex: Exchange) -> None:
     """Media the model takes in another form: audio as its transcript, video as frames (images)
     or as vLLM's pre-sampled frames. Before encoding: a failure here costs no encoder work."""
@@ -143,7 +156,9 @@ async def _encode(ex: Exchange, plan: RoutePlan) -> Encoded:
         return NOTHING
 
 
-def forward(ex: Exchange, data: bytes, *, affinity_key: bytes | None = None) -> Awaitable[web.StreamResponse]:
+def forward(
+    ex: Exchange, data: bytes, *, affinity_key: bytes | None = None, content_type: str = "application/json"
+) -> Awaitable[web.StreamResponse]:
     """The upstream hop, and the relay of its answer (awaited by the caller: a plain function, no
     coroutine frame of its own for every resumption of the exchange to pass through). Images
     primed on vLLM encoder instances may not be found by the consumer: the attempt then primes
@@ -175,6 +190,7 @@ def forward(ex: Exchange, data: bytes, *, affinity_key: bytes | None = None) -> 
         reprime=reprime,
         api=ex.plan.api.name if ex.plan is not None else "completions",
         continues=continues if isinstance(continues, str) else None,
+        content_type=content_type,
     )
     upstream = ex.services.upstream
     if model.max_concurrency is None:

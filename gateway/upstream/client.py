@@ -106,7 +106,7 @@ class UpstreamClient:
             deadline=deadline,
             prefer=self.holders.find(dispatch.continues) if dispatch.continues is not None else None,
         )
-        headers = _upstream_headers(request, dispatch.gateway_headers)
+        headers = _upstream_headers(request, dispatch.gateway_headers, dispatch.content_type)
         if dispatch.auth is not None:
             headers[hdrs.AUTHORIZATION] = dispatch.auth
         elif not dispatch.forward_client_auth:
@@ -212,7 +212,7 @@ class UpstreamClient:
         _check_sendable(sending.headers)  # aiohttp would raise a ValueError as it writes them
         sent = session.post(
             replica.url + sending.path,
-            data=whole_body(body, "application/json"),
+            data=whole_body(body, sending.headers[hdrs.CONTENT_TYPE]),
             headers=sending.headers,
             timeout=_client_timeout(sending.timeouts.connect, sending.sock_read),
             allow_redirects=False,  # relayed as they are, like every other answer
@@ -349,7 +349,7 @@ def _retry_after(value: str | None) -> float:
     return min(max(seconds, 0.0), MAX_BUSY_S) if seconds == seconds else 1.0
 
 
-def _upstream_headers(request: web.Request, extra: Mapping[str, str]) -> CIMultiDict[str]:
+def _upstream_headers(request: web.Request, extra: Mapping[str, str], content_type: str) -> CIMultiDict[str]:
     headers = request.headers.copy()  # in C; then the few names not forwarded go (cheaper than a filter in Python)
     for name in _NOT_FORWARDED_UP:
         if name in headers:
@@ -358,5 +358,5 @@ def _upstream_headers(request: web.Request, extra: Mapping[str, str]) -> CIMulti
     if request.remote:
         forwarded = request.headers.get("X-Forwarded-For")
         headers["X-Forwarded-For"] = f"{forwarded}, {request.remote}" if forwarded else request.remote
-    headers[hdrs.CONTENT_TYPE] = "application/json"
+    headers[hdrs.CONTENT_TYPE] = content_type
     return headers

@@ -44,3 +44,4 @@ class Dispatch:
     reprime: Callable[[], Awaitable[bytes]] | None = None
     api: str = "chat"  # the API it came in on (routing.yaml's name): how a broken stream's error event looks
     continues: str | None = None  # the stored response it continues (previous_response_id): its holder first
+    content_type: str = "application/json"  # of the body (an audio upload: its multipart type, boundary included)

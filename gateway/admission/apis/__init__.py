@@ -15,6 +15,7 @@ API                     ``apis:``    errors             actions on its parts
 /v1/embeddings          embeddings   OpenAI             reject, redirect, strip
 /v1/score, /score       score        OpenAI             reject, redirect, strip
 /v1/rerank, ...         rerank       OpenAI             reject, redirect, strip
+/v1/audio/...           transcr.     OpenAI             the model takes audio, or redirect
 ======================  ===========  =================  =====================================
 
 An action an API cannot carry is never silently skipped: audio to transcribe and video to

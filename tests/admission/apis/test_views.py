@@ -160,6 +160,7 @@ def test_check_refuses_a_redirect_to_a_model_that_does_not_serve_its_apis() -> N
     found = problems("  - {name: c, upstreams: ['http://127.0.0.1:9'], accepts: [text], apis: [chat, chat, nope]}")
     assert [p.split(": ", 2)[2] for p in found] == [
         "API 'chat' is listed twice",
-        "unknown API 'nope' (expected one of: chat, completions, responses, messages, embeddings, score, rerank)",
+        "unknown API 'nope' (expected one of: chat, completions, responses, messages, embeddings, score, rerank, "
+        "transcriptions, translations)",
     ]
     assert Modality.FILE.value == "file"

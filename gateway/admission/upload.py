@@ -1,0 +1,154 @@
+"""Audio uploads: ``POST /v1/audio/transcriptions`` and ``/v1/audio/translations`` (multipart/form-data).
+
+The body is an HTML form (RFC 7578): a ``file`` part (the audio), ``model``, and the engine's own
+fields (``language``, ``prompt``, ``response_format``, ``stream``, ...). The gateway reads the
+form's parts where they lie in the body (no copy of the audio), admits the request under the
+table (the model, or a redirect target, must accept audio; the file within
+``media.max_audio_bytes``), and forwards the body as the client sent it, its ``model`` field
+renamed for the upstream where it must be (a splice: nothing else is written again).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import GatewayConfig, ModelConfig
+from ..errors import InvalidRequestError, MediaRefusedError, Rejection, UnsupportedModalityError
+from ..modalities import Modality
+from .apis import Api
+from .parts import CHAT_PARTS, Classification, Content, Part
+from .plan import Redirect, RoutePlan, Visible, lookup
+
+MAX_FIELDS = 64  # parts of one form
+MAX_HEAD_BYTES = 8 * 1024  # the headers of one part
+MAX_VALUE_BYTES = 64 * 1024  # a field other than the file (model, prompt, language, ...)
+_BOUNDARY = re.compile(r'boundary=(?:"([^"]{1,70})"|([^\s;"]{1,70}))', re.IGNORECASE)
+_NAME = re.compile(rb'\bname="([^"]*)"', re.IGNORECASE)
+_FILENAME = re.compile(rb'\bfilename="([^"]*)"', re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    name: str
+    filename: str | None
+    start: int  # its content: body[start:end]
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Form:
+    """A parsed form: its fields, where they lie in the body."""
+
+    body: bytes
+    fields: tuple[Field, ...]
+
+    def field(self, name: str) -> Field | None:
+        return next((f for f in self.fields if f.name == name), None)
+
+    def value(self, name: str) -> str | None:
+        """A small field's text (None when absent); 400 when it is not UTF-8 or too large."""
+        found = self.field(name)
+        if found is None:
+            return None
+        if found.end - found.start > MAX_VALUE_BYTES:
+            raise InvalidRequestError(f"the form field '{name}' is over {MAX_VALUE_BYTES} bytes", param=name)
+        try:
+            return self.body[found.start : found.end].decode()
+        except UnicodeDecodeError:
+            raise InvalidRequestError(f"the form field '{name}' is not UTF-8", param=name) from None
+
+    def with_value(self, name: str, value: str) -> bytes:
+        """The body with one field's content replaced (the rest as sent)."""
+        found = self.field(name)
+        assert found is not None
+        return self.body[: found.start] + value.encode() + self.body[found.end :]
+
+
+def parse_form(body: bytes, content_type: str) -> Form:
+    """The parts of a multipart/form-data body; 400 for anything else or a malformed one."""
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise InvalidRequestError("An audio upload is multipart/form-data, with the audio as its 'file' part")
+    match = _BOUNDARY.search(content_type)
+    if match is None:
+        raise InvalidRequestError("multipart/form-data without a boundary")
+    delimiter = b"--" + (match.group(1) or match.group(2)).encode("latin-1")
+    pos = body.find(delimiter)
+    if pos < 0:
+        raise InvalidRequestError("The form's boundary is not in its body")
+    fields: list[Field] = []
+    pos += len(delimiter)
+    while not body.startswith(b"--", pos):  # the closing delimiter
+        if len(fields) >= MAX_FIELDS:
+            raise InvalidRequestError(f"The form has more than {MAX_FIELDS} parts")
+        if not body.startswith(b"\r\n", pos):
+            raise InvalidRequestError("A malformed multipart body (a delimiter not followed by a line break)")
+        head_end = body.find(b"\r\n\r\n", pos + 2, pos + 2 + MAX_HEAD_BYTES)
+        if head_end < 0:
+            raise InvalidRequestError("A part of the form has no end to its headers (or over 8 KiB of them)")
+        lines = body[pos + 2 : head_end].split(b"\r\n")
+        disposition = next((line for line in lines if line.lower().startswith(b"content-disposition:")), b"")
+        name = _NAME.search(disposition)
+        if name is None:
+            raise InvalidRequestError("A part of the form has no name (Content-Disposition: form-data; name=...)")
+        end = body.find(b"\r\n" + delimiter, head_end + 4)
+        if end < 0:
+            raise InvalidRequestError("The form is cut short: a part without its closing boundary")
+        filename = _FILENAME.search(disposition)
+        fields.append(
+            Field(
+                name.group(1).decode("utf-8", "replace"),
+                filename.group(1).decode("utf-8", "replace") if filename else None,
+                head_end + 4,
+                end,
+            )
+        )
+        pos = end + 2 + len(delimiter)
+    return Form(body, tuple(fields))
+
+
+def _no_view(body: dict[str, Any], bounds: Any) -> list[Content]:
+    return []  # the form is read by parse_form, not as JSON
+
+
+TRANSCRIPTIONS = Api("transcriptions", "/v1/audio/transcriptions", CHAT_PARTS, _no_view)
+TRANSLATIONS = Api("translations", "/v1/audio/translations", CHAT_PARTS, _no_view)
+_AUDIO = Classification((Part(0, None, "file", (Modality.AUDIO,), "file"),), {Modality.AUDIO: 1}, False)
+
+
+def lookup_upload(config: GatewayConfig, form: Form, visible: Visible, api: Api) -> ModelConfig:
+    """The model an upload names (its ``model`` field), as :func:`~gateway.admission.plan.lookup` finds it."""
+    body: Mapping[str, Any] = {"model": form.value("model")}
+    return lookup(config, body, visible, api.name)
+
+
+def admit_upload(config: GatewayConfig, form: Form, visible: Visible, *, requested: ModelConfig, api: Api) -> RoutePlan:
+    """The plan of an audio upload: its model takes audio, or redirects audio to one that does
+    (and serves this API); the file within media.max_audio_bytes. Nothing else is converted."""
+    audio = form.field("file")
+    if audio is None:
+        raise InvalidRequestError("The form has no 'file' part (the audio)", param="file")
+    limit = config.media.max_audio_bytes
+    if audio.end - audio.start > limit:
+        raise MediaRefusedError(
+            f"file: the audio is {audio.end - audio.start} bytes, over media.max_audio_bytes ({limit} bytes)",
+            param="file",
+            rejection=Rejection(requested.name, "audio", "media_refused"),
+        )
+    model = requested
+    redirects: tuple[Redirect, ...] = ()
+    if Modality.AUDIO not in model.accepts:
+        policy = model.policy(Modality.AUDIO)
+        target = config.model(policy.target or "") if policy.action == "redirect" else None
+        usable = target is not None and (visible is None or visible(target.name)) and api.name in target.apis
+        if target is None or not usable or Modality.AUDIO not in target.accepts:
+            raise UnsupportedModalityError(
+                f"Model '{model.name}' does not accept audio input: 'file' is audio. It accepts: "
+                f"{model.accepts_text()}.",
+                param="file",
+                rejection=Rejection(model.name, "audio", "unsupported"),
+            )
+        model, redirects = target, (Redirect(requested.name, Modality.AUDIO, target.name),)
+    return RoutePlan(requested.name, model, _AUDIO, redirects, api=api)

@@ -1,0 +1,34 @@
+"""The doors of audio uploads: ``/v1/audio/transcriptions`` and ``/v1/audio/translations``
+(multipart/form-data, as the OpenAI SDK and vLLM's Whisper serving speak them). The form is
+admitted under the table (gateway.admission.upload) and forwarded as sent, its ``model`` renamed
+for the upstream where it must be; a streamed transcription (``stream=true``) is relayed event
+by event."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ..admission.apis import Api
+from ..admission.upload import TRANSCRIPTIONS, TRANSLATIONS, admit_upload, lookup_upload
+from . import exchange
+
+
+async def _upload(request: web.Request, api: Api) -> web.StreamResponse:
+    ex, form = await exchange.begin_upload(request)
+    requested = lookup_upload(ex.config, form, ex.visible, api)
+    ex.serve_with(requested)
+    ex.admitted(admit_upload(ex.config, form, ex.visible, requested=requested, api=api))
+    plan = ex.plan
+    assert plan is not None
+    data = form.body
+    if form.value("model") != plan.model.upstream_name:
+        data = form.with_value("model", plan.model.upstream_name)
+    return await exchange.forward(ex, data, content_type=request.headers["Content-Type"])
+
+
+async def transcriptions(request: web.Request) -> web.StreamResponse:
+    return await _upload(request, TRANSCRIPTIONS)
+
+
+async def translations(request: web.Request) -> web.StreamResponse:
+    return await _upload(request, TRANSLATIONS)
