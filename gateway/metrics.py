@@ -39,9 +39,9 @@ class GatewayMetrics:
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "gateway_requests",
-            "Requests answered, by the model the client asked for, the HTTP status sent, and the API key's name "
-            "(- without auth).",
-            ["model", "code", "key"],
+            "Requests answered, by the model the client asked for, the HTTP status sent, the API key's name "
+            "(- without auth), and the API (chat, responses, messages, ...).",
+            ["model", "code", "key", "api"],
             registry=registry,
         )
         self.auth_failures = Counter(
@@ -68,8 +68,8 @@ class GatewayMetrics:
         )
         self.rejections = Counter(
             "gateway_modality_rejections",
-            "Requests refused at admission for their content.",
-            ["model", "modality", "reason"],
+            "Requests refused at admission for their content, by the API they came in on.",
+            ["model", "modality", "reason", "api"],
             registry=registry,
         )
         self.redirects = Counter(

@@ -89,9 +89,9 @@ async def test_two_gateways_spread_over_two_encoders_outlive_one_follow_a_config
             assert sum(scraped.own[url].values()) == cluster.sent[url]
         assert scraped.summed == scraped.expected_sums
         assert {tuple(v for _, v in key) for key in scraped.expected_sums} == {
-            ("200", "-", MODEL),
-            ("200", "-", NEW_MODEL),
-            ("404", "-", "_unknown"),  # NEW_MODEL until each gateway had reloaded
+            ("chat", "200", "-", MODEL),
+            ("chat", "200", "-", NEW_MODEL),
+            ("chat", "404", "-", "_unknown"),  # NEW_MODEL until each gateway had reloaded
         }
         per_instance = {(url, key): value for url, series in scraped.own.items() for key, value in series.items()}
         assert scraped.by_instance == per_instance

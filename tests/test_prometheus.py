@@ -165,7 +165,7 @@ async def test_metrics_pass_promtool_lint(
     assert (value("gateway_queue_depth", **limited), value("gateway_model_in_flight", **limited)) == (0, 0)
     assert value("gateway_shed_total", model="pooled", reason="queue_full") is None  # declared with a limit only
     assert value("gateway_health_checks_total", **limited, upstream=held.upstream.url, result="pass") == 1
-    assert value("gateway_requests_total", **limited, code="429", key="ci") == 1
+    assert value("gateway_requests_total", **limited, code="429", key="ci", api="chat") == 1
     # API keys: a wrong one, and tight's second request within its minute
     assert (
         value("gateway_auth_failures_total", reason="invalid"),
@@ -174,8 +174,8 @@ async def test_metrics_pass_promtool_lint(
     assert value("gateway_rate_limited_total", key="tight", reason="rate") == 1
     assert value("gateway_rate_limited_total", key="tight", reason="concurrency") == 0
     assert value("gateway_rate_limited_total", key="ci", reason="rate") == 0  # declared per key
-    assert value("gateway_requests_total", model="_unknown", code="429", key="tight") == 1
-    assert value("gateway_requests_total", model="texty", code="200", key="tight") == 1
+    assert value("gateway_requests_total", model="_unknown", code="429", key="tight", api="chat") == 1
+    assert value("gateway_requests_total", model="texty", code="200", key="tight", api="chat") == 1
     assert [s.labels["sha256"] for s in families["gateway_config_info"].samples] == [busy_gateway.config.sha256]
 
 

@@ -524,7 +524,7 @@ async def edit_config(
 @dataclass
 class Scrape:
     own: dict[str, dict[tuple[tuple[str, str], ...], float]]  # each gateway's gateway_requests_total
-    summed: dict[tuple[tuple[str, str], ...], float]  # sum by (model, code, key) over the gateways, by Prometheus
+    summed: dict[tuple[tuple[str, str], ...], float]  # sum by (model, code, key, api) over the gateways, by Prometheus
     by_instance: dict[tuple[str, tuple[tuple[str, str], ...]], float]  # Prometheus, per instance and series
 
     @property
@@ -551,7 +551,7 @@ async def scrape(session: aiohttp.ClientSession, cluster: Cluster, *, bound_s: f
             series = await samples(session, url, name)
         own[url] = {k: v for k, v in series.items() if v}
     scrape = Scrape(own, {}, {})
-    labels = ("model", "code", "key")
+    labels = ("model", "code", "key", "api")
     while time.monotonic() < deadline:
         summed = await query(session, cluster.prometheus, f"sum by ({', '.join(labels)}) ({name})")
         per = await query(session, cluster.prometheus, f"sum by (instance, {', '.join(labels)}) ({name})")

@@ -26,7 +26,7 @@ from ..upstream.collector import PoolCollector
 from ..upstream.concurrency import Gates
 from ..upstream.health import HealthChecker
 from ..upstream.replicas import ReplicaSet
-from . import audio, chat, handlers
+from . import doors, handlers
 from .access_log import quiet_parser_errors
 from .middlewares import expect_continue, front_middleware, rate_limit_headers
 from .state import SERVICES_KEY, Services
@@ -101,17 +101,8 @@ def create_app(
     # every route answers an Expect header the gateway's way (aiohttp's own 417 is plain text)
     post = functools.partial(app.router.add_post, expect_handler=expect_continue)
     get = functools.partial(app.router.add_get, expect_handler=expect_continue)
-    post("/v1/chat/completions", chat.chat_completions)
-    post("/v1/completions", chat.completions)
-    post("/v1/responses", chat.responses)
-    post("/v1/messages", chat.messages)
-    post("/v1/embeddings", chat.embeddings)
-    post("/v1/audio/transcriptions", audio.transcriptions)
-    post("/v1/audio/translations", audio.translations)
-    for path in ("/v1/score", "/score"):  # vLLM serves each under both names
-        post(path, chat.score)
-    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
-        post(path, chat.rerank)
+    for path, (handler, _) in doors.ROUTES.items():
+        post(path, handler)
     get("/v1/models", handlers.list_models)
     get("/healthz", handlers.healthz)
     get("/readyz", handlers.readyz)

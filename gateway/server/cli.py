@@ -25,7 +25,7 @@ from ..encode.client import image_url
 from ..errors import ConfigError, GatewayError
 from ..media.fetch import decode_data_url, is_data_url
 from .app import create_app
-from .chat import APIS
+from .doors import APIS
 from .lifecycle import reload_on_sighup, serve
 from .workers import MULTIPROC_ENV, Master, worker_app, worker_config
 

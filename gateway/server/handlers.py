@@ -1,5 +1,5 @@
 """The gateway's own endpoints: the model list, health and readiness, /metrics, the admin API
-(the API's doors are gateway.server.chat, on gateway.server.exchange)."""
+(the API's doors are gateway.server.doors, on gateway.server.exchange)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from ..errors import (
 )
 from ..metrics import NO_KEY, UNKNOWN_MODEL
 from ..upstream.relay import RelayResponse
+from .doors import API_BY_PATH
 from .state import API_KEY_KEY, KEY_LABEL_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
 
 log = logging.getLogger(__name__)
@@ -95,14 +96,15 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
         metrics.in_flight.dec()
         model = request.get(MODEL_LABEL_KEY)
         if model is not None:
-            metrics.child(metrics.requests, model, str(code), request.get(KEY_LABEL_KEY, NO_KEY)).inc()
+            api = api_of(request.path)
+            metrics.child(metrics.requests, model, str(code), request.get(KEY_LABEL_KEY, NO_KEY), api).inc()
             metrics.child(metrics.request_duration, model).observe(time.perf_counter() - started)
 
 
 async def _render_error(request: web.Request, services: Services, exc: GatewayError) -> web.Response:
     if exc.rejection is not None:
         r = exc.rejection
-        services.metrics.child(services.metrics.rejections, r.model, r.modality, r.reason).inc()
+        services.metrics.child(services.metrics.rejections, r.model, r.modality, r.reason, api_of(request.path)).inc()
     response = render(exc, shape_of(request.path))
     if exc.stops_reading:
         await _send_and_close(request, response)
@@ -111,6 +113,11 @@ async def _render_error(request: web.Request, services: Services, exc: GatewayEr
 
 # The APIs vLLM serves outside /v1/ too (its pooling routes): keys and limits hold on them as well
 UNVERSIONED_APIS = frozenset({"/score", "/rerank", "/v2/rerank"})
+
+
+def api_of(path: str) -> str:
+    """The ``api`` label of a request: the API its path serves (routing.yaml's name), ``-`` for none."""
+    return API_BY_PATH.get(path, "-")
 
 
 def is_api(path: str) -> bool:
@@ -184,7 +191,8 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         return None
     request[REQUEST_ID_KEY] = _request_id(request)
     if is_api(request.path):  # gateway_requests_total counts the API's requests
-        request.app[SERVICES_KEY].metrics.requests.labels(UNKNOWN_MODEL, str(error.status), NO_KEY).inc()
+        metrics = request.app[SERVICES_KEY].metrics
+        metrics.requests.labels(UNKNOWN_MODEL, str(error.status), NO_KEY, api_of(request.path)).inc()
     response = render(error, shape_of(request.path))
     await _send_and_close(request, response)  # the client waits for a 100 that will not come
     return response

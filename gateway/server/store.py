@@ -162,7 +162,7 @@ def declare(metrics: GatewayMetrics, config: GatewayConfig) -> None:
     for model in config.models:
         for modality in MODALITY_NAMES:
             for reason in REJECTION_REASONS:
-                metrics.rejections.labels(model.name, modality, reason)
+                metrics.rejections.labels(model.name, modality, reason, "chat")
         metrics.retries_refused.labels(model.name)
         if "responses" in model.apis:
             for result in ("holder", "elsewhere", "unknown"):

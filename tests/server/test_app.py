@@ -379,7 +379,8 @@ async def test_health_ready_and_metrics_endpoints(gw: Gateway, two, monkeypatch)
     assert ready["status"] == "ready" and ready["models"] == ["vision", "omni", "texty"]
     assert {u["url"] for u in ready["upstreams"]} == {two[0].url, two[1].url}
     # series declared up front exist at 0, so alerts see them before the first rejection
-    assert 'gateway_modality_rejections_total{modality="video",model="omni",reason="unsupported"} 0.0' in text
+    declared = 'gateway_modality_rejections_total{api="chat",modality="video",model="omni",reason="unsupported"} 0.0'
+    assert declared in text
 
 
 async def test_a_compressed_request_body_reaches_the_upstream_decoded(gw: Gateway, two) -> None:

@@ -1,5 +1,6 @@
-"""The doors whose requests carry content parts: ``/v1/chat/completions``, ``/v1/responses`` and
-``/v1/messages`` (every part admitted, gateway.admission.apis), and the text-only
+"""Every API door of the gateway, and the table of routes the app registers (:data:`ROUTES`):
+those whose requests carry content parts (chat, Responses, Messages, the pooling APIs: every part
+admitted, gateway.admission.apis), audio uploads (gateway.server.audio), and the text-only
 ``/v1/completions``. Each reads as the stages of its exchange (gateway.server.exchange)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..admission.apis.pooling import EMBEDDINGS, RERANK, SCORE
 from ..admission.apis.responses import RESPONSES
 from ..admission.body import dump_body, exact
 from ..admission.plan import admit, lookup
-from . import exchange
+from . import audio, exchange
 
 Key = Callable[[Mapping[str, Any]], bytes | None]  # a request's affinity key (gateway.admission.affinity)
 
@@ -60,3 +61,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
         data = dump_body(body)
     key = prompt_key(ex.body) if model.balance == "affinity" else None
     return await exchange.forward(ex, data, affinity_key=key)
+
+
+# path -> (handler, the API's name as routing.yaml says it: the `api` label of the metrics)
+ROUTES: dict[str, tuple[Callable[[web.Request], Awaitable[web.StreamResponse]], str]] = {
+    "/v1/chat/completions": (chat_completions, "chat"),
+    "/v1/completions": (completions, "completions"),
+    "/v1/responses": (responses, "responses"),
+    "/v1/messages": (messages, "messages"),
+    "/v1/embeddings": (embeddings, "embeddings"),
+    "/v1/score": (score, "score"),
+    "/score": (score, "score"),  # vLLM serves each pooling route under both names
+    "/v1/rerank": (rerank, "rerank"),
+    "/rerank": (rerank, "rerank"),
+    "/v2/rerank": (rerank, "rerank"),
+    "/v1/audio/transcriptions": (audio.transcriptions, "transcriptions"),
+    "/v1/audio/translations": (audio.translations, "translations"),
+}
+API_BY_PATH = {path: api for path, (_, api) in ROUTES.items()}
