@@ -42,7 +42,7 @@ from ..errors import (
 from ..modalities import Modality
 from .apis import CHAT, Api
 from .body import dump_body, exact
-from .parts import Classification, Part
+from .parts import Classification, Content, Part
 
 # What X-Gateway-Route names, in this order, comma-separated; "direct" when none (docs/openapi.yaml)
 ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "transcode")
@@ -124,6 +124,10 @@ class RoutePlan:
             and Modality.VIDEO not in self.stripped
             and Modality.VIDEO in self.classification.counts
         )
+
+    def contents(self, body: dict[str, Any]) -> list[Content]:
+        """The places of ``body`` the plan's parts index (its API's view; checked at admission)."""
+        return self.api.contents(body, _UNBOUNDED)
 
     def needs_rewrite(self, body: Mapping[str, Any]) -> bool:
         if body.get("model") != self.model.upstream_name:
@@ -262,8 +266,9 @@ def admit(
         if (policy := model.policy(m)).action == "transcribe" and _may_use(visible, policy.target or "")
     )
     framed = frozenset(m for m in unsupported if model.policy(m).action == "frames")
-    if not api.converts and (transcribed or framed):
-        _refuse_conversion(model, classification, transcribed | framed, api)
+    refused = (framed if not api.converts else frozenset()) | (transcribed if not api.transcribes else frozenset())
+    if refused:
+        _refuse_conversion(model, classification, refused, api)
     _reject_unsupported(model, classification, unsupported, stripped | transcribed | framed, redirects)
     _enforce_limits(model, classification, stripped | transcribed | framed)
     per_video = _frames_per_video(model, classification, stripped) if framed else 0
@@ -420,7 +425,7 @@ def rewrite(
     """Apply the plan to ``body`` (in place) and serialize it. ``replacements`` maps
     (message, part) indices to new parts (encoded images)."""
     body["model"] = plan.model.upstream_name
-    contents = plan.api.contents(body, _UNBOUNDED)  # the places the plan's parts index (checked at admission)
+    contents = plan.contents(body)
     for (i, j), new_part in (replacements or {}).items():
         contents[i].value[j] = new_part
     for part in reversed(plan.stripped_parts):  # reversed keeps earlier indices valid

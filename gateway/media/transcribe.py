@@ -93,13 +93,13 @@ class Transcriber:
             raise UpstreamError(f"Transcription model '{policy.target}' does not exist")
         job = _Job(plan, target, live, request_id)
         limit = asyncio.Semaphore(CONCURRENCY)
-        messages = body["messages"]
+        contents = plan.contents(dict(body))  # where the request keeps its parts (its API's view)
 
         async def one(part: Part) -> tuple[tuple[int, int], dict[str, Any]]:
             assert part.index is not None
             async with limit:
                 try:
-                    text = await self._one(messages[part.message]["content"][part.index], part, job)
+                    text = await self._one(contents[part.message].value[part.index], part, job)
                 except (UpstreamError, UpstreamTimeoutError) as exc:
                     if policy.on_error != "reject":
                         raise
@@ -109,7 +109,7 @@ class Transcriber:
                         param=part.location,
                         rejection=Rejection(plan.model.name, "audio", "unsupported"),
                     ) from None
-            return (part.message, part.index), {"type": "text", "text": TRANSCRIPT + text}
+            return (part.message, part.index), {"type": plan.api.text_part, "text": TRANSCRIPT + text}
 
         # a clip refused stops the others' transcriptions at once
         return dict(await gather_all(*(one(p) for p in plan.transcribe_parts)))
@@ -216,7 +216,8 @@ class Transcriber:
 
     async def _audio(self, value: Mapping[str, Any], part: Part, model: str, media: MediaConfig) -> tuple[bytes, str]:
         """The audio's bytes and format (wav, mp3, ...)."""
-        if part.type not in ("input_audio", "audio_url") or value.get(part.type) is None:
+        flat = part.type == "input_audio" and isinstance(value.get("data"), str)  # older Responses SDKs' shape
+        if part.type not in ("input_audio", "audio_url") or (value.get(part.type) is None and not flat):
             what = "embeddings" if part.type == "audio_embeds" else "a cached reference (no audio)"
             raise UnsupportedModalityError(
                 f"Model '{model}' does not accept audio input, and {part.location} ('{part.type}') cannot be "
@@ -226,7 +227,7 @@ class Transcriber:
             )
         refused = Rejection(model, "audio", "media_refused")
         if part.type == "input_audio":
-            inner = value["input_audio"]  # classification checked its shape
+            inner = value if flat else value["input_audio"]  # classification checked its shape
             fmt = str(inner.get("format", "wav")).lower()
             encoded = inner["data"]
             limit = self._fetcher.max_bytes("audio", media)

@@ -124,14 +124,17 @@ async def test_a_model_not_served_on_responses_and_conversions_chat_alone_makes_
         assert "is not served on the responses API here (it serves: chat)" in error_body(caught.value)["message"]
     assert texty.received == []
 
-    transcribing = table(texty, vision, texty_extra=", on_unsupported: {audio: {transcribe: vision}}")
+    # an API that cannot carry a transcript (embeddings' chat-style messages): refused, saying where it is made
+    transcribing = table(
+        texty, vision, texty_extra=", apis: [embeddings], on_unsupported: {audio: {transcribe: vision}}"
+    )
     gw = await gateway_factory(transcribing.replace("accepts: [text, image]}", "accepts: [text, image, audio]}"))
     async with gw.client() as client:
         with pytest.raises(openai.BadRequestError) as caught:
-            await client.responses.create(model="texty", input=user(audio))
+            await client.embeddings.create(model="texty", input="", extra_body={"messages": user(audio)})
     error = error_body(caught.value)
-    assert error["code"] == "unsupported_modality" and error["param"] == "input[0].content[1]"
-    assert "which the gateway makes on /v1/chat/completions, not on the responses API" in error["message"]
+    assert error["code"] == "unsupported_modality" and error["param"] == "messages[0].content[1]"
+    assert "which the gateway makes on /v1/chat/completions, not on the embeddings API" in error["message"]
     assert texty.received == [] and vision.received == []
 
 
@@ -187,3 +190,22 @@ async def test_a_holder_gone_leaves_the_engines_own_answer_never_a_hang(gateway_
     assert f"Response with id '{first.id}' not found." in str(caught.value)  # the other replica's own 404
     assert other.received[-2].json()["previous_response_id"] == first.id and unknown.id.startswith("resp_")
     assert gw.sample("gateway_stored_response_routes_total", model="m", result="holder") == 1
+
+
+async def test_audio_is_served_as_its_transcript_on_responses_too(gateway_factory, upstream_factory) -> None:
+    texty, whisper = await upstream_factory("texty"), await upstream_factory("whisper")
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: texty, upstreams: [{texty.url}], accepts: [text], "
+            "on_unsupported: {audio: {transcribe: whisper}}}",
+            f"  - {{name: whisper, upstreams: [{whisper.url}], accepts: [text, audio]}}",
+        )
+    )
+    nested = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    flat = {"type": "input_audio", "data": "UklGRiQ=", "format": "wav"}  # as older SDKs sent it
+    async with gw.client() as client:
+        raw = await client.responses.with_raw_response.create(model="texty", input=user(nested, flat))
+    assert raw.headers["X-Gateway-Route"] == "transcribe"
+    parts = texty.received[-1].json()["input"][0]["content"]
+    assert [p["type"] for p in parts] == ["input_text", "input_text", "input_text"]
+    assert parts[1]["text"].startswith("[Transcript of the user's audio] [whisper]") and len(whisper.received) == 2

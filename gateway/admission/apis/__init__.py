@@ -10,7 +10,7 @@ its errors look to its clients. Classification, limits and actions are the same 
 API                     ``apis:``    errors             actions on its parts
 ======================  ===========  =================  =====================================
 /v1/chat/completions    chat         OpenAI             every one
-/v1/responses           responses    OpenAI             reject, redirect, strip
+/v1/responses           responses    OpenAI             reject, redirect, strip, transcribe
 /v1/messages            messages     Anthropic          reject, redirect, strip
 /v1/embeddings          embeddings   OpenAI             reject, redirect, strip
 /v1/score, /score       score        OpenAI             reject, redirect, strip
@@ -18,8 +18,9 @@ API                     ``apis:``    errors             actions on its parts
 /v1/audio/...           transcr.     OpenAI             the model takes audio, or redirect
 ======================  ===========  =================  =====================================
 
-An action an API cannot carry is never silently skipped: audio to transcribe and video to
-sample into frames are refused (400 ``unsupported_modality``, saying where they are served);
+An action an API cannot carry is never silently skipped: audio to transcribe (but on the
+Responses API, which takes its transcript as an ``input_text`` part) and video to sample into
+frames are refused (400 ``unsupported_modality``, saying where they are served);
 images of a model with ``encode:`` go to the engine as sent, which encodes them itself
 (docs/routing.md).
 """
@@ -44,7 +45,8 @@ class Api:
     path: str  # the gateway's route, and the engine's
     table: PartTable
     contents: Callable[[dict[str, Any], ContentBounds], list[Content]]  # the view of a body, checked
-    converts: bool = False  # audio transcribed, video sampled, images encoded: the chat API only
+    converts: bool = False  # video sampled, images encoded: the chat API only
+    transcribes: bool = False  # audio served as its transcript (a text part of this API's)
     errors: ErrorShape = "openai"
     text_part: str = "text"  # the type of a text part, for a part the gateway writes
 
@@ -55,4 +57,4 @@ class Api:
         return classify_contents(contents, self.table, model=model, bounds=bounds, audio_in_video=with_audio)
 
 
-CHAT = Api("chat", "/v1/chat/completions", CHAT_PARTS, chat_contents, converts=True)
+CHAT = Api("chat", "/v1/chat/completions", CHAT_PARTS, chat_contents, converts=True, transcribes=True)

@@ -91,4 +91,4 @@ def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
     return view
 
 
-RESPONSES = Api("responses", "/v1/responses", PARTS, contents, text_part="input_text")
+RESPONSES = Api("responses", "/v1/responses", PARTS, contents, transcribes=True, text_part="input_text")
