@@ -18,11 +18,12 @@ must a redirect target.
    only audio is stripped: the flag is turned off instead.
 4. **Limits** of the serving model apply to what is left (400 ``too_many_items``).
 
-:func:`rewrite` applies a plan to the body; it is needed only when the plan changes something.
+:mod:`gateway.admission.rewrite` applies a plan to the body, when the plan changes something.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -41,11 +42,10 @@ from ..errors import (
 )
 from ..modalities import Modality
 from .apis import CHAT, Api
-from .body import dump_body, exact
 from .parts import Classification, Content, Part
 
 # What X-Gateway-Route names, in this order, comma-separated; "direct" when none (docs/openapi.yaml)
-ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "transcode")
+ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "transcode", "normalize")
 # Image parts the gateway can turn into embeddings (image_embeds parts already are).
 ENCODABLE_TYPES = frozenset({"image_url", "input_image"})
 
@@ -70,12 +70,18 @@ class RoutePlan:
     transcribed: frozenset[Modality] = frozenset()  # audio sent to a transcription model, as text
     frames_per_video: int = 0  # on_unsupported: {video: {frames: N}}: each video as this many images
     api: Api = CHAT  # the API it came in on
+    normalized: frozenset[tuple[int, int]] = frozenset()  # parts sent in the shape the engine reads (Api.normalize)
 
     @property
     def route(self) -> str:
         """The X-Gateway-Route header value."""
         if not (
-            self.redirects or self.stripped or self.transcribed or self.frames_per_video or self.model.video_sample
+            self.redirects
+            or self.stripped
+            or self.transcribed
+            or self.frames_per_video
+            or self.model.video_sample
+            or self.normalized
         ):
             return "direct"
         stripped = bool(self.stripped_parts) or self.mutes_audio_in_video
@@ -84,6 +90,7 @@ class RoutePlan:
             stripped,
             bool(self.transcribe_parts),
             bool(self.frame_parts or self.presample_parts),
+            bool(self.normalized),
         )
         return ", ".join(a for a, on in zip(ROUTE_ACTIONS, done, strict=True) if on) or "direct"
 
@@ -130,7 +137,7 @@ class RoutePlan:
         return self.api.contents(body, _UNBOUNDED)
 
     def needs_rewrite(self, body: Mapping[str, Any]) -> bool:
-        if body.get("model") != self.model.upstream_name:
+        if body.get("model") != self.model.upstream_name or self.normalized:
             return True
         if self.transcribe_parts or self.frame_parts:
             return True
@@ -243,9 +250,10 @@ def admit(
     present = classification.present
     model = requested
     redirects: list[Redirect] = []
+    normalized = _normalized(api, body, classification) if api.normalize is not None else frozenset()
     if all(m in model.accepts for m in present):  # the common case: nothing to redirect, reject or strip
         _enforce_limits(model, classification, frozenset())
-        return RoutePlan(requested.name, model, classification, api=api)
+        return RoutePlan(requested.name, model, classification, api=api, normalized=normalized)
     while True:
         redirect = _choose_redirect(config, model, present, _Caller(visible, api.name))
         if redirect is None:
@@ -272,7 +280,22 @@ def admit(
     _reject_unsupported(model, classification, unsupported, stripped | transcribed | framed, redirects)
     _enforce_limits(model, classification, stripped | transcribed | framed)
     per_video = _frames_per_video(model, classification, stripped) if framed else 0
-    return RoutePlan(requested.name, model, classification, tuple(redirects), stripped, transcribed, per_video, api)
+    plan = RoutePlan(requested.name, model, classification, tuple(redirects), stripped, transcribed, per_video, api)
+    if not normalized:
+        return plan
+    gone = {(p.message, p.index) for p in (*plan.stripped_parts, *plan.transcribe_parts)}  # not sent as parts
+    return dataclasses.replace(plan, normalized=normalized - gone)
+
+
+def _normalized(api: Api, body: dict[str, Any], classification: Classification) -> frozenset[tuple[int, int]]:
+    """The parts the API's engines read in another shape of the same meaning (Api.normalize)."""
+    assert api.normalize is not None
+    contents = api.contents(body, _UNBOUNDED)
+    return frozenset(
+        (p.message, p.index)
+        for p in classification.parts
+        if p.index is not None and api.normalize(contents[p.message].value[p.index]) is not None
+    )
 
 
 def _refuse_conversion(
@@ -397,51 +420,3 @@ MAX_FRAMES = 64  # frames of all a request's videos (on_unsupported: {video: {fr
 # A replacement that stands for several parts, {"type": EXPAND, "parts": [...]}, spliced in place
 # once every replacement and strip is done (so that the indices of the others hold).
 EXPAND = "__gateway_parts__"
-
-
-def upstream_body(
-    plan: RoutePlan,
-    raw: bytes,
-    body: dict[str, Any],
-    replacements: Mapping[tuple[int, int], dict[str, Any]] | None = None,
-    fields: Mapping[str, Any] | None = None,
-) -> bytes:
-    """The bytes to send upstream: the client's own when the plan changes nothing, else the body
-    with the plan applied and ``fields`` set at its top, written again (``body`` is changed in
-    place). Writing it again with orjson costs no more than splicing the change into the client's
-    bytes would (5 us for a 100 KB request, ~70 us for 2 MB: a splice must scan the whole body and
-    copy it; bench/rename.py)."""
-    if not replacements and not fields and not plan.needs_rewrite(body):
-        return raw
-    body = exact(raw, body)
-    if fields:
-        body.update(fields)
-    return rewrite(plan, body, replacements)
-
-
-def rewrite(
-    plan: RoutePlan, body: dict[str, Any], replacements: Mapping[tuple[int, int], dict[str, Any]] | None = None
-) -> bytes:
-    """Apply the plan to ``body`` (in place) and serialize it. ``replacements`` maps
-    (message, part) indices to new parts (encoded images)."""
-    body["model"] = plan.model.upstream_name
-    contents = plan.contents(body)
-    for (i, j), new_part in (replacements or {}).items():
-        contents[i].value[j] = new_part
-    for part in reversed(plan.stripped_parts):  # reversed keeps earlier indices valid
-        content = contents[part.message]
-        if part.index is None:
-            content.holder[content.key] = ""
-        else:
-            del content.value[part.index]
-            if not content.value:
-                content.holder[content.key] = ""
-    expanded = {i for (i, _), new_part in (replacements or {}).items() if new_part.get("type") == EXPAND}
-    for i in expanded:  # a part replaced by several (a video by its frames), in place
-        content = contents[i]
-        content.holder[content.key] = [
-            q for p in content.value for q in (p["parts"] if p.get("type") == EXPAND else (p,))
-        ]
-    if plan.mutes_audio_in_video:
-        body["mm_processor_kwargs"] = {**body["mm_processor_kwargs"], "use_audio_in_video": False}
-    return dump_body(body)

@@ -20,7 +20,8 @@ import orjson
 from aiohttp import web
 
 from ..admission.body import exact, read_body, read_json
-from ..admission.plan import EXPAND, RoutePlan, Visible, upstream_body
+from ..admission.plan import EXPAND, RoutePlan, Visible
+from ..admission.rewrite import upstream_body
 from ..admission.upload import Form, parse_form
 from ..config import GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements

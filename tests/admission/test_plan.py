@@ -8,7 +8,8 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.admission.plan import Redirect, admit, rewrite
+from gateway.admission.plan import Redirect, admit
+from gateway.admission.rewrite import rewrite
 from gateway.config import GatewayConfig, ModelConfig, Policy, parse_config
 from gateway.errors import (
     GatewayError,

@@ -209,3 +209,16 @@ async def test_audio_is_served_as_its_transcript_on_responses_too(gateway_factor
     parts = texty.received[-1].json()["input"][0]["content"]
     assert [p["type"] for p in parts] == ["input_text", "input_text", "input_text"]
     assert parts[1]["text"].startswith("[Transcript of the user's audio] [whisper]") and len(whisper.received) == 2
+
+
+async def test_parts_of_the_same_meaning_go_in_the_shape_the_engine_reads(gateway_factory, both) -> None:
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    as_chat = {"type": "input_image", "image_url": {"url": PNG}, "detail": "low"}
+    async with gw.client() as client:
+        raw = await client.responses.with_raw_response.create(model="vision", input=user(as_chat, IMAGE))
+        plain = await client.responses.with_raw_response.create(model="vision", input=user(IMAGE))
+    assert (raw.headers["X-Gateway-Route"], plain.headers["X-Gateway-Route"]) == ("normalize", "direct")
+    sent = vision.received[0].json()["input"][0]["content"]
+    assert sent[1] == {"type": "input_image", "image_url": PNG, "detail": "low"} and sent[2] == IMAGE
+    assert vision.received[1].json()["input"] == user(IMAGE)

@@ -27,7 +27,7 @@ images of a model with ``encode:`` go to the engine as sent, which encodes them 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -49,6 +49,8 @@ class Api:
     transcribes: bool = False  # audio served as its transcript (a text part of this API's)
     errors: ErrorShape = "openai"
     text_part: str = "text"  # the type of a text part, for a part the gateway writes
+    # a part in the shape the engines read, where clients may send another of the same meaning; None: as sent
+    normalize: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = None
 
     def classify(self, body: dict[str, Any], *, model: str, bounds: ContentBounds) -> Classification:
         """Every part of the body's view, classified with the API's table (see gateway.admission.parts)."""

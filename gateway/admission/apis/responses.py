@@ -91,4 +91,20 @@ def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
     return view
 
 
-RESPONSES = Api("responses", "/v1/responses", PARTS, contents, transcribes=True, text_part="input_text")
+def normalize(part: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The part as vLLM's Responses serving reads it, where the client sent the same meaning in
+    another shape: an ``input_image`` whose ``image_url`` is the chat API's ``{"url": ...}`` (vLLM
+    reads a string), a flat ``input_audio`` (``{"data", "format"}``, older SDKs: vLLM reads the
+    nested form). None: the part goes as sent."""
+    kind = part.get("type")
+    if kind == "input_image" and isinstance(part.get("image_url"), dict):
+        return {**part, "image_url": part["image_url"]["url"]}  # classification checked the url
+    if kind == "input_audio" and "input_audio" not in part and isinstance(part.get("data"), str):
+        audio = {k: part[k] for k in ("data", "format") if k in part}
+        return {**{k: v for k, v in part.items() if k not in audio}, "input_audio": audio}
+    return None
+
+
+RESPONSES = Api(
+    "responses", "/v1/responses", PARTS, contents, transcribes=True, text_part="input_text", normalize=normalize
+)

@@ -11,7 +11,8 @@ import pytest
 from gateway.admission.apis import CHAT
 from gateway.admission.apis.messages import MESSAGES
 from gateway.admission.apis.responses import RESPONSES
-from gateway.admission.plan import admit, rewrite
+from gateway.admission.plan import admit
+from gateway.admission.rewrite import rewrite
 from gateway.config import parse_config
 from gateway.config.types import DEFAULT_BOUNDS, ContentBounds
 from gateway.errors import ConfigError, InvalidContentPartError, InvalidRequestError, UnsupportedApiError
@@ -164,3 +165,14 @@ def test_check_refuses_a_redirect_to_a_model_that_does_not_serve_its_apis() -> N
         "transcriptions, translations)",
     ]
     assert Modality.FILE.value == "file"
+
+
+def test_responses_parts_are_normalized_only_where_the_meaning_is_the_same() -> None:
+    from gateway.admission.apis.responses import normalize
+
+    assert normalize({"type": "input_image", "image_url": {"url": PNG}}) == {"type": "input_image", "image_url": PNG}
+    assert normalize({"type": "input_audio", "data": "UklGRg==", "format": "wav", "id": "a"}) == {
+        "type": "input_audio", "id": "a", "input_audio": {"data": "UklGRg==", "format": "wav"}
+    }  # fmt: skip
+    for same in (IMAGE, {"type": "input_audio", "input_audio": {"data": "x"}}, {"type": "input_text", "text": "t"}):
+        assert normalize(same) is None
