@@ -72,6 +72,8 @@ class Classification:
     parts: tuple[Part, ...]
     counts: Mapping[Modality, int]
     audio_in_video: bool
+    # (place, index) of the parts its API's engines read in another shape of the same meaning
+    normalized: frozenset[tuple[int, int]] = frozenset()
 
     @property
     def present(self) -> tuple[Modality, ...]:

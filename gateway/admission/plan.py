@@ -250,7 +250,7 @@ def admit(
     present = classification.present
     model = requested
     redirects: list[Redirect] = []
-    normalized = _normalized(api, body, classification) if api.normalize is not None else frozenset()
+    normalized = classification.normalized
     if all(m in model.accepts for m in present):  # the common case: nothing to redirect, reject or strip
         _enforce_limits(model, classification, frozenset())
         return RoutePlan(requested.name, model, classification, api=api, normalized=normalized)
@@ -285,17 +285,6 @@ def admit(
         return plan
     gone = {(p.message, p.index) for p in (*plan.stripped_parts, *plan.transcribe_parts)}  # not sent as parts
     return dataclasses.replace(plan, normalized=normalized - gone)
-
-
-def _normalized(api: Api, body: dict[str, Any], classification: Classification) -> frozenset[tuple[int, int]]:
-    """The parts the API's engines read in another shape of the same meaning (Api.normalize)."""
-    assert api.normalize is not None
-    contents = api.contents(body, _UNBOUNDED)
-    return frozenset(
-        (p.message, p.index)
-        for p in classification.parts
-        if p.index is not None and api.normalize(contents[p.message].value[p.index]) is not None
-    )
 
 
 def _refuse_conversion(

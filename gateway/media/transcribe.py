@@ -84,7 +84,7 @@ class Transcriber:
             await self._session.close()
 
     async def transcribe(
-        self, plan: RoutePlan, body: Mapping[str, Any], live: Live, *, request_id: str
+        self, plan: RoutePlan, body: dict[str, Any], live: Live, *, request_id: str
     ) -> dict[tuple[int, int], dict[str, Any]]:
         """The text part that replaces each audio part of ``plan.transcribe_parts``."""
         policy = plan.model.policy(Modality.AUDIO)
@@ -93,7 +93,7 @@ class Transcriber:
             raise UpstreamError(f"Transcription model '{policy.target}' does not exist")
         job = _Job(plan, target, live, request_id)
         limit = asyncio.Semaphore(CONCURRENCY)
-        contents = plan.contents(dict(body))  # where the request keeps its parts (its API's view)
+        contents = plan.contents(body)  # where the request keeps its parts (its API's view)
 
         async def one(part: Part) -> tuple[tuple[int, int], dict[str, Any]]:
             assert part.index is not None

@@ -17,9 +17,8 @@ async def _upload(request: web.Request, api: Api) -> web.StreamResponse:
     ex, form = await exchange.begin_upload(request)
     requested = lookup_upload(ex.config, form, ex.visible, api)
     ex.serve_with(requested)
-    ex.admitted(admit_upload(ex.config, form, ex.visible, requested=requested, api=api))
-    plan = ex.plan
-    assert plan is not None
+    plan = admit_upload(ex.config, form, ex.visible, requested=requested, api=api)
+    ex.admitted(plan)
     data = form.body
     if form.value("model") != plan.model.upstream_name:
         data = form.with_value("model", plan.model.upstream_name)

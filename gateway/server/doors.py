@@ -44,9 +44,16 @@ APIS = (CHAT, RESPONSES, MESSAGES, EMBEDDINGS, SCORE, RERANK)  # every API whose
 chat_completions = door(CHAT, chat_key)
 responses = door(RESPONSES, responses_key)
 messages = door(MESSAGES, chat_key)  # an Anthropic conversation opens as a chat one does
-embeddings = door(EMBEDDINGS, lambda body: None)
-score = door(SCORE, lambda body: None)
-rerank = door(RERANK, lambda body: None)
+
+
+def _no_key(body: Mapping[str, Any]) -> None:
+    """A pooling request has no conversation to keep on one replica."""
+    return None
+
+
+embeddings = door(EMBEDDINGS, _no_key)
+score = door(SCORE, _no_key)
+rerank = door(RERANK, _no_key)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -51,7 +51,7 @@ class Exchange:
     body: dict[str, Any]
     stream: bool  # the client asked for a stream ("stream": true)
     model: ModelConfig | None = None  # the model that serves it, once known
-    plan: RoutePlan | None = None  # for an API whose parts are admitted (chat)
+    plan: RoutePlan | None = None  # for an API whose parts are admitted (every one but completions)
     converted: Replacements = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)  # beyond X-Request-Id, -Model, -Route
     primed: bool = False  # its images went to vLLM's encoder instances

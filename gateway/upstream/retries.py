@@ -110,12 +110,11 @@ class RetryBook:
         self._budgets: dict[str, RetryBudget] = {}
         self._retries: dict[str, Retries] = {}  # by model name: made again when a reload changes its rules
 
-    def of(self, model: ModelConfig, *, request: bool = True) -> Retries:
-        """The model's retries for one request, counted in its budget unless ``request`` is False."""
+    def of(self, model: ModelConfig) -> Retries:
+        """The model's retries for one request, which counts in its budget."""
         retries = self._retries.get(model.name)
         if retries is None or retries.config is not model.retries:
             budget = self._budgets.get(model.name) or self._budgets.setdefault(model.name, RetryBudget(self._clock))
             retries = self._retries[model.name] = Retries(self, model.name, model.retries, budget)
-        if request:
-            retries.budget.request()
+        retries.budget.request()
         return retries

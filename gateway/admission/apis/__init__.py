@@ -27,6 +27,7 @@ images of a model with ``encode:`` go to the engine as sent, which encodes them 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -56,7 +57,16 @@ class Api:
         """Every part of the body's view, classified with the API's table (see gateway.admission.parts)."""
         contents = self.contents(body, bounds)
         with_audio = self.converts and audio_in_video(body)  # vLLM's flag, of a chat request
-        return classify_contents(contents, self.table, model=model, bounds=bounds, audio_in_video=with_audio)
+        found = classify_contents(contents, self.table, model=model, bounds=bounds, audio_in_video=with_audio)
+        normalize = self.normalize
+        if normalize is None:
+            return found
+        normalized = frozenset(
+            (p.message, p.index)
+            for p in found.parts
+            if p.index is not None and normalize(contents[p.message].value[p.index]) is not None
+        )
+        return dataclasses.replace(found, normalized=normalized) if normalized else found
 
 
 CHAT = Api("chat", "/v1/chat/completions", CHAT_PARTS, chat_contents, converts=True, transcribes=True)
