@@ -50,6 +50,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "text": TEXT,
     "stream": {**TEXT, "stream": True},
     "stream-20": {**TEXT, "stream": True, "ignore_eos": True, "max_tokens": 20},  # 20 content chunks
+    "responses": {"model": "m", "input": "Hello there, how are you today?", "max_output_tokens": 16},
+    "messages": {**TEXT, "max_tokens": 16},
     "reject": {
         "model": "text-only",
         "messages": [
@@ -63,6 +65,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         ],
     },
 }
+
+PATHS = {"responses": "/v1/responses", "messages": "/v1/messages"}  # the others: /v1/chat/completions
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,7 @@ async def _serve(app: web.Application, **options: Any) -> tuple[web.AppRunner, s
 async def measure(scenario: str = "text", n: int = 200, warmup: int = 50) -> Counts:
     """Count the calls of ``n`` requests of ``scenario`` direct and through the gateway."""
     body = orjson.dumps(SCENARIOS[scenario])
+    path = PATHS.get(scenario, "/v1/chat/completions")
     upstream_runner, upstream = await _serve(StandIn().app())
     config = parse_config(CONFIG.format(upstream=upstream), filename="bench")
     gateway_runner, gateway = await _serve(create_app(config), **SERVER_OPTIONS)
@@ -143,7 +148,7 @@ async def measure(scenario: str = "text", n: int = 200, warmup: int = 50) -> Cou
         async with aiohttp.ClientSession() as session:
 
             async def send(base: str) -> None:
-                async with session.post(base + "/v1/chat/completions", data=body, headers=headers) as resp:
+                async with session.post(base + path, data=body, headers=headers) as resp:
                     await resp.read()
 
             async def count(base: str) -> Counter[str]:

@@ -3,9 +3,10 @@
 It speaks the chat completions and completions protocol exactly, and the Responses and Anthropic
 Messages APIs as vLLM serves them (``/v1/responses``: named SSE events with a ``sequence_number``
 from ``response.created`` to ``response.completed``; ``/v1/messages``: ``message_start`` to
-``message_stop``, errors in Anthropic's shape), SSE streaming included, records every request it
-receives, and answers deterministically: the reply names the model it was asked for and counts
-the content parts by type. Knobs, sent as request headers (the gateway forwards them):
+``message_stop``, errors in Anthropic's shape; ``/v1/messages/count_tokens``), SSE streaming
+included, records every request it receives, and answers deterministically: the reply names
+the model it was asked for and counts the content parts by type. Knobs, sent as request
+headers (the gateway forwards them):
 
     X-Standin-Status: 503        answer with this status and an OpenAI error body
     X-Standin-Delay-Ms: 200      wait before the response headers
@@ -70,6 +71,7 @@ class StandIn:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/responses", self._responses)
         app.router.add_post("/v1/messages", self._messages)
+        app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         app.router.add_post("/v1/embeddings", self._embeddings)
         for path in ("/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank"):
             app.router.add_post(path, self._scores)
@@ -90,7 +92,7 @@ class StandIn:
         if delay:
             await asyncio.sleep(delay / 1000)
         status = self.fail_status or int(request.headers.get("X-Standin-Status", "200"))
-        if status != 200 and request.path == "/v1/messages":  # vLLM's Anthropic handler: its own error names
+        if status != 200 and request.path.startswith("/v1/messages"):  # vLLM's Anthropic handler: its own error names
             kind = "BadRequestError" if status < 500 else "InternalServerError"
             error = {"type": "error", "error": {"type": kind, "message": f"stand-in {self.name} says {status}"}}
             return {}, web.json_response(error, status=status)
@@ -255,6 +257,16 @@ class StandIn:
             {"type": "message_stop"},
         ]  # fmt: skip
         return await self._events(request, [*opening, *deltas, *closing], first_delta=len(opening))
+
+    async def _count_tokens(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/messages/count_tokens``, as vLLM answers it: ``{"input_tokens": N}`` (here 10, and
+        one a block)."""
+        payload, error = await self._record(request)
+        if error is not None:
+            return error
+        messages = payload.get("messages", [])
+        blocks = sum(len(m["content"]) if isinstance(m.get("content"), list) else 1 for m in messages)
+        return web.json_response({"input_tokens": 10 + blocks})
 
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         """A pooling model's embeddings, as vLLM answers them: one vector an input."""

@@ -25,7 +25,7 @@ from ..encode.client import image_url
 from ..errors import ConfigError, GatewayError
 from ..media.fetch import decode_data_url, is_data_url
 from .app import create_app
-from .doors import APIS
+from .doors import API_BY_PATH, APIS
 from .lifecycle import reload_on_sighup, serve
 from .workers import MULTIPROC_ENV, Master, worker_app, worker_config
 
@@ -120,8 +120,8 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _api_name(value: str) -> str:
-    """An API by its name or its path (``--api /v1/messages``)."""
-    return next((api.name for api in APIS if value == api.path), value)
+    """An API by its name or by any of its paths (``--api /v1/messages/count_tokens``)."""
+    return API_BY_PATH.get(value, value)
 
 
 def _explain(args: argparse.Namespace) -> int:

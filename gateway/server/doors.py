@@ -76,6 +76,7 @@ ROUTES: dict[str, tuple[Callable[[web.Request], Awaitable[web.StreamResponse]], 
     "/v1/completions": (completions, "completions"),
     "/v1/responses": (responses, "responses"),
     "/v1/messages": (messages, "messages"),
+    "/v1/messages/count_tokens": (messages, "messages"),  # Claude Code asks it first; vLLM serves it
     "/v1/embeddings": (embeddings, "embeddings"),
     "/v1/score": (score, "score"),
     "/score": (score, "score"),  # vLLM serves each pooling route under both names

@@ -9,17 +9,20 @@ while it admits requests (its breaker closed or probing, not checked down). When
 or the id is not known here, the request goes as any other would, and the replica's own answer
 reaches the client.
 
-Bounded: :data:`MAX_IDS` ids at most, the least recently used let go first, none kept longer
-than :data:`MAX_AGE_S`. Each gateway process learns what it relayed: behind several gateway
-replicas, a follow-up that reaches another gateway than its response did goes as any request
-(docs/routing.md says so).
+Bounded, in two generations of ids (the cheapest bounded table there is: one dict write a
+reply, no ordering kept, nothing for the garbage collector to walk): new ids go into the young
+one; once it holds half of :data:`MAX_IDS`, or is half of :data:`MAX_AGE_S` old, the old
+generation is let go and the young one takes its place. An id is kept for at least half the
+age and the most recent half of the count, and never longer than :data:`MAX_AGE_S` (a
+conversation goes on with the id of its newest response, learned anew each turn). Each gateway
+process learns what it relayed: behind several gateway replicas, a follow-up that reaches
+another gateway than its response did goes as any request (docs/routing.md says so).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import orjson
@@ -36,30 +39,40 @@ class Holders:
     def __init__(
         self, *, clock: Callable[[], float] = time.monotonic, max_ids: int = MAX_IDS, max_age_s: float = MAX_AGE_S
     ) -> None:
-        self._clock, self._max_ids, self._max_age_s = clock, max_ids, max_age_s
-        self._held: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._clock, self._max_age_s = clock, max_age_s
+        self._per_generation, self._generation_s = max(1, max_ids // 2), max_age_s / 2
+        self._young: dict[str, str] = {}  # ids learned since _young_since: less than a generation's time
+        self._old: dict[str, str] = {}  # the generation before, begun at _old_since
+        self._young_since = self._old_since = clock()
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len(self._young) + len(self._old)
 
     def remember(self, response_id: str, url: str) -> None:
-        held = self._held
-        held[response_id] = (url, self._clock())
-        held.move_to_end(response_id)
-        while len(held) > self._max_ids:
-            held.popitem(last=False)
+        now = self._clock()
+        if len(self._young) >= self._per_generation or now - self._young_since >= self._generation_s:
+            self._turn(now)
+        elif now - self._old_since > self._max_age_s:
+            self._old = {}
+        self._young[response_id] = url
 
     def find(self, response_id: str) -> str | None:
         """The URL of the replica that served ``response_id``, if this process relayed it lately."""
-        found = self._held.get(response_id)
-        if found is None:
-            return None
-        url, at = found
-        if self._clock() - at > self._max_age_s:
-            del self._held[response_id]
-            return None
-        self._held.move_to_end(response_id)
-        return url
+        now = self._clock()
+        if now - self._young_since >= self._generation_s:
+            self._turn(now)
+        elif now - self._old_since > self._max_age_s:
+            self._old = {}
+        url = self._young.get(response_id)
+        return url if url is not None else self._old.get(response_id)
+
+    def _turn(self, now: float) -> None:
+        """The old generation let go, the young one old. A generation begun longer than the age
+        ago may hold an id past it: it is let go whole (what it holds is at least half the age
+        old: a generation takes ids for half the age at most)."""
+        young = self._young if now - self._young_since <= self._max_age_s else {}
+        self._old, self._young = young, {}
+        self._old_since, self._young_since = self._young_since, now
 
 
 # vLLM and SGLang write a response object's id first: read without parsing the whole reply

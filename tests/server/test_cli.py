@@ -311,3 +311,50 @@ def test_explain_says_a_videos_frames_are_encoded(capsys: pytest.CaptureFixture[
     assert [p["action"] for p in decision["parts"]] == ["accept", "frames, encoded", "frames, encoded"]
     assert decision["encode_decision"] == "encoded" and decision["route"] == "transcode"
     assert decision["encoding"]["frames"] == 12 and decision["encoding"]["priming"]["images"] == []
+
+
+def explain_on(capsys: pytest.CaptureFixture[str], api: str, request: str) -> tuple[int, Any, str]:
+    status = main(["explain", "--config", ROUTING, "--api", api, request])
+    out, err = capsys.readouterr()
+    return status, json.loads(out) if out else None, err
+
+
+def test_explain_takes_a_responses_body_by_the_apis_name(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    picture = {"type": "input_image", "image_url": "https://example.com/a.png"}
+    body = {
+        "model": "kimi-k3-text",
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}, picture]}],
+    }
+    status, decision, err = explain_on(capsys, "responses", write_request(tmp_path, body))
+    assert (status, err) == (0, "")
+    assert (decision["api"], decision["route"]) == ("responses", "strip")
+    assert [(p["location"], p["action"]) for p in decision["parts"]] == [
+        ("input[0].content[0]", "accept"),
+        ("input[0].content[1]", "strip"),
+    ]
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_explain_takes_an_apis_body_by_any_of_its_paths(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, path: str
+) -> None:
+    block = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": [block]}]}
+    status, decision, err = explain_on(capsys, path, write_request(tmp_path, body))
+    assert (status, err) == (0, "")
+    assert (decision["api"], decision["decision"], decision["counts"]) == ("messages", "accept", {"image": 1})
+
+
+def test_explain_refuses_an_api_the_model_does_not_serve(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    status, decision, _ = explain_on(
+        capsys, "/v1/embeddings", write_request(tmp_path, {"model": "kimi-k3", "input": "hi"})
+    )
+    assert (status, decision["decision"], decision["status"]) == (1, "reject", 400)
+    assert decision["error"]["code"] == "unsupported_api"
+
+
+def test_explain_with_an_unknown_api_is_a_usage_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["explain", "--api", "/v1/nope", write_request(tmp_path, chat("kimi-k3"))])
+    assert exited.value.code == 2
+    assert "invalid choice: '/v1/nope'" in capsys.readouterr().err

@@ -145,3 +145,20 @@ async def test_a_bad_body_is_anthropics_400_and_the_gateway_keeps_serving(gatewa
     async with client(gw) as c:
         reply = await c.messages.create(model="texty", max_tokens=16, messages=ask())
     assert reply.stop_reason == "end_turn"
+
+
+async def test_count_tokens_is_admitted_as_the_message_it_counts(gateway_factory, both) -> None:
+    """Claude Code asks ``/v1/messages/count_tokens`` before it sends: the same table, the same
+    Anthropic errors, the engine's own count."""
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    async with client(gw) as c:
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await c.messages.count_tokens(model="texty", messages=ask(IMAGE))
+        counted = await c.messages.count_tokens(model="vision", messages=ask(IMAGE))
+    assert isinstance(caught.value.body, dict) and caught.value.body["type"] == "error"
+    assert "does not accept image input: messages[0].content[1] is 'image'" in str(caught.value)
+    assert texty.received == []  # refused before any engine
+    assert counted.input_tokens == 12  # the stand-in's count: 10 and one a block
+    assert [r.path for r in vision.received] == ["/v1/messages/count_tokens"]
+    assert vision.received[0].json()["messages"] == ask(IMAGE)
