@@ -7,6 +7,8 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     │   ├── UnsupportedModalityError      400                       unsupported_modality
     │   ├── UnsupportedApiError           400                       unsupported_api
     │   ├── TooManyItemsError             400                       too_many_items
+    │   ├── TooManyVisualTokensError      400                       too_many_visual_tokens
+    │   ├── ImageTooLargeError            400                       image_too_large
     │   ├── UnreadableBodyError           400                       invalid_request
     │   ├── InvalidContentPartError       400                       invalid_content_part
     │   ├── InvalidImageError             400                       invalid_image
@@ -64,7 +66,7 @@ from aiohttp import web
 @dataclass(frozen=True, slots=True)
 class Rejection:
     """What a rejection counts as: ``reason`` is one of unsupported, too_many_items,
-    invalid_content, media_refused."""
+    invalid_content, media_refused, too_many_visual_tokens, image_too_large."""
 
     model: str
     modality: str
@@ -166,6 +168,14 @@ class InvalidContentPartError(InvalidRequestError, code="invalid_content_part"):
 
 
 class InvalidImageError(InvalidRequestError, code="invalid_image"): ...
+
+
+class TooManyVisualTokensError(InvalidRequestError, code="too_many_visual_tokens"):
+    """A request's images cost the model more tokens than ``limits.visual_tokens``."""
+
+
+class ImageTooLargeError(InvalidRequestError, code="image_too_large"):
+    """An image over ``limits.image_pixels``, or one the model's processor refuses for its shape."""
 
 
 class ImagesRefusedError(InvalidImageError):

@@ -23,7 +23,10 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-REJECTION_REASONS = ("unsupported", "too_many_items", "invalid_content", "media_refused")
+REJECTION_REASONS = ("unsupported", "too_many_items", "invalid_content", "media_refused", "too_many_visual_tokens",
+                     "image_too_large")  # fmt: skip
+# A request's visual tokens: one thumbnail (~100) to a camera roll (100k+)
+VISUAL_TOKEN_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 UNKNOWN_MODEL = "_unknown"  # the model label of requests that name no configured model
 NO_KEY = "-"  # the key label of requests without auth
 
@@ -76,6 +79,25 @@ class GatewayMetrics:
             "gateway_modality_redirects",
             "Requests sent to another model because of a modality the requested model does not accept.",
             ["model", "modality", "target"],
+            registry=registry,
+        )
+        self.visual_tokens = Counter(
+            "gateway_visual_tokens",
+            "Visual tokens admitted (the model's visual_tokens: formula, after any downscale), by serving model.",
+            ["model"],
+            registry=registry,
+        )
+        self.request_visual_tokens = Histogram(
+            "gateway_request_visual_tokens",
+            "Visual tokens of each admitted request that carries images, to a model with a visual_tokens: formula.",
+            ["model"],
+            buckets=VISUAL_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.images_downscaled = Counter(
+            "gateway_images_downscaled",
+            "Images the gateway resized before sending them (on_oversize: downscale).",
+            ["model"],
             registry=registry,
         )
         self.stripped_parts = Counter(

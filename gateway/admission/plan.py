@@ -43,9 +43,10 @@ from ..errors import (
 from ..modalities import Modality
 from .apis import CHAT, Api
 from .parts import Classification, Content, Part
+from .visual import VisualCount, measure
 
 # What X-Gateway-Route names, in this order, comma-separated; "direct" when none (docs/openapi.yaml)
-ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "transcode", "normalize")
+ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "transcode", "normalize", "downscale")
 # Image parts the gateway can turn into embeddings (image_embeds parts already are).
 ENCODABLE_TYPES = frozenset({"image_url", "input_image"})
 
@@ -71,6 +72,7 @@ class RoutePlan:
     frames_per_video: int = 0  # on_unsupported: {video: {frames: N}}: each video as this many images
     api: Api = CHAT  # the API it came in on
     normalized: frozenset[tuple[int, int]] = frozenset()  # parts sent in the shape the engine reads (Api.normalize)
+    visual: VisualCount | None = None  # its images sized and counted (the model's visual_tokens, image_pixels)
 
     @property
     def route(self) -> str:
@@ -82,6 +84,7 @@ class RoutePlan:
             or self.frames_per_video
             or self.model.video_sample
             or self.normalized
+            or self.downscale_parts
         ):
             return "direct"
         stripped = bool(self.stripped_parts) or self.mutes_audio_in_video
@@ -91,8 +94,14 @@ class RoutePlan:
             bool(self.transcribe_parts),
             bool(self.frame_parts or self.presample_parts),
             bool(self.normalized),
+            bool(self.downscale_parts),
         )
         return ", ".join(a for a, on in zip(ROUTE_ACTIONS, done, strict=True) if on) or "direct"
+
+    @property
+    def downscale_parts(self) -> tuple[Part, ...]:
+        """Images the gateway resizes before sending (``on_oversize: downscale``)."""
+        return tuple(s.part for s in self.visual.downscaled) if self.visual is not None else ()
 
     @property
     def frame_parts(self) -> tuple[Part, ...]:
@@ -181,6 +190,8 @@ class RoutePlan:
         return self._encodable
 
     def action(self, part: Part) -> str:
+        if part in self.downscale_parts:
+            return "downscale, encode" if self.encoder is not None else "downscale"
         if part.modality in self.stripped:
             return "strip"
         if part.modality in self.transcribed:
@@ -191,6 +202,7 @@ class RoutePlan:
 
     def explain(self) -> dict[str, Any]:
         """The decision as JSON, for `modality-gateway explain` and debugging."""
+        sized = {s.part.location: s.explain() for s in self.visual.images} if self.visual is not None else {}
         return {
             "decision": "accept",
             "requested_model": self.requested,
@@ -208,9 +220,11 @@ class RoutePlan:
                     "type": p.type,
                     "modalities": [m.value for m in p.modalities],
                     "action": self.action(p),
+                    **sized.get(p.location, {}),
                 }
                 for p in self.classification.parts
             ],
+            **({"visual_tokens": self.visual.tokens} if self.visual is not None else {}),
         }
 
 
@@ -253,7 +267,8 @@ def admit(
     normalized = classification.normalized
     if all(m in model.accepts for m in present):  # the common case: nothing to redirect, reject or strip
         _enforce_limits(model, classification, frozenset())
-        return RoutePlan(requested.name, model, classification, api=api, normalized=normalized)
+        visual = _measure(config, model, classification, body, api) if model.counts_images else None
+        return RoutePlan(requested.name, model, classification, api=api, normalized=normalized, visual=visual)
     while True:
         redirect = _choose_redirect(config, model, present, _Caller(visible, api.name))
         if redirect is None:
@@ -280,11 +295,29 @@ def admit(
     _reject_unsupported(model, classification, unsupported, stripped | transcribed | framed, redirects)
     _enforce_limits(model, classification, stripped | transcribed | framed)
     per_video = _frames_per_video(model, classification, stripped) if framed else 0
-    plan = RoutePlan(requested.name, model, classification, tuple(redirects), stripped, transcribed, per_video, api)
+    visual = _measure(config, model, classification, body, api, stripped) if model.counts_images else None
+    plan = RoutePlan(
+        requested.name, model, classification, tuple(redirects), stripped, transcribed, per_video, api, visual=visual
+    )
     if not normalized:
         return plan
     gone = {(p.message, p.index) for p in (*plan.stripped_parts, *plan.transcribe_parts)}  # not sent as parts
     return dataclasses.replace(plan, normalized=normalized - gone)
+
+
+def _measure(
+    config: GatewayConfig,
+    model: ModelConfig,
+    classification: Classification,
+    body: dict[str, Any],
+    api: Api,
+    stripped: frozenset[Modality] = frozenset(),
+) -> VisualCount | None:
+    """The request's images sized and counted against the model's limits (gateway.admission.visual)."""
+    if Modality.IMAGE in stripped or not classification.counts.get(Modality.IMAGE):
+        return None
+    images = [p for p in classification.parts if p.modality is Modality.IMAGE and p.index is not None]
+    return measure(model, images, api.contents(body, config.server.content_bounds))
 
 
 def _refuse_conversion(

@@ -27,6 +27,7 @@ from .types import (
     TOP_KEYS,
     TRANSCRIBE_KEYS,
     UPSTREAM_CLIENTS,
+    VISUAL_LIMITS,
     EncoderConfig,
     GatewayConfig,
     MediaConfig,
@@ -34,9 +35,10 @@ from .types import (
     Policy,
     ServerConfig,
 )
+from .visual import VisualReaders
 
 
-class Parser(PoolReaders, AuthReaders):
+class Parser(PoolReaders, AuthReaders, VisualReaders):
     """Turns YAML nodes into config objects, collecting problems with their locations."""
 
     # --- sections --------------------------------------------------------------------------
@@ -211,7 +213,11 @@ class Parser(PoolReaders, AuthReaders):
         apis = self.apis(raw.get("apis", MISSING), f"{path}.apis")
         upstream_model = raw.get("upstream_model", MISSING)
         upstream_model = None if upstream_model is MISSING else self.string(upstream_model, f"{path}.upstream_model")
-        limits = self.modality_map(raw.get("limits", {}), f"{path}.limits", self.limit)
+        visual = self.visual(raw, path)
+        limits = raw.get("limits", {})
+        if isinstance(limits, dict):
+            limits = {k: v for k, v in limits.items() if k not in VISUAL_LIMITS}
+        limits = self.modality_map(limits, f"{path}.limits", self.limit)
         raw_encode = raw.get("encode", {})
         min_images = 1
         if isinstance(raw_encode, dict) and "min_images" in raw_encode:
@@ -248,6 +254,7 @@ class Parser(PoolReaders, AuthReaders):
             video_sample=video_sample,
             weights=weights if any(w != 1 for w in weights) else (),
             **pool,
+            **visual,
         )
 
     def apis(self, value: Any, path: str) -> tuple[str, ...]:

@@ -83,6 +83,8 @@ MODEL_KEYS = (
     "queue",
     "health_check",
     "video",
+    "visual_tokens",
+    "on_oversize",
 )
 # The APIs a model's upstreams may serve (routing.yaml `apis:`), and what a generative model
 # served by vLLM or SGLang serves when the key is left out.
@@ -108,6 +110,9 @@ MAX_JSON_DEPTH = 254  # the deepest body orjson can write back
 # image becomes an image_embeds payload upstream, often 1000x the size of the part it replaces.
 DEFAULT_ENCODE_IMAGE_LIMIT = 32
 POLICY_ACTIONS = ("reject", "strip")
+VISUAL_LIMITS = ("visual_tokens", "image_pixels")  # limits: beside the modalities, not items
+VISUAL_KEYS = ("preset", "patch", "merge", "min_pixels", "max_pixels", "longest_edge", "fixed", "remote")
+OVERSIZE_KEYS = ("max_pixels", "max_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,6 +313,49 @@ REJECT = Policy("reject")
 
 
 @dataclass(frozen=True, slots=True)
+class VisualTokens:
+    """How a model's image processor turns an image into tokens (routing.yaml ``visual_tokens:``;
+    the formulas: gateway.admission.visual). ``remote``: the (width, height) assumed for an image
+    the gateway does not have the bytes of (a URL it does not fetch); None: its header is fetched."""
+
+    kind: Literal["grid", "longest_edge", "fixed"]
+    patch: int = 14
+    merge: int = 2
+    min_pixels: int = 0
+    max_pixels: int = 1 << 62
+    longest_edge: int = 0
+    fixed: int = 0
+    preset: str | None = None
+    remote: tuple[int, int] | None = None
+
+
+# Each the released checkpoints' preprocessor_config.json (tests/admission/test_visual.py holds
+# them to the Hugging Face processors' counts).
+VISUAL_PRESETS: Mapping[str, VisualTokens] = MappingProxyType(
+    {
+        "qwen2-vl": VisualTokens("grid", patch=14, merge=2, min_pixels=3136, max_pixels=12845056),
+        "qwen2.5-vl": VisualTokens("grid", patch=14, merge=2, min_pixels=3136, max_pixels=12845056),
+        "qwen3-vl": VisualTokens("grid", patch=16, merge=2, min_pixels=65536, max_pixels=16777216),
+        "pixtral": VisualTokens("longest_edge", patch=16, longest_edge=1024),  # Pixtral-12B
+        "mistral-small-3.1": VisualTokens("longest_edge", patch=28, longest_edge=1540),  # patch 14, merge 2
+        "llava-1.5": VisualTokens("fixed", fixed=576),  # CLIP ViT-L/14 at 336 px
+        "gemma-3": VisualTokens("fixed", fixed=256),  # pan-and-scan off, vLLM's default
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Oversize:
+    """``on_oversize``: what becomes of an image over ``limits.image_pixels`` or of a request over
+    ``limits.visual_tokens``: refused (400), or each image downscaled to fit (``max_pixels`` an
+    image, ``max_tokens`` a request: the limits' own unless given)."""
+
+    action: Literal["reject", "downscale"] = "reject"
+    max_pixels: int | None = None
+    max_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
     upstreams: tuple[str, ...]
@@ -334,6 +382,15 @@ class ModelConfig:
     max_concurrency: int | None = None  # requests in flight upstream at most; None: no limit
     queue: QueueConfig = QueueConfig()
     health_check: HealthCheckConfig | None = None  # None: passive health (the breaker) only
+    visual_tokens: VisualTokens | None = None  # None: images are counted as items only
+    max_visual_tokens: int | None = None  # limits.visual_tokens: a request's images, in all
+    max_image_pixels: int | None = None  # limits.image_pixels: each image
+    on_oversize: Oversize = Oversize()
+
+    @property
+    def counts_images(self) -> bool:
+        """Whether admission reads each image's size: for its tokens, or a pixel limit."""
+        return self.visual_tokens is not None or self.max_image_pixels is not None
 
     @property
     def upstream_name(self) -> str:

@@ -82,12 +82,13 @@ class Image(NamedTuple):
 
 
 def _images(plan: RoutePlan, body: Mapping[str, Any], frames: Replacements) -> list[Image]:
-    """The request's encodable images (those that carry bytes), then its videos' frames."""
+    """The request's encodable images (those that carry bytes; a downscaled one at its new size),
+    then its videos' frames."""
     messages = body["messages"]
     images: list[Image] = []
     for part in plan.encode_parts:
         assert part.index is not None
-        original = messages[part.message]["content"][part.index]
+        original = frames.get((part.message, part.index)) or messages[part.message]["content"][part.index]
         url = image_url(original)
         if url is not None:
             images.append(Image(part, url, original))

@@ -27,6 +27,7 @@ from ..config import GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
 from ..media import video
+from ..media.downscale import downscale_for
 from ..metrics import UNKNOWN_MODEL
 from ..upstream.dispatch import Dispatch, Timeouts
 from ..upstream.live import Live
@@ -72,6 +73,10 @@ class Exchange:
         if plan.stripped:
             for part in plan.stripped_parts:
                 metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
+        if plan.visual is not None and plan.model.visual_tokens is not None:
+            tokens = plan.visual.tokens
+            metrics.visual_tokens.labels(plan.model.name).inc(tokens)
+            metrics.request_visual_tokens.labels(plan.model.name).observe(tokens)
 
 
 def visible(request: web.Request) -> Visible:
@@ -103,10 +108,15 @@ async def begin_upload(request: web.Request) -> tuple[Exchange, Form]:
 
 
 async def convert(ex: Exchange) -> None:
-    """Media the model takes in another form: audio as its transcript, video as frames (images)
-    or as vLLM's pre-sampled frames. Before encoding: a failure here costs no encoder work."""
+    """Media the model takes in another form: images downscaled (``on_oversize``), audio as its
+    transcript, video as frames (images) or as vLLM's pre-sampled frames. Before encoding: a
+    failure here costs no encoder work."""
     plan, services = ex.plan, ex.services
     assert plan is not None
+    if plan.downscale_parts:
+        ex.converted |= await downscale_for(
+            plan, ex.body, services.decoders, services.metrics, max_bytes=ex.config.media.max_image_bytes
+        )
     if plan.transcribe_parts:
         assert services.transcriber is not None
         ex.converted |= await services.transcriber.transcribe(

@@ -29,7 +29,8 @@ SERVER_KEYS = (
 )
 MODEL_KEYS = (
     "(expected one of: name, upstreams, upstream_model, accepts, apis, limits, encode, on_encoder_error, "
-    "on_unsupported, api_key_env, balance, retries, breaker, timeouts, max_concurrency, queue, health_check, video)"
+    "on_unsupported, api_key_env, balance, retries, breaker, timeouts, max_concurrency, queue, health_check, video, "
+    "visual_tokens, on_oversize)"
 )
 # A valid models section on two lines, for documents that test the sections above it.
 MODELS = ("models:", "  - {name: a, upstreams: ['http://h:1'], accepts: [text]}")

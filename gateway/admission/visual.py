@@ -1,0 +1,310 @@
+"""What an image costs a model in tokens, counted at admission from its header alone.
+
+A model's ``visual_tokens:`` (:class:`~gateway.config.types.VisualTokens`) says how its image
+processor turns an image into tokens; each formula here is that processor's, and
+tests/admission/test_visual.py holds every preset to the Hugging Face processor's own count over a
+grid of sizes:
+
+``grid``
+    Qwen2-VL, Qwen2.5-VL, Qwen3-VL (``smart_resize``): both sides rounded to multiples of
+    ``patch * merge``, the pixels brought within ``[min_pixels, max_pixels]`` keeping the aspect;
+    one token a ``merge x merge`` block of ``patch``-pixel patches.
+``longest_edge``
+    Pixtral, Mistral Small 3.1: the longest edge brought down to ``longest_edge``, then one token
+    a ``patch``-pixel square (patch x merge of the vision tower), and one more a row (its
+    ``[IMG_BREAK]``, the last ``[IMG_END]``).
+``fixed``
+    LLaVA 1.5 (576), Gemma 3 (256): the same count for every image.
+
+:func:`count` gives an image's tokens; :func:`fit` the largest size of the same aspect an image
+may be downscaled to for a pixel or a token target.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..config import ModelConfig
+from ..config.types import VisualTokens
+from ..errors import ImageTooLargeError, InvalidImageError, Rejection, TooManyVisualTokensError
+from ..modalities import Modality
+from .dimensions import BadImage, Dimensions, encoded_dimensions
+from .parts import Content, Part
+
+MAX_ASPECT_RATIO = 200  # Qwen's processors refuse a longer side over 200 times the shorter
+
+
+def count(spec: VisualTokens, width: int, height: int) -> int:
+    """The tokens an image of ``width`` x ``height`` costs the model."""
+    if spec.kind == "fixed":
+        return spec.fixed
+    if spec.kind == "grid":
+        h, w = smart_resize(height, width, spec.patch * spec.merge, spec.min_pixels, spec.max_pixels)
+        return (h // spec.patch) * (w // spec.patch) // (spec.merge * spec.merge)
+    rows, columns = _edge_grid(spec, width, height)
+    return (columns + 1) * rows
+
+
+def resized(spec: VisualTokens, width: int, height: int) -> tuple[int, int]:
+    """The (width, height) the model's processor resizes an image to (``fixed``: as it is given)."""
+    if spec.kind == "grid":
+        h, w = smart_resize(height, width, spec.patch * spec.merge, spec.min_pixels, spec.max_pixels)
+        return w, h
+    if spec.kind == "longest_edge":
+        rows, columns = _edge_grid(spec, width, height)
+        return columns * spec.patch, rows * spec.patch
+    return width, height
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's ``smart_resize`` (transformers' ``image_processing_qwen2_vl``): (height, width)."""
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _edge_grid(spec: VisualTokens, width: int, height: int) -> tuple[int, int]:
+    """Pixtral's rows and columns of tokens (``get_resize_output_image_size``)."""
+    ratio = max(height / spec.longest_edge, width / spec.longest_edge)
+    if ratio > 1:
+        height, width = math.floor(height / ratio), math.floor(width / ratio)
+    return (height - 1) // spec.patch + 1, (width - 1) // spec.patch + 1
+
+
+def check_servable(spec: VisualTokens, image: Dimensions, *, model: str, location: str) -> None:
+    """400 for an image the model's processor refuses outright (Qwen's: an aspect over 200)."""
+    if spec.kind == "grid" and max(image.width, image.height) > MAX_ASPECT_RATIO * min(image.width, image.height):
+        raise ImageTooLargeError(
+            f"Model '{model}' takes no image with one side over {MAX_ASPECT_RATIO} times the other: {location} is "
+            f"{image.width}x{image.height}.",
+            param=location,
+            rejection=Rejection(model, "image", "image_too_large"),
+        )
+
+
+def fit(
+    spec: VisualTokens | None, width: int, height: int, *, max_pixels: int | None, max_tokens: int | None
+) -> tuple[int, int]:
+    """The largest (width, height) of the image's aspect within ``max_pixels`` and, counted with
+    ``spec``, ``max_tokens`` tokens: what a downscale makes of it. The image itself when it fits."""
+    scale = 1.0
+    if max_pixels is not None and width * height > max_pixels:
+        scale = math.sqrt(max_pixels / (width * height))
+    w, h = _scaled(width, height, scale)
+    if max_tokens is None or spec is None or spec.kind == "fixed":
+        return w, h
+    low, high = 0.0, scale  # the largest scale whose count fits: tokens grow with the scale
+    if count(spec, w, h) <= max_tokens:
+        return w, h
+    for _ in range(40):
+        middle = (low + high) / 2
+        if count(spec, *_scaled(width, height, middle)) <= max_tokens:
+            low = middle
+        else:
+            high = middle
+    return _scaled(width, height, low)
+
+
+def _scaled(width: int, height: int, scale: float) -> tuple[int, int]:
+    if scale >= 1:
+        return width, height
+    return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
+
+
+# --- a request's images, sized and counted -----------------------------------------------------
+
+Source = Literal["header", "assumed", "most"]
+
+
+@dataclass(frozen=True, slots=True)
+class Sized:
+    """One image as admission sized it."""
+
+    part: Part
+    width: int  # as shown (EXIF orientation applied); 0 when not known
+    height: int
+    tokens: int  # what it costs the model as it will be sent (after a downscale)
+    source: Source  # its header read; the model's remote: [W, H]; the most an image costs the model
+    downscale: tuple[int, int] | None = None  # (width, height) the gateway resizes it to
+    format: str = ""
+
+    def explain(self) -> dict[str, Any]:
+        known = {"width": self.width, "height": self.height} if self.source != "most" else {}
+        resized = {"downscale_to": list(self.downscale)} if self.downscale is not None else {}
+        return {**known, "size_from": self.source, "visual_tokens": self.tokens, **resized}
+
+
+@dataclass(frozen=True, slots=True)
+class VisualCount:
+    images: tuple[Sized, ...]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.images)
+
+    @property
+    def downscaled(self) -> tuple[Sized, ...]:
+        return tuple(s for s in self.images if s.downscale is not None)
+
+
+def measure(model: ModelConfig, parts: Sequence[Part], contents: Sequence[Content]) -> VisualCount:
+    """Every image of ``parts`` sized (from its header, its model's assumption, or at its most),
+    counted, and held to the model's limits: 400 ``image_too_large``, ``too_many_visual_tokens``,
+    ``invalid_image``; or, with ``on_oversize: downscale``, what each is resized to."""
+    spec, oversize = model.visual_tokens, model.on_oversize
+    downscaling = oversize.action == "downscale"
+    sized: list[Sized] = []
+    for part in parts:
+        assert part.index is not None
+        found = _size(contents[part.message].value[part.index], spec, model=model.name, location=part.location)
+        if found is None:  # an embedding, or a file the gateway cannot read: the engine's to count
+            continue
+        width, height, source, fmt = found
+        tokens = count(spec, width, height) if spec is not None and source != "most" else _most(spec)
+        item = Sized(part, width, height, tokens, source, None, fmt)
+        limit = model.max_image_pixels
+        if source == "header" and limit is not None and width * height > limit:
+            if not downscaling:
+                raise ImageTooLargeError(
+                    f"Model '{model.name}' takes images of at most {limit} pixels (limits.image_pixels): "
+                    f"{part.location} is {width}x{height} = {width * height}.",
+                    param=part.location,
+                    rejection=Rejection(model.name, Modality.IMAGE.value, "image_too_large"),
+                )
+            item = _downscaled(
+                item, spec, fit(spec, width, height, max_pixels=oversize.max_pixels or limit, max_tokens=None)
+            )
+        sized.append(item)
+    budget = model.max_visual_tokens
+    if budget is not None and sum(s.tokens for s in sized) > budget:
+        sized = _within(model, sized, oversize.max_tokens or budget) if downscaling else _over(model, sized, budget)
+    return VisualCount(tuple(sized))
+
+
+def _downscaled(item: Sized, spec: VisualTokens | None, size: tuple[int, int]) -> Sized:
+    if size == (item.width, item.height):
+        return item
+    tokens = count(spec, *size) if spec is not None else 0
+    return Sized(item.part, item.width, item.height, tokens, item.source, size, item.format)
+
+
+def _over(model: ModelConfig, sized: list[Sized], budget: int) -> list[Sized]:
+    total = 0
+    for item in sized:
+        total += item.tokens
+        if total > budget:
+            break
+    raise TooManyVisualTokensError(
+        f"Model '{model.name}' takes at most {budget} visual tokens a request (limits.visual_tokens): its images "
+        f"come to {sum(s.tokens for s in sized)}, past the limit at {item.part.location} "
+        f"({_described(item)}).",
+        param=item.part.location,
+        rejection=Rejection(model.name, Modality.IMAGE.value, "too_many_visual_tokens"),
+    )
+
+
+def _within(model: ModelConfig, sized: list[Sized], budget: int) -> list[Sized]:
+    """The images whose header was read, all scaled by one factor, the largest that brings the
+    request within ``budget``; the others (assumed, or counted at their most) as they are."""
+    spec = model.visual_tokens
+    assert spec is not None
+    fixed = sum(s.tokens for s in sized if s.source != "header" or spec.kind == "fixed")
+    scalable = [s for s in sized if s.source == "header" and spec.kind != "fixed"]
+
+    def at(scale: float) -> list[tuple[int, int]]:
+        return [_scaled(*(s.downscale or (s.width, s.height)), scale) for s in scalable]
+
+    def cost(sizes: list[tuple[int, int]]) -> int:
+        return fixed + sum(count(spec, w, h) for w, h in sizes)
+
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        if cost(at(middle)) <= budget:
+            low = middle
+        else:
+            high = middle
+    sizes = at(low)
+    if not scalable or cost(sizes) > budget:  # the smallest images still cost more
+        return _over(model, sized, budget)
+    resized = iter(sizes)
+    return [_downscaled(s, spec, next(resized)) if s in scalable else s for s in sized]
+
+
+def _described(item: Sized) -> str:
+    if item.source == "most":
+        return f"{item.tokens} tokens: a remote image counted at the most an image costs the model"
+    seen = "assumed" if item.source == "assumed" else "its header says"
+    return f"{item.tokens} tokens, {seen} {item.width}x{item.height}"
+
+
+def _most(spec: VisualTokens | None) -> int:
+    """The most tokens one image can cost the model (whatever its size)."""
+    if spec is None:
+        return 0
+    if spec.kind == "fixed":
+        return spec.fixed
+    if spec.kind == "grid":
+        return spec.max_pixels // (spec.patch * spec.patch * spec.merge * spec.merge)
+    side = spec.longest_edge // spec.patch
+    return side * (side + 1)
+
+
+def _size(
+    value: Mapping[str, Any], spec: VisualTokens | None, *, model: str, location: str
+) -> tuple[int, int, Source, str] | None:
+    """(width, height, how it is known, format) of an image part; None: not the gateway's to count."""
+    encoded = _encoded(value)
+    if encoded is None:
+        return None
+    if isinstance(encoded, str):  # a remote URL: not fetched here
+        if spec is not None and spec.remote is not None:
+            return spec.remote[0], spec.remote[1], "assumed", ""
+        return 0, 0, "most", ""
+    text, start, base64 = encoded
+    try:
+        image = encoded_dimensions(text, start, base64=base64)
+    except BadImage as exc:
+        raise InvalidImageError(
+            f"Image at {location} cannot be read: {exc}", param=location,
+            rejection=Rejection(model, Modality.IMAGE.value, "invalid_content"),
+        ) from None  # fmt: skip
+    if spec is not None:
+        check_servable(spec, image, model=model, location=location)
+    return image.width, image.height, "header", image.format
+
+
+def _encoded(value: Mapping[str, Any]) -> tuple[str, int, bool] | str | None:
+    """Where an image part's bytes are: (text, start, base64) inline, a remote URL, or None."""
+    kind = value.get("type")
+    if kind == "image":  # Anthropic's: a source of base64 data, a URL, or a file
+        source = value.get("source")
+        if not isinstance(source, Mapping):
+            return None
+        if source.get("type") == "base64" and isinstance(source.get("data"), str):
+            return source["data"], 0, True
+        return source["url"] if source.get("type") == "url" and isinstance(source.get("url"), str) else None
+    if kind not in ("image_url", "input_image"):
+        return None
+    url = value.get("image_url")
+    if isinstance(url, Mapping):
+        url = url.get("url")
+    if not isinstance(url, str):
+        return None  # a file_id: the engine's
+    if url[:5].lower() != "data:":
+        return url
+    comma = url.find(",", 5)
+    if comma < 0:
+        return url, len(url), True  # read as nothing: "ends before its header"
+    return url, comma + 1, url[5:comma].rstrip().lower().endswith(";base64")

@@ -1,0 +1,132 @@
+"""Images made smaller before they are sent: ``on_oversize: downscale``.
+
+Admission sized each image from its header and chose the size it goes at
+(gateway.admission.visual); here its bytes are decoded, turned upright by its EXIF orientation,
+resized to that size (the aspect kept) and written again in its own format where that is a
+photo's or a screenshot's (JPEG, PNG, WebP; GIF and BMP become PNG), as a data URL that takes the
+part's place. Off the event loop, on the video decoders' threads (gateway.media.decoders), under
+the backend's decode bound: a JPEG is decoded at the smallest of its DCT scales (1/2, 1/4, 1/8)
+that still covers the target, so a 48 MP phone photo costs a few MP of memory, and nothing
+decodes to more than :data:`MAX_DECODED_PIXELS`.
+
+Pillow, the field's standard for this (vLLM and the Hugging Face processors open images with
+it), is imported when the first image is downscaled.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..admission.parts import Part
+from ..admission.plan import RoutePlan
+from ..errors import ImageTooLargeError, InvalidImageError, Rejection
+from ..metrics import GatewayMetrics
+from .decoders import DecoderPool
+from .fetch import decode_data_url
+
+Replacements = dict[tuple[int, int], dict[str, Any]]  # (place, index) -> the part that takes its place
+
+MAX_DECODED_PIXELS = 1 << 25  # the vision backend's own bound (backends/vision_encoder/limits.py)
+JPEG_QUALITY = 90
+# written as they came, else as PNG (lossless, what a screenshot needs)
+KEPT_FORMATS = {"jpeg": ("JPEG", "image/jpeg"), "png": ("PNG", "image/png"), "webp": ("WEBP", "image/webp")}
+
+
+@dataclass(frozen=True, slots=True)
+class Downscaled:
+    data: bytes
+    media_type: str
+    width: int
+    height: int
+
+
+def downscale(data: bytes, size: tuple[int, int], stop: threading.Event | None = None) -> Downscaled:
+    """``data`` decoded, upright, resized to ``size`` (width, height, as shown) and written again.
+    ValueError for bytes Pillow cannot decode, or an image past the decode bound."""
+    from PIL import Image, ImageOps
+
+    width, height = size
+    with Image.open(io.BytesIO(data)) as image:
+        fmt = (image.format or "").lower()
+        turned = image.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+        stored = (height, width) if turned else (width, height)  # the target as the pixels lie
+        if fmt == "jpeg":
+            image.draft(image.mode if image.mode in ("RGB", "L") else "RGB", stored)  # a DCT scale that covers it
+        if image.size[0] * image.size[1] > MAX_DECODED_PIXELS:
+            raise ValueError(f"{image.size[0]}x{image.size[1]} is over the {MAX_DECODED_PIXELS} pixels decoded at most")
+        if stop is not None and stop.is_set():
+            raise ValueError("nobody waits for it any more")
+        image.load()
+        upright = ImageOps.exif_transpose(image)
+        if upright.mode not in ("RGB", "RGBA", "L", "LA"):
+            upright = upright.convert("RGBA" if "transparency" in upright.info or "A" in upright.mode else "RGB")
+        smaller = upright.resize((width, height), Image.Resampling.LANCZOS, reducing_gap=3.0)
+    writer, media_type = KEPT_FORMATS.get(fmt, ("PNG", "image/png"))
+    if writer == "JPEG" and smaller.mode not in ("RGB", "L"):
+        smaller = smaller.convert("RGB")
+    out = io.BytesIO()
+    options: dict[str, Any] = {"quality": JPEG_QUALITY} if writer in ("JPEG", "WEBP") else {"optimize": False}
+    smaller.save(out, writer, **options)
+    return Downscaled(out.getvalue(), media_type, width, height)
+
+
+def _downscale_job(data: bytes, size: tuple[int, int], stop: threading.Event) -> Downscaled:
+    return downscale(data, size, stop)
+
+
+async def downscale_for(
+    plan: RoutePlan, body: Mapping[str, Any], decoders: DecoderPool, metrics: GatewayMetrics, *, max_bytes: int
+) -> Replacements:
+    """Each image the plan downscales, resized, as the part that replaces it: the same part with
+    its bytes in a data URL of the new size (Anthropic's: a base64 source)."""
+    assert plan.visual is not None
+    contents = plan.contents(dict(body))
+    replacements: Replacements = {}
+    for sized in plan.visual.downscaled:
+        part = sized.part
+        assert part.index is not None and sized.downscale is not None
+        original = contents[part.message].value[part.index]
+        data = _bytes_of(original, part, plan.model.name, max_bytes)
+        target = sized.downscale
+        try:
+            made = await decoders.run(functools.partial(_downscale_job, data, target))
+        except ValueError as exc:
+            raise ImageTooLargeError(
+                f"Image at {part.location} cannot be downscaled for model '{plan.model.name}': {exc}",
+                param=part.location,
+                rejection=Rejection(plan.model.name, "image", "image_too_large"),
+            ) from None
+        metrics.images_downscaled.labels(plan.model.name).inc()
+        replacements[(part.message, part.index)] = _replaced(original, made)
+    return replacements
+
+
+def _bytes_of(part: Mapping[str, Any], where: Part, model: str, max_bytes: int) -> bytes:
+    if part.get("type") == "image":  # Anthropic's base64 source
+        encoded = part["source"]["data"]
+        try:
+            return base64.b64decode(encoded, validate=False)
+        except ValueError:
+            raise InvalidImageError(f"Image at {where.location} is not valid base64", param=where.location) from None
+    url = part["image_url"]
+    url = url["url"] if isinstance(url, Mapping) else url
+    return decode_data_url(url, max_bytes=max_bytes)
+
+
+def _replaced(part: Mapping[str, Any], made: Downscaled) -> dict[str, Any]:
+    """The part again, its image the smaller one (its other keys, ``detail`` say, kept)."""
+    encoded = base64.b64encode(made.data).decode()
+    new = dict(part)
+    if part.get("type") == "image":
+        new["source"] = {"type": "base64", "media_type": made.media_type, "data": encoded}
+        return new
+    url = f"data:{made.media_type};base64,{encoded}"
+    image_url = part["image_url"]
+    new["image_url"] = {**image_url, "url": url} if isinstance(image_url, Mapping) else url
+    return new

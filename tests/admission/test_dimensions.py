@@ -1,0 +1,140 @@
+"""gateway.admission.dimensions: an image's size from its header, held to Pillow's answers (its
+lazy open, then ``exif_transpose``) over every format, orientation and a grid of sizes."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+from typing import Any
+
+import pytest
+
+from gateway.admission.dimensions import BadImage, NeedMore, data_url_dimensions, read_dimensions
+
+Image = pytest.importorskip("PIL.Image")
+ImageOps = pytest.importorskip("PIL.ImageOps")
+
+SIZES = [(1, 1), (7, 3), (640, 480), (1280, 720), (333, 4097), (4097, 17), (16383, 2)]
+FORMATS: list[tuple[str, dict[str, Any]]] = [
+    ("PNG", {}),
+    ("PNG", {"mode": "RGBA"}),
+    ("JPEG", {}),
+    ("JPEG", {"progressive": True}),
+    ("JPEG", {"subsampling": 0, "quality": 95}),
+    ("WEBP", {}),
+    ("WEBP", {"lossless": True}),
+    ("WEBP", {"mode": "RGBA"}),  # alpha: the extended VP8X form
+    ("GIF", {}),
+    ("BMP", {}),
+]
+
+
+def encode(size: tuple[int, int], fmt: str, mode: str = "RGB", **options: Any) -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, size, (200, 30, 10, 255)[: len(mode)]).save(out, fmt, **options)
+    return out.getvalue()
+
+
+def shown(data: bytes) -> tuple[int, int]:
+    """Pillow's answer: the size once its EXIF orientation is applied."""
+    with Image.open(io.BytesIO(data)) as image:
+        return ImageOps.exif_transpose(image).size
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/x;base64," + base64.b64encode(data).decode()
+
+
+@pytest.mark.parametrize(("fmt", "options"), FORMATS, ids=lambda v: str(v))
+def test_every_format_over_the_grid_reads_as_pillow_reads_it(fmt: str, options: dict[str, Any]) -> None:
+    for size in SIZES:
+        data = encode(size, fmt, **options)
+        found = read_dimensions(data)
+        assert (found.width, found.height) == shown(data) == size, (fmt, options, size)
+        assert found.format == fmt.lower()
+        assert data_url_dimensions(data_url(data)) == found
+
+
+def with_orientation(data: bytes, orientation: int, *, padding: int = 0) -> bytes:
+    """A JPEG with an EXIF APP1 segment saying ``orientation`` (and ``padding`` bytes of a
+    maker note before it, as phones write)."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    if padding:
+        exif[0x927C] = b"\x00" * padding
+    with Image.open(io.BytesIO(data)) as image:
+        out = io.BytesIO()
+        image.save(out, "JPEG", exif=exif.tobytes())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_a_jpegs_exif_orientation_turns_it_as_pillow_turns_it(orientation: int) -> None:
+    data = with_orientation(encode((640, 200), "JPEG"), orientation)
+    found = read_dimensions(data)
+    assert (found.width, found.height) == shown(data)
+    assert found.orientation == orientation
+    assert (found.width, found.height) == ((200, 640) if orientation >= 5 else (640, 200))
+
+
+def test_a_header_behind_a_large_exif_is_read_from_more_of_the_data_url() -> None:
+    data = with_orientation(encode((300, 100), "JPEG"), 6, padding=40_000)
+    with pytest.raises(NeedMore):
+        read_dimensions(data[:1024])
+    found = data_url_dimensions(data_url(data))
+    assert (found.width, found.height, found.orientation) == (100, 300, 6) == (*shown(data), 6)
+
+
+def test_base64_in_lines_and_percent_encoded_data_urls() -> None:
+    data = encode((50, 60), "PNG")
+    lines = base64.encodebytes(data).decode()  # 76 characters a line
+    assert data_url_dimensions("data:image/png;base64," + lines).width == 50
+    percent = "data:image/png," + "".join(f"%{b:02X}" for b in data)
+    assert (data_url_dimensions(percent).width, data_url_dimensions(percent).height) == (50, 60)
+
+
+HOSTILE = {
+    "wrong magic": b"GIF90a" + b"\x00" * 40,
+    "not an image": b"%PDF-1.7\n" + b"\x00" * 40,
+    "zero width PNG": encode((4, 4), "PNG")[:16] + struct.pack(">II", 0, 4) + encode((4, 4), "PNG")[24:],
+    "zero height GIF": b"GIF89a" + struct.pack("<HH", 5, 0) + b"\x00" * 30,
+    "PNG without IHDR first": b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\x0dtEXt" + b"\x00" * 20,
+    "a BMP header of 20 bytes": b"BM" + b"\x00" * 12 + struct.pack("<I", 20) + b"\x00" * 20,
+    "a BMP of 2^31 x 2^31": b"BM" + b"\x00" * 12 + struct.pack("<Iii", 40, 2**31 - 1, 2**31 - 1) + b"\x00" * 8,
+    "a JPEG scan before its frame": b"\xff\xd8\xff\xda\x00\x08" + b"\x00" * 40,
+    "a JPEG segment shorter than its length": b"\xff\xd8\xff\xe0\x00\x01" + b"\x00" * 40,
+    "a JPEG of garbage between segments": b"\xff\xd8\xff\xe0\x00\x04\x00\x00\x12\x34" + b"\x00" * 30,
+    "a WebP of an unknown chunk": b"RIFF\x00\x00\x00\x00WEBPXXXX" + b"\x00" * 30,
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_headers_are_bad_images(name: str) -> None:
+    with pytest.raises(BadImage):
+        read_dimensions(HOSTILE[name])
+    with pytest.raises(BadImage):
+        data_url_dimensions(data_url(HOSTILE[name]))
+
+
+def test_a_claimed_100k_by_100k_is_read_as_claimed_from_its_header_alone() -> None:
+    """The limits (image_pixels) judge it: nothing is allocated for its pixels here."""
+    png = encode((4, 4), "PNG")
+    claimed = png[:16] + struct.pack(">II", 100_000, 100_000) + png[24:33]
+    assert read_dimensions(claimed).pixels == 10**10
+
+
+@pytest.mark.parametrize(("fmt", "options"), FORMATS[:1] + FORMATS[2:3] + FORMATS[5:6] + FORMATS[8:], ids=str)
+def test_a_truncated_image_needs_more_and_a_data_url_of_it_is_bad(fmt: str, options: dict[str, Any]) -> None:
+    data = encode((64, 48), fmt, **options)
+    for cut in (3, 11):
+        with pytest.raises((NeedMore, BadImage)):
+            read_dimensions(data[:cut])
+        with pytest.raises(BadImage, match="ends before its header"):
+            data_url_dimensions(data_url(data[:cut]))
+
+
+def test_a_data_url_that_is_not_base64_is_bad() -> None:
+    for url in ("data:image/png;base64,@@@@****", "data:image/png;base64", "data:image/png;base64,ü"):
+        with pytest.raises(BadImage):
+            data_url_dimensions(url)

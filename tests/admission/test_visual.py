@@ -1,0 +1,222 @@
+"""gateway.admission.visual: each preset's count equals the Hugging Face processor's own, over a
+grid of sizes and aspect ratios (processors built from the released checkpoints' configs, no
+weights); then a request's images sized, counted and held to the model's limits."""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import io
+from typing import Any
+
+import pytest
+
+from gateway.admission.plan import admit
+from gateway.admission.visual import count, fit, resized
+from gateway.config import parse_config
+from gateway.config.types import VISUAL_PRESETS
+from gateway.errors import GatewayError
+
+# (width, height): square, 16:9 and 9:16, phone photos, panoramas, slivers, tiny and huge
+GRID = [(w, h) for w in (1, 27, 28, 100, 333, 640, 1280, 1920, 4032, 8000) for h in (1, 29, 224, 720, 1080, 3024, 6000)]
+GRID = [(w, h) for w, h in GRID if max(w, h) <= 200 * min(w, h)]  # Qwen's processors refuse more
+
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+
+def qwen_processor(preset: str) -> Any:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    spec = VISUAL_PRESETS[preset]
+    size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
+    return Qwen2VLImageProcessorPil(size=size, patch_size=spec.patch, merge_size=spec.merge)
+
+
+@pytest.mark.parametrize("preset", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_qwen_presets_count_what_the_processor_counts(preset: str) -> None:
+    processor, spec = qwen_processor(preset), VISUAL_PRESETS[preset]
+    for width, height in GRID:
+        patches = processor.get_number_of_image_patches(height, width, {})
+        assert count(spec, width, height) == patches // spec.merge**2, (preset, width, height)
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-vl", "qwen3-vl"])
+def test_qwen_presets_resize_as_the_processor_does_on_real_images(preset: str) -> None:
+    """The processor's whole pipeline on real pixels: its image_grid_thw."""
+    processor, spec = qwen_processor(preset), VISUAL_PRESETS[preset]
+    for width, height in [(1280, 720), (333, 1001), (28, 28), (10, 1500), (2000, 64)]:
+        grid = processor(images=[Image.new("RGB", (width, height))], return_tensors="np")["image_grid_thw"][0]
+        assert count(spec, width, height) == int(grid[1] * grid[2]) // spec.merge**2
+        assert resized(spec, width, height) == (int(grid[2]) * spec.patch, int(grid[1]) * spec.patch)
+
+
+def test_the_issues_examples() -> None:
+    assert count(VISUAL_PRESETS["qwen2.5-vl"], 1280, 720) == 1196
+    assert count(VISUAL_PRESETS["qwen3-vl"], 1280, 720) == 880
+
+
+@pytest.mark.parametrize("preset", ["pixtral", "mistral-small-3.1"])
+def test_pixtral_presets_count_what_the_processor_counts(preset: str) -> None:
+    import numpy as np
+    from transformers.models.pixtral.image_processing_pil_pixtral import (
+        PixtralImageProcessorPil,
+        get_resize_output_image_size,
+    )
+
+    spec = VISUAL_PRESETS[preset]
+    edge, patch = spec.longest_edge, spec.patch
+    for width, height in GRID:  # PixtralProcessor._get_num_multimodal_tokens: (columns + 1) * rows
+        # channels_last said, not guessed: the processor's own guess takes a 1- or 3-pixel-high image for channels
+        h, w = get_resize_output_image_size(
+            np.zeros((height, width, 3)),
+            size=(edge, edge),
+            patch_size=(patch, patch),
+            input_data_format="channels_last",
+        )
+        assert count(spec, width, height) == (w // patch + 1) * (h // patch), (preset, width, height)
+    processor = PixtralImageProcessorPil(size={"longest_edge": edge}, patch_size={"height": patch, "width": patch})
+    for width, height in [(1280, 720), (333, 1001), (17, 5)]:
+        h, w = processor(images=[Image.new("RGB", (width, height))], return_tensors="np")["image_sizes"][0]
+        assert resized(spec, width, height) == (int(w), int(h))
+
+
+def test_llava_and_gemma_presets_are_their_processors_fixed_counts() -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import CLIPImageProcessor, Gemma3Processor, LlavaProcessor, PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<image>": 1}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")))  # type: ignore[no-untyped-call]
+    clip = CLIPImageProcessor(crop_size={"height": 336, "width": 336}, size={"shortest_edge": 336})
+    llava = LlavaProcessor(image_processor=clip, tokenizer=tokenizer, patch_size=14,  # type: ignore[no-untyped-call]
+                           vision_feature_select_strategy="default", num_additional_image_tokens=1)  # fmt: skip
+    tokens = llava._get_num_multimodal_tokens(image_sizes=GRID).num_image_tokens  # type: ignore[no-untyped-call]
+    assert tokens == [count(VISUAL_PRESETS["llava-1.5"], w, h) for w, h in GRID] == [576] * len(GRID)
+    # Gemma 3: image_seq_length tokens an image (pan-and-scan off), whatever its size
+    default = inspect.signature(Gemma3Processor.__init__).parameters["image_seq_length"].default
+    assert count(VISUAL_PRESETS["gemma-3"], 8000, 6000) == count(VISUAL_PRESETS["gemma-3"], 1, 1) == default == 256
+
+
+def test_fit_keeps_the_aspect_and_meets_both_targets() -> None:
+    spec = VISUAL_PRESETS["qwen2.5-vl"]
+    width, height = fit(spec, 8000, 6000, max_pixels=4_000_000, max_tokens=None)
+    assert width * height <= 4_000_000 and abs(width / height - 8000 / 6000) < 0.01
+    width, height = fit(spec, 8000, 6000, max_pixels=None, max_tokens=1000)
+    assert 950 < count(spec, width, height) <= 1000 and abs(width / height - 4 / 3) < 0.01
+    assert fit(spec, 640, 480, max_pixels=4_000_000, max_tokens=1000) == (640, 480)  # it fits already
+
+
+# --- a request's images -----------------------------------------------------------------------
+
+TABLE = """version: 1
+models:
+  - name: q
+    upstreams: ['http://127.0.0.1:1']
+    accepts: [text, image]
+    apis: [chat, responses, messages]
+    visual_tokens: {preset: qwen2.5-vl}
+    limits: {visual_tokens: 3000, image_pixels: 4000000}
+  - name: down
+    upstreams: ['http://127.0.0.1:1']
+    accepts: [text, image]
+    visual_tokens: {preset: qwen2.5-vl}
+    limits: {visual_tokens: 3000, image_pixels: 4000000}
+    on_oversize: downscale
+  - name: assumed
+    upstreams: ['http://127.0.0.1:1']
+    accepts: [text, image]
+    visual_tokens: {preset: qwen2.5-vl, remote: [1280, 720]}
+    limits: {visual_tokens: 3000}
+  - name: pixels-only
+    upstreams: ['http://127.0.0.1:1']
+    accepts: [text, image]
+    limits: {image_pixels: 1000000}
+"""
+CONFIG = parse_config(TABLE, filename="routing.yaml")
+
+
+def png(width: int, height: int) -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height)).save(out, "PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def chat(model: str, *images: str) -> dict[str, Any]:
+    parts = [{"type": "image_url", "image_url": {"url": url}} for url in images]
+    return {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}]}
+
+
+def data(width: int, height: int) -> str:
+    return "data:image/png;base64," + png(width, height)
+
+
+def refused(body: dict[str, Any], api: Any = None) -> dict[str, Any]:
+    with pytest.raises(GatewayError) as caught:
+        admit(CONFIG, body) if api is None else admit(CONFIG, body, api=api)
+    assert caught.value.status == 400
+    return caught.value.to_dict()["error"]
+
+
+def test_images_are_counted_and_the_plan_says_their_sizes() -> None:
+    plan = admit(CONFIG, chat("q", data(1280, 720), data(640, 480)))
+    assert plan.visual is not None and plan.visual.tokens == 1196 + 391
+    assert plan.route == "direct"
+    explained = plan.explain()
+    assert explained["visual_tokens"] == 1587
+    assert explained["parts"][1] | {} == explained["parts"][1] and explained["parts"][1]["width"] == 1280
+    assert explained["parts"][2]["size_from"] == "header" and explained["parts"][2]["visual_tokens"] == 391
+
+
+def test_over_the_token_limit_is_400_naming_the_part_the_estimate_and_the_limit() -> None:
+    error = refused(chat("q", data(1280, 720), data(1280, 720), data(1280, 720)))
+    assert error["code"] == "too_many_visual_tokens" and error["param"] == "messages[0].content[3]"
+    assert "at most 3000 visual tokens" in error["message"] and "come to 3588" in error["message"]
+
+
+def test_over_the_pixel_limit_is_400_image_too_large() -> None:
+    error = refused(chat("q", data(3000, 2000)))
+    assert error["code"] == "image_too_large" and error["param"] == "messages[0].content[1]"
+    assert "3000x2000 = 6000000" in error["message"]
+    assert refused(chat("pixels-only", data(1001, 1000)))["code"] == "image_too_large"  # without a formula too
+    assert admit(CONFIG, chat("pixels-only", data(1000, 1000))).visual is not None
+
+
+def test_downscale_sizes_each_image_to_fit_both_limits() -> None:
+    plan = admit(CONFIG, chat("down", data(3000, 2000), data(1280, 720)))
+    assert plan.visual is not None and plan.visual.tokens <= 3000
+    assert plan.route == "downscale" and len(plan.downscale_parts) == 2
+    first, second = plan.visual.images
+    assert first.downscale is not None and first.downscale[0] * first.downscale[1] <= 4_000_000
+    assert second.downscale is not None and second.downscale[0] / second.downscale[1] == pytest.approx(16 / 9, 0.01)
+    assert plan.explain()["parts"][1]["action"] == "downscale"
+
+
+def test_remote_images_are_assumed_or_counted_at_their_most() -> None:
+    plan = admit(CONFIG, chat("assumed", "https://example.com/a.png"))
+    assert plan.visual is not None and plan.visual.tokens == 1196
+    assert plan.explain()["parts"][1]["size_from"] == "assumed"
+    error = refused(chat("q", "https://example.com/a.png"))  # 12845056 / 784 = 16384 tokens at most
+    assert error["code"] == "too_many_visual_tokens" and "counted at the most" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["data:image/png;base64,AAAA", "data:image/png;base64,@@@@", "data:application/pdf;base64,JVBERi0xLjcKJeLjz9MK"],
+)
+def test_an_image_that_cannot_be_read_is_400_invalid_image(url: str) -> None:
+    error = refused(chat("q", url))
+    assert error["code"] == "invalid_image" and error["param"] == "messages[0].content[1]"
+
+
+def test_the_other_apis_are_counted_in_their_own_places() -> None:
+    from gateway.admission.apis.messages import MESSAGES
+    from gateway.admission.apis.responses import RESPONSES
+
+    big = png(1280, 720)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": big}}
+    messages = {"model": "q", "max_tokens": 8, "messages": [{"role": "user", "content": [block, block, block]}]}
+    assert refused(messages, MESSAGES)["param"] == "messages[0].content[2]"
+    item = {"type": "input_image", "image_url": "data:image/png;base64," + big}
+    responses = {"model": "q", "input": [{"role": "user", "content": [item, item]}]}
+    plan = admit(CONFIG, responses, api=RESPONSES)
+    assert plan.visual is not None and plan.visual.tokens == 2392

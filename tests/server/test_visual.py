@@ -1,0 +1,131 @@
+"""Visual tokens at the door: limits and downscaling through a live gateway, with the real openai
+and anthropic SDKs as clients and a stand-in that records what reaches the engine."""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from tests.conftest import Gateway, Upstream, error_body, routing
+
+Image = pytest.importorskip("PIL.Image")
+pytestmark = pytest.mark.timeout(60)
+
+
+def table(upstream: Upstream) -> str:
+    models = "\n".join(
+        f"  - {{name: {name}, upstreams: [{upstream.url}], accepts: [text, image], "
+        f"visual_tokens: {{preset: qwen2.5-vl}}, limits: {{visual_tokens: 3000, image_pixels: 4000000}}{extra}}}"
+        for name, extra in (("q", ""), ("down", ", on_oversize: downscale"))
+    )
+    return routing(models)
+
+
+def jpeg(width: int, height: int, *, orientation: int = 1) -> bytes:
+    """A photo whose left half is red and right half blue, as stored; EXIF may turn it."""
+    image = Image.new("RGB", (width, height), (220, 0, 0))
+    image.paste((0, 0, 220), (width // 2, 0, width, height))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    out = io.BytesIO()
+    image.save(out, "JPEG", exif=exif.tobytes())
+    return out.getvalue()
+
+
+def url(data: bytes, media_type: str = "image/jpeg") -> str:
+    return f"data:{media_type};base64," + base64.b64encode(data).decode()
+
+
+def ask(*urls: str) -> list[Any]:
+    parts = [{"type": "image_url", "image_url": {"url": u, "detail": "high"}} for u in urls]
+    return [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, *parts]}]
+
+
+def sent_image(received: Any) -> Any:
+    """The image the engine was sent, decoded."""
+    sent = received.json()["messages"][0]["content"][1]["image_url"]
+    assert sent["detail"] == "high"  # the part's other keys stay
+    head, _, data = sent["url"].partition(",")
+    assert head == "data:image/jpeg;base64"
+    return Image.open(io.BytesIO(base64.b64decode(data)))
+
+
+@pytest.fixture
+async def gw(gateway_factory, upstream: Upstream) -> Gateway:
+    return await gateway_factory(table(upstream))
+
+
+async def test_over_the_visual_token_limit_is_a_400_before_the_engine(gw: Gateway, upstream: Upstream) -> None:
+    image = url(jpeg(1280, 720))
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="q", messages=ask(image, image, image))
+        reply = await client.chat.completions.create(model="q", messages=ask(image, image))
+    error = error_body(caught.value)
+    assert (error["code"], error["param"]) == ("too_many_visual_tokens", "messages[0].content[3]")
+    assert "come to 3588" in error["message"] and "1280x720" in error["message"]
+    assert len(upstream.received) == 1 and reply.choices[0].message.content is not None
+    assert gw.sample("gateway_modality_rejections_total", model="q", reason="too_many_visual_tokens") == 1
+    assert gw.sample("gateway_visual_tokens_total", model="q") == 2 * 1196
+    assert gw.sample("gateway_request_visual_tokens_count", model="q") == 1
+
+
+async def test_a_photo_too_large_is_downscaled_upright_to_fit(gw: Gateway, upstream: Upstream) -> None:
+    """3000x2000 stored, EXIF 6 (a phone held upright): shown 2000x3000, sent smaller, turned."""
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="down",
+            messages=ask(url(jpeg(3000, 2000, orientation=6))),
+        )
+    assert raw.headers["X-Gateway-Route"] == "downscale"
+    image = sent_image(upstream.received[-1])
+    width, height = image.size
+    assert width < height and width * height <= 4_000_000 and abs(width / height - 2 / 3) < 0.01
+    assert image.getexif().get(0x0112, 1) == 1  # the pixels are upright: no orientation left to apply
+    top, bottom = image.getpixel((width // 2, height // 8)), image.getpixel((width // 2, height * 7 // 8))
+    assert top[0] > 150 > bottom[0] and bottom[2] > 150  # the stored left (red) is on top once turned
+    assert gw.sample("gateway_images_downscaled_total", model="down") == 1
+    assert 0 < gw.sample("gateway_visual_tokens_total", model="down") <= 3000
+
+
+async def test_over_the_pixel_limit_without_downscale_is_image_too_large(gw: Gateway, upstream: Upstream) -> None:
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="q", messages=ask(url(jpeg(3000, 2000))))
+    assert error_body(caught.value)["code"] == "image_too_large" and upstream.received == []
+
+
+async def test_the_responses_and_messages_apis_are_limited_and_downscaled_too(
+    gateway_factory, upstream: Upstream
+) -> None:
+    gw = await gateway_factory(
+        table(upstream).replace("accepts: [text, image]", "accepts: [text, image], apis: [chat, responses, messages]")
+    )
+    image = jpeg(1280, 720)
+    item = {"type": "input_image", "image_url": url(image)}
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(model="q", input=[{"role": "user", "content": [item, item, item]}])
+    assert (error_body(caught.value)["code"], error_body(caught.value)["param"]) == (
+        "too_many_visual_tokens",
+        "input[0].content[2]",
+    )
+    block = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/jpeg", "data": base64.b64encode(jpeg(3000, 2000)).decode()},
+    }
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-test", max_retries=0) as client:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await client.messages.create(model="q", max_tokens=8, messages=[{"role": "user", "content": [block]}])
+        await client.messages.create(model="down", max_tokens=8, messages=[{"role": "user", "content": [block]}])
+    assert isinstance(refused.value.body, dict) and refused.value.body["error"]["type"] == "invalid_request_error"
+    assert "4000000 pixels" in refused.value.body["error"]["message"]
+    source = upstream.received[-1].json()["messages"][0]["content"][0]["source"]
+    assert source["type"] == "base64" and source["media_type"] == "image/jpeg"
+    width, height = Image.open(io.BytesIO(base64.b64decode(source["data"]))).size
+    assert width * height <= 4_000_000 and abs(width / height - 1.5) < 0.01
