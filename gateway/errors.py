@@ -27,7 +27,8 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     ├── UnsupportedEncodingError          415 invalid_request_error unsupported_content_encoding
     ├── InvalidConfigError                422 invalid_request_error invalid_config
     ├── RateLimitedError                  429 rate_limit_error      rate_limit_exceeded
-    │   └── ConcurrencyLimitError         429                       concurrency_limit_exceeded
+    │   ├── ConcurrencyLimitError         429                       concurrency_limit_exceeded
+    │   └── VisualTokensRateLimitedError  429                       visual_tokens_rate_limit_exceeded
     ├── QueueFullError                    429 rate_limit_error      queue_full
     ├── QueueTimeoutError                 503 server_error          queue_timeout
     ├── DecodersBusyError                 503 server_error          decoders_busy
@@ -250,6 +251,10 @@ class InvalidConfigError(GatewayError, status=422, type="invalid_request_error",
 
 class RateLimitedError(GatewayError, status=429, type="rate_limit_error", code="rate_limit_exceeded"):
     """The key's rate_limit is spent (with Retry-After and the x-ratelimit-* headers)."""
+
+
+class VisualTokensRateLimitedError(RateLimitedError, code="visual_tokens_rate_limit_exceeded"):
+    """The key's visual_tokens_per_minute is spent (with its x-ratelimit-*-visual-tokens headers)."""
 
 
 class ConcurrencyLimitError(RateLimitedError, code="concurrency_limit_exceeded"):

@@ -13,7 +13,9 @@ Limits are per key and per gateway process: ``rate_limit`` is a token bucket
 ``Retry-After``; ``max_concurrency`` caps the key's requests in flight (429
 ``concurrency_limit_exceeded``). Responses to a key with a rate limit carry the headers OpenAI
 clients read: ``x-ratelimit-limit-requests``, ``x-ratelimit-remaining-requests``,
-``x-ratelimit-reset-requests``. N gateway replicas behind a load balancer let a key through N
+``x-ratelimit-reset-requests``. ``visual_tokens_per_minute`` is a bucket of a minute's visual
+tokens, spent by each admitted request's images (gateway.admission.visual): 429 with Retry-After
+and ``x-ratelimit-{limit,remaining,reset}-visual-tokens``. N gateway replicas behind a load balancer let a key through N
 times as fast: divide the limits by N (docs/security.md).
 """
 
@@ -29,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..config import ApiKey, AuthConfig, env_secret
-from ..errors import ConcurrencyLimitError, InvalidApiKeyError, RateLimitedError
+from ..errors import ConcurrencyLimitError, InvalidApiKeyError, RateLimitedError, VisualTokensRateLimitedError
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +100,13 @@ class KeyLimits:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._buckets: dict[str, _Bucket] = {}
+        self._visual: dict[str, _Bucket] = {}  # visual tokens (visual_tokens_per_minute)
         self._active: dict[str, int] = {}
 
     def take(self, key: ApiKey) -> dict[str, str]:
         """Spend one request of the key's rate limit: the x-ratelimit-* headers, or RateLimitedError."""
         limit = key.rate_limit
-        if limit is None:
+        if limit is None or limit.requests_per_minute is None:
             return {}
         per_s = limit.requests_per_minute / 60
         now = self._clock()
@@ -128,6 +131,43 @@ class KeyLimits:
                 headers={**headers, "Retry-After": str(max(1, wait))},
             )
         return headers
+
+    def spend_visual(self, key: ApiKey, tokens: int) -> dict[str, str]:
+        """Spend a request's visual tokens of the key's ``visual_tokens_per_minute`` (a bucket of a
+        minute's worth): the x-ratelimit-*-visual-tokens headers, or VisualTokensRateLimitedError."""
+        limit = key.rate_limit
+        per_minute = limit.visual_tokens_per_minute if limit is not None else None
+        if per_minute is None:
+            return {}
+        per_s = per_minute / 60
+        now = self._clock()
+        bucket = self._visual.get(key.name)
+        if bucket is None:
+            bucket = self._visual[key.name] = _Bucket(per_minute, now)
+        bucket.tokens = min(per_minute, bucket.tokens + (now - bucket.updated) * per_s)
+        bucket.updated = now
+        allowed = bucket.tokens >= tokens
+        if allowed:
+            bucket.tokens -= tokens
+        headers = {
+            "x-ratelimit-limit-visual-tokens": _number(per_minute),
+            "x-ratelimit-remaining-visual-tokens": str(math.floor(bucket.tokens)),
+            "x-ratelimit-reset-visual-tokens": _duration((per_minute - bucket.tokens) / per_s),
+        }
+        if allowed:
+            return headers
+        if tokens > per_minute:  # as OpenAI answers a request larger than a minute's tokens: never passes
+            raise VisualTokensRateLimitedError(
+                f"This request's images come to {tokens} visual tokens, more than this key's "
+                f"{_number(per_minute)} a minute: it cannot pass; send fewer or smaller images",
+                headers=headers,
+            )
+        wait = math.ceil((tokens - bucket.tokens) / per_s)
+        raise VisualTokensRateLimitedError(
+            f"Rate limit of {_number(per_minute)} visual tokens per minute reached for this key: this request's "
+            f"images come to {tokens}, {math.floor(bucket.tokens)} are left; retry in {wait}s",
+            headers={**headers, "Retry-After": str(max(1, wait))},
+        )
 
     @contextmanager
     def slot(self, key: ApiKey) -> Iterator[None]:

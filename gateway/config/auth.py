@@ -65,10 +65,16 @@ class AuthReaders(Readers):
             return None
         get = fields(raw, path, RateLimit(0.0, 0))
         rpm, rpm_path, _ = get("requests_per_minute")
-        if rpm is MISSING:
-            self.problem(path, "'requests_per_minute' is required")
+        visual, visual_path, _ = get("visual_tokens_per_minute")
+        if rpm is MISSING and visual is MISSING:
+            self.problem(path, "'requests_per_minute' or 'visual_tokens_per_minute' is required")
             return None
-        per_minute = self.number(rpm, rpm_path, 60.0)
+        per_minute = None if rpm is MISSING else self.number(rpm, rpm_path, 60.0)
+        if per_minute is None and "burst" in raw:
+            self.problem(f"{path}.burst", "burst is the requests' (requests_per_minute)")
         # default burst: one second's worth, at least 1
-        burst = self.integer(raw.get("burst", MISSING), f"{path}.burst", max(1, math.ceil(per_minute / 60)), minimum=1)
-        return RateLimit(per_minute, burst)
+        burst = self.integer(
+            raw.get("burst", MISSING), f"{path}.burst", max(1, math.ceil((per_minute or 60) / 60)), minimum=1
+        )
+        tokens = None if visual is MISSING else self.number(visual, visual_path, 1.0)
+        return RateLimit(per_minute, burst, tokens)

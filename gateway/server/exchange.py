@@ -31,7 +31,7 @@ from ..media.downscale import downscale_for
 from ..metrics import UNKNOWN_MODEL
 from ..upstream.dispatch import Dispatch, Timeouts
 from ..upstream.live import Live
-from .state import API_KEY_KEY, MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
+from .state import API_KEY_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,14 @@ class Exchange:
         self.request[MODEL_LABEL_KEY] = model.name
 
     def admitted(self, plan: RoutePlan) -> None:
-        """The plan: the model that serves the request, and what happens to its parts (counted)."""
+        """The plan: the model that serves the request, and what happens to its parts (counted);
+        its visual tokens spent of its key's ``visual_tokens_per_minute`` (429 when they are not there)."""
         self.plan, self.model = plan, plan.model
+        key = self.request.get(API_KEY_KEY)
+        if key is not None and plan.visual is not None and plan.visual.tokens:
+            spent = self.services.key_limits.spend_visual(key, plan.visual.tokens)
+            if spent:
+                self.request[RATE_HEADERS_KEY] = {**self.request.get(RATE_HEADERS_KEY, {}), **spent}
         metrics = self.services.metrics
         if plan.model.encode and (decision := plan.encode_decision) is not None:
             metrics.encode_decisions.labels(plan.model.name, decision).inc()

@@ -30,6 +30,7 @@ from ..errors import (
     NotFoundError,
     RateLimitedError,
     Shape,
+    VisualTokensRateLimitedError,
     clip,
     render,
 )
@@ -159,7 +160,13 @@ async def _with_key(request: web.Request, handler: Handler, services: Services, 
         with services.key_limits.slot(key):
             return await handler(request)
     except RateLimitedError as exc:
-        reason = "concurrency" if isinstance(exc, ConcurrencyLimitError) else "rate"
+        reason = (
+            "concurrency"
+            if isinstance(exc, ConcurrencyLimitError)
+            else "visual_tokens"
+            if isinstance(exc, VisualTokensRateLimitedError)
+            else "rate"
+        )
         services.metrics.rate_limited.labels(key.name, reason).inc()
         request[MODEL_LABEL_KEY] = request.get(MODEL_LABEL_KEY, UNKNOWN_MODEL)
         raise

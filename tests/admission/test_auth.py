@@ -219,7 +219,7 @@ async def test_a_reload_adds_and_removes_keys(gateway_factory, upstream, tmp_pat
         ),
         (
             f"    - {{name: a, key_sha256: {digest('zero')}, rate_limit: {{burst: 3}}}}",
-            "auth.keys[0].rate_limit: 'requests_per_minute' is required",
+            "auth.keys[0].rate_limit: 'requests_per_minute' or 'visual_tokens_per_minute' is required",
         ),
     ],
 )
@@ -388,3 +388,71 @@ async def test_a_header_the_parser_refuses_never_puts_the_key_in_a_log(
     assert TEAM_A not in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert "HTTP request refused by the parser (400)" in caplog.text
+
+
+def visual_png() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (1280, 720)).save(out, "PNG")  # 1,196 tokens to Qwen2.5-VL
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+async def test_a_keys_visual_tokens_a_minute_are_429_with_their_own_headers(gateway_factory, upstream) -> None:
+    pytest.importorskip("PIL")
+    model = (
+        f"  - {{name: q, upstreams: [{upstream.url}], accepts: [text, image], visual_tokens: {{preset: qwen2.5-vl}}}}"
+    )
+    keys = f"{key_a(rate_limit='{visual_tokens_per_minute: 2500}')}\n{key_b(rate_limit='{visual_tokens_per_minute: 1000}')}"
+    gw = await gateway_factory(routing(model, extra=f"auth:\n  keys:\n{keys}\n"))
+    ask = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": visual_png()}}]}]
+    async with client(gw, TEAM_A) as c:
+        first = await c.chat.completions.with_raw_response.create(model="q", messages=ask)  # type: ignore[arg-type]
+        await c.chat.completions.create(model="q", messages=ask)  # type: ignore[arg-type]
+        with pytest.raises(openai.RateLimitError) as caught:
+            await c.chat.completions.create(model="q", messages=ask)  # type: ignore[arg-type]
+        text = await c.chat.completions.with_raw_response.create(model="q", messages=HI)  # no images: no visual tokens
+    assert first.headers["x-ratelimit-limit-visual-tokens"] == "2500"
+    assert first.headers["x-ratelimit-remaining-visual-tokens"] == str(2500 - 1196)
+    assert "x-ratelimit-limit-requests" not in first.headers  # no requests_per_minute, no request limit
+    refused = caught.value.response
+    assert error_body(caught.value)["code"] == "visual_tokens_rate_limit_exceeded"
+    assert "images come to 1196, 108 are left" in error_body(caught.value)["message"]
+    assert int(refused.headers["Retry-After"]) >= 1 and refused.headers["x-ratelimit-remaining-visual-tokens"] == "108"
+    assert text.http_response.status_code == 200
+    assert gw.sample("gateway_rate_limited_total", key="team-a", reason="visual_tokens") == 1
+    assert len(upstream.received) == 3  # the refused one never left
+    async with client(gw, TEAM_B) as c:  # a request past a whole minute of the key's never passes
+        with pytest.raises(openai.RateLimitError) as never:
+            await c.chat.completions.create(model="q", messages=ask)  # type: ignore[arg-type]
+    assert "more than this key's 1000 a minute: it cannot pass" in error_body(never.value)["message"]
+    assert "Retry-After" not in never.value.response.headers
+
+
+def test_the_visual_token_bucket_refills_a_minutes_worth_at_most() -> None:
+    from gateway.admission.auth import KeyLimits
+    from gateway.config import ApiKey, RateLimit
+    from gateway.errors import VisualTokensRateLimitedError
+
+    now = [0.0]
+    limits = KeyLimits(clock=lambda: now[0])
+    key = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(None, 1, 600.0))  # 10 tokens a second
+    assert limits.spend_visual(key, 600)["x-ratelimit-remaining-visual-tokens"] == "0"
+    with pytest.raises(VisualTokensRateLimitedError) as caught:
+        limits.spend_visual(key, 50)
+    assert caught.value.headers["Retry-After"] == "5"
+    now[0] = 5.0
+    assert limits.spend_visual(key, 50)["x-ratelimit-remaining-visual-tokens"] == "0"
+    now[0] = 1000.0  # refilled, to a minute's worth and no more
+    assert limits.spend_visual(key, 1)["x-ratelimit-remaining-visual-tokens"] == "599"
+    assert limits.take(key) == {}  # no requests_per_minute: requests are not limited
+
+
+def test_a_rate_limit_needs_one_of_its_limits() -> None:
+    text = "version: 1\nauth:\n  keys:\n    - {name: a, key_sha256: %s, rate_limit: {burst: 3}}\nmodels:\n  - {name: m, upstreams: ['http://h'], accepts: [text]}\n"
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text % ("0" * 64), filename="r.yaml")
+    assert "'requests_per_minute' or 'visual_tokens_per_minute' is required" in str(caught.value)
