@@ -406,14 +406,16 @@ async def test_a_keys_visual_tokens_a_minute_are_429_with_their_own_headers(gate
     model = (
         f"  - {{name: q, upstreams: [{upstream.url}], accepts: [text, image], visual_tokens: {{preset: qwen2.5-vl}}}}"
     )
-    keys = f"{key_a(rate_limit='{visual_tokens_per_minute: 2500}')}\n{key_b(rate_limit='{visual_tokens_per_minute: 1000}')}"
+    keys = "\n".join(
+        (key_a(rate_limit="{visual_tokens_per_minute: 2500}"), key_b(rate_limit="{visual_tokens_per_minute: 1000}"))
+    )
     gw = await gateway_factory(routing(model, extra=f"auth:\n  keys:\n{keys}\n"))
     ask = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": visual_png()}}]}]
     async with client(gw, TEAM_A) as c:
-        first = await c.chat.completions.with_raw_response.create(model="q", messages=ask)  # type: ignore[arg-type]
-        await c.chat.completions.create(model="q", messages=ask)  # type: ignore[arg-type]
+        first = await c.chat.completions.with_raw_response.create(model="q", messages=ask)
+        await c.chat.completions.create(model="q", messages=ask)
         with pytest.raises(openai.RateLimitError) as caught:
-            await c.chat.completions.create(model="q", messages=ask)  # type: ignore[arg-type]
+            await c.chat.completions.create(model="q", messages=ask)
         text = await c.chat.completions.with_raw_response.create(model="q", messages=HI)  # no images: no visual tokens
     assert first.headers["x-ratelimit-limit-visual-tokens"] == "2500"
     assert first.headers["x-ratelimit-remaining-visual-tokens"] == str(2500 - 1196)
@@ -427,7 +429,7 @@ async def test_a_keys_visual_tokens_a_minute_are_429_with_their_own_headers(gate
     assert len(upstream.received) == 3  # the refused one never left
     async with client(gw, TEAM_B) as c:  # a request past a whole minute of the key's never passes
         with pytest.raises(openai.RateLimitError) as never:
-            await c.chat.completions.create(model="q", messages=ask)  # type: ignore[arg-type]
+            await c.chat.completions.create(model="q", messages=ask)
     assert "more than this key's 1000 a minute: it cannot pass" in error_body(never.value)["message"]
     assert "Retry-After" not in never.value.response.headers
 
@@ -452,7 +454,10 @@ def test_the_visual_token_bucket_refills_a_minutes_worth_at_most() -> None:
 
 
 def test_a_rate_limit_needs_one_of_its_limits() -> None:
-    text = "version: 1\nauth:\n  keys:\n    - {name: a, key_sha256: %s, rate_limit: {burst: 3}}\nmodels:\n  - {name: m, upstreams: ['http://h'], accepts: [text]}\n"
+    text = (
+        "version: 1\nauth:\n  keys:\n    - {name: a, key_sha256: %s, rate_limit: {burst: 3}}\n"
+        "models:\n  - {name: m, upstreams: ['http://h'], accepts: [text]}\n"
+    )
     with pytest.raises(ConfigError) as caught:
         parse_config(text % ("0" * 64), filename="r.yaml")
     assert "'requests_per_minute' or 'visual_tokens_per_minute' is required" in str(caught.value)
