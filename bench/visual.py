@@ -6,7 +6,7 @@ gateway/media/downscale.py).
    beside Pillow's lazy ``Image.open`` on the same bytes.
 2. **Admission with counting**: µs ``admit()`` takes for a chat request with one 100 KB image,
    with and without the model's ``visual_tokens:``.
-3. **Downscale**: ms and peak memory (the process's max RSS, each case in a fresh process) per
+3. **Downscale**: ms and peak memory (the growth of VmHWM, each case in a fresh process) per
    12 MP JPEG and per 24 MP PNG brought to 4 MP, and the bytes and tokens saved (Qwen2.5-VL's
    count).
 
@@ -23,7 +23,7 @@ import base64
 import functools
 import io
 import json
-import resource
+import os
 import statistics
 import subprocess
 import sys
@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from bench import procstat
 from gateway.admission.dimensions import data_url_dimensions, read_dimensions
 from gateway.admission.plan import admit
 from gateway.admission.visual import count
@@ -133,7 +134,9 @@ def downscale_case(name: str, path: str, repeats: int) -> dict[str, Any]:
     _, width, height = CASES[name]
     with open(path, "rb") as file:
         data = file.read()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    pid = [os.getpid()]
+    procstat.reset_peak_rss(pid)  # exec keeps the parent's ru_maxrss: VmHWM, reset, is this case's
+    before = procstat.peak_rss_bytes(pid)
     spec = VISUAL_PRESETS["qwen2.5-vl"]
     target = fit(spec, width, height, max_pixels=TARGET_PIXELS, max_tokens=None)
     times, made = [], None
@@ -145,7 +148,7 @@ def downscale_case(name: str, path: str, repeats: int) -> dict[str, Any]:
     return {
         "case": name, "from": f"{width}x{height}", "to": f"{made.width}x{made.height}",
         "ms": statistics.median(times),
-        "peak_rss_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024,
+        "peak_rss_mib": (procstat.peak_rss_bytes(pid) - before) / 2**20,
         "bytes_before": len(data), "bytes_after": len(made.data),
         "tokens_before": count(spec, width, height), "tokens_after": count(spec, made.width, made.height),
     }  # fmt: skip
