@@ -181,7 +181,7 @@ class GatewayMetrics:
         self.media_cache_requests = Counter(
             "gateway_media_cache_requests",
             "Lookups of media the gateway converted before (media.cache_bytes), by kind (transcript, frames, "
-            "presample) and result (hit; shared: waited for the same conversion under way; miss).",
+            "presample, downscale) and result (hit; shared: waited for the same conversion under way; miss).",
             ["kind", "result"],
             registry=registry,
         )

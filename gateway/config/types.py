@@ -319,7 +319,8 @@ REJECT = Policy("reject")
 class VisualTokens:
     """How a model's image processor turns an image into tokens (routing.yaml ``visual_tokens:``;
     the formulas: gateway.admission.visual). ``remote``: the (width, height) assumed for an image
-    the gateway does not have the bytes of (a URL it does not fetch); None: its header is fetched."""
+    the gateway does not have the bytes of (a URL it does not fetch); None: counted at the most an
+    image costs the model."""
 
     kind: Literal["grid", "longest_edge", "fixed"]
     patch: int = 14

@@ -97,7 +97,7 @@ class VisualReaders(Readers):
         return VisualTokens("grid", patch=patch, merge=merge, min_pixels=low, max_pixels=high, remote=remote)
 
     def _remote(self, value: Any, path: str) -> tuple[int, int] | None:
-        if value is MISSING or value == "fetch":
+        if value is MISSING:
             return None
         if (
             isinstance(value, list)
@@ -105,7 +105,7 @@ class VisualReaders(Readers):
             and all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 20 for v in value)
         ):
             return value[0], value[1]
-        self.problem(path, f"must be fetch (read each image's header) or [WIDTH, HEIGHT] to assume, not {show(value)}")
+        self.problem(path, f"must be [WIDTH, HEIGHT]: the size assumed of a remote image, not {show(value)}")
         return None
 
     def oversize(self, value: Any, path: str) -> Oversize:

@@ -8,7 +8,8 @@ keeps what it made, by the sha256 of the medium's bytes and everything else that
 
 - ``("transcript", model, upstream model, sha256, format)``: the transcript;
 - ``("frames", frames, fps, max_side, timestamps, sha256)``: a video's frames, as chat parts;
-- ``("presample", frames, fps, max_side, sha256)``: a video in vLLM's pre-sampled form.
+- ``("presample", frames, fps, max_side, sha256)``: a video in vLLM's pre-sampled form;
+- ``("downscale", width, height, sha256)``: an image resized (``on_oversize: downscale``).
 
 One LRU per process (each worker of ``serve --workers N`` has its own), bounded in bytes
 (``media.cache_bytes``; 0 turns it off, and then nothing is hashed or counted). The bound counts

@@ -27,8 +27,9 @@ from ..admission.parts import Part
 from ..admission.plan import RoutePlan
 from ..errors import ImageTooLargeError, InvalidImageError, Rejection
 from ..metrics import GatewayMetrics
+from .conversions import ConversionCache
 from .decoders import DecoderPool
-from .fetch import decode_data_url
+from .fetch import decode_data_url, sha256
 
 Replacements = dict[tuple[int, int], dict[str, Any]]  # (place, index) -> the part that takes its place
 
@@ -80,11 +81,21 @@ def _downscale_job(data: bytes, size: tuple[int, int], stop: threading.Event) ->
     return downscale(data, size, stop)
 
 
-async def downscale_for(
-    plan: RoutePlan, body: Mapping[str, Any], decoders: DecoderPool, metrics: GatewayMetrics, *, max_bytes: int
-) -> Replacements:
+@dataclass(frozen=True, slots=True)
+class Resizing:
+    """What downscaling needs of the process: its decoder threads, its conversions cache, its metrics."""
+
+    decoders: DecoderPool
+    cache: ConversionCache
+    metrics: GatewayMetrics
+    max_bytes: int  # media.max_image_bytes: a data URL's decoded bytes at most
+
+
+async def downscale_for(plan: RoutePlan, body: Mapping[str, Any], resizing: Resizing) -> Replacements:
     """Each image the plan downscales, resized, as the part that replaces it: the same part with
-    its bytes in a data URL of the new size (Anthropic's: a base64 source)."""
+    its bytes in a data URL of the new size (Anthropic's: a base64 source). A conversation sends
+    its screenshots again every turn: each is resized once per process, then taken from the
+    conversions cache (``("downscale", width, height, sha256)``), the same bytes every turn."""
     assert plan.visual is not None
     contents = plan.contents(dict(body))
     replacements: Replacements = {}
@@ -92,17 +103,22 @@ async def downscale_for(
         part = sized.part
         assert part.index is not None and sized.downscale is not None
         original = contents[part.message].value[part.index]
-        data = _bytes_of(original, part, plan.model.name, max_bytes)
+        data = _bytes_of(original, part, plan.model.name, resizing.max_bytes)
         target = sized.downscale
+        make = functools.partial(resizing.decoders.run, functools.partial(_downscale_job, data, target))
         try:
-            made = await decoders.run(functools.partial(_downscale_job, data, target))
+            if resizing.cache.enabled:
+                key = ("downscale", *target, await sha256(data))
+                made = await resizing.cache.get_or_make(key, make, lambda d: len(d.data), shared_errors=(ValueError,))
+            else:
+                made = await make()
         except ValueError as exc:
             raise ImageTooLargeError(
                 f"Image at {part.location} cannot be downscaled for model '{plan.model.name}': {exc}",
                 param=part.location,
                 rejection=Rejection(plan.model.name, "image", "image_too_large"),
             ) from None
-        metrics.images_downscaled.labels(plan.model.name).inc()
+        resizing.metrics.images_downscaled.labels(plan.model.name).inc()
         replacements[(part.message, part.index)] = _replaced(original, made)
     return replacements
 

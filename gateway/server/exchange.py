@@ -27,7 +27,7 @@ from ..config import GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
 from ..media import video
-from ..media.downscale import downscale_for
+from ..media.downscale import Resizing, downscale_for
 from ..metrics import UNKNOWN_MODEL
 from ..upstream.dispatch import Dispatch, Timeouts
 from ..upstream.live import Live
@@ -120,9 +120,8 @@ async def convert(ex: Exchange) -> None:
     plan, services = ex.plan, ex.services
     assert plan is not None
     if plan.downscale_parts:
-        ex.converted |= await downscale_for(
-            plan, ex.body, services.decoders, services.metrics, max_bytes=ex.config.media.max_image_bytes
-        )
+        resizing = Resizing(services.decoders, services.conversions, services.metrics, ex.config.media.max_image_bytes)
+        ex.converted |= await downscale_for(plan, ex.body, resizing)
     if plan.transcribe_parts:
         assert services.transcriber is not None
         ex.converted |= await services.transcriber.transcribe(

@@ -220,3 +220,30 @@ def test_the_other_apis_are_counted_in_their_own_places() -> None:
     responses = {"model": "q", "input": [{"role": "user", "content": [item, item]}]}
     plan = admit(CONFIG, responses, api=RESPONSES)
     assert plan.visual is not None and plan.visual.tokens == 2392
+
+
+def test_the_config_says_where_a_visual_key_is_wrong() -> None:
+    from gateway.errors import ConfigError
+
+    base = "version: 1\nmodels:\n  - {name: m, upstreams: ['http://h'], accepts: [text, image], %s}\n"
+    cases = {
+        "visual_tokens: {preset: qwen9}": "visual_tokens.preset: unknown preset 'qwen9'",
+        "visual_tokens: {preset: qwen3-vl, patch: 3}": "'patch' does not go with a preset",
+        "visual_tokens: {preset: qwen3-vl, remote: fetch}": "must be [WIDTH, HEIGHT]",
+        "visual_tokens: {patch: 14, merge: 2, max_pixels: 100}": "must be at least min_pixels and one token's 784 pixels",
+        "limits: {visual_tokens: 10}": "a visual_tokens limit needs the model's visual_tokens: formula",
+        "on_oversize: downscale": "downscale needs a target",
+        "on_oversize: shrink": "must be reject, downscale or",
+        "visual_tokens: {fixed: 576, merge: 2}": "'merge' does not go with fixed: N",
+    }
+    for extra, message in cases.items():
+        with pytest.raises(ConfigError) as caught:
+            parse_config(base % extra, filename="r.yaml")
+        assert message in str(caught.value) and "r.yaml:3:" in str(caught.value), (extra, str(caught.value))
+    spec = parse_config(
+        base % "visual_tokens: {patch: 16, longest_edge: 1024, remote: [640, 480]}", filename="r"
+    ).models[0]
+    assert spec.visual_tokens is not None and (spec.visual_tokens.kind, spec.visual_tokens.remote) == (
+        "longest_edge",
+        (640, 480),
+    )

@@ -91,6 +91,10 @@ async def test_a_photo_too_large_is_downscaled_upright_to_fit(gw: Gateway, upstr
     assert top[0] > 150 > bottom[0] and bottom[2] > 150  # the stored left (red) is on top once turned
     assert gw.sample("gateway_images_downscaled_total", model="down") == 1
     assert 0 < gw.sample("gateway_visual_tokens_total", model="down") <= 3000
+    async with gw.client() as client:  # the next turn sends it again: resized once, the same bytes
+        await client.chat.completions.create(model="down", messages=ask(url(jpeg(3000, 2000, orientation=6))))
+    assert upstream.received[-1].json()["messages"] == upstream.received[-2].json()["messages"]
+    assert gw.sample("gateway_media_cache_requests_total", kind="downscale", result="hit") == 1
 
 
 async def test_over_the_pixel_limit_without_downscale_is_image_too_large(gw: Gateway, upstream: Upstream) -> None:
