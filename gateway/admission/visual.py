@@ -124,7 +124,9 @@ def _scaled(width: int, height: int, scale: float) -> tuple[int, int]:
 
 # --- a request's images, sized and counted -----------------------------------------------------
 
-Source = Literal["header", "assumed", "most"]
+# its header read (inline, or fetched by the gateway); to be fetched; the model's remote: [W, H];
+# the most an image costs the model
+Source = Literal["header", "fetch", "assumed", "most"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +137,12 @@ class Sized:
     width: int  # as shown (EXIF orientation applied); 0 when not known
     height: int
     tokens: int  # what it costs the model as it will be sent (after a downscale)
-    source: Source  # its header read; the model's remote: [W, H]; the most an image costs the model
+    source: Source
     downscale: tuple[int, int] | None = None  # (width, height) the gateway resizes it to
     format: str = ""
 
     def explain(self) -> dict[str, Any]:
-        known = {"width": self.width, "height": self.height} if self.source != "most" else {}
+        known = {"width": self.width, "height": self.height} if self.source in ("header", "assumed") else {}
         resized = {"downscale_to": list(self.downscale)} if self.downscale is not None else {}
         return {**known, "size_from": self.source, "visual_tokens": self.tokens, **resized}
 
@@ -157,20 +159,42 @@ class VisualCount:
     def downscaled(self) -> tuple[Sized, ...]:
         return tuple(s for s in self.images if s.downscale is not None)
 
+    @property
+    def to_fetch(self) -> tuple[Sized, ...]:
+        """Remote images whose header the gateway fetches (``remote: fetch``) before they count."""
+        return tuple(s for s in self.images if s.source == "fetch")
 
-def measure(model: ModelConfig, parts: Sequence[Part], contents: Sequence[Content]) -> VisualCount:
+
+Fetched = Mapping[tuple[int, int], Dimensions]  # (place, index) of a remote image -> its header's
+
+
+def measure(
+    model: ModelConfig, parts: Sequence[Part], contents: Sequence[Content], fetched: Fetched | None = None
+) -> VisualCount:
     """Every image of ``parts`` sized (from its header, its model's assumption, or at its most),
     counted, and held to the model's limits: 400 ``image_too_large``, ``too_many_visual_tokens``,
-    ``invalid_image``; or, with ``on_oversize: downscale``, what each is resized to."""
+    ``invalid_image``; or, with ``on_oversize: downscale``, what each is resized to. A remote
+    image of a model with ``remote: fetch`` is left to fetch, and held to nothing, until
+    ``fetched`` has its header: the plan is then measured again (gateway.media.remote)."""
     spec, oversize = model.visual_tokens, model.on_oversize
     downscaling = oversize.action == "downscale"
     sized: list[Sized] = []
     for part in parts:
         assert part.index is not None
-        found = _size(contents[part.message].value[part.index], spec, model=model.name, location=part.location)
+        value = contents[part.message].value[part.index]
+        header = fetched.get((part.message, part.index)) if fetched is not None else None
+        if header is not None:
+            if spec is not None:
+                check_servable(spec, header, model=model.name, location=part.location)
+            found: tuple[int, int, Source, str] | None = (header.width, header.height, "header", header.format)
+        else:
+            found = _size(value, spec, model=model.name, location=part.location)
         if found is None:  # an embedding, or a file the gateway cannot read: the engine's to count
             continue
         width, height, source, fmt = found
+        if source == "fetch":
+            sized.append(Sized(part, 0, 0, 0, source))
+            continue
         tokens = count(spec, width, height) if spec is not None and source != "most" else _most(spec)
         item = Sized(part, width, height, tokens, source, None, fmt)
         limit = model.max_image_pixels
@@ -268,8 +292,10 @@ def _size(
     encoded = _encoded(value)
     if encoded is None:
         return None
-    if isinstance(encoded, str):  # a remote URL: not fetched here
-        if spec is not None and spec.remote is not None:
+    if isinstance(encoded, str):  # a remote URL
+        if spec is not None and spec.remote == "fetch":
+            return 0, 0, "fetch", ""
+        if spec is not None and isinstance(spec.remote, tuple):
             return spec.remote[0], spec.remote[1], "assumed", ""
         return 0, 0, "most", ""
     text, start, base64 = encoded

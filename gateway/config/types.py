@@ -319,8 +319,8 @@ REJECT = Policy("reject")
 class VisualTokens:
     """How a model's image processor turns an image into tokens (routing.yaml ``visual_tokens:``;
     the formulas: gateway.admission.visual). ``remote``: the (width, height) assumed for an image
-    the gateway does not have the bytes of (a URL it does not fetch); None: counted at the most an
-    image costs the model."""
+    the gateway does not have the bytes of (a URL it does not fetch); ``fetch``: the gateway fetches
+    it to read its header; None: counted at the most an image costs the model."""
 
     kind: Literal["grid", "longest_edge", "fixed"]
     patch: int = 14
@@ -330,7 +330,7 @@ class VisualTokens:
     longest_edge: int = 0
     fixed: int = 0
     preset: str | None = None
-    remote: tuple[int, int] | None = None
+    remote: tuple[int, int] | Literal["fetch"] | None = None
 
 
 # Each the released checkpoints' preprocessor_config.json (tests/admission/test_visual.py holds

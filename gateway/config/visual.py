@@ -4,7 +4,7 @@ of its own), the limits ``visual_tokens`` and ``image_pixels`` beside the modali
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from .loader import MISSING, join_path
 from .readers import Readers, show, unknown_message
@@ -96,16 +96,19 @@ class VisualReaders(Readers):
             )
         return VisualTokens("grid", patch=patch, merge=merge, min_pixels=low, max_pixels=high, remote=remote)
 
-    def _remote(self, value: Any, path: str) -> tuple[int, int] | None:
+    def _remote(self, value: Any, path: str) -> tuple[int, int] | Literal["fetch"] | None:
         if value is MISSING:
             return None
+        if value == "fetch":
+            return "fetch"
         if (
             isinstance(value, list)
             and len(value) == 2
             and all(isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 20 for v in value)
         ):
             return value[0], value[1]
-        self.problem(path, f"must be [WIDTH, HEIGHT]: the size assumed of a remote image, not {show(value)}")
+        self.problem(path, f"must be fetch (the gateway reads each remote image's header) or [WIDTH, HEIGHT] (the "
+                           f"size assumed of one), not {show(value)}")  # fmt: skip
         return None
 
     def oversize(self, value: Any, path: str) -> Oversize:

@@ -91,7 +91,9 @@ class Resizing:
     max_bytes: int  # media.max_image_bytes: a data URL's decoded bytes at most
 
 
-async def downscale_for(plan: RoutePlan, body: Mapping[str, Any], resizing: Resizing) -> Replacements:
+async def downscale_for(
+    plan: RoutePlan, body: Mapping[str, Any], resizing: Resizing, fetched: Mapping[tuple[int, int], bytes]
+) -> Replacements:
     """Each image the plan downscales, resized, as the part that replaces it: the same part with
     its bytes in a data URL of the new size (Anthropic's: a base64 source). A conversation sends
     its screenshots again every turn: each is resized once per process, then taken from the
@@ -103,7 +105,7 @@ async def downscale_for(plan: RoutePlan, body: Mapping[str, Any], resizing: Resi
         part = sized.part
         assert part.index is not None and sized.downscale is not None
         original = contents[part.message].value[part.index]
-        data = _bytes_of(original, part, plan.model.name, resizing.max_bytes)
+        data = fetched.get((part.message, part.index)) or _bytes_of(original, part, resizing.max_bytes)
         target = sized.downscale
         make = functools.partial(resizing.decoders.run, functools.partial(_downscale_job, data, target))
         try:
@@ -123,7 +125,7 @@ async def downscale_for(plan: RoutePlan, body: Mapping[str, Any], resizing: Resi
     return replacements
 
 
-def _bytes_of(part: Mapping[str, Any], where: Part, model: str, max_bytes: int) -> bytes:
+def _bytes_of(part: Mapping[str, Any], where: Part, max_bytes: int) -> bytes:
     if part.get("type") == "image":  # Anthropic's base64 source
         encoded = part["source"]["data"]
         try:
@@ -139,7 +141,7 @@ def _replaced(part: Mapping[str, Any], made: Downscaled) -> dict[str, Any]:
     """The part again, its image the smaller one (its other keys, ``detail`` say, kept)."""
     encoded = base64.b64encode(made.data).decode()
     new = dict(part)
-    if part.get("type") == "image":
+    if part.get("type") == "image":  # a base64 source, whatever it was (a URL fetched)
         new["source"] = {"type": "base64", "media_type": made.media_type, "data": encoded}
         return new
     url = f"data:{made.media_type};base64,{encoded}"

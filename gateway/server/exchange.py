@@ -26,7 +26,7 @@ from ..admission.upload import Form, parse_form
 from ..config import GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
-from ..media import video
+from ..media import remote, video
 from ..media.downscale import Resizing, downscale_for
 from ..metrics import UNKNOWN_MODEL
 from ..upstream.dispatch import Dispatch, Timeouts
@@ -66,11 +66,8 @@ class Exchange:
         """The plan: the model that serves the request, and what happens to its parts (counted);
         its visual tokens spent of its key's ``visual_tokens_per_minute`` (429 when they are not there)."""
         self.plan, self.model = plan, plan.model
-        key = self.request.get(API_KEY_KEY)
-        if key is not None and plan.visual is not None and plan.visual.tokens:
-            spent = self.services.key_limits.spend_visual(key, plan.visual.tokens)
-            if spent:
-                self.request[RATE_HEADERS_KEY] = {**self.request.get(RATE_HEADERS_KEY, {}), **spent}
+        if plan.visual is not None and not plan.visual.to_fetch:
+            self.counted(plan)
         metrics = self.services.metrics
         if plan.model.encode and (decision := plan.encode_decision) is not None:
             metrics.encode_decisions.labels(plan.model.name, decision).inc()
@@ -79,8 +76,19 @@ class Exchange:
         if plan.stripped:
             for part in plan.stripped_parts:
                 metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
-        if plan.visual is not None and plan.model.visual_tokens is not None:
-            tokens = plan.visual.tokens
+
+    def counted(self, plan: RoutePlan) -> None:
+        """The request's visual tokens, known: spent of its key's ``visual_tokens_per_minute`` (429
+        when they are not there), then counted as admitted."""
+        assert plan.visual is not None
+        tokens = plan.visual.tokens
+        key = self.request.get(API_KEY_KEY)
+        if key is not None and tokens:
+            spent = self.services.key_limits.spend_visual(key, tokens)
+            if spent:
+                self.request[RATE_HEADERS_KEY] = {**self.request.get(RATE_HEADERS_KEY, {}), **spent}
+        if plan.model.visual_tokens is not None:
+            metrics = self.services.metrics
             metrics.visual_tokens.labels(plan.model.name).inc(tokens)
             metrics.request_visual_tokens.labels(plan.model.name).observe(tokens)
 
@@ -119,9 +127,14 @@ async def convert(ex: Exchange) -> None:
     failure here costs no encoder work."""
     plan, services = ex.plan, ex.services
     assert plan is not None
+    fetched: dict[tuple[int, int], bytes] = {}
+    if plan.visual is not None and plan.visual.to_fetch:  # remote: fetch: their headers, then the limits
+        plan, fetched = await remote.sized(plan, ex.body, services.encoder.fetcher, ex.config.media)
+        ex.plan = plan
+        ex.counted(plan)
     if plan.downscale_parts:
         resizing = Resizing(services.decoders, services.conversions, services.metrics, ex.config.media.max_image_bytes)
-        ex.converted |= await downscale_for(plan, ex.body, resizing)
+        ex.converted |= await downscale_for(plan, ex.body, resizing, fetched)
     if plan.transcribe_parts:
         assert services.transcriber is not None
         ex.converted |= await services.transcriber.transcribe(

@@ -229,7 +229,7 @@ def test_the_config_says_where_a_visual_key_is_wrong() -> None:
     cases = {
         "visual_tokens: {preset: qwen9}": "visual_tokens.preset: unknown preset 'qwen9'",
         "visual_tokens: {preset: qwen3-vl, patch: 3}": "'patch' does not go with a preset",
-        "visual_tokens: {preset: qwen3-vl, remote: fetch}": "must be [WIDTH, HEIGHT]",
+        "visual_tokens: {preset: qwen3-vl, remote: [1, 2, 3]}": "must be fetch (the gateway reads",
         "visual_tokens: {patch: 14, merge: 2, max_pixels: 100}": "and one token's 784 pixels",
         "limits: {visual_tokens: 10}": "a visual_tokens limit needs the model's visual_tokens: formula",
         "on_oversize: downscale": "downscale needs a target",

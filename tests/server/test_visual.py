@@ -133,3 +133,53 @@ async def test_the_responses_and_messages_apis_are_limited_and_downscaled_too(
     assert source["type"] == "base64" and source["media_type"] == "image/jpeg"
     width, height = Image.open(io.BytesIO(base64.b64decode(source["data"]))).size
     assert width * height <= 4_000_000 and abs(width / height - 1.5) < 0.01
+
+
+def png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height)).save(out, "PNG")
+    return out.getvalue()
+
+
+async def test_remote_images_are_fetched_for_their_header_with_remote_fetch(gateway_factory, upstream_factory) -> None:
+    from aiohttp import web
+
+    files = {"/small.png": png(640, 480), "/photo.jpg": jpeg(3000, 2000), "/notes.txt": b"not an image at all"}
+
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(body=files[request.path], content_type="application/octet-stream")
+
+    media = web.Application()
+    media.router.add_get("/{name}", serve)
+    server = await upstream_factory("media", app=media)
+    upstream = await upstream_factory("up")
+    models = "\n".join(
+        f"  - {{name: {name}, upstreams: [{upstream.url}], accepts: [text, image], "
+        f"visual_tokens: {{preset: qwen2.5-vl, remote: fetch}}, limits: {{visual_tokens: 3000, image_pixels: 4000000}}"
+        f"{extra}}}"
+        for name, extra in (("q", ""), ("down", ", on_oversize: downscale"))
+    )
+    gw = await gateway_factory(routing(models, extra="media: {allow_private_networks: true}\n"))
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(model="q", messages=ask(f"{server.url}/small.png"))
+        assert raw.headers["X-Gateway-Route"] == "direct"
+        sent = upstream.received[-1].json()["messages"][0]["content"][1]["image_url"]["url"]
+        assert sent == f"{server.url}/small.png"  # within the limits: the URL goes on, the engine fetches it
+        assert gw.sample("gateway_visual_tokens_total", model="q") == 391
+        with pytest.raises(openai.BadRequestError) as large:
+            await client.chat.completions.create(model="q", messages=ask(f"{server.url}/photo.jpg"))
+        with pytest.raises(openai.BadRequestError) as text:
+            await client.chat.completions.create(model="q", messages=ask(f"{server.url}/notes.txt"))
+        raw = await client.chat.completions.with_raw_response.create(
+            model="down", messages=ask(f"{server.url}/photo.jpg")
+        )
+    assert (error_body(large.value)["code"], error_body(large.value)["param"]) == (
+        "image_too_large",
+        "messages[0].content[1]",
+    )
+    assert error_body(text.value)["code"] == "invalid_image"
+    assert len(upstream.received) == 2  # neither refused one reached the engine
+    assert raw.headers["X-Gateway-Route"] == "downscale"
+    width, height = sent_image(upstream.received[-1]).size  # sent inline at its new size
+    assert width * height <= 4_000_000 and abs(width / height - 1.5) < 0.01
+    assert gw.sample("gateway_modality_rejections_total", model="q", reason="image_too_large") == 1

@@ -1,0 +1,68 @@
+"""Remote images sized by their header: ``visual_tokens: {remote: fetch}``.
+
+Admission has no bytes of an image the client sent as a URL; for a model with ``remote: fetch``
+the gateway fetches each such image with its media fetcher (the request's ``media:`` rules:
+SSRF-safe, ``allow_domains``, ``max_image_bytes``, ``fetch_timeout_s``), reads its header, and
+measures the plan again with what it found (gateway.admission.visual): the limits hold, and an
+image over them is downscaled (sent inline at its new size) or refused, before any engine is
+touched. An image within them goes on as the URL the client sent: the engine fetches it as it
+would have. A request's images are fetched one after another, as the encoder fetches them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from ..admission.dimensions import BadImage, Dimensions, NeedMore, read_dimensions
+from ..admission.plan import RoutePlan
+from ..admission.visual import measure
+from ..config import MediaConfig
+from ..errors import GatewayError, InvalidImageError, Rejection
+from ..modalities import Modality
+from .fetch import MediaFetcher
+
+
+async def sized(
+    plan: RoutePlan, body: dict[str, Any], fetcher: MediaFetcher, media: MediaConfig
+) -> tuple[RoutePlan, dict[tuple[int, int], bytes]]:
+    """The plan measured again with each remote image's header fetched, and the bytes fetched
+    (by (place, index): a downscale resizes them)."""
+    assert plan.visual is not None
+    contents = plan.contents(body)
+    headers: dict[tuple[int, int], Dimensions] = {}
+    fetched: dict[tuple[int, int], bytes] = {}
+    for image in plan.visual.to_fetch:
+        part = image.part
+        assert part.index is not None
+        url = _url(contents[part.message].value[part.index])
+        try:
+            data = await fetcher.load(url, "image", media)
+        except GatewayError as exc:
+            raise exc.located_at(part.location, rejection=_refused(plan, exc)) from None
+        try:
+            headers[(part.message, part.index)] = read_dimensions(data)
+        except (BadImage, NeedMore) as exc:  # NeedMore: the whole file is less than a header
+            reason = "the image ends before its header does" if isinstance(exc, NeedMore) else str(exc)
+            raise InvalidImageError(
+                f"Image at {part.location} cannot be read: {reason}",
+                param=part.location,
+                rejection=Rejection(plan.model.name, Modality.IMAGE.value, "invalid_content"),
+            ) from None
+        fetched[(part.message, part.index)] = data
+    images = [s.part for s in plan.visual.images]
+    visual = measure(plan.model, images, contents, headers)
+    return dataclasses.replace(plan, visual=visual), fetched
+
+
+def _refused(plan: RoutePlan, exc: GatewayError) -> Rejection:
+    return exc.rejection or Rejection(plan.model.name, Modality.IMAGE.value, "media_refused")
+
+
+def _url(part: Mapping[str, Any]) -> str:
+    if part.get("type") == "image":  # Anthropic's URL source
+        url: str = part["source"]["url"]
+        return url
+    image_url = part["image_url"]
+    return image_url["url"] if isinstance(image_url, Mapping) else image_url  # type: ignore[no-any-return]
