@@ -15,6 +15,11 @@ grid of sizes:
     ``[IMG_BREAK]``, the last ``[IMG_END]``).
 ``fixed``
     LLaVA 1.5 (576), Gemma 3 (256): the same count for every image.
+``tiles``
+    InternVL 3 (GOT-OCR2's ``crop_to_patches``): the grid of ``patch``-pixel tiles, within the
+    fewest and most tiles, whose aspect is nearest the image's (more tiles on a tie while they
+    cover no more than twice its area), and a thumbnail when there is more than one tile; ``fixed``
+    tokens a tile, and 2 (``<img>``, ``</img>``).
 
 :func:`count` gives an image's tokens; :func:`fit` the largest size of the same aspect an image
 may be downscaled to for a pixel or a token target.
@@ -44,6 +49,10 @@ def count(spec: VisualTokens, width: int, height: int) -> int:
     if spec.kind == "grid":
         h, w = smart_resize(height, width, spec.patch * spec.merge, spec.min_pixels, spec.max_pixels)
         return (h // spec.patch) * (w // spec.patch) // (spec.merge * spec.merge)
+    if spec.kind == "tiles":
+        columns, rows = tile_grid(width, height, spec.patch, *spec.tiles)
+        tiles = 1 + columns * rows if columns * rows > 1 else 1
+        return 2 + spec.fixed * tiles
     rows, columns = _edge_grid(spec, width, height)
     return (columns + 1) * rows
 
@@ -72,6 +81,21 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def tile_grid(width: int, height: int, tile: int, fewest: int, most: int) -> tuple[int, int]:
+    """(columns, rows) of tiles (GOT-OCR2's ``get_optimal_tiled_canvas``)."""
+    grids = sorted(((w, h) for w in range(1, most + 1) for h in range(1, most + 1) if fewest <= w * h <= most),
+                   key=lambda g: g[0] * g[1])  # fmt: skip
+    aspect, area = width / height, width * height
+    best, best_diff = (1, 1), float("inf")
+    for grid in grids:
+        diff = abs(aspect - grid[0] / grid[1])
+        if diff < best_diff:
+            best, best_diff = grid, diff
+        elif diff == best_diff and area > 0.5 * tile * tile * grid[0] * grid[1]:
+            best = grid
+    return best
 
 
 def _edge_grid(spec: VisualTokens, width: int, height: int) -> tuple[int, int]:
@@ -279,6 +303,8 @@ def _most(spec: VisualTokens | None) -> int:
         return 0
     if spec.kind == "fixed":
         return spec.fixed
+    if spec.kind == "tiles":
+        return 2 + spec.fixed * (spec.tiles[1] + (1 if spec.tiles[1] > 1 else 0))
     if spec.kind == "grid":
         return spec.max_pixels // (spec.patch * spec.patch * spec.merge * spec.merge)
     side = spec.longest_edge // spec.patch

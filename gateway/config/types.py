@@ -322,13 +322,14 @@ class VisualTokens:
     the gateway does not have the bytes of (a URL it does not fetch); ``fetch``: the gateway fetches
     it to read its header; None: counted at the most an image costs the model."""
 
-    kind: Literal["grid", "longest_edge", "fixed"]
+    kind: Literal["grid", "longest_edge", "fixed", "tiles"]
     patch: int = 14
     merge: int = 2
     min_pixels: int = 0
     max_pixels: int = 1 << 62
     longest_edge: int = 0
-    fixed: int = 0
+    fixed: int = 0  # fixed: every image; tiles: each tile
+    tiles: tuple[int, int] = (1, 1)  # tiles: the fewest and most tiles of `patch` pixels (plus a thumbnail)
     preset: str | None = None
     remote: tuple[int, int] | Literal["fetch"] | None = None
 
@@ -344,6 +345,8 @@ VISUAL_PRESETS: Mapping[str, VisualTokens] = MappingProxyType(
         "mistral-small-3.1": VisualTokens("longest_edge", patch=28, longest_edge=1540),  # patch 14, merge 2
         "llava-1.5": VisualTokens("fixed", fixed=576),  # CLIP ViT-L/14 at 336 px
         "gemma-3": VisualTokens("fixed", fixed=256),  # pan-and-scan off, vLLM's default
+        # 448-pixel tiles, 1 to 12 and a thumbnail, 256 tokens each, and <img> </img>
+        "internvl3": VisualTokens("tiles", patch=448, fixed=256, tiles=(1, 12)),
     }
 )
 

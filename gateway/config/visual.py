@@ -4,6 +4,7 @@ of its own), the limits ``visual_tokens`` and ``image_pixels`` beside the modali
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 from .loader import MISSING, join_path
@@ -67,9 +68,7 @@ class VisualReaders(Readers):
                     f"'{key}' does not go with a preset: a formula of its own has no preset",
                     at_key=True,
                 )
-            base = VISUAL_PRESETS[preset]
-            return VisualTokens(base.kind, base.patch, base.merge, base.min_pixels, base.max_pixels,
-                                base.longest_edge, base.fixed, preset, remote)  # fmt: skip
+            return dataclasses.replace(VISUAL_PRESETS[preset], preset=preset, remote=remote)
         if "fixed" in raw:
             fixed = self.integer(raw.pop("fixed"), f"{path}.fixed", 1, minimum=1, maximum=1 << 20)
             for key in raw:

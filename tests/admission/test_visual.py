@@ -97,6 +97,23 @@ def test_llava_and_gemma_presets_are_their_processors_fixed_counts() -> None:
     assert count(VISUAL_PRESETS["gemma-3"], 8000, 6000) == count(VISUAL_PRESETS["gemma-3"], 1, 1) == default == 256
 
 
+def test_the_internvl_preset_counts_what_its_processor_counts() -> None:
+    """InternVLProcessor._get_num_multimodal_tokens: 2 + image_seq_length (256) x its patches,
+    the patches GOT-OCR2's image processor cuts (InternVL3's config: 448-pixel tiles, 1 to 12)."""
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+
+    processor = GotOcr2ImageProcessorPil(
+        crop_to_patches=True, min_patches=1, max_patches=12, size={"height": 448, "width": 448}
+    )
+    spec = VISUAL_PRESETS["internvl3"]
+    for width, height in GRID:
+        patches = processor.get_number_of_image_patches(height, width, {})
+        assert count(spec, width, height) == 2 + 256 * patches, (width, height)
+    for width, height in [(1280, 720), (300, 2000), (448, 448)]:  # its pipeline on real pixels
+        pixels = processor(images=[Image.new("RGB", (width, height))], return_tensors="np")["pixel_values"]
+        assert count(spec, width, height) == 2 + 256 * len(pixels)
+
+
 def test_fit_keeps_the_aspect_and_meets_both_targets() -> None:
     spec = VISUAL_PRESETS["qwen2.5-vl"]
     width, height = fit(spec, 8000, 6000, max_pixels=4_000_000, max_tokens=None)
