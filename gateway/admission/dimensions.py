@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64 as b64
 import binascii
+import re
 import struct
 from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes
@@ -27,6 +28,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # JPEG start-of-frame markers (the frame's size): every one but DHT (C4), JPG (C8) and DAC (CC)
 _SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 _STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})  # TEM, RST0-7: no length follows
+_FILL = re.compile(rb"\xff*")
+MAX_SEGMENTS = 256  # before the frame header: cameras write a dozen (APPn, DQT, DRI, COM)
 MAX_SIDE = 1 << 24  # no format here says more (WebP's VP8X, 24 bits); a BMP claiming more is refused
 
 
@@ -135,9 +138,8 @@ def _jpeg(data: bytes) -> Dimensions:
     an EXIF APP1 segment before it (where cameras write it)."""
     orientation = 1
     at, end = 2, len(data)
-    while True:
-        while at < end and data[at] == 0xFF:  # fill bytes before a marker
-            at += 1
+    for _ in range(MAX_SEGMENTS):
+        at = _FILL.match(data, at).end()  # type: ignore[union-attr]  # fill bytes before a marker (0xFF*)
         if at >= end:
             raise NeedMore(end + 64)
         marker = data[at]
@@ -163,6 +165,7 @@ def _jpeg(data: bytes) -> Dimensions:
                 raise NeedMore(at + length)
             orientation = _exif_orientation(data[at + 2 : at + length])
         at += length
+    raise BadImage(f"a JPEG's frame header must come within its first {MAX_SEGMENTS} segments")
 
 
 def _exif_orientation(segment: bytes) -> int:

@@ -190,7 +190,7 @@ class RoutePlan:
         return self._encodable
 
     def action(self, part: Part) -> str:
-        if part in self.downscale_parts:
+        if self.visual is not None and (part.message, part.index) in self.visual.downscaled_at:
             return "downscale, encode" if self.encoder is not None else "downscale"
         if part.modality in self.stripped:
             return "strip"

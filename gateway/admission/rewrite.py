@@ -42,6 +42,9 @@ def rewrite(
         for i, j in plan.normalized:
             contents[i].value[j] = plan.api.normalize(contents[i].value[j])
     for (i, j), new_part in (replacements or {}).items():
+        if (i, j) in plan.normalized:  # a downscaled image, in the shape the engine reads too
+            assert plan.api.normalize is not None
+            new_part = plan.api.normalize(new_part) or new_part
         contents[i].value[j] = new_part
     for part in reversed(plan.stripped_parts):  # reversed keeps earlier indices valid
         content = contents[part.message]

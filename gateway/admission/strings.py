@@ -69,20 +69,18 @@ def _long_strings(raw: bytes) -> list[tuple[int, int]]:
     values; the quotes around it, then what comes before the first, say which."""
     spans: list[tuple[int, int]] = []
     width, size = LONG_STRING // 2, len(raw)
-    at = 0
+    at = low = 0  # low: no quote lies between it and `at` but what rfind may find (each byte scanned once)
     while at + width <= size:
-        if raw.find(b'"', at, at + width) != -1:
-            at += width
+        last = raw.rfind(b'"', at, at + width)
+        if last != -1:
+            at, low = at + width, last
             continue
-        start, end = raw.rfind(b'"', 0, at), raw.find(b'"', at + width)
-        if (
-            start > 0
-            and end != -1
-            and _is_media(raw, start)
-            and not any(raw.find(b, start, end) != -1 for b in _BREAKS)
-        ):
+        start, end = raw.rfind(b'"', low, at), raw.find(b'"', at + width)
+        if end == -1:  # no quote after it: no string either
+            break
+        if start > 0 and _is_media(raw, start) and not any(raw.find(b, start, end) != -1 for b in _BREAKS):
             spans.append((start, end))
-        at = max(at + width, end + 1)
+        at, low = end + 1, end
     return spans
 
 

@@ -131,7 +131,7 @@ def fit(
     low, high = 0.0, scale  # the largest scale whose count fits: tokens grow with the scale
     if count(spec, w, h) <= max_tokens:
         return w, h
-    for _ in range(40):
+    for _ in range(24):
         middle = (low + high) / 2
         if count(spec, *_scaled(width, height, middle)) <= max_tokens:
             low = middle
@@ -141,9 +141,16 @@ def fit(
 
 
 def _scaled(width: int, height: int, scale: float) -> tuple[int, int]:
+    """The size at ``scale``, its aspect kept within MAX_ASPECT_RATIO (rounding a short side
+    down must not make an image Qwen's processors refuse)."""
     if scale >= 1:
         return width, height
-    return max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
+    w, h = max(1, math.floor(width * scale)), max(1, math.floor(height * scale))
+    if w > MAX_ASPECT_RATIO * h:
+        h = math.ceil(w / MAX_ASPECT_RATIO)
+    elif h > MAX_ASPECT_RATIO * w:
+        w = math.ceil(h / MAX_ASPECT_RATIO)
+    return w, h
 
 
 # --- a request's images, sized and counted -----------------------------------------------------
@@ -174,6 +181,12 @@ class Sized:
 @dataclass(frozen=True, slots=True)
 class VisualCount:
     images: tuple[Sized, ...]
+    downscaled_at: frozenset[tuple[int, int]] = frozenset()  # (place, index) of each image resized
+
+    @classmethod
+    def of(cls, images: Sequence[Sized]) -> VisualCount:
+        at = frozenset((s.part.message, s.part.index or 0) for s in images if s.downscale is not None)
+        return cls(tuple(images), at)
 
     @property
     def tokens(self) -> int:
@@ -221,7 +234,7 @@ def measure(
             continue
         tokens = count(spec, width, height) if spec is not None and source != "most" else _most(spec)
         item = Sized(part, width, height, tokens, source, None, fmt)
-        limit = model.max_image_pixels
+        limit = _least(model.max_image_pixels, oversize.max_pixels) if downscaling else model.max_image_pixels
         if source == "header" and limit is not None and width * height > limit:
             if not downscaling:
                 raise ImageTooLargeError(
@@ -230,14 +243,20 @@ def measure(
                     param=part.location,
                     rejection=Rejection(model.name, Modality.IMAGE.value, "image_too_large"),
                 )
-            item = _downscaled(
-                item, spec, fit(spec, width, height, max_pixels=oversize.max_pixels or limit, max_tokens=None)
-            )
+            item = _downscaled(item, spec, fit(spec, width, height, max_pixels=limit, max_tokens=None))
         sized.append(item)
-    budget = model.max_visual_tokens
+    budget = _least(model.max_visual_tokens, oversize.max_tokens) if downscaling else model.max_visual_tokens
     if budget is not None and sum(s.tokens for s in sized) > budget:
-        sized = _within(model, sized, oversize.max_tokens or budget) if downscaling else _over(model, sized, budget)
-    return VisualCount(tuple(sized))
+        sized = _within(model, sized, budget) if downscaling else _over(model, sized, budget)
+    return VisualCount.of(sized)
+
+
+def _least(limit: int | None, target: int | None) -> int | None:
+    """What a downscale brings an image (or a request) to: its target, within the limit; either
+    alone (a target without a limit is one)."""
+    if limit is None or target is None:
+        return limit if target is None else target
+    return min(limit, target)
 
 
 def _downscaled(item: Sized, spec: VisualTokens | None, size: tuple[int, int]) -> Sized:
@@ -267,17 +286,19 @@ def _within(model: ModelConfig, sized: list[Sized], budget: int) -> list[Sized]:
     request within ``budget``; the others (assumed, or counted at their most) as they are."""
     spec = model.visual_tokens
     assert spec is not None
-    fixed = sum(s.tokens for s in sized if s.source != "header" or spec.kind == "fixed")
-    scalable = [s for s in sized if s.source == "header" and spec.kind != "fixed"]
+    # a tiling model's count follows the image's aspect, not its size: nothing to gain by scaling
+    shrinks = spec.kind in ("grid", "longest_edge")
+    fixed = sum(s.tokens for s in sized if s.source != "header" or not shrinks)
+    scalable = [i for i, s in enumerate(sized) if s.source == "header" and shrinks]
 
     def at(scale: float) -> list[tuple[int, int]]:
-        return [_scaled(*(s.downscale or (s.width, s.height)), scale) for s in scalable]
+        return [_scaled(*(sized[i].downscale or (sized[i].width, sized[i].height)), scale) for i in scalable]
 
     def cost(sizes: list[tuple[int, int]]) -> int:
         return fixed + sum(count(spec, w, h) for w, h in sizes)
 
     low, high = 0.0, 1.0
-    for _ in range(40):
+    for _ in range(24):  # the scale within 1e-7: a pixel of a 10,000-pixel side
         middle = (low + high) / 2
         if cost(at(middle)) <= budget:
             low = middle
@@ -286,8 +307,8 @@ def _within(model: ModelConfig, sized: list[Sized], budget: int) -> list[Sized]:
     sizes = at(low)
     if not scalable or cost(sizes) > budget:  # the smallest images still cost more
         return _over(model, sized, budget)
-    resized = iter(sizes)
-    return [_downscaled(s, spec, next(resized)) if s in scalable else s for s in sized]
+    new = dict(zip(scalable, sizes, strict=True))
+    return [_downscaled(s, spec, new[i]) if i in new else s for i, s in enumerate(sized)]
 
 
 def _described(item: Sized) -> str:

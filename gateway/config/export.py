@@ -7,7 +7,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from .types import GatewayConfig, Policy
+from .types import GatewayConfig, ModelConfig, Policy
 
 
 def as_dict(config: GatewayConfig) -> dict[str, Any]:
@@ -20,7 +20,30 @@ def as_dict(config: GatewayConfig) -> dict[str, Any]:
         raw["upstreams"] = [{"url": u, "weight": w} for u, w in zip(model.upstreams, weights, strict=True)]
         del raw["weights"]
         raw["on_unsupported"] = {m.value: _policy(p) for m, p in model.on_unsupported.items()}
+        _visual(model, raw)
     return data
+
+
+def _visual(model: ModelConfig, raw: dict[str, Any]) -> None:
+    """The visual keys as routing.yaml spells them: the formula (its preset, or its own keys),
+    the visual limits inside ``limits``, ``on_oversize``."""
+    for key, name in (("max_visual_tokens", "visual_tokens"), ("max_image_pixels", "image_pixels")):
+        value = raw.pop(key)
+        if value is not None:
+            raw["limits"][name] = value
+    spec = model.visual_tokens
+    if spec is None:
+        raw["visual_tokens"] = None
+    else:
+        kept = {"grid": ("patch", "merge", "min_pixels", "max_pixels"), "longest_edge": ("patch", "longest_edge"),
+                "fixed": ("fixed",), "tiles": ("patch", "fixed", "tiles")}[spec.kind]  # fmt: skip
+        formula: dict[str, Any] = {"preset": spec.preset} if spec.preset else {k: raw["visual_tokens"][k] for k in kept}
+        if spec.remote is not None:
+            formula["remote"] = spec.remote if spec.remote == "fetch" else list(spec.remote)
+        raw["visual_tokens"] = formula
+    oversize = model.on_oversize
+    targets = {k: v for k, v in (("max_pixels", oversize.max_pixels), ("max_tokens", oversize.max_tokens)) if v}
+    raw["on_oversize"] = {"downscale": targets} if oversize.action == "downscale" else "reject"
 
 
 def _policy(policy: Policy) -> str | dict[str, str | None]:

@@ -1,13 +1,15 @@
 """Images made smaller before they are sent: ``on_oversize: downscale``.
 
 Admission sized each image from its header and chose the size it goes at
-(gateway.admission.visual); here its bytes are decoded, turned upright by its EXIF orientation,
+(gateway.admission.visual); here its bytes are decoded, a JPEG turned upright by its EXIF
+orientation (as admission reads it; other formats' orientation is neither read nor applied),
 resized to that size (the aspect kept) and written again in its own format where that is a
-photo's or a screenshot's (JPEG, PNG, WebP; GIF and BMP become PNG), as a data URL that takes the
-part's place. Off the event loop, on the video decoders' threads (gateway.media.decoders), under
-the backend's decode bound: a JPEG is decoded at the smallest of its DCT scales (1/2, 1/4, 1/8)
-that still covers the target, so a 48 MP phone photo costs a few MP of memory, and nothing
-decodes to more than :data:`MAX_DECODED_PIXELS`.
+photo's or a screenshot's (JPEG, MPO as JPEG, PNG, WebP; GIF and BMP become PNG), as a data URL
+that takes the part's place. Off the event loop, on the video decoders' threads
+(gateway.media.decoders), under the backend's decode bound: a JPEG is decoded at the smallest of
+its DCT scales (1/2, 1/4, 1/8) that still covers the target, and nothing decodes to more than
+:data:`MAX_DECODED_PIXELS` (nor opens past Pillow's own bound, ~179 MP): ``image_too_large``.
+Bytes Pillow cannot decode are ``invalid_image``.
 
 Pillow, the field's standard for this (vLLM and the Hugging Face processors open images with
 it), is imported when the first image is downscaled.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,28 +50,49 @@ class Downscaled:
     height: int
 
 
+class TooLarge(ValueError):
+    """An image past what the gateway decodes."""
+
+
+class Undecodable(ValueError):
+    """Bytes Pillow cannot decode (truncated, corrupt, not the image their header says)."""
+
+
 def downscale(data: bytes, size: tuple[int, int], stop: threading.Event | None = None) -> Downscaled:
     """``data`` decoded, upright, resized to ``size`` (width, height, as shown) and written again.
-    ValueError for bytes Pillow cannot decode, or an image past the decode bound."""
+    :class:`TooLarge` past the decode bound, :class:`Undecodable` for bytes Pillow cannot read."""
+    from PIL import Image
+
+    try:
+        return _downscale(data, size, stop)
+    except Image.DecompressionBombError as exc:  # over Pillow's own bound (~179 MP) at open
+        raise TooLarge(str(exc)) from None
+    except (OSError, SyntaxError, EOFError, IndexError, struct.error) as exc:  # UnidentifiedImageError is an OSError
+        raise Undecodable(f"it cannot be decoded ({exc})") from None
+
+
+def _downscale(data: bytes, size: tuple[int, int], stop: threading.Event | None) -> Downscaled:
     from PIL import Image, ImageOps
 
     width, height = size
     with Image.open(io.BytesIO(data)) as image:
         fmt = (image.format or "").lower()
-        turned = image.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+        jpeg = fmt in ("jpeg", "mpo")  # a phone's photo with its MPF data opens as MPO
+        # EXIF orientation is a JPEG's only, as admission reads it (gateway.admission.dimensions)
+        turned = jpeg and image.getexif().get(0x0112, 1) in (5, 6, 7, 8)
         stored = (height, width) if turned else (width, height)  # the target as the pixels lie
-        if fmt == "jpeg":
+        if jpeg:
             image.draft(image.mode if image.mode in ("RGB", "L") else "RGB", stored)  # a DCT scale that covers it
         if image.size[0] * image.size[1] > MAX_DECODED_PIXELS:
-            raise ValueError(f"{image.size[0]}x{image.size[1]} is over the {MAX_DECODED_PIXELS} pixels decoded at most")
+            raise TooLarge(f"{image.size[0]}x{image.size[1]} is over the {MAX_DECODED_PIXELS} pixels decoded at most")
         if stop is not None and stop.is_set():
-            raise ValueError("nobody waits for it any more")
+            raise TooLarge("nobody waits for it any more")
         image.load()
-        upright = ImageOps.exif_transpose(image)
+        upright = ImageOps.exif_transpose(image) if jpeg else image
         if upright.mode not in ("RGB", "RGBA", "L", "LA"):
             upright = upright.convert("RGBA" if "transparency" in upright.info or "A" in upright.mode else "RGB")
         smaller = upright.resize((width, height), Image.Resampling.LANCZOS, reducing_gap=3.0)
-    writer, media_type = KEPT_FORMATS.get(fmt, ("PNG", "image/png"))
+    writer, media_type = KEPT_FORMATS.get("jpeg" if jpeg else fmt, ("PNG", "image/png"))
     if writer == "JPEG" and smaller.mode not in ("RGB", "L"):
         smaller = smaller.convert("RGB")
     out = io.BytesIO()
@@ -114,7 +138,13 @@ async def downscale_for(
                 made = await resizing.cache.get_or_make(key, make, lambda d: len(d.data), shared_errors=(ValueError,))
             else:
                 made = await make()
-        except ValueError as exc:
+        except Undecodable as exc:
+            raise InvalidImageError(
+                f"Image at {part.location} cannot be downscaled for model '{plan.model.name}': {exc}",
+                param=part.location,
+                rejection=Rejection(plan.model.name, "image", "invalid_content"),
+            ) from None
+        except TooLarge as exc:
             raise ImageTooLargeError(
                 f"Image at {part.location} cannot be downscaled for model '{plan.model.name}': {exc}",
                 param=part.location,
@@ -139,12 +169,17 @@ def _bytes_of(part: Mapping[str, Any], where: Part, max_bytes: int) -> bytes:
 
 def _replaced(part: Mapping[str, Any], made: Downscaled) -> dict[str, Any]:
     """The part again, its image the smaller one (its other keys, ``detail`` say, kept)."""
-    encoded = base64.b64encode(made.data).decode()
+    return with_bytes(part, made.data, made.media_type)
+
+
+def with_bytes(part: Mapping[str, Any], data: bytes, media_type: str) -> dict[str, Any]:
+    """An image part with ``data`` inline: a data URL, or Anthropic's base64 source."""
+    encoded = base64.b64encode(data).decode()
     new = dict(part)
     if part.get("type") == "image":  # a base64 source, whatever it was (a URL fetched)
-        new["source"] = {"type": "base64", "media_type": made.media_type, "data": encoded}
+        new["source"] = {"type": "base64", "media_type": media_type, "data": encoded}
         return new
-    url = f"data:{made.media_type};base64,{encoded}"
+    url = f"data:{media_type};base64,{encoded}"
     image_url = part["image_url"]
     new["image_url"] = {**image_url, "url": url} if isinstance(image_url, Mapping) else url
     return new

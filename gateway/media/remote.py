@@ -4,9 +4,10 @@ Admission has no bytes of an image the client sent as a URL; for a model with ``
 the gateway fetches each such image with its media fetcher (the request's ``media:`` rules:
 SSRF-safe, ``allow_domains``, ``max_image_bytes``, ``fetch_timeout_s``), reads its header, and
 measures the plan again with what it found (gateway.admission.visual): the limits hold, and an
-image over them is downscaled (sent inline at its new size) or refused, before any engine is
-touched. An image within them goes on as the URL the client sent: the engine fetches it as it
-would have. A request's images are fetched one after another, as the encoder fetches them.
+image over them is downscaled or refused, before any engine is touched. Either way the engine
+gets the bytes the gateway measured, inline (a data URL; Anthropic's base64 source): sent on as
+the URL, a server could answer the engine's fetch with another, larger image than the gateway's.
+A request's images are fetched one after another, as the encoder fetches them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..admission.visual import measure
 from ..config import MediaConfig
 from ..errors import GatewayError, InvalidImageError, Rejection
 from ..modalities import Modality
+from .downscale import Replacements, with_bytes
 from .fetch import MediaFetcher
 
 
@@ -54,6 +56,21 @@ async def sized(
     images = [s.part for s in plan.visual.images]
     visual = measure(plan.model, images, contents, headers)
     return dataclasses.replace(plan, visual=visual), fetched
+
+
+def inline(plan: RoutePlan, body: dict[str, Any], fetched: Mapping[tuple[int, int], bytes]) -> Replacements:
+    """Each fetched image the plan does not downscale, as the part that replaces it: its bytes
+    inline, the part's other keys kept."""
+    assert plan.visual is not None
+    contents = plan.contents(body)
+    formats = {(s.part.message, s.part.index): s.format for s in plan.visual.images}
+    replacements: Replacements = {}
+    for (i, j), data in fetched.items():
+        if (i, j) in plan.visual.downscaled_at:
+            continue
+        media_type = f"image/{formats.get((i, j)) or 'png'}"
+        replacements[(i, j)] = with_bytes(contents[i].value[j], data, media_type)
+    return replacements
 
 
 def _refused(plan: RoutePlan, exc: GatewayError) -> Rejection:

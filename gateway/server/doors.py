@@ -12,7 +12,7 @@ from aiohttp import web
 
 from ..admission.affinity import chat_key, prompt_key, responses_key
 from ..admission.apis import CHAT, Api
-from ..admission.apis.messages import MESSAGES
+from ..admission.apis.messages import COUNT_TOKENS, MESSAGES
 from ..admission.apis.pooling import EMBEDDINGS, RERANK, SCORE
 from ..admission.apis.responses import RESPONSES
 from ..admission.body import dump_body, exact
@@ -44,6 +44,7 @@ APIS = (CHAT, RESPONSES, MESSAGES, EMBEDDINGS, SCORE, RERANK)  # every API whose
 chat_completions = door(CHAT, chat_key)
 responses = door(RESPONSES, responses_key)
 messages = door(MESSAGES, chat_key)  # an Anthropic conversation opens as a chat one does
+count_tokens = door(COUNT_TOKENS, chat_key)
 
 
 def _no_key(body: Mapping[str, Any]) -> None:
@@ -76,7 +77,7 @@ ROUTES: dict[str, tuple[Callable[[web.Request], Awaitable[web.StreamResponse]], 
     "/v1/completions": (completions, "completions"),
     "/v1/responses": (responses, "responses"),
     "/v1/messages": (messages, "messages"),
-    "/v1/messages/count_tokens": (messages, "messages"),  # Claude Code asks it first; vLLM serves it
+    "/v1/messages/count_tokens": (count_tokens, "messages"),  # Claude Code asks it first; vLLM serves it
     "/v1/embeddings": (embeddings, "embeddings"),
     "/v1/score": (score, "score"),
     "/score": (score, "score"),  # vLLM serves each pooling route under both names

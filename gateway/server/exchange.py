@@ -81,6 +81,8 @@ class Exchange:
         """The request's visual tokens, known: spent of its key's ``visual_tokens_per_minute`` (429
         when they are not there), then counted as admitted."""
         assert plan.visual is not None
+        if not plan.api.spends:  # only asked what it would cost
+            return
         tokens = plan.visual.tokens
         key = self.request.get(API_KEY_KEY)
         if key is not None and tokens:
@@ -132,6 +134,7 @@ async def convert(ex: Exchange) -> None:
         plan, fetched = await remote.sized(plan, ex.body, services.encoder.fetcher, ex.config.media)
         ex.plan = plan
         ex.counted(plan)
+        ex.converted |= remote.inline(plan, ex.body, fetched)  # the bytes measured, not the URL again
     if plan.downscale_parts:
         resizing = Resizing(services.decoders, services.conversions, services.metrics, ex.config.media.max_image_bytes)
         ex.converted |= await downscale_for(plan, ex.body, resizing, fetched)

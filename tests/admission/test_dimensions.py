@@ -138,3 +138,11 @@ def test_a_data_url_that_is_not_base64_is_bad() -> None:
     for url in ("data:image/png;base64,@@@@****", "data:image/png;base64", "data:image/png;base64,ü"):
         with pytest.raises(BadImage):
             data_url_dimensions(url)
+
+
+def test_a_jpeg_of_endless_segments_or_fill_bytes_is_bad_within_its_bounds() -> None:
+    many = b"\xff\xd8" + b"\xff\xfe\x00\x02" * 300  # 300 empty comments before any frame header
+    with pytest.raises(BadImage, match="first 256 segments"):
+        read_dimensions(many)
+    with pytest.raises(BadImage, match="past its first 1048576 bytes"):
+        data_url_dimensions(data_url(b"\xff\xd8" + b"\xff" * (1 << 21)))

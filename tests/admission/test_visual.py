@@ -264,3 +264,70 @@ def test_the_config_says_where_a_visual_key_is_wrong() -> None:
         "longest_edge",
         (640, 480),
     )
+
+
+def model_config(extra: str) -> Any:
+    text = "version: 1\nmodels:\n  - {name: m, upstreams: ['http://h'], accepts: [text, image], %s}\n"
+    return parse_config(text % extra, filename="r.yaml")
+
+
+def test_a_tiling_model_over_its_budget_is_refused_not_shrunk_to_a_sliver() -> None:
+    config = model_config("visual_tokens: {preset: internvl3}, limits: {visual_tokens: 1000}, on_oversize: downscale")
+    with pytest.raises(GatewayError) as caught:
+        admit(config, chat("m", data(4000, 1000)))
+    assert caught.value.code == "too_many_visual_tokens"
+
+
+def test_a_downscale_target_alone_is_its_trigger_and_within_a_limit_the_least_wins() -> None:
+    alone = model_config("visual_tokens: {preset: qwen2.5-vl}, on_oversize: {downscale: {max_pixels: 1000000}}")
+    plan = admit(alone, chat("m", data(2000, 1500)))
+    assert plan.visual is not None and plan.visual.images[0].downscale is not None
+    width, height = plan.visual.images[0].downscale
+    assert width * height <= 1_000_000
+    both = model_config(
+        "visual_tokens: {preset: qwen2.5-vl}, limits: {visual_tokens: 1000, image_pixels: 1000000}, "
+        "on_oversize: {downscale: {max_pixels: 8000000, max_tokens: 5000}}"
+    )
+    plan = admit(both, chat("m", data(4000, 3000)))
+    assert plan.visual is not None and plan.visual.tokens <= 1000
+    width, height = plan.visual.images[0].downscale or (0, 0)
+    assert width * height <= 1_000_000
+
+
+def test_a_downscale_keeps_slivers_within_the_aspect_qwen_takes() -> None:
+    config = model_config("visual_tokens: {preset: qwen2.5-vl}, limits: {visual_tokens: 3000}, on_oversize: downscale")
+    plan = admit(config, chat("m", *[data(4000, 20)] * 27))
+    assert plan.visual is not None and plan.visual.tokens <= 3000
+    for image in plan.visual.images:
+        width, height = image.downscale or (image.width, image.height)
+        assert max(width, height) <= 200 * min(width, height)
+
+
+def test_a_downscaled_responses_image_goes_in_the_shape_the_engine_reads() -> None:
+    from gateway.admission.apis.responses import RESPONSES
+    from gateway.admission.rewrite import upstream_body
+
+    config = model_config(
+        "apis: [responses], visual_tokens: {preset: qwen2.5-vl}, limits: {image_pixels: 1000000}, "
+        "on_oversize: downscale"
+    )
+    item = {"type": "input_image", "image_url": {"url": data(2000, 1500)}}
+    body = {"model": "m", "input": [{"role": "user", "content": [item]}]}
+    plan = admit(config, body, api=RESPONSES)
+    assert plan.route == "normalize, downscale"
+    new_url = data(1154, 866)
+    smaller: dict[str, Any] = {"type": "input_image", "image_url": {"url": new_url}}
+    sent = orjson_loads(upstream_body(plan, orjson_dumps(body), body, {(0, 0): smaller}))
+    assert sent["input"][0]["content"][0]["image_url"] == new_url  # a string, as vLLM reads it
+
+
+def orjson_loads(raw: bytes) -> Any:
+    import orjson
+
+    return orjson.loads(raw)
+
+
+def orjson_dumps(value: Any) -> bytes:
+    import orjson
+
+    return orjson.dumps(value)

@@ -164,7 +164,8 @@ async def test_remote_images_are_fetched_for_their_header_with_remote_fetch(gate
         raw = await client.chat.completions.with_raw_response.create(model="q", messages=ask(f"{server.url}/small.png"))
         assert raw.headers["X-Gateway-Route"] == "direct"
         sent = upstream.received[-1].json()["messages"][0]["content"][1]["image_url"]["url"]
-        assert sent == f"{server.url}/small.png"  # within the limits: the URL goes on, the engine fetches it
+        # within the limits, and sent as the bytes measured: the engine does not fetch another
+        assert sent == "data:image/png;base64," + base64.b64encode(files["/small.png"]).decode()
         assert gw.sample("gateway_visual_tokens_total", model="q") == 391
         with pytest.raises(openai.BadRequestError) as large:
             await client.chat.completions.create(model="q", messages=ask(f"{server.url}/photo.jpg"))
@@ -183,3 +184,38 @@ async def test_remote_images_are_fetched_for_their_header_with_remote_fetch(gate
     width, height = sent_image(upstream.received[-1]).size  # sent inline at its new size
     assert width * height <= 4_000_000 and abs(width / height - 1.5) < 0.01
     assert gw.sample("gateway_modality_rejections_total", model="q", reason="image_too_large") == 1
+
+
+async def test_an_image_whose_body_is_not_its_header_is_400_not_500(gw: Gateway, upstream: Upstream) -> None:
+    whole = jpeg(3000, 2000)
+    async with gw.client() as client:
+        for broken in (whole[: len(whole) // 2], whole[:700], whole[:400] + b"\x00" * 5000):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(model="down", messages=ask(url(broken)))
+            assert error_body(caught.value)["code"] in ("invalid_image", "image_too_large"), broken[:8]
+        reply = await client.chat.completions.create(model="down", messages=ask(url(jpeg(64, 64))))
+    assert reply.choices and upstream.received  # the gateway keeps serving
+
+
+async def test_count_tokens_spends_no_visual_tokens_of_the_key(
+    gateway_factory, upstream: Upstream, monkeypatch
+) -> None:
+    monkeypatch.setenv("MODALITY_GATEWAY_TEST_VISUAL_KEY", "sk-visual")
+    model = (
+        f"  - {{name: q, upstreams: [{upstream.url}], accepts: [text, image], apis: [messages], "
+        "visual_tokens: {preset: qwen2.5-vl}}"
+    )
+    keys = (
+        "auth:\n  keys:\n    - {name: k, key_env: MODALITY_GATEWAY_TEST_VISUAL_KEY, "
+        "rate_limit: {visual_tokens_per_minute: 1500}}\n"
+    )
+    gw = await gateway_factory(routing(model, extra=keys))
+    data = base64.b64encode(jpeg(1280, 720)).decode()
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": data}}
+    ask_one = [{"role": "user", "content": [block]}]
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-visual", max_retries=0) as client:
+        for _ in range(3):  # Claude Code counts before it sends
+            await client.messages.count_tokens(model="q", messages=ask_one)
+        await client.messages.create(model="q", max_tokens=8, messages=ask_one)
+    assert gw.sample("gateway_visual_tokens_total", model="q") == 1196  # the message's, once
+    assert gw.sample("gateway_rate_limited_total", key="k") == 0

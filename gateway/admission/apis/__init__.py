@@ -52,6 +52,9 @@ class Api:
     text_part: str = "text"  # the type of a text part, for a part the gateway writes
     # a part in the shape the engines read, where clients may send another of the same meaning; None: as sent
     normalize: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = None
+    # what a request costs its key and the gateway's counts: False for one that only asks what it
+    # would cost (Anthropic's count_tokens): its visual tokens neither spent nor counted as admitted
+    spends: bool = True
 
     def classify(self, body: dict[str, Any], *, model: str, bounds: ContentBounds) -> Classification:
         """Every part of the body's view, classified with the API's table (see gateway.admission.parts)."""

@@ -95,3 +95,5 @@ def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
 
 
 MESSAGES = Api("messages", "/v1/messages", PARTS, contents, errors="anthropic")
+# the input tokens of a message, admitted as the message would be (Claude Code asks it first)
+COUNT_TOKENS = Api("messages", "/v1/messages/count_tokens", PARTS, contents, errors="anthropic", spends=False)
