@@ -38,7 +38,7 @@ Errors are :class:`Http1Error`; :mod:`gateway.upstream.failures` reads them as i
 from __future__ import annotations
 
 from .client import KEEPALIVE_S, MAX_CONNECTIONS, Http1Client, Waits
-from .connection import LARGE_BODY_BYTES, MAX_HEAD_BYTES, MAX_INTERIM, MAX_TRAILERS, STALE_WINDOW_S, _Connection
+from .connection import MAX_HEAD_BYTES, MAX_INTERIM, MAX_TRAILERS, SPLICE_BYTES, STALE_WINDOW_S, _Connection
 from .errors import (
     ConnectError,
     ConnectTimeout,
@@ -54,11 +54,11 @@ from .reply import _CHUNKED, _LENGTH, _NONE, _UNTIL_CLOSE, HIGH_WATER, Reply
 __all__ = [
     "HIGH_WATER",
     "KEEPALIVE_S",
-    "LARGE_BODY_BYTES",
     "MAX_CONNECTIONS",
     "MAX_HEAD_BYTES",
     "MAX_INTERIM",
     "MAX_TRAILERS",
+    "SPLICE_BYTES",
     "STALE_WINDOW_S",
     "_CHUNKED",
     "_LENGTH",

@@ -31,7 +31,7 @@ MAX_HEAD_BYTES = 64 * 1024  # status line and headers of a reply
 MAX_TRAILERS = 64 * 1024
 MAX_CHUNK_LINE = 4 * 1024  # a chunk's size line with its extensions
 MAX_INTERIM = 16  # 1xx answers before the real one
-LARGE_BODY_BYTES = 1 << 20  # written after the head rather than copied into it
+SPLICE_BYTES = 16 * 1024  # smaller bodies are copied behind their head: one buffer, one send
 # A reused connection that ends with nothing received within this long of the request was closed
 # by the engine as the request went (a FIN in flight): sent again on a fresh connection. Later,
 # the engine may have been working on it (and died): that is a reset, for gateway.upstream.client's
@@ -225,11 +225,10 @@ class _Connection(asyncio.Protocol):
         future: asyncio.Future[Reply] = self._loop.create_future()
         self._head_future = future
         self._read_timeout = read_timeout
-        if len(body) < LARGE_BODY_BYTES:
+        if len(body) < SPLICE_BYTES:
             transport.write(head + body)
-        else:
-            transport.write(head)
-            transport.write(body)
+        else:  # one writev of both, not a copy of the body behind its head
+            transport.writelines((head, body))
         self._sent_at = self._loop.time()
         self._watch(head_timeout if head_timeout is not None else read_timeout)
         return self._await_head(future)
