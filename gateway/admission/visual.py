@@ -157,7 +157,7 @@ def _scaled(width: int, height: int, scale: float) -> tuple[int, int]:
 
 # its header read (inline, or fetched by the gateway); to be fetched; the model's remote: [W, H];
 # the most an image costs the model
-Source = Literal["header", "fetch", "assumed", "most"]
+Source = Literal["header", "fetch", "assumed", "most", "frames"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +173,7 @@ class Sized:
     format: str = ""
 
     def explain(self) -> dict[str, Any]:
-        known = {"width": self.width, "height": self.height} if self.source in ("header", "assumed") else {}
+        known = {"width": self.width, "height": self.height} if self.source in ("header", "assumed", "frames") else {}
         resized = {"downscale_to": list(self.downscale)} if self.downscale is not None else {}
         return {**known, "size_from": self.source, "visual_tokens": self.tokens, **resized}
 
@@ -251,6 +251,26 @@ def measure(
     return VisualCount.of(sized)
 
 
+def with_frames(
+    model: ModelConfig, visual: VisualCount | None, videos: Sequence[tuple[Part, Sequence[Dimensions]]]
+) -> VisualCount:
+    """The request's count with each video's sampled frames (``on_unsupported: {video: {frames:
+    N}}``: images to the model), one entry a video, its frames' tokens; held to
+    ``limits.visual_tokens`` (frames are not downscaled: fewer, or a smaller ``max_side``, is the
+    policy's to say)."""
+    spec = model.visual_tokens
+    assert spec is not None
+    sized = list(visual.images) if visual is not None else []
+    for part, frames in videos:
+        tokens = sum(count(spec, f.width, f.height) for f in frames)
+        first = frames[0] if frames else Dimensions(0, 0, "jpeg")
+        sized.append(Sized(part, first.width, first.height, tokens, "frames", None, "jpeg"))
+    budget = model.max_visual_tokens
+    if budget is not None and sum(s.tokens for s in sized) > budget:
+        _over(model, sized, budget)
+    return VisualCount.of(sized)
+
+
 def _least(limit: int | None, target: int | None) -> int | None:
     """What a downscale brings an image (or a request) to: its target, within the limit; either
     alone (a target without a limit is one)."""
@@ -312,6 +332,8 @@ def _within(model: ModelConfig, sized: list[Sized], budget: int) -> list[Sized]:
 
 
 def _described(item: Sized) -> str:
+    if item.source == "frames":
+        return f"{item.tokens} tokens, its frames at {item.width}x{item.height}"
     if item.source == "most":
         return f"{item.tokens} tokens: a remote image counted at the most an image costs the model"
     seen = "assumed" if item.source == "assumed" else "its header says"

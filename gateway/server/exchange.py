@@ -10,6 +10,7 @@ exchange). Each stage reads what the ones before it left on the exchange.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -20,9 +21,11 @@ import orjson
 from aiohttp import web
 
 from ..admission.body import exact, read_body, read_json
+from ..admission.dimensions import Dimensions, read_dimensions
 from ..admission.plan import EXPAND, RoutePlan, Visible
 from ..admission.rewrite import upstream_body
 from ..admission.upload import Form, parse_form
+from ..admission.visual import with_frames
 from ..config import GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
@@ -66,7 +69,7 @@ class Exchange:
         """The plan: the model that serves the request, and what happens to its parts (counted);
         its visual tokens spent of its key's ``visual_tokens_per_minute`` (429 when they are not there)."""
         self.plan, self.model = plan, plan.model
-        if plan.visual is not None and not plan.visual.to_fetch:
+        if plan.visual is not None and not plan.visual.to_fetch and not _counts_frames(plan):
             self.counted(plan)
         metrics = self.services.metrics
         if plan.model.encode and (decision := plan.encode_decision) is not None:
@@ -93,6 +96,16 @@ class Exchange:
             metrics = self.services.metrics
             metrics.visual_tokens.labels(plan.model.name).inc(tokens)
             metrics.request_visual_tokens.labels(plan.model.name).observe(tokens)
+
+
+def _counts_frames(plan: RoutePlan) -> bool:
+    """Whether the plan's visual tokens wait for its videos' frames (counted once sampled)."""
+    return bool(plan.frame_parts) and plan.model.visual_tokens is not None
+
+
+def _frame_sizes(expanded: dict[str, Any]) -> list[Dimensions]:
+    """The sizes of a video's sampled frames, from their JPEGs' headers."""
+    return [read_dimensions(jpeg) for jpeg in expanded.get("frames", {}).values()]
 
 
 def visible(request: web.Request) -> Visible:
@@ -153,7 +166,12 @@ async def convert(ex: Exchange) -> None:
             services.conversions,
         )
         if plan.frame_parts:
-            ex.converted |= await video.frames_for(plan, ex.body, sampling)
+            frames = await video.frames_for(plan, ex.body, sampling)
+            ex.converted |= frames
+            if _counts_frames(plan):  # the frames are images to the model: their tokens count
+                videos = [(p, _frame_sizes(frames[(p.message, p.index or 0)])) for p in plan.frame_parts]
+                ex.plan = plan = dataclasses.replace(plan, visual=with_frames(plan.model, plan.visual, videos))
+                ex.counted(plan)
         if plan.presample_parts:
             ex.converted |= await video.presampled_for(plan, ex.body, sampling)
 

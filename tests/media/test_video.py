@@ -560,3 +560,26 @@ async def test_requests_that_share_a_decode_share_its_busy_answer(gateway_factor
     assert gw.sample("gateway_video_decode_shed_total", model="texty", reason="queue_timeout") == 3
     assert gw.sample("gateway_media_cache_requests_total", kind="frames", result="shared") == 2
     assert pool.waiting == 0
+
+
+async def test_a_videos_frames_count_as_the_visual_tokens_they_are(gateway_factory, upstream) -> None:
+    """Frames are images to the model: with visual_tokens:, their tokens count and are limited."""
+    counted = ", visual_tokens: {preset: qwen2.5-vl}, limits: {visual_tokens: 200}"
+    gw = await gateway_factory(framed(upstream, "{frames: 3, max_side: 112}", counted))
+    ask = [{"role": "user", "content": [{"type": "text", "text": "what happens?"}, video_part(video())]}]
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=ask)
+    frames = [p for p in sent_parts(upstream) if p["type"] == "image_url"]
+    assert len(frames) == 3
+    per_frame = gw.sample("gateway_visual_tokens_total", model="texty") / 3
+    assert per_frame > 0 and per_frame == int(per_frame)
+    limit = int(per_frame) * 2  # 8 frames will not fit
+    counted = f", visual_tokens: {{preset: qwen2.5-vl}}, limits: {{visual_tokens: {limit}}}"
+    tight = framed(upstream, "{frames: 8, max_side: 112}", counted)
+    gw = await gateway_factory(tight)
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask)
+    error = error_body(caught.value)
+    assert (error["code"], error["param"]) == ("too_many_visual_tokens", "messages[0].content[1]")
+    assert "its frames at" in error["message"]
