@@ -146,7 +146,8 @@ async def convert(ex: Exchange) -> None:
     if plan.visual is not None and plan.visual.to_fetch:  # remote: fetch: their headers, then the limits
         plan, fetched = await remote.sized(plan, ex.body, services.encoder.fetcher, ex.config.media)
         ex.plan = plan
-        ex.counted(plan)
+        if not _counts_frames(plan):  # else counted with its frames, below
+            ex.counted(plan)
         ex.converted |= remote.inline(plan, ex.body, fetched)  # the bytes measured, not the URL again
     if plan.downscale_parts:
         resizing = Resizing(services.decoders, services.conversions, services.metrics, ex.config.media.max_image_bytes)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -11,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from gateway.server.state import SERVICES_KEY
-from tests.conftest import BOTH_CLIENTS, error_body, free_port, routing
+from tests.conftest import BOTH_CLIENTS, error_body, routing
 
 # every fault, through the gateway's own client and through aiohttp's
 pytestmark = BOTH_CLIENTS
@@ -19,9 +21,23 @@ pytestmark = BOTH_CLIENTS
 HI = [{"role": "user", "content": "hi"}]
 
 
+_RESERVED: list[socket.socket] = []  # bound, never listening: held until the module's tests end
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_reserved_ports() -> Iterator[None]:
+    yield
+    while _RESERVED:
+        _RESERVED.pop().close()
+
+
 def dead_url() -> str:
-    """A loopback port nothing listens on: connections are refused at once."""
-    return f"http://127.0.0.1:{free_port()}"
+    """A loopback port nothing listens on: connections are refused at once. Bound and kept (not
+    merely found free), so no server of another test can take it meanwhile."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    _RESERVED.append(held)
+    return f"http://127.0.0.1:{held.getsockname()[1]}"
 
 
 async def test_fails_over_from_a_refusing_replica(gateway_factory, upstream) -> None:
