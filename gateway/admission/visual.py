@@ -15,6 +15,9 @@ grid of sizes:
     ``[IMG_BREAK]``, the last ``[IMG_END]``).
 ``fixed``
     LLaVA 1.5 (576), Gemma 3 (256): the same count for every image.
+``anyres``
+    LLaVA-NeXT: a base image of ``side`` pixels and the grid (of ``pinpoints``) that best holds
+    the image, its padding left out, a newline token a row.
 ``tiles``
     InternVL 3 (GOT-OCR2's ``crop_to_patches``): the grid of ``patch``-pixel tiles, within the
     fewest and most tiles, whose aspect is nearest the image's (more tiles on a tie while they
@@ -53,6 +56,8 @@ def count(spec: VisualTokens, width: int, height: int) -> int:
         columns, rows = tile_grid(width, height, spec.patch, *spec.tiles)
         tiles = 1 + columns * rows if columns * rows > 1 else 1
         return 2 + spec.fixed * tiles
+    if spec.kind == "anyres":
+        return _anyres(spec, width, height)
     rows, columns = _edge_grid(spec, width, height)
     return (columns + 1) * rows
 
@@ -96,6 +101,27 @@ def tile_grid(width: int, height: int, tile: int, fewest: int, most: int) -> tup
         elif diff == best_diff and area > 0.5 * tile * tile * grid[0] * grid[1]:
             best = grid
     return best
+
+
+def _anyres(spec: VisualTokens, width: int, height: int) -> int:
+    """LLaVA-NeXT's count (``LlavaNextProcessor._get_number_of_features``, the default feature
+    strategy): the base image's patches, and its best resolution's, unpadded, a newline a row."""
+    best_h, best_w, best_effective, best_wasted = 0, 0, 0, float("inf")
+    for h, w in spec.pinpoints:  # transformers' select_best_resolution
+        scale = min(w / width, h / height)
+        effective = min(int(width * scale) * int(height * scale), width * height)
+        wasted = w * h - effective
+        if effective > best_effective or (effective == best_effective and wasted < best_wasted):
+            best_h, best_w, best_effective, best_wasted = h, w, effective, wasted
+    patches = spec.side // spec.patch
+    current_h, current_w = patches * (best_h // spec.side), patches * (best_w // spec.side)
+    if width / height > current_w / current_h:
+        padding = (current_h - int(round(height * (current_w / width), 7))) // 2
+        current_h -= 2 * padding
+    else:
+        padding = (current_w - int(round(width * (current_h / height), 7))) // 2
+        current_w -= 2 * padding
+    return current_h * current_w + current_h + patches * patches
 
 
 def _edge_grid(spec: VisualTokens, width: int, height: int) -> tuple[int, int]:
@@ -307,7 +333,7 @@ def _within(model: ModelConfig, sized: list[Sized], budget: int) -> list[Sized]:
     spec = model.visual_tokens
     assert spec is not None
     # a tiling model's count follows the image's aspect, not its size: nothing to gain by scaling
-    shrinks = spec.kind in ("grid", "longest_edge")
+    shrinks = spec.kind in ("grid", "longest_edge")  # anyres, like tiles, follows the aspect
     fixed = sum(s.tokens for s in sized if s.source != "header" or not shrinks)
     scalable = [i for i, s in enumerate(sized) if s.source == "header" and shrinks]
 
@@ -348,6 +374,11 @@ def _most(spec: VisualTokens | None) -> int:
         return spec.fixed
     if spec.kind == "tiles":
         return 2 + spec.fixed * (spec.tiles[1] + (1 if spec.tiles[1] > 1 else 0))
+    if spec.kind == "anyres":  # the largest grid, unpadded whole
+        patches = spec.side // spec.patch
+        grid = max(h * w for h, w in spec.pinpoints) // (spec.side * spec.side)
+        rows = max(h for h, _ in spec.pinpoints) // spec.side * patches
+        return grid * patches * patches + rows + patches * patches
     if spec.kind == "grid":
         return spec.max_pixels // (spec.patch * spec.patch * spec.merge * spec.merge)
     side = spec.longest_edge // spec.patch

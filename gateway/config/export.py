@@ -24,6 +24,16 @@ def as_dict(config: GatewayConfig) -> dict[str, Any]:
     return data
 
 
+# a formula's own keys, as routing.yaml spells a custom one (the others: presets only)
+FORMULA_KEYS = {
+    "grid": ("patch", "merge", "min_pixels", "max_pixels"),
+    "longest_edge": ("patch", "longest_edge"),
+    "fixed": ("fixed",),
+    "tiles": ("patch", "fixed", "tiles"),
+    "anyres": ("patch", "side", "pinpoints"),
+}
+
+
 def _visual(model: ModelConfig, raw: dict[str, Any]) -> None:
     """The visual keys as routing.yaml spells them: the formula (its preset, or its own keys),
     the visual limits inside ``limits``, ``on_oversize``."""
@@ -35,8 +45,7 @@ def _visual(model: ModelConfig, raw: dict[str, Any]) -> None:
     if spec is None:
         raw["visual_tokens"] = None
     else:
-        kept = {"grid": ("patch", "merge", "min_pixels", "max_pixels"), "longest_edge": ("patch", "longest_edge"),
-                "fixed": ("fixed",), "tiles": ("patch", "fixed", "tiles")}[spec.kind]  # fmt: skip
+        kept = FORMULA_KEYS[spec.kind]
         formula: dict[str, Any] = {"preset": spec.preset} if spec.preset else {k: raw["visual_tokens"][k] for k in kept}
         if spec.remote is not None:
             formula["remote"] = spec.remote if spec.remote == "fetch" else list(spec.remote)

@@ -322,7 +322,7 @@ class VisualTokens:
     the gateway does not have the bytes of (a URL it does not fetch); ``fetch``: the gateway fetches
     it to read its header; None: counted at the most an image costs the model."""
 
-    kind: Literal["grid", "longest_edge", "fixed", "tiles"]
+    kind: Literal["grid", "longest_edge", "fixed", "tiles", "anyres"]
     patch: int = 14
     merge: int = 2
     min_pixels: int = 0
@@ -330,6 +330,8 @@ class VisualTokens:
     longest_edge: int = 0
     fixed: int = 0  # fixed: every image; tiles: each tile
     tiles: tuple[int, int] = (1, 1)  # tiles: the fewest and most tiles of `patch` pixels (plus a thumbnail)
+    side: int = 0  # anyres: the base image's side (its vision tower's input)
+    pinpoints: tuple[tuple[int, int], ...] = ()  # anyres: the (height, width) grids an image may take
     preset: str | None = None
     remote: tuple[int, int] | Literal["fetch"] | None = None
 
@@ -347,6 +349,10 @@ VISUAL_PRESETS: Mapping[str, VisualTokens] = MappingProxyType(
         "gemma-3": VisualTokens("fixed", fixed=256),  # pan-and-scan off, vLLM's default
         # 448-pixel tiles, 1 to 12 and a thumbnail, 256 tokens each, and <img> </img>
         "internvl3": VisualTokens("tiles", patch=448, fixed=256, tiles=(1, 12)),
+        # LLaVA-NeXT (v1.6): a 336-pixel base image and the grid of its best resolution, unpadded
+        "llava-next": VisualTokens(
+            "anyres", patch=14, side=336, pinpoints=((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
+        ),
     }
 )
 

@@ -331,3 +331,24 @@ def orjson_dumps(value: Any) -> bytes:
     import orjson
 
     return orjson.dumps(value)
+
+
+def test_the_llava_next_preset_counts_what_its_processor_counts() -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import LlavaNextProcessor, PreTrainedTokenizerFast
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    vocab = {"[UNK]": 0, "<image>": 1}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")))  # type: ignore[no-untyped-call]
+    spec = VISUAL_PRESETS["llava-next"]
+    images = LlavaNextImageProcessorPil(
+        image_grid_pinpoints=[list(p) for p in spec.pinpoints], size={"shortest_edge": 336},
+        crop_size={"height": 336, "width": 336},
+    )  # fmt: skip
+    processor = LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14,  # type: ignore[no-untyped-call]
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1)  # fmt: skip
+    sizes = [(h, w) for w, h in GRID]
+    expected = processor._get_num_multimodal_tokens(image_sizes=sizes).num_image_tokens  # type: ignore[no-untyped-call]
+    assert [count(spec, w, h) for w, h in GRID] == expected
+    hd = processor._get_num_multimodal_tokens(image_sizes=[(720, 1280)]).num_image_tokens  # type: ignore[no-untyped-call]
+    assert [count(spec, 1280, 720)] == hd == [1948]
