@@ -389,7 +389,7 @@ def _size(
     value: Mapping[str, Any], spec: VisualTokens | None, *, model: str, location: str
 ) -> tuple[int, int, Source, str] | None:
     """(width, height, how it is known, format) of an image part; None: not the gateway's to count."""
-    encoded = _encoded(value)
+    encoded = image_source(value)
     if encoded is None:
         return None
     if isinstance(encoded, str):  # a remote URL
@@ -411,7 +411,7 @@ def _size(
     return image.width, image.height, "header", image.format
 
 
-def _encoded(value: Mapping[str, Any]) -> tuple[str, int, bool] | str | None:
+def image_source(value: Mapping[str, Any]) -> tuple[str, int, bool] | str | None:
     """Where an image part's bytes are: (text, start, base64) inline, a remote URL, or None."""
     kind = value.get("type")
     if kind == "image":  # Anthropic's: a source of base64 data, a URL, or a file

@@ -361,7 +361,7 @@ VISUAL_PRESETS: Mapping[str, VisualTokens] = MappingProxyType(
 class Oversize:
     """``on_oversize``: what becomes of an image over ``limits.image_pixels`` or of a request over
     ``limits.visual_tokens``: refused (400), or each image downscaled to fit (``max_pixels`` an
-    image, ``max_tokens`` a request: the limits' own unless given)."""
+    image, ``max_tokens`` a request; each within its limit, the limit alone when not given)."""
 
     action: Literal["reject", "downscale"] = "reject"
     max_pixels: int | None = None

@@ -35,16 +35,19 @@ class VisualReaders(Readers):
         if oversize.action == "downscale":
             if oversize.max_tokens is not None and spec is None:
                 self.problem(f"{path}.on_oversize", "a max_tokens target needs the model's visual_tokens: formula")
-            pixels = oversize.max_pixels or found.get("max_image_pixels")
-            tokens = oversize.max_tokens or found.get("max_visual_tokens")
-            if pixels is None and tokens is None:
+            targets = (
+                oversize.max_pixels,
+                oversize.max_tokens,
+                found.get("max_image_pixels"),
+                found.get("max_visual_tokens"),
+            )
+            if all(t is None for t in targets):
                 self.problem(
                     f"{path}.on_oversize",
                     "downscale needs a target: limits.image_pixels, limits.visual_tokens, "
                     "or {downscale: {max_pixels: N}}",
                 )
-            oversize = Oversize("downscale", pixels, tokens)
-        found["on_oversize"] = oversize
+        found["on_oversize"] = oversize  # its own targets only: admission takes the least of each and its limit
         return found
 
     def visual_tokens(self, value: Any, path: str) -> VisualTokens | None:

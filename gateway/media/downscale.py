@@ -101,10 +101,6 @@ def _downscale(data: bytes, size: tuple[int, int], stop: threading.Event | None)
     return Downscaled(out.getvalue(), media_type, width, height)
 
 
-def _downscale_job(data: bytes, size: tuple[int, int], stop: threading.Event) -> Downscaled:
-    return downscale(data, size, stop)
-
-
 @dataclass(frozen=True, slots=True)
 class Resizing:
     """What downscaling needs of the process: its decoder threads, its conversions cache, its metrics."""
@@ -116,14 +112,14 @@ class Resizing:
 
 
 async def downscale_for(
-    plan: RoutePlan, body: Mapping[str, Any], resizing: Resizing, fetched: Mapping[tuple[int, int], bytes]
+    plan: RoutePlan, body: dict[str, Any], resizing: Resizing, fetched: Mapping[tuple[int, int], bytes]
 ) -> Replacements:
     """Each image the plan downscales, resized, as the part that replaces it: the same part with
     its bytes in a data URL of the new size (Anthropic's: a base64 source). A conversation sends
     its screenshots again every turn: each is resized once per process, then taken from the
     conversions cache (``("downscale", width, height, sha256)``), the same bytes every turn."""
     assert plan.visual is not None
-    contents = plan.contents(dict(body))
+    contents = plan.contents(body)
     replacements: Replacements = {}
     for sized in plan.visual.downscaled:
         part = sized.part
@@ -131,24 +127,20 @@ async def downscale_for(
         original = contents[part.message].value[part.index]
         data = fetched.get((part.message, part.index)) or _bytes_of(original, part, resizing.max_bytes)
         target = sized.downscale
-        make = functools.partial(resizing.decoders.run, functools.partial(_downscale_job, data, target))
+        make = functools.partial(resizing.decoders.run, functools.partial(downscale, data, target))
         try:
             if resizing.cache.enabled:
                 key = ("downscale", *target, await sha256(data))
                 made = await resizing.cache.get_or_make(key, make, lambda d: len(d.data), shared_errors=(ValueError,))
             else:
                 made = await make()
-        except Undecodable as exc:
-            raise InvalidImageError(
+        except (Undecodable, TooLarge) as exc:
+            error, reason = (InvalidImageError, "invalid_content") if isinstance(exc, Undecodable) else (
+                ImageTooLargeError, "image_too_large")  # fmt: skip
+            raise error(
                 f"Image at {part.location} cannot be downscaled for model '{plan.model.name}': {exc}",
                 param=part.location,
-                rejection=Rejection(plan.model.name, "image", "invalid_content"),
-            ) from None
-        except TooLarge as exc:
-            raise ImageTooLargeError(
-                f"Image at {part.location} cannot be downscaled for model '{plan.model.name}': {exc}",
-                param=part.location,
-                rejection=Rejection(plan.model.name, "image", "image_too_large"),
+                rejection=Rejection(plan.model.name, "image", reason),
             ) from None
         resizing.metrics.images_downscaled.labels(plan.model.name).inc()
         replacements[(part.message, part.index)] = _replaced(original, made)

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..admission.dimensions import BadImage, Dimensions, NeedMore, read_dimensions
 from ..admission.plan import RoutePlan
-from ..admission.visual import measure
+from ..admission.visual import image_source, measure
 from ..config import MediaConfig
 from ..errors import GatewayError, InvalidImageError, Rejection
 from ..modalities import Modality
@@ -38,7 +38,8 @@ async def sized(
     for image in plan.visual.to_fetch:
         part = image.part
         assert part.index is not None
-        url = _url(contents[part.message].value[part.index])
+        url = image_source(contents[part.message].value[part.index])
+        assert isinstance(url, str)  # measured as a remote image: a URL
         try:
             data = await fetcher.load(url, "image", media)
         except GatewayError as exc:
@@ -75,11 +76,3 @@ def inline(plan: RoutePlan, body: dict[str, Any], fetched: Mapping[tuple[int, in
 
 def _refused(plan: RoutePlan, exc: GatewayError) -> Rejection:
     return exc.rejection or Rejection(plan.model.name, Modality.IMAGE.value, "media_refused")
-
-
-def _url(part: Mapping[str, Any]) -> str:
-    if part.get("type") == "image":  # Anthropic's URL source
-        url: str = part["source"]["url"]
-        return url
-    image_url = part["image_url"]
-    return image_url["url"] if isinstance(image_url, Mapping) else image_url  # type: ignore[no-any-return]
