@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import gc
 import sys
 from collections import Counter
@@ -30,6 +31,7 @@ import orjson
 from aiohttp import web
 
 from bench import minimal_proxy
+from bench.hop import noise_png
 from gateway.config import parse_config
 from gateway.server.app import SERVER_OPTIONS, create_app
 from tools.standin import StandIn
@@ -41,6 +43,11 @@ models:
   - name: m
     upstreams: [{upstream}]
     accepts: [text, image]
+  - name: counted
+    upstreams: [{upstream}]
+    accepts: [text, image]
+    visual_tokens: {{preset: qwen2.5-vl}}
+    limits: {{visual_tokens: 16384, image_pixels: 12845056}}
   - name: text-only
     upstreams: [{upstream}]
     accepts: [text]
@@ -65,6 +72,20 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         ],
     },
 }
+
+_PNG = "data:image/png;base64," + base64.b64encode(noise_png(64, 64, 0)).decode()
+_IMAGE = {
+    "model": "m",
+    "messages": [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": _PNG}}],
+        }
+    ],
+    "max_tokens": 16,
+}
+SCENARIOS["image"] = _IMAGE  # a model that does not count visual tokens
+SCENARIOS["image-counted"] = {**_IMAGE, "model": "counted"}  # one that does (visual_tokens, limits)
 
 PATHS = {"responses": "/v1/responses", "messages": "/v1/messages"}  # the others: /v1/chat/completions
 

@@ -21,6 +21,7 @@ import base64
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -53,6 +54,7 @@ CONNECTIONS = 32
 EPD_CONNECTIONS = 8
 PROMPT = "Describe the picture in one sentence."
 DIRECT, MINIMAL, GATEWAY, GATEWAY_LOG = "direct", "minimal proxy", "gateway", "gateway, access log on"
+GATEWAY_UNCOUNTED = "gateway, images not counted"  # a model with no visual_tokens: what counting costs
 GATEWAY_AIOHTTP = "gateway, aiohttp client"  # server.upstream_client: aiohttp, side by side with the default
 FLOOR = "aiohttp server, fixed 400"  # bench.floor: the least an aiohttp server does to answer
 FORWARDED, REJECTED = "gateway, forwarded (text)", "gateway, rejected (400)"
@@ -89,10 +91,15 @@ def messages_body(model: str) -> bytes:
 
 
 def image_body(model: str, size: int, *, seed: int = 0) -> bytes:
-    """A chat request of ``size`` bytes, nearly all of it one ``data:image/png;base64,`` URL (random bytes)."""
+    """A chat request of ``size`` bytes, nearly all of it one ``data:image/png;base64,`` URL: a valid
+    PNG of random pixels (square, as large as fits), padded to the size by a ``tEXt`` comment."""
     bare = len(chat_body(model, image_url="data:image/png;base64,"))
-    data = base64.b64encode(random.Random(seed).randbytes((size - bare) // 4 * 3)).decode()
-    return chat_body(model, image_url="data:image/png;base64," + data)
+    room = (size - bare) // 4 * 3
+    png = noise_png(math.isqrt((room - 256) // 3), math.isqrt((room - 256) // 3), seed)
+    comment = b"Comment\x00" + b" " * (room - len(png) - 12 - 8)
+    text = struct.pack(">I", len(comment)) + b"tEXt" + comment + struct.pack(">I", zlib.crc32(b"tEXt" + comment))
+    png = png[:-12] + text + png[-12:]
+    return chat_body(model, image_url="data:image/png;base64," + base64.b64encode(png).decode())
 
 
 def noise_png(width: int, height: int, seed: int) -> bytes:
@@ -178,7 +185,9 @@ def gateway_config(port: int, upstream: str, *, access_log: bool, epd: bool, ups
         f"access_log: {str(access_log).lower()}, upstream_client: {upstream_client}}}\n"
         f"{encoders}"
         "models:\n"
-        f"  - {{name: bench, upstreams: [{upstream}], accepts: [text, image]}}\n"
+        f"  - {{name: bench, upstreams: [{upstream}], accepts: [text, image], visual_tokens: {{preset: qwen2.5-vl}}, "
+        "limits: {visual_tokens: 16384, image_pixels: 12845056}}  # images counted, as a production table does\n"
+        f"  - {{name: bench-plain, upstreams: [{upstream}], accepts: [text, image]}}  # images not counted\n"
         f"  - {{name: bench-text, upstreams: [{upstream}], accepts: [text]}}  # images: 400 at admission\n"
         f"{epd_model if epd else ''}"
     )
@@ -328,7 +337,11 @@ def plans(name: str, stack: Stack, scripts: Scripts, *, duration: int, sweep: Se
     if name in ("image-100k", "image-2m"):
         size, label = (100 * 1024, "100 KiB") if name == "image-100k" else (2 * 1024 * 1024, "2 MiB")
         body = scripts.static(name, lambda: [image_body("bench", size)])
-        return [_three(f"image, {label} body", CONNECTIONS, stack, body)]
+        plain = scripts.static(name + "-plain", lambda: [image_body("bench-plain", size)])
+        plan = _three(f"image, {label} body", CONNECTIONS, stack, body)  # its visual tokens counted
+        gw = stack.get(GATEWAY)
+        plan.arms.append(Arm(GATEWAY_UNCOUNTED, gw, gw, plain))  # the same, to a model with no visual_tokens
+        return [plan]
     if name == "reject":
         gw = stack.get(GATEWAY)
         tiny = "data:image/png;base64," + base64.b64encode(noise_png(1, 1, 0)).decode()
@@ -529,9 +542,19 @@ def _lines(path: str) -> list[str]:
         return []
 
 
-def profile_gateway(stack: Stack, scripts: Scripts, seconds: int, workers: int) -> tuple[dict[str, object], str]:
-    """py-spy on the gateway (its workers too) during a text run at c=32: where its CPU goes. Returns
-    the numbers and their tables."""
+# what --profile may run: label, and the requests
+PROFILED: dict[str, tuple[str, Callable[[], list[bytes]]]] = {
+    "text": ("text chat", lambda: [chat_body("bench")]),
+    "image-100k": ("a 100 KiB image request", lambda: [image_body("bench", 100 * 1024)]),
+    "image-100k-plain": ("a 100 KiB image request, not counted", lambda: [image_body("bench-plain", 100 * 1024)]),
+}
+
+
+def profile_gateway(
+    stack: Stack, scripts: Scripts, seconds: int, workers: int, kind: str = "text"
+) -> tuple[dict[str, object], str]:
+    """py-spy on the gateway (its workers too) during a run of ``kind`` (text, image-100k) at c=32:
+    where its CPU goes. Returns the numbers and their tables."""
     gw = stack.get(GATEWAY)
     out = stack.tmp / "profile.txt"
     spy = [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(gw.process.pid), "--rate", "200",
@@ -541,15 +564,19 @@ def profile_gateway(stack: Stack, scripts: Scripts, seconds: int, workers: int) 
     log(f"profiling: {' '.join(spy)}")
     with subprocess.Popen(spy, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as recorder:
         time.sleep(1)  # attached before the load starts
-        script = scripts.static("text", lambda: [chat_body("bench")])()
+        label, bodies = PROFILED[kind]
+        script = scripts.static(kind, bodies)()
         wrk.run(gw.url + "/v1/chat/completions", script, connections=CONNECTIONS, duration_s=seconds)
         _, err = recorder.communicate(timeout=seconds + 60)
     if not out.exists():
         return {"error": err.decode(errors="replace")[-2000:]}, "Profile failed: " + err.decode(errors="replace")
     profile = report.summarize_profile(out.read_text())
+    import shutil
+
+    shutil.copy(out, "/tmp/profile_raw.txt")
     data = {"command": " ".join(spy), **asdict(profile)}
     text = (
-        f"Profile of the gateway, text chat at c={CONNECTIONS} ({profile.samples} samples at 200 Hz, idle time "
+        f"Profile of the gateway, {label} at c={CONNECTIONS} ({profile.samples} samples at 200 Hz, idle time "
         f"left out; sampling pauses the gateway, so it serves less meanwhile). Own time by package:\n\n"
         f"{report.area_table(profile.areas)}\n\nTop functions by own time:\n\n{report.profile_table(profile.own)}"
         f"\n\nby time on the stack (own + callees):\n\n{report.profile_table(profile.total)}"
@@ -611,7 +638,7 @@ def run_all(args: argparse.Namespace) -> Results:
                 (results.sweep if name == "sweep" else results.rows).extend(summaries)
         if args.profile:
             results.profile, results.profile_text = profile_gateway(
-                stack, scripts, max(5, duration), args.gateway_workers
+                stack, scripts, max(5, duration), args.gateway_workers, args.profile
             )
     results.machine["load_average_at_end"] = os.getloadavg()[0]
     results.machine["seconds"] = round(time.monotonic() - started)
@@ -628,7 +655,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gateway-workers", type=int, default=1, help="`serve --workers N` (default 1)")
     parser.add_argument("--plot", type=Path, help="PNG of the sweep: throughput and p99 against concurrency")
     parser.add_argument("--json", type=Path, help="write every number here too")
-    parser.add_argument("--profile", action="store_true", help="py-spy the gateway during a text run; top functions")
+    parser.add_argument(
+        "--profile", nargs="?", const="text", choices=sorted(PROFILED), help="py-spy the gateway (default: text)"
+    )
     args = parser.parse_args(argv)
     if args.gateway_workers > 1:
         check_workers_option()

@@ -6,7 +6,10 @@ gateway/media/downscale.py).
    beside Pillow's lazy ``Image.open`` on the same bytes.
 2. **Admission with counting**: µs ``admit()`` takes for a chat request with one 100 KB image,
    with and without the model's ``visual_tokens:``.
-3. **Downscale**: ms and peak memory (the growth of VmHWM, each case in a fresh process) per
+3. **A video read for its tokens** (gateway/media/probe.py): ms to read a clip's container
+   (frames, rate, size; no frame decoded) by its length and size, from its bytes; and the base64
+   decoding of its data URL before it, which grows with the clip.
+4. **Downscale**: ms and peak memory (the growth of VmHWM, each case in a fresh process) per
    12 MP JPEG and per 24 MP PNG brought to 4 MP, and the bytes and tokens saved (Qwen2.5-VL's
    count).
 
@@ -121,6 +124,42 @@ def admission(repeats: int) -> dict[str, float]:
     return found
 
 
+def clip(seconds: int, width: int, height: int) -> bytes:
+    """An H.264 MP4 of noise frames (10 fps): its bytes as a camera's clip would weigh."""
+    import av
+
+    rng = np.random.default_rng(0)
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=10, options={"preset": "ultrafast"})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for _ in range(seconds * 10):
+            pixels = rng.integers(0, 255, (height, width, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    return out.getvalue()
+
+
+VIDEOS = ((2, 320, 240), (10, 320, 240), (10, 1280, 720))
+
+
+def probes(repeats: int) -> list[dict[str, Any]]:
+    from gateway.media.probe import read_video
+
+    rows = []
+    for seconds, width, height in VIDEOS:
+        data = clip(seconds, width, height)
+        url = base64.b64encode(data)
+        rows.append({
+            "clip": f"{seconds} s {width}x{height}", "bytes": len(data),
+            "read_ms": per_call_us(functools.partial(read_video, data), repeats) / 1000,
+            "b64_ms": per_call_us(functools.partial(base64.b64decode, url), repeats) / 1000,
+        })  # fmt: skip
+    return rows
+
+
 CASES = {"jpeg-12mp": ("JPEG", 4000, 3000), "png-24mp": ("PNG", 6000, 4000)}
 TARGET_PIXELS = 4_000_000
 
@@ -171,6 +210,9 @@ def main() -> None:
         f"\nadmit(), chat with one {found['image_bytes']:,}-byte JPEG: {found['plain']:.1f} µs without "
         f"visual_tokens, {found['counted']:.1f} µs with (+{found['counted'] - found['plain']:.1f} µs)"
     )
+    print("\n| video | bytes | container read ms | base64 decode ms |\n|---|---:|---:|---:|")
+    for r in probes(args.repeats):
+        print(f"| {r['clip']} | {r['bytes']:,} | {r['read_ms']:.2f} | {r['b64_ms']:.2f} |")
     print("\n| downscale | from | to | ms | peak RSS MiB | bytes before → after | tokens before → after |")
     print("|---|---|---|---:|---:|---:|---:|")
     for name, (fmt, width, height) in CASES.items():

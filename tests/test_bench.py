@@ -226,7 +226,10 @@ def test_the_gateway_config_has_a_forwarding_a_rejecting_and_an_encoding_model()
     from gateway.config import parse_config
 
     config = parse_config(hop.gateway_config(8080, "http://127.0.0.1:9", access_log=False, epd=True))
-    assert [m.name for m in config.models] == ["bench", "bench-text", "bench-epd"]
+    assert [m.name for m in config.models] == ["bench", "bench-plain", "bench-text", "bench-epd"]
+    bench, plain = config.model("bench"), config.model("bench-plain")
+    assert bench is not None and bench.visual_tokens is not None and bench.max_visual_tokens  # images counted
+    assert plain is not None and not plain.counts_images  # the same, not counted: what counting costs
     assert config.server.access_log is False
 
 

@@ -98,7 +98,7 @@ class KeyLimits:
     """Every key's token bucket and requests in flight, by key name, for the life of the process."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
+        self.clock = clock  # seconds, monotonic; a test sets its own
         self._buckets: dict[str, _Bucket] = {}
         self._visual: dict[str, _Bucket] = {}  # visual tokens (visual_tokens_per_minute)
         self._active: dict[str, int] = {}
@@ -109,7 +109,7 @@ class KeyLimits:
         if limit is None or limit.requests_per_minute is None:
             return {}
         per_s = limit.requests_per_minute / 60
-        now = self._clock()
+        now = self.clock()
         bucket = self._buckets.get(key.name)
         if bucket is None:
             bucket = self._buckets[key.name] = _Bucket(float(limit.burst), now)
@@ -140,7 +140,7 @@ class KeyLimits:
         if per_minute is None:
             return {}
         per_s = per_minute / 60
-        now = self._clock()
+        now = self.clock()
         bucket = self._visual.get(key.name)
         if bucket is None:
             bucket = self._visual[key.name] = _Bucket(per_minute, now)

@@ -329,17 +329,18 @@ class _Walk:
 
 
 def _classify_part(walk: _Walk, i: int, j: int, where: str, part: object) -> Part:
-    location = f"{where or f'messages[{i}].content'}[{j}]"
     table = walk.table
 
     def invalid(message: str, modality: str = "unknown") -> InvalidContentPartError:
+        location = _location(i, j, where)
         return InvalidContentPartError(
             f"{location}: {message}", param=location, rejection=Rejection(walk.model, modality, "invalid_content")
         )
 
     if isinstance(part, str) and table.strings:
-        _check_text(part, location, walk.max_text)
-        return Part(i, j, "string", (Modality.TEXT,), where)
+        if len(part) > walk.max_text:
+            _check_text(part, _location(i, j, where), walk.max_text)
+        return Part(i, j, "string", _TEXT, where)
     if not isinstance(part, dict):
         raise invalid("a content part must be an object" + (" or a string" if table.strings else ""))
     part_type = part.get("type")
@@ -363,11 +364,20 @@ def _classify_part(walk: _Walk, i: int, j: int, where: str, part: object) -> Par
     problem = check(part)
     if problem is not None:
         raise invalid(f"malformed '{part_type}' part: {problem}", modality.value)
-    if (text_field := table.text_fields.get(part_type)) is not None:
-        _check_text(part[text_field], location, walk.max_text)
+    if (text_field := table.text_fields.get(part_type)) is not None and len(part[text_field]) > walk.max_text:
+        _check_text(part[text_field], _location(i, j, where), walk.max_text)
     if modality is Modality.VIDEO and walk.audio_in_video:
         return Part(i, j, part_type, (Modality.VIDEO, Modality.AUDIO), where)
-    return Part(i, j, part_type, (modality,), where)
+    return Part(i, j, part_type, _ALONE[modality], where)
+
+
+_TEXT = (Modality.TEXT,)
+_ALONE = {m: (m,) for m in MODALITIES}  # each modality as a part's only one
+
+
+def _location(i: int, j: int, where: str) -> str:
+    """A part's location as errors say it (built only for one)."""
+    return f"{where or f'messages[{i}].content'}[{j}]"
 
 
 def _combined(

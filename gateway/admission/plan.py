@@ -260,14 +260,16 @@ def admit(
     looked up here)."""
     if requested is None:
         requested = lookup(config, body, visible, api.name)
-    classification = api.classify(body, model=requested.name, bounds=config.server.content_bounds)
+    bounds = config.server.content_bounds
+    contents = api.contents(body, bounds)  # the API's view: classified, and its images sized
+    classification = api.classify(body, model=requested.name, bounds=bounds, contents=contents)
     present = classification.present
     model = requested
     redirects: list[Redirect] = []
     normalized = classification.normalized
     if all(m in model.accepts for m in present):  # the common case: nothing to redirect, reject or strip
         _enforce_limits(model, classification, frozenset())
-        visual = _measure(config, model, classification, body, api) if model.counts_images else None
+        visual = _measure(model, classification, contents) if model.counts_images else None
         return RoutePlan(requested.name, model, classification, api=api, normalized=normalized, visual=visual)
     while True:
         redirect = _choose_redirect(config, model, present, _Caller(visible, api.name))
@@ -295,7 +297,7 @@ def admit(
     _reject_unsupported(model, classification, unsupported, stripped | transcribed | framed, redirects)
     _enforce_limits(model, classification, stripped | transcribed | framed)
     per_video = _frames_per_video(model, classification, stripped) if framed else 0
-    visual = _measure(config, model, classification, body, api, stripped) if model.counts_images else None
+    visual = _measure(model, classification, contents, stripped | framed) if model.counts_images else None
     plan = RoutePlan(
         requested.name, model, classification, tuple(redirects), stripped, transcribed, per_video, api, visual=visual
     )
@@ -306,18 +308,21 @@ def admit(
 
 
 def _measure(
-    config: GatewayConfig,
     model: ModelConfig,
     classification: Classification,
-    body: dict[str, Any],
-    api: Api,
-    stripped: frozenset[Modality] = frozenset(),
+    contents: list[Content],
+    gone: frozenset[Modality] = frozenset(),
 ) -> VisualCount | None:
-    """The request's images sized and counted against the model's limits (gateway.admission.visual)."""
-    if Modality.IMAGE in stripped or not classification.counts.get(Modality.IMAGE):
+    """The request's images (and videos, with ``visual_tokens: {video: ...}``) sized and counted
+    against the model's limits (gateway.admission.visual); ``gone``: the modalities not sent as
+    parts (stripped, or videos as frames: counted as images once sampled)."""
+    counts = classification.counts
+    videos = model.visual_tokens is not None and model.visual_tokens.video is not None and Modality.VIDEO not in gone
+    if not (counts.get(Modality.IMAGE) and Modality.IMAGE not in gone) and not (videos and counts.get(Modality.VIDEO)):
         return None
-    images = [p for p in classification.parts if p.modality is Modality.IMAGE and p.index is not None]
-    return measure(model, images, api.contents(body, config.server.content_bounds))
+    kinds = {m for m, on in ((Modality.IMAGE, Modality.IMAGE not in gone), (Modality.VIDEO, videos)) if on}
+    parts = [p for p in classification.parts if p.modality in kinds and p.index is not None]
+    return measure(model, parts, contents)
 
 
 def _refuse_conversion(

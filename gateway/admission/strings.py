@@ -36,11 +36,20 @@ _BREAKS = (b"\\", b"\n", b"\r", b"\t")
 
 def loads(raw: bytes) -> Any:
     """``orjson.loads(raw)``, its long media strings read aside (see the module's docstring)."""
+    skeleton, strings = cut(raw)
+    body = parse(skeleton, strings) if strings else None
+    return body if body is not None else orjson.loads(raw)
+
+
+def cut(raw: bytes) -> tuple[bytes, list[str]]:
+    """``raw`` with each long media string a placeholder (its skeleton: a few hundred bytes of a
+    body that is mostly base64), and those strings; ``(raw, [])`` when it has none (or one is not
+    ASCII). A body's structure is counted on its skeleton: what was cut out is strings."""
     if len(raw) < LONG_STRING:
-        return orjson.loads(raw)
+        return raw, []
     spans = _long_strings(raw)
     if not spans:
-        return orjson.loads(raw)
+        return raw, []
     pieces: list[bytes] = []
     strings: list[str] = []
     view = memoryview(raw)  # decoded from the body's own bytes: a slice's copy costs 5x the decode
@@ -49,17 +58,23 @@ def loads(raw: bytes) -> Any:
         try:
             strings.append(str(view[start + 1 : end], "ascii"))
         except UnicodeDecodeError:
-            return orjson.loads(raw)
+            return raw, []
         pieces += (raw[at : start + 1], _MARK_JSON, str(len(strings) - 1).encode())
         at = end
     pieces.append(raw[at:])
+    return b"".join(pieces), strings
+
+
+def parse(skeleton: bytes, strings: list[str]) -> Any:
+    """The body whose :func:`cut` gave these: the skeleton parsed, each string put back where its
+    placeholder is; None when that is not the body (the skeleton is not JSON, a placeholder is
+    missing or twice there): the caller parses the client's bytes whole, and orjson says what is
+    wrong with them."""
     try:
-        body = orjson.loads(b"".join(pieces))
+        body = orjson.loads(skeleton)
     except orjson.JSONDecodeError:
-        return orjson.loads(raw)  # its own error
-    if not _put_back(body, strings):
-        return orjson.loads(raw)
-    return body
+        return None
+    return body if _put_back(body, strings) else None
 
 
 def _long_strings(raw: bytes) -> list[tuple[int, int]]:

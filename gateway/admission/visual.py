@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..config import ModelConfig
-from ..config.types import VisualTokens
+from ..config.types import VideoTokens, VisualTokens
 from ..errors import ImageTooLargeError, InvalidImageError, Rejection, TooManyVisualTokensError
 from ..modalities import Modality
 from .dimensions import BadImage, Dimensions, encoded_dimensions
@@ -132,13 +132,102 @@ def _edge_grid(spec: VisualTokens, width: int, height: int) -> tuple[int, int]:
     return (height - 1) // spec.patch + 1, (width - 1) // spec.patch + 1
 
 
-def check_servable(spec: VisualTokens, image: Dimensions, *, model: str, location: str) -> None:
+# --- videos -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class VideoInfo:
+    """What a video's token count depends on, from its container (gateway.media.probe), or the
+    frames the gateway sampled of it (``sampled``: the engine takes each)."""
+
+    frames: int  # in all (0: the container does not say)
+    fps: float  # frames a second (0: the container does not say)
+    width: int
+    height: int
+    format: str = ""  # the container's (FFmpeg's demuxer name), or "jpeg" for sampled frames
+    sampled: bool = False
+
+
+def sampled_frames(spec: VideoTokens, video: VideoInfo) -> int:
+    """The frames of ``video`` the model's processor takes: ``frames`` spread over it (all of a
+    shorter one: vLLM's loader), or ``fps`` a second as the processor samples them (Qwen2-VL's
+    ``sample_frames`` rounds down to whole temporal patches; Qwen3-VL's does not)."""
+    total = video.frames
+    if video.sampled:
+        return max(1, total)
+    if spec.frames is not None:
+        return spec.frames if total <= 0 else min(spec.frames, total)
+    assert spec.fps is not None
+    fps = video.fps if video.fps > 0 else 24.0  # what the processors assume of a video that says none
+    if total <= 0:
+        return spec.max_frames
+    if spec.per == "video":  # Qwen3VLVideoProcessor.sample_frames
+        return max(1, min(max(int(total / fps * spec.fps), spec.min_frames), spec.max_frames, total))
+    t = spec.temporal_patch  # Qwen2VLVideoProcessor.sample_frames
+    most = math.floor(min(spec.max_frames, total) / t) * t
+    wanted = max(1, math.floor(min(max(total / fps * spec.fps, spec.min_frames), most, total) / t) * t)
+    # its indices are arange(0, total, total / wanted): a float step, one more index where it rounds down
+    return math.ceil(total / (total / wanted))
+
+
+def video_tokens(spec: VideoTokens, video: VideoInfo) -> tuple[int, int]:
+    """(tokens, frames): what ``video`` costs the model, and the frames it takes of it: a token a
+    ``merge x merge`` block of patches of ``temporal_patch`` frames (the last padded), each frame
+    resized as its processor resizes it."""
+    frames = sampled_frames(spec, video)
+    factor = spec.patch * spec.merge
+    if spec.per == "video":
+        h, w = _video_resize(spec, frames, video.height, video.width)
+    else:
+        h, w = smart_resize(video.height, video.width, factor, spec.min_pixels, spec.max_pixels)
+    grid_t = -(-frames // spec.temporal_patch)
+    return grid_t * (h // spec.patch) * (w // spec.patch) // (spec.merge * spec.merge), frames
+
+
+def _video_resize(spec: VideoTokens, frames: int, height: int, width: int) -> tuple[int, int]:
+    """Qwen3-VL's video ``smart_resize`` (transformers' ``video_processing_qwen3_vl``): the pixel
+    bounds over all the frames; a side under one patch scaled up first."""
+    temporal, factor, min_pixels, max_pixels = (
+        spec.temporal_patch,
+        spec.patch * spec.merge,
+        spec.min_pixels,
+        spec.max_pixels,
+    )
+    frames = max(frames, temporal)  # it refuses fewer: a one-frame video is padded to one patch
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _most_video(spec: VideoTokens) -> int:
+    """The most tokens a video can cost the model (whatever its length and size)."""
+    frames = spec.frames if spec.frames is not None else spec.max_frames
+    block = (spec.patch * spec.merge) ** 2
+    grid_t = -(-frames // spec.temporal_patch)
+    if spec.per == "video":  # the bounds hold all the frames (rounded to whole patches)
+        t_bar = max(round(frames / spec.temporal_patch), 1) * spec.temporal_patch
+        return max(grid_t, grid_t * spec.max_pixels // (t_bar * block))
+    return grid_t * max(spec.max_pixels // block, 1)
+
+
+def check_servable(spec: VisualTokens, image: Dimensions, *, model: str, part: Part) -> None:
     """400 for an image the model's processor refuses outright (Qwen's: an aspect over 200)."""
     if spec.kind == "grid" and max(image.width, image.height) > MAX_ASPECT_RATIO * min(image.width, image.height):
         raise ImageTooLargeError(
-            f"Model '{model}' takes no image with one side over {MAX_ASPECT_RATIO} times the other: {location} is "
-            f"{image.width}x{image.height}.",
-            param=location,
+            f"Model '{model}' takes no image with one side over {MAX_ASPECT_RATIO} times the other: {part.location} "
+            f"is {image.width}x{image.height}.",
+            param=part.location,
             rejection=Rejection(model, "image", "image_too_large"),
         )
 
@@ -183,7 +272,9 @@ def _scaled(width: int, height: int, scale: float) -> tuple[int, int]:
 
 # its header read (inline, or fetched by the gateway); to be fetched; the model's remote: [W, H];
 # the most an image costs the model
-Source = Literal["header", "fetch", "assumed", "most", "frames"]
+# videos: read from the container (its metadata), or from the frames the gateway sampled; to probe
+# (the container is read once the gateway has the video's bytes, after admission)
+Source = Literal["header", "fetch", "assumed", "most", "frames", "container", "sampled", "probe"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,35 +288,48 @@ class Sized:
     source: Source
     downscale: tuple[int, int] | None = None  # (width, height) the gateway resizes it to
     format: str = ""
+    frames: int = 0  # a video's: the frames the model takes of it
 
     def explain(self) -> dict[str, Any]:
-        known = {"width": self.width, "height": self.height} if self.source in ("header", "assumed", "frames") else {}
+        shown = ("header", "assumed", "frames", "container", "sampled")
+        known = {"width": self.width, "height": self.height} if self.source in shown else {}
         resized = {"downscale_to": list(self.downscale)} if self.downscale is not None else {}
-        return {**known, "size_from": self.source, "visual_tokens": self.tokens, **resized}
+        frames = {"frames": self.frames} if self.frames else {}
+        if self.source == "probe":  # explain does not read videos: the gateway does once it has them
+            return {"size_from": "probe", "visual_tokens": None}
+        return {**known, **frames, "size_from": self.source, "visual_tokens": self.tokens, **resized}
 
 
 @dataclass(frozen=True, slots=True)
 class VisualCount:
+    """A request's images as admission sized them, and what follows from them (worked out once:
+    every stage asks)."""
+
     images: tuple[Sized, ...]
-    downscaled_at: frozenset[tuple[int, int]] = frozenset()  # (place, index) of each image resized
+    tokens: int  # their visual tokens, in all
+    downscaled: tuple[Sized, ...]  # those the gateway resizes
+    downscaled_at: frozenset[tuple[int, int]]  # (place, index) of each of those
+    to_fetch: tuple[Sized, ...]  # remote images whose header the gateway fetches (``remote: fetch``) first
+    to_probe: tuple[Sized, ...] = ()  # videos whose container the gateway reads first (``video:``)
 
     @classmethod
     def of(cls, images: Sequence[Sized]) -> VisualCount:
-        at = frozenset((s.part.message, s.part.index or 0) for s in images if s.downscale is not None)
-        return cls(tuple(images), at)
+        tokens, downscaled, to_fetch, to_probe = 0, [], [], []
+        for s in images:
+            tokens += s.tokens
+            if s.downscale is not None:
+                downscaled.append(s)
+            if s.source == "fetch":
+                to_fetch.append(s)
+            elif s.source == "probe":
+                to_probe.append(s)
+        at = frozenset((s.part.message, s.part.index or 0) for s in downscaled)
+        return cls(tuple(images), tokens, tuple(downscaled), at, tuple(to_fetch), tuple(to_probe))
 
     @property
-    def tokens(self) -> int:
-        return sum(s.tokens for s in self.images)
-
-    @property
-    def downscaled(self) -> tuple[Sized, ...]:
-        return tuple(s for s in self.images if s.downscale is not None)
-
-    @property
-    def to_fetch(self) -> tuple[Sized, ...]:
-        """Remote images whose header the gateway fetches (``remote: fetch``) before they count."""
-        return tuple(s for s in self.images if s.source == "fetch")
+    def waits(self) -> bool:
+        """Whether some of its images or videos are counted only after admission (fetched, probed)."""
+        return bool(self.to_fetch or self.to_probe)
 
 
 Fetched = Mapping[tuple[int, int], Dimensions]  # (place, index) of a remote image -> its header's
@@ -241,17 +345,22 @@ def measure(
     ``fetched`` has its header: the plan is then measured again (gateway.media.remote)."""
     spec, oversize = model.visual_tokens, model.on_oversize
     downscaling = oversize.action == "downscale"
+    limit = _least(model.max_image_pixels, oversize.max_pixels) if downscaling else model.max_image_pixels
     sized: list[Sized] = []
     for part in parts:
         assert part.index is not None
         value = contents[part.message].value[part.index]
+        if part.modality is Modality.VIDEO:
+            if spec is not None and spec.video is not None and (video := _video(part, value, spec)) is not None:
+                sized.append(video)
+            continue
         header = fetched.get((part.message, part.index)) if fetched is not None else None
         if header is not None:
             if spec is not None:
-                check_servable(spec, header, model=model.name, location=part.location)
+                check_servable(spec, header, model=model.name, part=part)
             found: tuple[int, int, Source, str] | None = (header.width, header.height, "header", header.format)
         else:
-            found = _size(value, spec, model=model.name, location=part.location)
+            found = _size(value, spec, model=model.name, part=part)
         if found is None:  # an embedding, or a file the gateway cannot read: the engine's to count
             continue
         width, height, source, fmt = found
@@ -260,7 +369,6 @@ def measure(
             continue
         tokens = count(spec, width, height) if spec is not None and source != "most" else _most(spec)
         item = Sized(part, width, height, tokens, source, None, fmt)
-        limit = _least(model.max_image_pixels, oversize.max_pixels) if downscaling else model.max_image_pixels
         if source == "header" and limit is not None and width * height > limit:
             if not downscaling:
                 raise ImageTooLargeError(
@@ -290,11 +398,51 @@ def with_frames(
     for part, frames in videos:
         tokens = sum(count(spec, f.width, f.height) for f in frames)
         first = frames[0] if frames else Dimensions(0, 0, "jpeg")
-        sized.append(Sized(part, first.width, first.height, tokens, "frames", None, "jpeg"))
+        sized.append(Sized(part, first.width, first.height, tokens, "frames", None, "jpeg", len(frames)))
     budget = model.max_visual_tokens
     if budget is not None and sum(s.tokens for s in sized) > budget:
         _over(model, sized, budget)
     return VisualCount.of(sized)
+
+
+def with_videos(model: ModelConfig, visual: VisualCount, videos: Mapping[tuple[int, int], VideoInfo]) -> VisualCount:
+    """The request's count with each probed (or sampled) video counted, by (place, index); held
+    to ``limits.visual_tokens`` (a video is not downscaled: fewer frames, or smaller ones, are the
+    model's ``video:`` to say, or the client's)."""
+    spec = model.visual_tokens
+    assert spec is not None and spec.video is not None
+    sized = []
+    for item in visual.images:
+        info = videos.get((item.part.message, item.part.index or 0))
+        if info is not None and item.part.modality is Modality.VIDEO:
+            item = _video_counted(item.part, spec.video, info, "sampled" if info.sampled else "container")
+        sized.append(item)
+    budget = model.max_visual_tokens
+    if budget is not None and sum(s.tokens for s in sized) > budget:
+        _over(model, sized, budget)
+    return VisualCount.of(sized)
+
+
+def _video(part: Part, value: Mapping[str, Any], spec: VisualTokens) -> Sized | None:
+    """A video part as admission can size it: to probe (its bytes inline, or fetched with
+    ``remote: fetch``), of the assumed size (``remote: [W, H]``: its most frames), or at its most."""
+    assert spec.video is not None
+    url = value.get("video_url") if value.get("type", "video_url") == "video_url" else None
+    if isinstance(url, Mapping):
+        url = url.get("url")
+    if not isinstance(url, str):
+        return None  # a cached video (a uuid), or one the gateway cannot read: the engine's to count
+    if url[:5].lower() == "data:" or spec.remote == "fetch":
+        return Sized(part, 0, 0, 0, "probe")
+    if isinstance(spec.remote, tuple):
+        assumed = VideoInfo(0, 0.0, spec.remote[0], spec.remote[1])
+        return _video_counted(part, spec.video, assumed, "assumed")
+    return Sized(part, 0, 0, _most_video(spec.video), "most", frames=spec.video.frames or spec.video.max_frames)
+
+
+def _video_counted(part: Part, spec: VideoTokens, info: VideoInfo, source: Source) -> Sized:
+    tokens, frames = video_tokens(spec, info)
+    return Sized(part, info.width, info.height, tokens, source, None, info.format, frames)
 
 
 def _least(limit: int | None, target: int | None) -> int | None:
@@ -319,8 +467,8 @@ def _over(model: ModelConfig, sized: list[Sized], budget: int) -> list[Sized]:
         if total > budget:
             break
     raise TooManyVisualTokensError(
-        f"Model '{model.name}' takes at most {budget} visual tokens a request (limits.visual_tokens): its images "
-        f"come to {sum(s.tokens for s in sized)}, past the limit at {item.part.location} "
+        f"Model '{model.name}' takes at most {budget} visual tokens a request (limits.visual_tokens): its "
+        f"{_media(sized)} come to {sum(s.tokens for s in sized)}, past the limit at {item.part.location} "
         f"({_described(item)}).",
         param=item.part.location,
         rejection=Rejection(model.name, Modality.IMAGE.value, "too_many_visual_tokens"),
@@ -357,7 +505,18 @@ def _within(model: ModelConfig, sized: list[Sized], budget: int) -> list[Sized]:
     return [_downscaled(s, spec, new[i]) if i in new else s for i, s in enumerate(sized)]
 
 
+def _media(sized: Sequence[Sized]) -> str:
+    videos = any(s.part.modality is Modality.VIDEO for s in sized)
+    images = any(s.part.modality is Modality.IMAGE for s in sized)
+    return "images and videos" if videos and images else "videos" if videos else "images"
+
+
 def _described(item: Sized) -> str:
+    if item.part.modality is Modality.VIDEO and item.source != "frames":
+        if item.source == "most":
+            return f"{item.tokens} tokens: a remote video counted at the most a video costs the model"
+        seen = {"assumed": ", its size assumed", "sampled": ", as the gateway sampled them"}.get(item.source, "")
+        return f"{item.tokens} tokens, {item.frames} frames at {item.width}x{item.height}{seen}"
     if item.source == "frames":
         return f"{item.tokens} tokens, its frames at {item.width}x{item.height}"
     if item.source == "most":
@@ -386,7 +545,7 @@ def _most(spec: VisualTokens | None) -> int:
 
 
 def _size(
-    value: Mapping[str, Any], spec: VisualTokens | None, *, model: str, location: str
+    value: Mapping[str, Any], spec: VisualTokens | None, *, model: str, part: Part
 ) -> tuple[int, int, Source, str] | None:
     """(width, height, how it is known, format) of an image part; None: not the gateway's to count."""
     encoded = image_source(value)
@@ -403,11 +562,11 @@ def _size(
         image = encoded_dimensions(text, start, base64=base64)
     except BadImage as exc:
         raise InvalidImageError(
-            f"Image at {location} cannot be read: {exc}", param=location,
+            f"Image at {part.location} cannot be read: {exc}", param=part.location,
             rejection=Rejection(model, Modality.IMAGE.value, "invalid_content"),
         ) from None  # fmt: skip
     if spec is not None:
-        check_servable(spec, image, model=model, location=location)
+        check_servable(spec, image, model=model, part=part)
     return image.width, image.height, "header", image.format
 
 

@@ -7,7 +7,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from .types import GatewayConfig, ModelConfig, Policy
+from .types import VIDEO_KEYS, GatewayConfig, ModelConfig, Policy
 
 
 def as_dict(config: GatewayConfig) -> dict[str, Any]:
@@ -49,6 +49,10 @@ def _visual(model: ModelConfig, raw: dict[str, Any]) -> None:
         formula: dict[str, Any] = {"preset": spec.preset} if spec.preset else {k: raw["visual_tokens"][k] for k in kept}
         if spec.remote is not None:
             formula["remote"] = spec.remote if spec.remote == "fetch" else list(spec.remote)
+        if spec.video is not None:
+            video = spec.video
+            sampling = {"frames": video.frames} if video.frames is not None else {"fps": video.fps}
+            formula["video"] = {**sampling, **{k: getattr(video, k) for k in VIDEO_KEYS if k not in ("frames", "fps")}}
         raw["visual_tokens"] = formula
     oversize = model.on_oversize
     targets = {k: v for k, v in (("max_pixels", oversize.max_pixels), ("max_tokens", oversize.max_tokens)) if v}

@@ -111,7 +111,8 @@ MAX_JSON_DEPTH = 254  # the deepest body orjson can write back
 DEFAULT_ENCODE_IMAGE_LIMIT = 32
 POLICY_ACTIONS = ("reject", "strip")
 VISUAL_LIMITS = ("visual_tokens", "image_pixels")  # limits: beside the modalities, not items
-VISUAL_KEYS = ("preset", "patch", "merge", "min_pixels", "max_pixels", "longest_edge", "fixed", "remote")
+VISUAL_KEYS = ("preset", "patch", "merge", "min_pixels", "max_pixels", "longest_edge", "fixed", "remote", "video")
+VIDEO_KEYS = ("frames", "fps", "min_frames", "max_frames", "min_pixels", "max_pixels", "temporal_patch")
 OVERSIZE_KEYS = ("max_pixels", "max_tokens")
 
 
@@ -334,6 +335,42 @@ class VisualTokens:
     pinpoints: tuple[tuple[int, int], ...] = ()  # anyres: the (height, width) grids an image may take
     preset: str | None = None
     remote: tuple[int, int] | Literal["fetch"] | None = None
+    video: VideoTokens | None = None  # videos counted too (``video:``); None: their tokens are the engine's
+
+
+@dataclass(frozen=True, slots=True)
+class VideoTokens:
+    """How a model's video processor turns a video into tokens (``visual_tokens: {video: ...}``;
+    the formulas: gateway.admission.visual). The frames it takes: ``frames`` spread evenly over the
+    video (vLLM's loader: 32 by default, all of a shorter one), or ``fps`` a second (the processor's
+    own sampling, within ``min_frames``/``max_frames``); each frame resized within the pixel bounds
+    (``per: frame``, Qwen2-VL's; ``per: video``, Qwen3-VL's, bounds over all the frames), and a
+    token a ``merge x merge`` block of ``patch``-pixel patches of ``temporal_patch`` frames."""
+
+    per: Literal["frame", "video"]
+    patch: int
+    merge: int
+    temporal_patch: int
+    min_pixels: int
+    max_pixels: int
+    frames: int | None = 32
+    fps: float | None = None
+    min_frames: int = 4
+    max_frames: int = 768
+
+
+# Each family's video processor in transformers (Qwen2VLVideoProcessor, Qwen3VLVideoProcessor) as
+# the released checkpoints configure it: Qwen3-VL's video_preprocessor_config.json (fps 2, 4 to 768
+# frames, 4096 to 25165824 pixels over all the frames); Qwen2-VL and Qwen2.5-VL ship none, and the
+# processor takes preprocessor_config.json's min_pixels and max_pixels for each frame (32 frames:
+# vLLM's loader's). tests/admission/test_visual.py holds the formulas to the processors' counts.
+VIDEO_PRESETS: Mapping[str, VideoTokens] = MappingProxyType(
+    {
+        "qwen2-vl": VideoTokens("frame", 14, 2, 2, 3136, 12845056, frames=32),
+        "qwen2.5-vl": VideoTokens("frame", 14, 2, 2, 3136, 12845056, frames=32),
+        "qwen3-vl": VideoTokens("video", 16, 2, 2, 4096, 25165824, frames=None, fps=2.0),
+    }
+)
 
 
 # Each the released checkpoints' preprocessor_config.json (tests/admission/test_visual.py holds

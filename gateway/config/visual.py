@@ -9,9 +9,20 @@ from typing import Any, Literal
 
 from .loader import MISSING, join_path
 from .readers import Readers, show, unknown_message
-from .types import OVERSIZE_KEYS, VISUAL_KEYS, VISUAL_LIMITS, VISUAL_PRESETS, Oversize, VisualTokens
+from .types import (
+    OVERSIZE_KEYS,
+    VIDEO_KEYS,
+    VIDEO_PRESETS,
+    VISUAL_KEYS,
+    VISUAL_LIMITS,
+    VISUAL_PRESETS,
+    Oversize,
+    VideoTokens,
+    VisualTokens,
+)
 
 MAX_PIXELS = 1 << 40  # a limit or a target beyond this is a typo
+MAX_FRAMES = 1 << 16  # frames a video processor may take
 
 
 class VisualReaders(Readers):
@@ -60,6 +71,65 @@ class VisualReaders(Readers):
             return None
         raw = dict(raw)
         remote = self._remote(raw.pop("remote", MISSING), f"{path}.remote")
+        video = raw.pop("video", MISSING)
+        spec = self._image_tokens(raw, value, path, remote)
+        if spec is None or video is MISSING:
+            return spec
+        return dataclasses.replace(spec, video=self.video_tokens(video, f"{path}.video", spec))
+
+    def video_tokens(self, value: Any, path: str, spec: VisualTokens) -> VideoTokens | None:
+        """``video: {}`` (the preset's video processor), or with ``frames: N`` or ``fps: F``
+        (``min_frames``, ``max_frames``), ``min_pixels``, ``max_pixels``, ``temporal_patch``."""
+        if spec.kind != "grid":
+            self.problem(
+                path,
+                "videos are counted for grid formulas (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, or "
+                "{patch, merge, min_pixels, max_pixels}), whose processors take video",
+            )
+            return None
+        raw = {} if value is None else self.mapping(value, path, VIDEO_KEYS, what="video")
+        if raw is None:
+            return None
+        base = VIDEO_PRESETS.get(spec.preset or "") or VideoTokens(
+            "frame", spec.patch, spec.merge, 2, spec.min_pixels, min(spec.max_pixels, MAX_PIXELS)
+        )
+        if "frames" in raw and "fps" in raw:
+            self.problem(path, "frames (N spread over the video) and fps (F a second) are one or the other")
+            return None
+        sampling: dict[str, Any] = {}
+        if "frames" in raw:
+            sampling = {"frames": self.integer(raw["frames"], f"{path}.frames", 32, minimum=1, maximum=MAX_FRAMES)}
+            sampling["fps"] = None
+        elif "fps" in raw:
+            sampling = {"frames": None, "fps": self.number(raw["fps"], f"{path}.fps", 2.0)}
+
+        def whole(key: str, default: int, minimum: int, maximum: int) -> int:
+            return self.integer(raw.get(key, MISSING), f"{path}.{key}", default, minimum=minimum, maximum=maximum)
+
+        low, high = (
+            whole("min_frames", base.min_frames, 1, MAX_FRAMES),
+            whole("max_frames", base.max_frames, 1, MAX_FRAMES),
+        )
+        if high < low:
+            self.problem(f"{path}.max_frames", f"must be at least min_frames ({low})")
+        pixels_low = whole("min_pixels", base.min_pixels, 0, MAX_PIXELS)
+        pixels_high = whole("max_pixels", base.max_pixels, 1, MAX_PIXELS)
+        token = (base.patch * base.merge) ** 2
+        if pixels_high < max(pixels_low, token):
+            self.problem(f"{path}.max_pixels", f"must be at least min_pixels and one token's {token} pixels")
+        return dataclasses.replace(
+            base,
+            temporal_patch=whole("temporal_patch", base.temporal_patch, 1, 64),
+            min_pixels=pixels_low,
+            max_pixels=pixels_high,
+            min_frames=low,
+            max_frames=high,
+            **sampling,
+        )
+
+    def _image_tokens(
+        self, raw: dict[str, Any], value: Any, path: str, remote: tuple[int, int] | Literal["fetch"] | None
+    ) -> VisualTokens | None:
         if "preset" in raw:
             preset = raw.pop("preset")
             if preset not in VISUAL_PRESETS:

@@ -348,7 +348,7 @@ async def _sample_part(
         raise InvalidVideoError(
             f"{part.location}: the video part carries no URL", param=part.location, rejection=refused
         )
-    data = await _load(sampling, url, part.location, refused)
+    data = await load_bytes(sampling, url, part.location, refused)
     metrics, cache = sampling.metrics, sampling.cache
     key = (*shape, await sha256(data)) if cache.enabled else None
     if sampling.account.spent and (key is None or key not in cache):  # a decode it may not start
@@ -382,7 +382,8 @@ async def _sample_part(
     return (part.message, part.index), original, result
 
 
-async def _load(sampling: Sampling, url: str, location: str, refused: Rejection) -> bytes:
+async def load_bytes(sampling: Sampling, url: str, location: str, refused: Rejection) -> bytes:
+    """A video part's bytes: its data URL decoded, or fetched within the request's ``media:`` rules."""
     try:
         return await sampling.fetcher.load(url, "video", sampling.media)
     except GatewayError as exc:

@@ -25,11 +25,11 @@ from ..admission.dimensions import Dimensions, read_dimensions
 from ..admission.plan import EXPAND, RoutePlan, Visible
 from ..admission.rewrite import upstream_body
 from ..admission.upload import Form, parse_form
-from ..admission.visual import with_frames
+from ..admission.visual import with_frames, with_videos
 from ..config import GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
-from ..media import remote, video
+from ..media import probe, remote, video
 from ..media.downscale import Resizing, downscale_for
 from ..metrics import UNKNOWN_MODEL
 from ..upstream.dispatch import Dispatch, Timeouts
@@ -69,7 +69,7 @@ class Exchange:
         """The plan: the model that serves the request, and what happens to its parts (counted);
         its visual tokens spent of its key's ``visual_tokens_per_minute`` (429 when they are not there)."""
         self.plan, self.model = plan, plan.model
-        if plan.visual is not None and not plan.visual.to_fetch and not _counts_frames(plan):
+        if plan.visual is not None and not _waits(plan):
             self.counted(plan)
         metrics = self.services.metrics
         if plan.model.encode and (decision := plan.encode_decision) is not None:
@@ -94,13 +94,19 @@ class Exchange:
                 self.request[RATE_HEADERS_KEY] = {**self.request.get(RATE_HEADERS_KEY, {}), **spent}
         if plan.model.visual_tokens is not None:
             metrics = self.services.metrics
-            metrics.visual_tokens.labels(plan.model.name).inc(tokens)
-            metrics.request_visual_tokens.labels(plan.model.name).observe(tokens)
+            metrics.child(metrics.visual_tokens, plan.model.name).inc(tokens)
+            metrics.child(metrics.request_visual_tokens, plan.model.name).observe(tokens)
 
 
 def _counts_frames(plan: RoutePlan) -> bool:
     """Whether the plan's visual tokens wait for its videos' frames (counted once sampled)."""
     return bool(plan.frame_parts) and plan.model.visual_tokens is not None
+
+
+def _waits(plan: RoutePlan) -> bool:
+    """Whether the plan's visual tokens are known only after admission: remote images fetched,
+    videos probed or sampled (counted then, by :func:`convert`)."""
+    return _counts_frames(plan) or (plan.visual is not None and plan.visual.waits)
 
 
 def _frame_sizes(expanded: dict[str, Any]) -> list[Dimensions]:
@@ -139,16 +145,35 @@ async def begin_upload(request: web.Request) -> tuple[Exchange, Form]:
 async def convert(ex: Exchange) -> None:
     """Media the model takes in another form: images downscaled (``on_oversize``), audio as its
     transcript, video as frames (images) or as vLLM's pre-sampled frames. Before encoding: a
-    failure here costs no encoder work."""
+    failure here costs no encoder work. What admission could not count (remote images of
+    ``remote: fetch``, videos of ``video:``) is counted first, and the limits held, before any
+    frame is decoded; the request's visual tokens are spent once all are known."""
     plan, services = ex.plan, ex.services
     assert plan is not None
+    waited = _waits(plan)
     fetched: dict[tuple[int, int], bytes] = {}
     if plan.visual is not None and plan.visual.to_fetch:  # remote: fetch: their headers, then the limits
         plan, fetched = await remote.sized(plan, ex.body, services.encoder.fetcher, ex.config.media)
         ex.plan = plan
-        if not _counts_frames(plan):  # else counted with its frames, below
-            ex.counted(plan)
         ex.converted |= remote.inline(plan, ex.body, fetched)  # the bytes measured, not the URL again
+    probes = plan.visual is not None and bool(plan.visual.to_probe)
+    if not (probes or plan.frame_parts or plan.presample_parts or plan.downscale_parts or plan.transcribe_parts):
+        if waited:
+            ex.counted(plan)
+        return
+    sampling = video.Sampling(
+        plan.model.name,
+        services.encoder.fetcher,
+        ex.config.media,  # the request's rules: a reload does not change them under it
+        services.metrics,
+        services.decoders,
+        services.conversions,
+    )
+    if probes and not plan.presample_parts:
+        videos, inline = await probe.probed(plan, ex.body, sampling)  # their containers: the limits hold
+        assert plan.visual is not None
+        ex.plan = plan = dataclasses.replace(plan, visual=with_videos(plan.model, plan.visual, videos))
+        ex.converted |= inline
     if plan.downscale_parts:
         resizing = Resizing(services.decoders, services.conversions, services.metrics, ex.config.media.max_image_bytes)
         ex.converted |= await downscale_for(plan, ex.body, resizing, fetched)
@@ -157,24 +182,21 @@ async def convert(ex: Exchange) -> None:
         ex.converted |= await services.transcriber.transcribe(
             plan, ex.body, ex.live, request_id=ex.request[REQUEST_ID_KEY]
         )
-    if plan.frame_parts or plan.presample_parts:
-        sampling = video.Sampling(
-            plan.model.name,
-            services.encoder.fetcher,
-            ex.config.media,  # the request's rules: a reload does not change them under it
-            services.metrics,
-            services.decoders,
-            services.conversions,
-        )
-        if plan.frame_parts:
-            frames = await video.frames_for(plan, ex.body, sampling)
-            ex.converted |= frames
-            if _counts_frames(plan):  # the frames are images to the model: their tokens count
-                videos = [(p, _frame_sizes(frames[(p.message, p.index or 0)])) for p in plan.frame_parts]
-                ex.plan = plan = dataclasses.replace(plan, visual=with_frames(plan.model, plan.visual, videos))
-                ex.counted(plan)
-        if plan.presample_parts:
-            ex.converted |= await video.presampled_for(plan, ex.body, sampling)
+    if plan.frame_parts:
+        frames = await video.frames_for(plan, ex.body, sampling)
+        ex.converted |= frames
+        if _counts_frames(plan):  # the frames are images to the model: their tokens count
+            sizes = [(p, _frame_sizes(frames[(p.message, p.index or 0)])) for p in plan.frame_parts]
+            ex.plan = plan = dataclasses.replace(plan, visual=with_frames(plan.model, plan.visual, sizes))
+    if plan.presample_parts:
+        presampled = await video.presampled_for(plan, ex.body, sampling)
+        ex.converted |= presampled
+        if probes:  # counted as the engine gets them: the frames sent
+            assert plan.visual is not None
+            sent = {at: probe.sampled_info(part["video_url"]["url"]) for at, part in presampled.items()}
+            ex.plan = plan = dataclasses.replace(plan, visual=with_videos(plan.model, plan.visual, sent))
+    if waited:
+        ex.counted(plan)
 
 
 async def encode(ex: Exchange) -> bytes:

@@ -127,7 +127,7 @@ async def test_the_rate_limit_is_429_with_retry_after_and_the_openai_headers(gat
 async def test_the_rate_limit_refills(gateway_factory, upstream) -> None:
     gw = await gateway_factory(with_auth(upstream.url, key_a(rate_limit="{requests_per_minute: 60, burst: 1}")))
     clock = [100.0]
-    gw.app[SERVICES_KEY].key_limits._clock = lambda: clock[0]  # an injected clock
+    gw.app[SERVICES_KEY].key_limits.clock = lambda: clock[0]  # an injected clock
     async with client(gw, TEAM_A) as c:
         await c.chat.completions.create(model="m", messages=HI)
         with pytest.raises(openai.RateLimitError):
@@ -410,6 +410,7 @@ async def test_a_keys_visual_tokens_a_minute_are_429_with_their_own_headers(gate
         (key_a(rate_limit="{visual_tokens_per_minute: 2500}"), key_b(rate_limit="{visual_tokens_per_minute: 1000}"))
     )
     gw = await gateway_factory(routing(model, extra=f"auth:\n  keys:\n{keys}\n"))
+    gw.app[SERVICES_KEY].key_limits.clock = lambda: 1000.0  # no refill between the requests: exact counts
     ask = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": visual_png()}}]}]
     async with client(gw, TEAM_A) as c:
         first = await c.chat.completions.with_raw_response.create(model="q", messages=ask)

@@ -5,8 +5,12 @@ weights); then a request's images sized, counted and held to the model's limits.
 from __future__ import annotations
 
 import base64
+import dataclasses
+import importlib.util
 import inspect
 import io
+import sys
+import types
 from typing import Any
 
 import pytest
@@ -352,3 +356,111 @@ def test_the_llava_next_preset_counts_what_its_processor_counts() -> None:
     assert [count(spec, w, h) for w, h in GRID] == expected
     hd = processor._get_num_multimodal_tokens(image_sizes=[(720, 1280)]).num_image_tokens  # type: ignore[no-untyped-call]
     assert [count(spec, 1280, 720)] == hd == [1948]
+
+
+# --- videos (visual_tokens: {video: ...}) ----------------------------------------------------------
+
+# (frames in the container, width, height): a clip of one frame to a long one, tiny to 4K, portrait
+VIDEO_GRID = [
+    (n, w, h)
+    for n in (1, 2, 3, 4, 5, 9, 31, 32, 33, 100, 901)
+    for w, h in ((16, 16), (64, 48), (320, 240), (640, 360), (1280, 720), (720, 1280), (1920, 1080), (3840, 2160))
+]
+
+
+def video_processor(preset: str) -> Any:
+    """The family's video processor in transformers, configured as the preset says its checkpoints
+    are. Its counting (get_num_of_video_patches, sample_frames) is plain Python and torch; Qwen2-VL's
+    module imports torchvision for its resizing, which these tests never run: where torchvision is
+    not installed, an empty module stands in for it while the module is imported, and only then."""
+    pytest.importorskip("torch")
+    from gateway.config.types import VIDEO_PRESETS
+
+    spec = VIDEO_PRESETS[preset]
+    size = {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}
+    kwargs = dict(size=size, patch_size=spec.patch, merge_size=spec.merge, temporal_patch_size=spec.temporal_patch)
+    if spec.per == "video":
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+        return Qwen3VLVideoProcessor(**kwargs, cap_pixels_per_frame=False)
+    stand_ins = {}
+    if importlib.util.find_spec("torchvision") is None:
+        names = (
+            "torchvision",
+            "torchvision.transforms",
+            "torchvision.transforms.v2",
+            "torchvision.transforms.v2.functional",
+        )
+        stand_ins = {name: types.ModuleType(name) for name in names}
+    sys.modules.update(stand_ins)
+    try:
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    finally:  # the stand-ins only: what the import brought in stays imported
+        for name in stand_ins:
+            del sys.modules[name]
+    return Qwen2VLVideoProcessor(**kwargs, cap_pixels_per_frame=False)
+
+
+@pytest.mark.parametrize("preset", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_video_presets_count_what_the_video_processor_counts(preset: str) -> None:
+    """The frames the model takes (the engine's `frames: N`, all of a shorter video) and each
+    count equal to the processor's own (get_num_of_video_patches), over the grid."""
+    from gateway.admission.visual import VideoInfo, video_tokens
+    from gateway.config.types import VIDEO_PRESETS
+
+    processor, spec = video_processor(preset), VIDEO_PRESETS[preset]
+    frames_spec = dataclasses.replace(spec, frames=32, fps=None)
+    for total, width, height in VIDEO_GRID:
+        info = VideoInfo(total, 25.0, width, height)
+        tokens, frames = video_tokens(frames_spec, info)
+        assert frames == min(32, total)
+        if spec.per == "video" and frames < spec.temporal_patch:  # Qwen3-VL's refuses it; counted as padded
+            with pytest.raises(ValueError):
+                processor.get_num_of_video_patches(frames, height, width, {})
+            assert tokens == video_tokens(frames_spec, VideoInfo(spec.temporal_patch, 25.0, width, height))[0]
+            continue
+        patches = processor.get_num_of_video_patches(frames, height, width, {})
+        assert tokens == patches // spec.merge**2, (preset, total, width, height)
+
+
+@pytest.mark.parametrize("preset", ["qwen2-vl", "qwen3-vl"])
+def test_video_presets_sample_by_fps_as_the_processor_samples(preset: str) -> None:
+    """``fps: F``: the frames the processor's own sample_frames takes, whatever the video's rate."""
+    from transformers.video_utils import VideoMetadata
+
+    from gateway.admission.visual import VideoInfo, sampled_frames
+    from gateway.config.types import VIDEO_PRESETS
+
+    processor, spec = video_processor(preset), VIDEO_PRESETS[preset]
+    for fps in (0.5, 1.0, 2.0):
+        wanted = dataclasses.replace(spec, frames=None, fps=fps)
+        for total in (4, 5, 7, 8, 30, 61, 300, 1799, 20000):
+            for rate in (10.0, 24.0, 29.97, 60.0):
+                metadata = VideoMetadata(total_num_frames=total, fps=rate, duration=total / rate)
+                indices = processor.sample_frames(metadata, fps=fps)
+                assert sampled_frames(wanted, VideoInfo(total, rate, 64, 48)) == len(indices), (fps, total, rate)
+
+
+def test_a_video_is_counted_at_its_most_when_its_size_cannot_be_known() -> None:
+    from gateway.admission.visual import VideoInfo, video_tokens
+
+    config = parse_config(
+        "version: 1\nmodels:\n  - {name: q, upstreams: ['http://127.0.0.1:1'], accepts: [text, video], "
+        "visual_tokens: {preset: qwen2.5-vl, video: {frames: 8}}}\n"
+    )
+    body = {"model": "q", "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "https://example.com/clip.mp4"}}]}]}  # fmt: skip
+    plan = admit(config, body)
+    model = config.model("q")
+    assert plan.visual is not None and model is not None and model.visual_tokens is not None
+    (sized,) = plan.visual.images
+    spec = model.visual_tokens.video
+    assert spec is not None
+    assert (sized.source, sized.frames) == ("most", 8)
+    assert sized.tokens >= video_tokens(spec, VideoInfo(8, 0.0, 8000, 8000))[0]  # no size costs more
+    inline = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    plan = admit(config, {**body, "messages": [{"role": "user", "content": [inline]}]})
+    assert (
+        plan.visual is not None and plan.visual.to_probe and plan.visual.tokens == 0
+    )  # read once the gateway has its bytes
+    assert plan.explain()["parts"][0]["size_from"] == "probe"

@@ -56,9 +56,13 @@ class Api:
     # would cost (Anthropic's count_tokens): its visual tokens neither spent nor counted as admitted
     spends: bool = True
 
-    def classify(self, body: dict[str, Any], *, model: str, bounds: ContentBounds) -> Classification:
-        """Every part of the body's view, classified with the API's table (see gateway.admission.parts)."""
-        contents = self.contents(body, bounds)
+    def classify(
+        self, body: dict[str, Any], *, model: str, bounds: ContentBounds, contents: list[Content] | None = None
+    ) -> Classification:
+        """Every part of the body's view (``contents``, when the caller has built it), classified
+        with the API's table (see gateway.admission.parts)."""
+        if contents is None:
+            contents = self.contents(body, bounds)
         with_audio = self.converts and audio_in_video(body)  # vLLM's flag, of a chat request
         found = classify_contents(contents, self.table, model=model, bounds=bounds, audio_in_video=with_audio)
         normalize = self.normalize
