@@ -30,6 +30,8 @@ may be downscaled to for a pixel or a token target.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -210,15 +212,25 @@ def _video_resize(spec: VideoTokens, frames: int, height: int, width: int) -> tu
     return h_bar, w_bar
 
 
-def _most_video(spec: VideoTokens) -> int:
-    """The most tokens a video can cost the model (whatever its length and size)."""
-    frames = spec.frames if spec.frames is not None else spec.max_frames
-    block = (spec.patch * spec.merge) ** 2
-    grid_t = -(-frames // spec.temporal_patch)
-    if spec.per == "video":  # the bounds hold all the frames (rounded to whole patches)
-        t_bar = max(round(frames / spec.temporal_patch), 1) * spec.temporal_patch
-        return max(grid_t, grid_t * spec.max_pixels // (t_bar * block))
-    return grid_t * max(spec.max_pixels // block, 1)
+# frame sizes that cost a video the most: large, and slivers (a side pinned at one patch while
+# the other takes the pixels), at the aspect Qwen's processors allow at most
+_COSTLY_SIZES = ((8000, 8000), (8000, 40), (40, 8000), (16000, 80), (3200, 16), (1920, 1080), (64, 64), (16, 16))
+
+
+@functools.cache
+def _most_video(spec: VideoTokens, size: tuple[int, int] | None = None) -> int:
+    """The most tokens a video can cost the model, whatever its length (and size, unless
+    ``size`` is given): every count of frames it may take, at each costly size. Qwen3-VL's
+    bounds hold all the frames, so fewer frames, or slivers, can cost more than the most frames."""
+    most = spec.frames if spec.frames is not None else spec.max_frames
+    if spec.per == "frame" and size is None:  # each frame within its bounds: the most frames cost most
+        block = (spec.patch * spec.merge) ** 2
+        return -(-most // spec.temporal_patch) * max(spec.max_pixels // block, 1)
+    exact = dataclasses.replace(spec, frames=None, fps=None)
+    sizes = (size,) if size is not None else _COSTLY_SIZES
+    return max(
+        video_tokens(exact, VideoInfo(n, 0.0, w, h, sampled=True))[0] for n in range(1, most + 1) for w, h in sizes
+    )
 
 
 def check_servable(spec: VisualTokens, image: Dimensions, *, model: str, part: Part) -> None:
@@ -434,9 +446,10 @@ def _video(part: Part, value: Mapping[str, Any], spec: VisualTokens) -> Sized | 
         return None  # a cached video (a uuid), or one the gateway cannot read: the engine's to count
     if url[:5].lower() == "data:" or spec.remote == "fetch":
         return Sized(part, 0, 0, 0, "probe")
-    if isinstance(spec.remote, tuple):
-        assumed = VideoInfo(0, 0.0, spec.remote[0], spec.remote[1])
-        return _video_counted(part, spec.video, assumed, "assumed")
+    if isinstance(spec.remote, tuple):  # its size assumed, its length not: at the most it can cost
+        width, height = spec.remote
+        frames = spec.video.frames or spec.video.max_frames
+        return Sized(part, width, height, _most_video(spec.video, (width, height)), "assumed", None, "", frames)
     return Sized(part, 0, 0, _most_video(spec.video), "most", frames=spec.video.frames or spec.video.max_frames)
 
 
@@ -471,7 +484,7 @@ def _over(model: ModelConfig, sized: list[Sized], budget: int) -> list[Sized]:
         f"{_media(sized)} come to {sum(s.tokens for s in sized)}, past the limit at {item.part.location} "
         f"({_described(item)}).",
         param=item.part.location,
-        rejection=Rejection(model.name, Modality.IMAGE.value, "too_many_visual_tokens"),
+        rejection=Rejection(model.name, item.part.modality.value, "too_many_visual_tokens"),
     )
 
 

@@ -314,6 +314,9 @@ def _part_size(part: dict[str, Any]) -> int:
     if part.get("type") == EXPAND:
         return sum(_part_size(p) if p.get("type") != "image_url" else len(p["image_url"]["url"]) + 64
                    for p in part["parts"])  # fmt: skip
+    video = part.get("video_url")
+    if isinstance(video, dict) and isinstance(video.get("url"), str):  # a video inline: megabytes, not written again
+        return len(video["url"]) + 128
     embeds = part.get("image_embeds")
     if isinstance(embeds, str):
         return len(embeds) + 128

@@ -464,3 +464,24 @@ def test_a_video_is_counted_at_its_most_when_its_size_cannot_be_known() -> None:
         plan.visual is not None and plan.visual.to_probe and plan.visual.tokens == 0
     )  # read once the gateway has its bytes
     assert plan.explain()["parts"][0]["size_from"] == "probe"
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-vl", "qwen3-vl"])
+def test_a_video_at_its_most_costs_no_less_than_any_video(preset: str) -> None:
+    """Qwen3-VL's bounds hold all the frames: a short clip or a sliver can cost more than the
+    most frames; the most is taken over every length and the costly sizes."""
+    from gateway.admission.visual import VideoInfo, _most_video, video_tokens
+    from gateway.config.types import VIDEO_PRESETS
+
+    spec = dataclasses.replace(VIDEO_PRESETS[preset], frames=None, fps=2.0)
+    most = _most_video(spec)
+    for frames in (1, 2, 3, 13, 64, 767, 768):
+        for width, height in ((8000, 8000), (4000, 40), (1920, 1080), (200, 1), (640, 360)):
+            tokens, _ = video_tokens(
+                dataclasses.replace(spec, frames=768, fps=None), VideoInfo(frames, 25.0, width, height)
+            )
+            assert tokens <= most, (frames, width, height)
+    assert (
+        _most_video(spec, (1920, 1080))
+        >= video_tokens(dataclasses.replace(spec, frames=768, fps=None), VideoInfo(13, 25.0, 1920, 1080))[0]
+    )
