@@ -411,10 +411,7 @@ def with_frames(
         tokens = sum(count(spec, f.width, f.height) for f in frames)
         first = frames[0] if frames else Dimensions(0, 0, "jpeg")
         sized.append(Sized(part, first.width, first.height, tokens, "frames", None, "jpeg", len(frames)))
-    budget = model.max_visual_tokens
-    if budget is not None and sum(s.tokens for s in sized) > budget:
-        _over(model, sized, budget)
-    return VisualCount.of(sized)
+    return _held(model, sized)
 
 
 def with_videos(model: ModelConfig, visual: VisualCount, videos: Mapping[tuple[int, int], VideoInfo]) -> VisualCount:
@@ -429,6 +426,12 @@ def with_videos(model: ModelConfig, visual: VisualCount, videos: Mapping[tuple[i
         if info is not None and item.part.modality is Modality.VIDEO:
             item = _video_counted(item.part, spec.video, info, "sampled" if info.sampled else "container")
         sized.append(item)
+    return _held(model, sized)
+
+
+def _held(model: ModelConfig, sized: list[Sized]) -> VisualCount:
+    """The count, held to ``limits.visual_tokens`` as it is (what is counted after admission,
+    frames and videos, is not downscaled)."""
     budget = model.max_visual_tokens
     if budget is not None and sum(s.tokens for s in sized) > budget:
         _over(model, sized, budget)
@@ -439,18 +442,24 @@ def _video(part: Part, value: Mapping[str, Any], spec: VisualTokens) -> Sized | 
     """A video part as admission can size it: to probe (its bytes inline, or fetched with
     ``remote: fetch``), of the assumed size (``remote: [W, H]``: its most frames), or at its most."""
     assert spec.video is not None
-    url = value.get("video_url") if value.get("type", "video_url") == "video_url" else None
-    if isinstance(url, Mapping):
-        url = url.get("url")
-    if not isinstance(url, str):
+    url = video_source(value)
+    if url is None:
         return None  # a cached video (a uuid), or one the gateway cannot read: the engine's to count
     if url[:5].lower() == "data:" or spec.remote == "fetch":
         return Sized(part, 0, 0, 0, "probe")
+    frames = spec.video.frames or spec.video.max_frames
     if isinstance(spec.remote, tuple):  # its size assumed, its length not: at the most it can cost
         width, height = spec.remote
-        frames = spec.video.frames or spec.video.max_frames
         return Sized(part, width, height, _most_video(spec.video, (width, height)), "assumed", None, "", frames)
-    return Sized(part, 0, 0, _most_video(spec.video), "most", frames=spec.video.frames or spec.video.max_frames)
+    return Sized(part, 0, 0, _most_video(spec.video), "most", frames=frames)
+
+
+def video_source(value: Mapping[str, Any]) -> str | None:
+    """A ``video_url`` part's URL (a data URL, or a remote one), or None (a cached video's uuid)."""
+    url = value.get("video_url") if value.get("type", "video_url") == "video_url" else None
+    if isinstance(url, Mapping):
+        url = url.get("url")
+    return url if isinstance(url, str) and url else None
 
 
 def _video_counted(part: Part, spec: VideoTokens, info: VideoInfo, source: Source) -> Sized:

@@ -21,7 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ..admission.dimensions import BadImage, NeedMore, encoded_dimensions
-from ..admission.visual import VideoInfo
+from ..admission.visual import VideoInfo, video_source
 from ..errors import InvalidVideoError, Rejection
 from ..modalities import Modality
 from .demux import VIDEO_FORMATS, VIDEO_NAMES, UnreadableMediaError, open_media, reason
@@ -87,13 +87,12 @@ def _seconds(container: Any, stream: Any) -> float:
 async def probed(
     plan: RoutePlan, body: dict[str, Any], sampling: Sampling
 ) -> tuple[dict[tuple[int, int], VideoInfo], Replacements]:
-    """Each video the plan left to probe (but those the gateway samples), read from its bytes on
+    """Each video the plan left to probe (the gateway samples none of them), read from its bytes on
     the decoding threads, by (place, index); and the parts that replace those fetched (a remote
     video, ``remote: fetch``): its bytes inline, as for an image (gateway.media.remote), so that the
     engine gets the video the gateway counted, not what the server answers it next."""
     assert plan.visual is not None
     contents = plan.contents(body)
-    sampled = {(p.message, p.index) for p in plan.presample_parts}
     refused = Rejection(plan.model.name, Modality.VIDEO.value, "media_refused")
     unreadable = Rejection(plan.model.name, Modality.VIDEO.value, "invalid_content")
     found: dict[tuple[int, int], VideoInfo] = {}
@@ -101,11 +100,9 @@ async def probed(
     for item in plan.visual.to_probe:
         part = item.part
         assert part.index is not None
-        if (part.message, part.index) in sampled:
-            continue
         original = contents[part.message].value[part.index]
-        value = original["video_url"]
-        url = value["url"] if isinstance(value, dict) else value
+        url = video_source(original)
+        assert url is not None  # admission left it to probe: it has one
         data = await load_bytes(sampling, url, part.location, refused)
         fetched = url[:5].lower() != "data:"
         try:
@@ -114,6 +111,7 @@ async def probed(
             raise exc.located_at(part.location, rejection=unreadable) from None
         found[(part.message, part.index)] = info
         if inlined is not None:
+            value = original.get("video_url")
             kept = value if isinstance(value, dict) else {}
             inline[(part.message, part.index)] = {**original, "video_url": {**kept, "url": inlined}}
     return found, inline
