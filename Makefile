@@ -60,7 +60,7 @@ bench: $(STAMP) bench-deps ## the gateway hop vs direct and a minimal proxy, wrk
 bench-deps: $(STAMP) test-deps ## what the benchmarks use: Debian's wrk (with the tests'), and the bench extra (matplotlib, py-spy)
 	@$(PY) -c 'import matplotlib' 2>/dev/null && [ -x $(VENV)/bin/py-spy ] || $(PY) -m pip install -q -e '.[bench]'
 
-check: $(STAMP) ## formatting, lint, mypy --strict on gateway/, mypy on backends/ and tests/
+check: $(STAMP) bench-deps ## formatting, lint, mypy --strict on gateway/, mypy on backends/, bench/ and tests/
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy --strict gateway/

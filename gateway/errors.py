@@ -28,7 +28,8 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     ├── InvalidConfigError                422 invalid_request_error invalid_config
     ├── RateLimitedError                  429 rate_limit_error      rate_limit_exceeded
     │   ├── ConcurrencyLimitError         429                       concurrency_limit_exceeded
-    │   └── VisualTokensRateLimitedError  429                       visual_tokens_rate_limit_exceeded
+    │   ├── VisualTokensRateLimitedError  429                       visual_tokens_rate_limit_exceeded
+    │   └── TokensRateLimitedError        429                       tokens_rate_limit_exceeded
     ├── QueueFullError                    429 rate_limit_error      queue_full
     ├── QueueTimeoutError                 503 server_error          queue_timeout
     ├── DecodersBusyError                 503 server_error          decoders_busy
@@ -255,6 +256,10 @@ class RateLimitedError(GatewayError, status=429, type="rate_limit_error", code="
 
 class VisualTokensRateLimitedError(RateLimitedError, code="visual_tokens_rate_limit_exceeded"):
     """The key's visual_tokens_per_minute is spent (with its x-ratelimit-*-visual-tokens headers)."""
+
+
+class TokensRateLimitedError(RateLimitedError, code="tokens_rate_limit_exceeded"):
+    """The key's tokens_per_minute or tokens_per_day is spent (with its x-ratelimit-*-tokens headers)."""
 
 
 class ConcurrencyLimitError(RateLimitedError, code="concurrency_limit_exceeded"):

@@ -27,6 +27,7 @@ REJECTION_REASONS = ("unsupported", "too_many_items", "invalid_content", "media_
                      "image_too_large")  # fmt: skip
 # A request's visual tokens: one thumbnail (~100) to a camera roll (100k+)
 VISUAL_TOKEN_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+TOKEN_KINDS = ("prompt", "completion", "cached")  # gateway_tokens_total's kind
 UNKNOWN_MODEL = "_unknown"  # the model label of requests that name no configured model
 NO_KEY = "-"  # the key label of requests without auth
 
@@ -55,8 +56,15 @@ class GatewayMetrics:
         )
         self.rate_limited = Counter(
             "gateway_rate_limited",
-            "Requests refused by their key's limits: rate or concurrency.",
+            "Requests refused by their key's limits: rate, concurrency, tokens (its token budgets) or visual_tokens.",
             ["key", "reason"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "gateway_tokens",
+            "Tokens the engines' replies say they cost (usage), by serving model, API key (- without auth) and "
+            "kind: prompt (cached included), completion, cached (of the prompt).",
+            ["model", "key", "kind"],
             registry=registry,
         )
         self.request_duration = Histogram(

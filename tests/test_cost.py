@@ -22,7 +22,9 @@ from bench.calls import Counts, measure, run
 # Measured 2026-12-01 on asyncio's loop with the gateway's own upstream client (gateway/upstream/http1.py):
 # text 589 / 561 = 1.05, stream (8 chunks) 568 / 561 = 1.01, reject (the gateway's own 400) 190 /
 # 561 = 0.34. With aiohttp's client: text 1.41, stream 1.48. Before this guard: text 1.86 on uvloop.
-CEILINGS = {"text": 1.16, "stream": 1.12, "reject": 0.38}
+# 2026-12-02: text 623 / 561 = 1.11 before token accounting, 1.18 after (every reply's usage read
+# from its end and counted in gateway_tokens_total: ~40 calls); its ceiling raised from 1.16.
+CEILINGS = {"text": 1.22, "stream": 1.12, "reject": 0.38}
 
 
 def count(scenario: str, n: int = 60) -> Counts:

@@ -55,6 +55,7 @@ ROWS = (
     ("Concurrency limits (max_concurrency)", CONCURRENCY_METRICS, CONCURRENCY_ALERTED),
     ("Traffic", CONFIG_METRICS, ("gateway_config_reloads_total",)),
     ("Access (API keys)", ACCESS_METRICS, ACCESS_ALERTED),
+    ("Tokens: what each key and model spent", ("gateway_tokens_total",), ()),
 )
 
 pytestmark = pytest.mark.skipif(

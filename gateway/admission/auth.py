@@ -31,7 +31,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..config import ApiKey, AuthConfig, env_secret
-from ..errors import ConcurrencyLimitError, InvalidApiKeyError, RateLimitedError, VisualTokensRateLimitedError
+from ..errors import (
+    ConcurrencyLimitError,
+    InvalidApiKeyError,
+    RateLimitedError,
+    TokensRateLimitedError,
+    VisualTokensRateLimitedError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,14 +100,27 @@ class _Bucket:
     updated: float
 
 
+DAY_S = 86_400.0
+
+
 class KeyLimits:
-    """Every key's token bucket and requests in flight, by key name, for the life of the process."""
+    """Every key's buckets (requests, tokens, visual tokens) and requests in flight, by key name,
+    for the life of the process."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock  # seconds, monotonic; a test sets its own
-        self._buckets: dict[str, _Bucket] = {}
-        self._visual: dict[str, _Bucket] = {}  # visual tokens (visual_tokens_per_minute)
+        self._buckets: dict[tuple[str, str], _Bucket] = {}  # (key name, what it counts)
         self._active: dict[str, int] = {}
+
+    def _filled(self, name: str, kind: str, capacity: float, per_s: float) -> _Bucket:
+        """The key's bucket of ``kind``, refilled to now (full the first time)."""
+        now = self.clock()
+        bucket = self._buckets.get((name, kind))
+        if bucket is None:
+            bucket = self._buckets[(name, kind)] = _Bucket(capacity, now)
+        bucket.tokens = min(capacity, bucket.tokens + (now - bucket.updated) * per_s)
+        bucket.updated = now
+        return bucket
 
     def take(self, key: ApiKey) -> dict[str, str]:
         """Spend one request of the key's rate limit: the x-ratelimit-* headers, or RateLimitedError."""
@@ -109,12 +128,7 @@ class KeyLimits:
         if limit is None or limit.requests_per_minute is None:
             return {}
         per_s = limit.requests_per_minute / 60
-        now = self.clock()
-        bucket = self._buckets.get(key.name)
-        if bucket is None:
-            bucket = self._buckets[key.name] = _Bucket(float(limit.burst), now)
-        bucket.tokens = min(float(limit.burst), bucket.tokens + (now - bucket.updated) * per_s)
-        bucket.updated = now
+        bucket = self._filled(key.name, "requests", float(limit.burst), per_s)
         allowed = bucket.tokens >= 1
         if allowed:
             bucket.tokens -= 1
@@ -140,12 +154,7 @@ class KeyLimits:
         if per_minute is None:
             return {}
         per_s = per_minute / 60
-        now = self.clock()
-        bucket = self._visual.get(key.name)
-        if bucket is None:
-            bucket = self._visual[key.name] = _Bucket(per_minute, now)
-        bucket.tokens = min(per_minute, bucket.tokens + (now - bucket.updated) * per_s)
-        bucket.updated = now
+        bucket = self._filled(key.name, "visual", per_minute, per_s)
         allowed = bucket.tokens >= tokens
         if allowed:
             bucket.tokens -= tokens
@@ -168,6 +177,55 @@ class KeyLimits:
             f"images come to {tokens}, {math.floor(bucket.tokens)} are left; retry in {wait}s",
             headers={**headers, "Retry-After": str(max(1, wait))},
         )
+
+    def check_tokens(self, key: ApiKey, need: int = 1) -> dict[str, str]:
+        """Whether the key's token budgets (``tokens_per_minute``, ``tokens_per_day``) hold ``need``
+        tokens now (1: any at all; a request's visual tokens, once counted): their
+        x-ratelimit-*-tokens headers, or TokensRateLimitedError. Nothing is spent here: a reply
+        spends what it cost (:meth:`spend_tokens`), so a budget is held from what is already spent."""
+        limit = key.rate_limit
+        if limit is None or (limit.tokens_per_minute is None and limit.tokens_per_day is None):
+            return {}
+        headers: dict[str, str] = {}
+        refusal: str | None = None
+        wait = 0
+        for budget, span, kind, suffix in (
+            (limit.tokens_per_minute, 60.0, "minute", ""),
+            (limit.tokens_per_day, DAY_S, "day", "-day"),
+        ):
+            if budget is None:
+                continue
+            per_s = budget / span
+            bucket = self._filled(key.name, f"tokens_{kind}", budget, per_s)
+            headers[f"x-ratelimit-limit-tokens{suffix}"] = _number(budget)
+            headers[f"x-ratelimit-remaining-tokens{suffix}"] = str(max(0, math.floor(bucket.tokens)))
+            headers[f"x-ratelimit-reset-tokens{suffix}"] = _duration((budget - bucket.tokens) / per_s)
+            if bucket.tokens >= need or refusal is not None:
+                continue
+            if need > budget:
+                raise TokensRateLimitedError(
+                    f"This request's images alone come to {need} tokens, more than this key's {_number(budget)} a "
+                    f"{kind}: it cannot pass; send fewer or smaller images",
+                    headers=headers,
+                )
+            wait = math.ceil((need - bucket.tokens) / per_s)
+            refusal = (
+                f"Token budget of {_number(budget)} tokens per {kind} reached for this key "
+                f"({max(0, math.floor(bucket.tokens))} left, {need} needed); retry in {_duration(wait)}"
+            )
+        if refusal is not None:
+            raise TokensRateLimitedError(refusal, headers={**headers, "Retry-After": str(max(1, wait))})
+        return headers
+
+    def spend_tokens(self, key: ApiKey, tokens: int) -> None:
+        """A reply's tokens spent of the key's token budgets. A bucket may go below 0 (a reply
+        costs what it costs): the key's next requests wait until it refills past 0."""
+        limit = key.rate_limit
+        if limit is None or tokens <= 0:
+            return
+        for budget, span, kind in ((limit.tokens_per_minute, 60.0, "minute"), (limit.tokens_per_day, DAY_S, "day")):
+            if budget is not None:
+                self._filled(key.name, f"tokens_{kind}", budget, budget / span).tokens -= tokens
 
     @contextmanager
     def slot(self, key: ApiKey) -> Iterator[None]:

@@ -66,8 +66,14 @@ class AuthReaders(Readers):
         get = fields(raw, path, RateLimit(0.0, 0))
         rpm, rpm_path, _ = get("requests_per_minute")
         visual, visual_path, _ = get("visual_tokens_per_minute")
-        if rpm is MISSING and visual is MISSING:
-            self.problem(path, "'requests_per_minute' or 'visual_tokens_per_minute' is required")
+        tpm, tpm_path, _ = get("tokens_per_minute")
+        tpd, tpd_path, _ = get("tokens_per_day")
+        if rpm is MISSING and visual is MISSING and tpm is MISSING and tpd is MISSING:
+            self.problem(
+                path,
+                "one of 'requests_per_minute', 'tokens_per_minute', 'tokens_per_day' or 'visual_tokens_per_minute' "
+                "is required",
+            )
             return None
         per_minute = None if rpm is MISSING else self.number(rpm, rpm_path, 60.0)
         if per_minute is None and "burst" in raw:
@@ -77,4 +83,6 @@ class AuthReaders(Readers):
             raw.get("burst", MISSING), f"{path}.burst", max(1, math.ceil((per_minute or 60) / 60)), minimum=1
         )
         tokens = None if visual is MISSING else self.number(visual, visual_path, 1.0)
-        return RateLimit(per_minute, burst, tokens)
+        minute = None if tpm is MISSING else self.number(tpm, tpm_path, 1.0)
+        day = None if tpd is MISSING else self.number(tpd, tpd_path, 1.0)
+        return RateLimit(per_minute, burst, tokens, minute, day)

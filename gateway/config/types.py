@@ -102,7 +102,7 @@ TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s", "total_s")
 QUEUE_KEYS = ("size", "timeout_s")
 AUTH_KEYS = ("keys",)
 API_KEY_KEYS = ("name", "key_env", "key_sha256", "models", "rate_limit", "max_concurrency")
-RATE_LIMIT_KEYS = ("requests_per_minute", "burst", "visual_tokens_per_minute")
+RATE_LIMIT_KEYS = ("requests_per_minute", "burst", "visual_tokens_per_minute", "tokens_per_minute", "tokens_per_day")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 HEALTH_CHECK_KEYS = ("path", "interval_s", "timeout_s", "failures")
 MAX_JSON_DEPTH = 254  # the deepest body orjson can write back
@@ -259,13 +259,16 @@ class HealthCheckConfig:
 
 @dataclass(frozen=True, slots=True)
 class RateLimit:
-    """A token bucket: ``requests_per_minute`` refill, room for ``burst`` at once; and one of
-    visual tokens: ``visual_tokens_per_minute`` refill, room for a minute's worth. None: no limit
-    of that kind."""
+    """A token bucket: ``requests_per_minute`` refill, room for ``burst`` at once; one of
+    visual tokens: ``visual_tokens_per_minute`` refill, room for a minute's worth; and the token
+    budgets, spent by what the engines' replies say they cost (``usage``): ``tokens_per_minute``
+    and ``tokens_per_day``, each a bucket of its span's worth. None: no limit of that kind."""
 
     requests_per_minute: float | None
     burst: int
     visual_tokens_per_minute: float | None = None
+    tokens_per_minute: float | None = None
+    tokens_per_day: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,14 +26,15 @@ from ..admission.plan import EXPAND, RoutePlan, Visible
 from ..admission.rewrite import upstream_body
 from ..admission.upload import Form, parse_form
 from ..admission.visual import with_frames, with_videos
-from ..config import GatewayConfig, ModelConfig
+from ..config import ApiKey, GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
 from ..media import probe, remote, video
 from ..media.downscale import Resizing, downscale_for
-from ..metrics import UNKNOWN_MODEL
+from ..metrics import NO_KEY, UNKNOWN_MODEL
 from ..upstream.dispatch import Dispatch, Timeouts
 from ..upstream.live import Live
+from ..upstream.usage import Usage
 from .state import API_KEY_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
 
 log = logging.getLogger(__name__)
@@ -81,17 +82,19 @@ class Exchange:
                 metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
 
     def counted(self, plan: RoutePlan) -> None:
-        """The request's visual tokens, known: spent of its key's ``visual_tokens_per_minute`` (429
-        when they are not there), then counted as admitted."""
+        """The request's visual tokens, known: held to its key's token budgets, spent of its
+        ``visual_tokens_per_minute`` (429 when they are not there), then counted as admitted."""
         assert plan.visual is not None
         if not plan.api.spends:  # only asked what it would cost
             return
         tokens = plan.visual.tokens
         key = self.request.get(API_KEY_KEY)
         if key is not None and tokens:
-            spent = self.services.key_limits.spend_visual(key, tokens)
-            if spent:
-                self.request[RATE_HEADERS_KEY] = {**self.request.get(RATE_HEADERS_KEY, {}), **spent}
+            limits = self.services.key_limits
+            budgets = limits.check_tokens(key, tokens)  # they are tokens of the prompt too
+            spent = limits.spend_visual(key, tokens)
+            if spent or budgets:
+                self.request[RATE_HEADERS_KEY] = {**self.request.get(RATE_HEADERS_KEY, {}), **budgets, **spent}
         if plan.model.visual_tokens is not None:
             metrics = self.services.metrics
             metrics.child(metrics.visual_tokens, plan.model.name).inc(tokens)
@@ -264,11 +267,36 @@ def forward(
         api=ex.plan.api.name if ex.plan is not None else "completions",
         continues=continues if isinstance(continues, str) else None,
         content_type=content_type,
+        on_usage=functools.partial(_spent, ex.services, request.get(API_KEY_KEY), model.name, _floor(ex.plan)),
     )
     upstream = ex.services.upstream
     if model.max_concurrency is None:
         return upstream.forward(request, dispatch)
     return _gated(ex.services, model, lambda: upstream.forward(request, dispatch))
+
+
+def _floor(plan: RoutePlan | None) -> int:
+    """The tokens a request is known to cost before any reply: its visual tokens (a reply that
+    says nothing of its usage spends these of the key's budgets)."""
+    if plan is None or plan.visual is None or not plan.api.spends:
+        return 0
+    return plan.visual.tokens
+
+
+def _spent(services: Services, key: ApiKey | None, model: str, floor: int, usage: Usage | None) -> None:
+    """A successful reply's usage: counted (gateway_tokens_total) and spent of its key's token
+    budgets; without one, the tokens known before it (``floor``) are spent."""
+    tokens = floor
+    if usage is not None:
+        metrics, label = services.metrics, key.name if key is not None else NO_KEY
+        metrics.child(metrics.tokens, model, label, "prompt").inc(usage.prompt)
+        if usage.completion:  # pooling APIs complete nothing
+            metrics.child(metrics.tokens, model, label, "completion").inc(usage.completion)
+        if usage.cached:
+            metrics.child(metrics.tokens, model, label, "cached").inc(usage.cached)
+        tokens = usage.total
+    if key is not None:
+        services.key_limits.spend_tokens(key, tokens)
 
 
 async def _reprime(ex: Exchange) -> bytes:

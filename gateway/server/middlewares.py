@@ -30,6 +30,7 @@ from ..errors import (
     NotFoundError,
     RateLimitedError,
     Shape,
+    TokensRateLimitedError,
     VisualTokensRateLimitedError,
     clip,
     render,
@@ -155,9 +156,11 @@ async def _with_key(request: web.Request, handler: Handler, services: Services, 
         raise
     request[API_KEY_KEY] = key
     request[KEY_LABEL_KEY] = key.name
+    limits = services.key_limits
     try:
-        request[RATE_HEADERS_KEY] = services.key_limits.take(key)
-        with services.key_limits.slot(key):
+        budgets = limits.check_tokens(key)  # before the request is spent: a refusal costs none
+        request[RATE_HEADERS_KEY] = {**limits.take(key), **budgets} if budgets else limits.take(key)
+        with limits.slot(key):
             return await handler(request)
     except RateLimitedError as exc:
         reason = (
@@ -165,6 +168,8 @@ async def _with_key(request: web.Request, handler: Handler, services: Services, 
             if isinstance(exc, ConcurrencyLimitError)
             else "visual_tokens"
             if isinstance(exc, VisualTokensRateLimitedError)
+            else "tokens"
+            if isinstance(exc, TokensRateLimitedError)
             else "rate"
         )
         services.metrics.rate_limited.labels(key.name, reason).inc()

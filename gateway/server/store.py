@@ -24,7 +24,7 @@ from types import MappingProxyType
 from ..admission.auth import Keyring
 from ..config import GatewayConfig, env_secret, load_config, missing_software
 from ..errors import ConfigError, ConfigProblem
-from ..metrics import REJECTION_REASONS, GatewayMetrics
+from ..metrics import NO_KEY, REJECTION_REASONS, TOKEN_KINDS, GatewayMetrics
 from ..modalities import MODALITY_NAMES
 from ..upstream.live import Live
 from ..upstream.replicas import ReplicaSet
@@ -157,13 +157,16 @@ def declare(metrics: GatewayMetrics, config: GatewayConfig) -> None:
     say which config is live."""
     metrics.live_config(config.sha256 or "none")
     for key in config.auth.keys if config.auth is not None else ():
-        for reason in ("rate", "concurrency"):
+        for reason in ("rate", "concurrency", "tokens", "visual_tokens"):
             metrics.rate_limited.labels(key.name, reason)
     for model in config.models:
         for modality in MODALITY_NAMES:
             for reason in REJECTION_REASONS:
                 metrics.rejections.labels(model.name, modality, reason, "chat")
         metrics.retries_refused.labels(model.name)
+        if config.auth is None:  # with keys, a key's series begin with its first reply
+            for kind in TOKEN_KINDS:
+                metrics.tokens.labels(model.name, NO_KEY, kind)
         if "responses" in model.apis:
             for result in ("holder", "elsewhere", "unknown"):
                 metrics.stored_responses.labels(model.name, result)

@@ -175,6 +175,8 @@ class UpstreamClient:
                     if error is not None:
                         raise error
                     assert relayed.response is not None
+                    if dispatch.on_usage is not None and status < 300:
+                        dispatch.on_usage(relayed.usage)
                     return relayed.response
                 # not the replica's fault: the images are primed again, and every replica may take them
                 if not attempts.again("ec_error", anew=True):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from .replicas import Pool
+from .usage import Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +32,8 @@ class Dispatch:
     ``forward_client_auth`` is off), the balancing key, and ``reprime``: for a request whose
     images were primed on vLLM encoder instances, how to make its body again, the images primed
     anew, when the EC consumer missed one (:mod:`gateway.upstream.consumer`); that second try
-    is relayed whatever it answers."""
+    is relayed whatever it answers. ``on_usage`` is told what a relayed successful reply cost
+    (:mod:`gateway.upstream.usage`; None: it did not say), once, after its last byte."""
 
     model: ModelConfig
     pool: Pool
@@ -45,3 +47,4 @@ class Dispatch:
     api: str = "chat"  # the API it came in on (routing.yaml's name): how a broken stream's error event looks
     continues: str | None = None  # the stored response it continues (previous_response_id): its holder first
     content_type: str = "application/json"  # of the body (an audio upload: its multipart type, boundary included)
+    on_usage: Callable[[Usage | None], None] | None = None

@@ -25,6 +25,7 @@ from . import consumer
 from .dispatch import Dispatch, Timeouts
 from .failures import CLIENT_ERRORS
 from .holders import PEEK_BYTES, id_of_response, id_of_stream
+from .usage import BodyTail, StreamUsage, Usage, usage_in_body
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class Relayed(NamedTuple):
     upstream_failed: bool  # the replica broke off or went silent (counts against its health)
     error: GatewayError | None = None  # to raise once the attempt is counted
     response_id: str | None = None  # a stored response's id (the Responses API), learned from the reply
+    usage: Usage | None = None  # the tokens a successful reply says it cost (gateway.upstream.usage)
 
 
 def outcome_of(status: int) -> str:
@@ -163,8 +165,12 @@ async def _relay_stream(
     # a Responses stream: the id of the response it stores, from its response.created event
     learning = dispatch.api == "responses" and upstream.status == 200
     seen, response_id = first, None
+    counting = upstream.status < 300
+    usage: StreamUsage | BodyTail = StreamUsage() if upstream.content_type == "text/event-stream" else BodyTail()
     try:
         if first:
+            if counting:
+                usage.feed(first)
             deadlines.writing_since = loop.time()
             await response.write(first)
             deadlines.writing_since = None
@@ -174,6 +180,8 @@ async def _relay_stream(
             await response.write(chunk)
             deadlines.writing_since = None
             deadlines.waiting_since = loop.time()
+            if counting:
+                usage.feed(chunk)
             if learning:
                 seen += chunk
                 response_id = id_of_stream(seen)
@@ -199,7 +207,7 @@ async def _relay_stream(
         deadlines.cancel()
         if deadlines.client_stalled:
             log.warning("client took no bytes for %gs; dropped (model %s)", timeouts.client_write, model)
-    return Relayed(response, outcome, failed, response_id=response_id)
+    return Relayed(response, outcome, failed, response_id=response_id, usage=usage.usage if counting else None)
 
 
 async def _relay_whole(upstream: UpstreamReply, dispatch: Dispatch, deadline: float | None, outcome: str) -> Relayed:
@@ -235,9 +243,10 @@ async def _relay_whole(upstream: UpstreamReply, dispatch: Dispatch, deadline: fl
     response = web.Response(
         status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers), body=body
     )
+    usage = usage_in_body(body) if upstream.status < 300 else None
     if dispatch.api == "responses" and upstream.status == 200:  # the id of the response it stores
-        return Relayed(response, outcome, False, response_id=id_of_response(body))
-    return Relayed(response, outcome, False)
+        return Relayed(response, outcome, False, response_id=id_of_response(body), usage=usage)
+    return Relayed(response, outcome, False, usage=usage)
 
 
 def _broken(model: str, deadlines: _Deadlines, timeouts: Timeouts) -> GatewayError:

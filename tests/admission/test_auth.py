@@ -219,7 +219,8 @@ async def test_a_reload_adds_and_removes_keys(gateway_factory, upstream, tmp_pat
         ),
         (
             f"    - {{name: a, key_sha256: {digest('zero')}, rate_limit: {{burst: 3}}}}",
-            "auth.keys[0].rate_limit: 'requests_per_minute' or 'visual_tokens_per_minute' is required",
+            "auth.keys[0].rate_limit: one of 'requests_per_minute', 'tokens_per_minute', 'tokens_per_day' or "
+            "'visual_tokens_per_minute' is required",
         ),
     ],
 )
@@ -461,4 +462,7 @@ def test_a_rate_limit_needs_one_of_its_limits() -> None:
     )
     with pytest.raises(ConfigError) as caught:
         parse_config(text % ("0" * 64), filename="r.yaml")
-    assert "'requests_per_minute' or 'visual_tokens_per_minute' is required" in str(caught.value)
+    assert (
+        "one of 'requests_per_minute', 'tokens_per_minute', 'tokens_per_day' or 'visual_tokens_per_minute' is required"
+        in str(caught.value)
+    )
