@@ -47,12 +47,12 @@ $(MIN_STAMP): pyproject.toml
 test-minimal: $(MIN_STAMP) test-deps ## every test again on the gateway alone, without the video and encoder extras (CI runs it)
 	$(MIN_VENV)/bin/python -m pytest -q
 
-test-deps: ## system packages the tests use: Debian's prometheus (promtool and the server), wrk (the bench harness's test), curl (the README's quick start)
+test-deps: ## system packages the tests use: Debian's prometheus (promtool and the server), wrk (the bench harness's test), curl (the README's quick start), redis-server (shared key limits)
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v wrk >/dev/null \
-	  && command -v curl >/dev/null || { \
+	  && command -v curl >/dev/null && command -v redis-server >/dev/null || { \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	  $$SUDO apt-get install -y -qq --no-install-recommends prometheus wrk curl >/dev/null; }
+	  $$SUDO apt-get install -y -qq --no-install-recommends prometheus wrk curl redis-server >/dev/null; }
 
 bench: $(STAMP) bench-deps ## the gateway hop vs direct and a minimal proxy, wrk (~7 min): table, docs/bench-hop.png
 	$(PY) -m bench.hop --plot docs/bench-hop.png --profile

@@ -33,6 +33,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     ├── QueueFullError                    429 rate_limit_error      queue_full
     ├── QueueTimeoutError                 503 server_error          queue_timeout
     ├── DecodersBusyError                 503 server_error          decoders_busy
+    ├── LimitsStoreUnavailableError       503 server_error          limits_store_unavailable
     ├── UpstreamError                     502 server_error          upstream_error
     │   ├── UpstreamConnectError          502                       upstream_unreachable
     │   ├── UpstreamTimeoutError          504                       upstream_timeout
@@ -290,6 +291,10 @@ class EmbeddingsNotDeliveredError(UpstreamError):
 
 class QueueTimeoutError(GatewayError, status=503, code="queue_timeout"):
     """The request waited queue.timeout_s for a slot of its model (with Retry-After)."""
+
+
+class LimitsStoreUnavailableError(GatewayError, status=503, code="limits_store_unavailable"):
+    """server.limits_store failed or was slow, under on_failure: closed (with Retry-After)."""
 
 
 class DecodersBusyError(GatewayError, status=503, code="decoders_busy"):

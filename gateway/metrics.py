@@ -67,6 +67,13 @@ class GatewayMetrics:
             ["model", "key", "kind"],
             registry=registry,
         )
+        self.limits_store_errors = Counter(
+            "gateway_limits_store_errors",
+            "Calls to server.limits_store that failed or timed out, and those not made while it was paused after "
+            "one (answered by its on_failure), by op: admit, visual, finish.",
+            ["op"],
+            registry=registry,
+        )
         self.request_duration = Histogram(
             "gateway_request_duration_seconds",
             "Time from the request's arrival to the last byte of the response.",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
@@ -18,6 +19,8 @@ from .types import (
     ENCODER_ERROR_ACTIONS,
     ENCODER_KEYS,
     FRAMES_KEYS,
+    LIMITS_STORE_KEYS,
+    LIMITS_STORE_SCHEMES,
     MAX_JSON_DEPTH,
     MEDIA_KEYS,
     MODEL_KEYS,
@@ -30,6 +33,7 @@ from .types import (
     VISUAL_LIMITS,
     EncoderConfig,
     GatewayConfig,
+    LimitsStoreConfig,
     MediaConfig,
     ModelConfig,
     Policy,
@@ -95,7 +99,25 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
             admin_listen=self.listen_address(*get("admin_listen")),
             access_log=self.boolean(*get("access_log")),
             upstream_client=self.upstream_client(*get("upstream_client")),
+            limits_store=self.limits_store(*get("limits_store")),
         )
+
+    def limits_store(self, value: Any, path: str, default: None) -> LimitsStoreConfig | None:
+        if value is MISSING or value is None:
+            return None
+        raw = self.mapping(value, path, LIMITS_STORE_KEYS, what="limits_store")
+        if raw is None:
+            return None
+        url = self.string(raw.get("url", MISSING), f"{path}.url")
+        if url is not None and urllib.parse.urlsplit(url).scheme not in LIMITS_STORE_SCHEMES:
+            self.problem(f"{path}.url", f"must be a redis://, rediss:// or unix:// URL, not {url!r}")
+        get = fields(raw, path, LimitsStoreConfig(""))
+        timeout = self.number(*get("timeout_ms"))
+        on_failure = raw.get("on_failure", "open")
+        if on_failure not in ("open", "closed"):
+            self.problem(f"{path}.on_failure", f"must be open or closed, not {describe(on_failure)}")
+            on_failure = "open"
+        return None if url is None else LimitsStoreConfig(url, timeout, on_failure)
 
     def upstream_client(self, value: Any, path: str, default: str) -> Any:
         if value is MISSING:

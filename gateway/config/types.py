@@ -45,7 +45,10 @@ SERVER_KEYS = (
     "admin_listen",
     "access_log",
     "upstream_client",
+    "limits_store",
 )
+LIMITS_STORE_KEYS = ("url", "timeout_ms", "on_failure")
+LIMITS_STORE_SCHEMES = ("redis", "rediss", "unix")
 # the keys of an on_unsupported policy written as a mapping (video: {sample: ...} takes the first
 # three of FRAMES_KEYS)
 TRANSCRIBE_KEYS = ("transcribe", "on_error")
@@ -130,6 +133,16 @@ DEFAULT_BOUNDS = ContentBounds()
 
 
 @dataclass(frozen=True, slots=True)
+class LimitsStoreConfig:
+    """``server.limits_store``: the Redis that key limits are shared through
+    (gateway.admission.shared); each call waits ``timeout_ms`` at most, then ``on_failure``."""
+
+    url: str
+    timeout_ms: float = 50.0
+    on_failure: Literal["open", "closed"] = "open"
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -165,6 +178,8 @@ class ServerConfig:
     access_log: bool = True  # a line per request (id, model, route), written in batches (gateway/server/access_log.py)
     # how requests reach upstreams: the gateway's own HTTP/1.1 client (gateway/upstream/http1/), or aiohttp's
     upstream_client: Literal["http1", "aiohttp"] = "http1"
+    # key limits shared by every gateway process pointing at it; None: per process. Read at start
+    limits_store: LimitsStoreConfig | None = None
 
     @property
     def admin_address(self) -> tuple[str, int] | None:

@@ -14,6 +14,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.aiohttp import make_aiohttp_handler
 
+from ..admission.shared import SharedLimits
 from ..config import GatewayConfig
 from ..encode.client import EncoderClient
 from ..encode.supervisor import Supervisor
@@ -85,6 +86,7 @@ def create_app(
         gates,
         transcriber=Transcriber(metrics, encoder.fetcher, upstream.retries, conversions),
         conversions=conversions,
+        shared_limits=_shared_limits(config, metrics),
     )
 
     app = web.Application(
@@ -112,6 +114,17 @@ def create_app(
     return app
 
 
+def _shared_limits(config: GatewayConfig, metrics: GatewayMetrics) -> SharedLimits | None:
+    """The key limits' shared store (``server.limits_store``), read at start: a reload that
+    changes it is said to need a restart."""
+    spec = config.server.limits_store
+    if spec is None:
+        return None
+    for op in ("admit", "visual", "finish"):
+        metrics.limits_store_errors.labels(op)
+    return SharedLimits(spec, metrics)
+
+
 async def _clients(app: web.Application) -> AsyncIterator[None]:
     services = app[SERVICES_KEY]
     config = services.store.current
@@ -126,6 +139,8 @@ async def _clients(app: web.Application) -> AsyncIterator[None]:
     if services.transcriber is not None:
         await services.transcriber.close()
     services.decoders.close()
+    if services.shared_limits is not None:
+        await services.shared_limits.close()
     await services.supervisor.close()  # supervised encoders stop last
 
 

@@ -26,7 +26,7 @@ from ..admission.plan import EXPAND, RoutePlan, Visible
 from ..admission.rewrite import upstream_body
 from ..admission.upload import Form, parse_form
 from ..admission.visual import with_frames, with_videos
-from ..config import ApiKey, GatewayConfig, ModelConfig
+from ..config import GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
 from ..media import probe, remote, video
@@ -35,7 +35,7 @@ from ..metrics import NO_KEY, UNKNOWN_MODEL
 from ..upstream.dispatch import Dispatch, Timeouts
 from ..upstream.live import Live
 from ..upstream.usage import Usage
-from .state import API_KEY_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
+from .state import API_KEY_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, SPENT_KEY, Services
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,6 @@ class Exchange:
         """The plan: the model that serves the request, and what happens to its parts (counted);
         its visual tokens spent of its key's ``visual_tokens_per_minute`` (429 when they are not there)."""
         self.plan, self.model = plan, plan.model
-        if plan.visual is not None and not _waits(plan):
-            self.counted(plan)
         metrics = self.services.metrics
         if plan.model.encode and (decision := plan.encode_decision) is not None:
             metrics.encode_decisions.labels(plan.model.name, decision).inc()
@@ -81,7 +79,7 @@ class Exchange:
             for part in plan.stripped_parts:
                 metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
 
-    def counted(self, plan: RoutePlan) -> None:
+    async def counted(self, plan: RoutePlan) -> None:
         """The request's visual tokens, known: held to its key's token budgets, spent of its
         ``visual_tokens_per_minute`` (429 when they are not there), then counted as admitted."""
         assert plan.visual is not None
@@ -90,11 +88,9 @@ class Exchange:
         tokens = plan.visual.tokens
         key = self.request.get(API_KEY_KEY)
         if key is not None and tokens:
-            limits = self.services.key_limits
-            budgets = limits.check_tokens(key, tokens)  # they are tokens of the prompt too
-            spent = limits.spend_visual(key, tokens)
-            if spent or budgets:
-                self.request[RATE_HEADERS_KEY] = {**self.request.get(RATE_HEADERS_KEY, {}), **budgets, **spent}
+            spent = await self.services.limits.visual(key, tokens)  # held to its token budgets too
+            if spent:
+                self.request[RATE_HEADERS_KEY] = {**self.request.get(RATE_HEADERS_KEY, {}), **spent}
         if plan.model.visual_tokens is not None:
             metrics = self.services.metrics
             metrics.child(metrics.visual_tokens, plan.model.name).inc(tokens)
@@ -154,6 +150,8 @@ async def convert(ex: Exchange) -> None:
     plan, services = ex.plan, ex.services
     assert plan is not None
     waited = _waits(plan)
+    if plan.visual is not None and not waited:  # counted at admission: spent before anything is done
+        await ex.counted(plan)
     fetched: dict[tuple[int, int], bytes] = {}
     if plan.visual is not None and plan.visual.to_fetch:  # remote: fetch: their headers, then the limits
         plan, fetched = await remote.sized(plan, ex.body, services.encoder.fetcher, ex.config.media)
@@ -162,7 +160,7 @@ async def convert(ex: Exchange) -> None:
     probes = plan.visual is not None and bool(plan.visual.to_probe)
     if not (probes or plan.frame_parts or plan.presample_parts or plan.downscale_parts or plan.transcribe_parts):
         if waited:
-            ex.counted(plan)
+            await ex.counted(plan)
         return
     sampling = video.Sampling(
         plan.model.name,
@@ -199,7 +197,7 @@ async def convert(ex: Exchange) -> None:
             sent = {at: probe.sampled_info(part["video_url"]["url"]) for at, part in presampled.items()}
             ex.plan = plan = dataclasses.replace(plan, visual=with_videos(plan.model, plan.visual, sent))
     if waited:
-        ex.counted(plan)
+        await ex.counted(plan)
 
 
 async def encode(ex: Exchange) -> bytes:
@@ -267,7 +265,7 @@ def forward(
         api=ex.plan.api.name if ex.plan is not None else "completions",
         continues=continues if isinstance(continues, str) else None,
         content_type=content_type,
-        on_usage=functools.partial(_spent, ex.services, request.get(API_KEY_KEY), model.name, _floor(ex.plan)),
+        on_usage=functools.partial(_spent, ex.services, request, model.name, _floor(ex.plan)),
     )
     upstream = ex.services.upstream
     if model.max_concurrency is None:
@@ -283,10 +281,10 @@ def _floor(plan: RoutePlan | None) -> int:
     return plan.visual.tokens
 
 
-def _spent(services: Services, key: ApiKey | None, model: str, floor: int, usage: Usage | None) -> None:
-    """A successful reply's usage: counted (gateway_tokens_total) and spent of its key's token
-    budgets; without one, the tokens known before it (``floor``) are spent."""
-    tokens = floor
+def _spent(services: Services, request: web.Request, model: str, floor: int, usage: Usage | None) -> None:
+    """A successful reply's usage: counted (gateway_tokens_total), and left to be spent of its
+    key's token budgets at the request's end; without one, the tokens known before it (``floor``)."""
+    tokens, key = floor, request.get(API_KEY_KEY)
     if usage is not None:
         metrics, label = services.metrics, key.name if key is not None else NO_KEY
         metrics.child(metrics.tokens, model, label, "prompt").inc(usage.prompt)
@@ -296,7 +294,7 @@ def _spent(services: Services, key: ApiKey | None, model: str, floor: int, usage
             metrics.child(metrics.tokens, model, label, "cached").inc(usage.cached)
         tokens = usage.total
     if key is not None:
-        services.key_limits.spend_tokens(key, tokens)
+        request[SPENT_KEY] = tokens
 
 
 async def _reprime(ex: Exchange) -> bytes:

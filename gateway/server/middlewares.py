@@ -26,6 +26,7 @@ from ..errors import (
     GatewayError,
     HTTPStatusError,
     InvalidApiKeyError,
+    LimitsStoreUnavailableError,
     MethodNotAllowedError,
     NotFoundError,
     RateLimitedError,
@@ -38,7 +39,16 @@ from ..errors import (
 from ..metrics import NO_KEY, UNKNOWN_MODEL
 from ..upstream.relay import RelayResponse
 from .doors import API_BY_PATH
-from .state import API_KEY_KEY, KEY_LABEL_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
+from .state import (
+    API_KEY_KEY,
+    KEY_LABEL_KEY,
+    MODEL_LABEL_KEY,
+    RATE_HEADERS_KEY,
+    REQUEST_ID_KEY,
+    SERVICES_KEY,
+    SPENT_KEY,
+    Services,
+)
 
 log = logging.getLogger(__name__)
 
@@ -156,12 +166,13 @@ async def _with_key(request: web.Request, handler: Handler, services: Services, 
         raise
     request[API_KEY_KEY] = key
     request[KEY_LABEL_KEY] = key.name
-    limits = services.key_limits
+    limits = services.limits
     try:
-        budgets = limits.check_tokens(key)  # before the request is spent: a refusal costs none
-        request[RATE_HEADERS_KEY] = {**limits.take(key), **budgets} if budgets else limits.take(key)
-        with limits.slot(key):
+        request[RATE_HEADERS_KEY], slot = await limits.admit(key)
+        try:
             return await handler(request)
+        finally:
+            limits.finish(key, request.get(SPENT_KEY, 0), slot)
     except RateLimitedError as exc:
         reason = (
             "concurrency"
@@ -173,6 +184,9 @@ async def _with_key(request: web.Request, handler: Handler, services: Services, 
             else "rate"
         )
         services.metrics.rate_limited.labels(key.name, reason).inc()
+        request[MODEL_LABEL_KEY] = request.get(MODEL_LABEL_KEY, UNKNOWN_MODEL)
+        raise
+    except LimitsStoreUnavailableError:  # on_failure: closed, counted as the API's request
         request[MODEL_LABEL_KEY] = request.get(MODEL_LABEL_KEY, UNKNOWN_MODEL)
         raise
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from ..admission.auth import KeyLimits
+from ..admission.shared import SharedLimits
 from ..config import ApiKey
 from ..encode.client import EncoderClient
 from ..encode.supervisor import Supervisor
@@ -40,6 +41,13 @@ class Services:
     max_body_bytes: int  # fixed at start: aiohttp reads it once
     gates: Gates = field(default_factory=Gates)
     key_limits: KeyLimits = field(default_factory=KeyLimits)
+    shared_limits: SharedLimits | None = None  # server.limits_store: the key limits every process shares
+
+    @property
+    def limits(self) -> KeyLimits | SharedLimits:
+        """Where the key limits are held: the shared store, or this process."""
+        return self.shared_limits if self.shared_limits is not None else self.key_limits
+
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     transcriber: Transcriber | None = None  # audio to text (on_unsupported: {audio: {transcribe: M}})
     # transcripts and video frames made before, for the next turn (media.cache_bytes)
@@ -58,3 +66,4 @@ MODEL_LABEL_KEY = web.RequestKey("model_label", str)
 API_KEY_KEY = web.RequestKey("api_key", ApiKey)
 KEY_LABEL_KEY = web.RequestKey("key_label", str)
 RATE_HEADERS_KEY = web.RequestKey("rate_headers", dict)  # x-ratelimit-* for the response
+SPENT_KEY = web.RequestKey("spent", int)  # the tokens the request's reply cost, spent of its key's budgets at its end

@@ -1,0 +1,105 @@
+"""What a keyed request's limits cost: per process (KeyLimits) against shared through a real
+redis-server on loopback (SharedLimits), side by side in one run.
+
+    python -m bench.limits [--requests 2000] [--concurrency 1 32] [--repeats 5]
+
+For each arm, ``requests`` admissions and ends of one key with a request rate, token budgets and
+``max_concurrency`` (each end spending 100 tokens), ``concurrency`` at a time; the median over
+``repeats`` of the wall µs a request, and the store's round trips a request (its commandstats).
+Bounded: it stops by itself, and the redis-server it starts goes with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+from gateway.admission.auth import KeyLimits
+from gateway.admission.shared import SharedLimits
+from gateway.config import ApiKey, LimitsStoreConfig, RateLimit
+from gateway.metrics import GatewayMetrics
+from prometheus_client import CollectorRegistry
+from tests.conftest import free_port
+
+KEY = ApiKey("bench", key_sha256="0" * 64, rate_limit=RateLimit(1e9, 10**9, None, 1e12, 1e13), max_concurrency=10**6)
+
+
+async def _run(limits: Any, requests: int, concurrency: int) -> float:
+    """Wall seconds for ``requests`` admissions and ends, ``concurrency`` at a time."""
+    left = requests
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            _, slot = await limits.admit(KEY)
+            limits.finish(KEY, 100, slot)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    if isinstance(limits, SharedLimits) and limits._ending:
+        await asyncio.wait(limits._ending)
+    return time.perf_counter() - started
+
+
+def _calls(client: Any) -> int:
+    stats = client.info("commandstats")
+    return sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    import redis
+
+    port = free_port()
+    with tempfile.TemporaryDirectory() as where:
+        server = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", where], stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert server.stdout is not None
+            for line in server.stdout:
+                if "Ready to accept connections" in line:
+                    break
+            url = f"redis://127.0.0.1:{port}/0"
+            counter = redis.Redis.from_url(url)
+            shared = SharedLimits(LimitsStoreConfig(url, 1000.0), GatewayMetrics(CollectorRegistry()))
+            local = KeyLimits()
+            print(
+                "| concurrency | per process µs a request | shared (Redis) µs a request | x | round trips a request |"
+            )
+            print("|---:|---:|---:|---:|---:|")
+            for concurrency in args.concurrency:
+                await _run(shared, 200, concurrency)  # warm: the scripts loaded, the connections open
+                times: dict[str, list[float]] = {"local": [], "shared": []}
+                trips: list[float] = []
+                for _ in range(args.repeats):  # alternating, so that the machine's drift hits both
+                    times["local"].append(await _run(local, args.requests, concurrency))
+                    before = _calls(counter)
+                    times["shared"].append(await _run(shared, args.requests, concurrency))
+                    trips.append((_calls(counter) - before) / args.requests)
+                a = statistics.median(times["local"]) / args.requests * 1e6
+                b = statistics.median(times["shared"]) / args.requests * 1e6
+                print(f"| {concurrency} | {a:.1f} | {b:.1f} | {b / a:.1f} | {statistics.median(trips):.2f} |")
+            counter.close()
+            await shared.close()
+        finally:
+            server.kill()
+            server.wait(timeout=10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--repeats", type=int, default=5)
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

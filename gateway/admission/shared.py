@@ -1,0 +1,279 @@
+"""Key limits shared by every gateway process that points at the same store (``server.limits_store``).
+
+Without a store each process holds its own buckets (:class:`gateway.admission.auth.KeyLimits`):
+N replicas let a key through N times its limits. With ``limits_store: {url: redis://...}``,
+a key's request rate, token budgets, visual tokens and requests in flight live in Redis, and each
+step is one Lua script, atomic on the server, whose clock (``TIME``) every process shares:
+
+- **admission** (the hot path, one round trip): the token budgets hold, the request bucket has a
+  request, the key is under its ``max_concurrency``; if all do, a request is spent and a slot
+  taken (a lease: a gateway that dies mid-request frees its slots when they lapse);
+- **visual tokens** (a request with counted images, to a key with a visual or token budget: a
+  second round trip, once they are known);
+- **the end** (after the last byte, off the request's path): its tokens spent, its slot given back.
+
+A key's buckets are under ``mg:<sha256 of the key's name>:...``; no key, nor any part of a
+request, is ever written to the store. Each call has ``timeout_ms``; a store that fails or is
+slow is counted (``gateway_limits_store_errors_total{op}``) and, for a second, not asked again;
+meanwhile ``on_failure: open`` admits requests as if the key had no limits, ``closed`` answers
+503 ``limits_store_unavailable`` with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import logging
+import os
+from typing import Any
+
+from ..config import ApiKey, LimitsStoreConfig, RateLimit
+from ..errors import LimitsStoreUnavailableError
+from ..metrics import GatewayMetrics
+from .auth import concurrency_refusal, requests_verdict, tokens_verdict, visual_verdict
+
+log = logging.getLogger(__name__)
+
+LEASE_S = 900  # a slot's lease: the longest a request may hold it before it lapses (a gateway gone)
+PAUSE_S = 1.0  # after a failure, the store is not asked for this long (the policy answers)
+
+# The buckets: a hash {t: tokens left, u: when (the store's clock, seconds)}; refilled to now,
+# never over capacity; kept until they would be full again.
+_FILL = """
+local now
+do local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1000000 end
+local function fill(key, capacity, per_s)
+  local v = redis.call('HMGET', key, 't', 'u')
+  local tokens = tonumber(v[1]) or capacity
+  local updated = tonumber(v[2]) or now
+  return math.min(capacity, tokens + math.max(0, now - updated) * per_s)
+end
+local function keep(key, tokens, capacity, per_s)
+  redis.call('HSET', key, 't', tostring(tokens), 'u', tostring(now))
+  redis.call('EXPIRE', key, math.min(math.ceil((capacity - tokens) / per_s) + 1, 2592000))  -- 30 days at most
+end
+local function opt(x) if x == '' then return nil end return tonumber(x) end
+"""
+
+# KEYS: requests, tokens a minute, tokens a day, slots (a sorted set: member -> lease end)
+# ARGV: requests_per_minute, burst, tokens_per_minute, tokens_per_day, max_concurrency, member
+# Returns: {refused ('' | 'tokens' | 'rate' | 'concurrency'), requests left, minute left, day left}
+_ADMIT = (
+    _FILL
+    + """
+local rpm, burst, tpm, tpd, most = opt(ARGV[1]), opt(ARGV[2]), opt(ARGV[3]), opt(ARGV[4]), opt(ARGV[5])
+local refused = ''
+local minute, day, left
+if tpm then minute = fill(KEYS[2], tpm, tpm / 60) end
+if tpd then day = fill(KEYS[3], tpd, tpd / 86400) end
+if (minute and minute < 1) or (day and day < 1) then refused = 'tokens' end
+if rpm then
+  left = fill(KEYS[1], burst, rpm / 60)
+  if refused == '' and left < 1 then refused = 'rate' end
+end
+if most then
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
+  if refused == '' and redis.call('ZCARD', KEYS[4]) >= most then refused = 'concurrency' end
+end
+if refused == '' then
+  if rpm then left = left - 1 end
+  if most then
+    redis.call('ZADD', KEYS[4], now + tonumber(ARGV[7]), ARGV[6])
+    redis.call('EXPIRE', KEYS[4], tonumber(ARGV[7]))
+  end
+end
+if rpm then keep(KEYS[1], left, burst, rpm / 60) end
+return {refused, tostring(left or -1), tostring(minute or 0), tostring(day or 0)}
+"""
+)
+
+# KEYS: tokens a minute, tokens a day, visual tokens; ARGV: tokens_per_minute, tokens_per_day,
+# visual_tokens_per_minute, the request's visual tokens.
+# Returns {allowed by the budgets (1/0), allowed by the visual bucket, minute left, day left, visual left}
+_VISUAL = (
+    _FILL
+    + """
+local tpm, tpd, vpm, need = opt(ARGV[1]), opt(ARGV[2]), opt(ARGV[3]), tonumber(ARGV[4])
+local minute, day, visual
+if tpm then minute = fill(KEYS[1], tpm, tpm / 60) end
+if tpd then day = fill(KEYS[2], tpd, tpd / 86400) end
+local budgets = not ((minute and minute < need) or (day and day < need))
+local seen = 1
+if vpm then
+  visual = fill(KEYS[3], vpm, vpm / 60)
+  if budgets and visual >= need then visual = visual - need else seen = 0 end
+  keep(KEYS[3], visual, vpm, vpm / 60)
+end
+return {budgets and 1 or 0, seen, tostring(minute or 0), tostring(day or 0), tostring(visual or 0)}
+"""
+)
+
+# KEYS: tokens a minute, tokens a day, slots; ARGV: tokens_per_minute, tokens_per_day, tokens, member
+_FINISH = (
+    _FILL
+    + """
+local tpm, tpd, spent = opt(ARGV[1]), opt(ARGV[2]), tonumber(ARGV[3])
+if spent > 0 and tpm then keep(KEYS[1], fill(KEYS[1], tpm, tpm / 60) - spent, tpm, tpm / 60) end
+if spent > 0 and tpd then keep(KEYS[2], fill(KEYS[2], tpd, tpd / 86400) - spent, tpd, tpd / 86400) end
+if ARGV[4] ~= '' then redis.call('ZREM', KEYS[3], ARGV[4]) end
+return 1
+"""
+)
+
+
+def _arg(value: float | int | None) -> str:
+    return "" if value is None else repr(value)
+
+
+class SharedLimits:
+    """The key limits of :class:`~gateway.admission.auth.KeyLimits`, held in Redis (module docstring)."""
+
+    def __init__(self, spec: LimitsStoreConfig, metrics: GatewayMetrics) -> None:
+        import redis.asyncio  # only where a store is configured
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        self.spec = spec
+        self._metrics = metrics
+        seconds = spec.timeout_ms / 1000
+        # a bounded pool whose callers wait for a connection (within timeout_ms), not fail
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            spec.url, max_connections=256, timeout=seconds, socket_timeout=seconds, socket_connect_timeout=seconds
+        )
+        self._redis: Any = redis.asyncio.Redis(
+            connection_pool=pool, retry=Retry(NoBackoff(), 0)
+        )  # timeout_ms bounds it
+        self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError, TimeoutError)
+        self._admit = self._redis.register_script(_ADMIT)
+        self._visual = self._redis.register_script(_VISUAL)
+        self._finish = self._redis.register_script(_FINISH)
+        self._paused_until = 0.0
+        self._members = (f"{os.getpid()}:{os.urandom(4).hex()}:{n}" for n in itertools.count())
+        self._ending: set[asyncio.Task[None]] = set()
+        self._names: dict[str, str] = {}
+
+    def _keys(self, key: ApiKey, *kinds: str) -> list[str]:
+        prefix = self._names.get(key.name)
+        if prefix is None:
+            digest = hashlib.sha256(key.name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+            prefix = self._names[key.name] = f"mg:{digest}"
+        return [f"{prefix}:{kind}" for kind in kinds]
+
+    async def _call(self, op: str, script: Any, keys: list[str], args: list[str], *, always: bool = False) -> Any:
+        """One script; None when the store failed (counted, and not asked again for a second,
+        but ``always``: a request's end, whose slot must be given back)."""
+        loop = asyncio.get_running_loop()
+        if not always and loop.time() < self._paused_until:
+            self._metrics.child(self._metrics.limits_store_errors, op).inc()
+            return None
+        try:
+            async with asyncio.timeout(self.spec.timeout_ms / 1000):
+                return await script(keys=keys, args=args)
+        except self._errors as exc:
+            self._metrics.child(self._metrics.limits_store_errors, op).inc()
+            if loop.time() >= self._paused_until:
+                log.warning("limits store %s failed (%s: %s); on_failure: %s for %gs", op, type(exc).__name__, exc,
+                            self.spec.on_failure, PAUSE_S)  # fmt: skip
+            self._paused_until = loop.time() + PAUSE_S
+            return None
+
+    def _failed(self) -> dict[str, str]:
+        """The policy's answer while the store fails: admitted without limits, or a 503."""
+        if self.spec.on_failure == "closed":
+            raise LimitsStoreUnavailableError(
+                "The gateway's limits store is unavailable and its policy is to refuse meanwhile; retry shortly",
+                headers={"Retry-After": "1"},
+            )
+        return {}
+
+    async def admit(self, key: ApiKey) -> tuple[dict[str, str], str | None]:
+        """A request of the key admitted: its x-ratelimit-* headers and the slot it holds (None:
+        none), or the key's RateLimitedError, in one round trip."""
+        limit = key.rate_limit or RateLimit(None, 1)
+        budgets = limit.tokens_per_minute is not None or limit.tokens_per_day is not None
+        if limit.requests_per_minute is None and not budgets and key.max_concurrency is None:
+            return {}, None
+        member = next(self._members) if key.max_concurrency is not None else None
+        keys = self._keys(key, "requests", "tokens_minute", "tokens_day", "slots")
+        args = [_arg(limit.requests_per_minute), _arg(limit.burst), _arg(limit.tokens_per_minute),
+                _arg(limit.tokens_per_day), _arg(key.max_concurrency), member or "", str(LEASE_S)]  # fmt: skip
+        try:
+            answer = await self._call("admit", self._admit, keys, args)
+        except asyncio.CancelledError:  # the client left: the script may have taken the slot
+            self._give_back(keys, member)
+            raise
+        if answer is None:  # it may have run, past the timeout: its slot given back, if it took one
+            self._give_back(keys, member)
+            return self._failed(), None
+        refused, left, minute, day = (x.decode() if isinstance(x, bytes) else str(x) for x in answer)
+        if budgets:
+            m, d = float(minute), float(day)
+            if refused == "tokens":  # the store's word holds, whatever its numbers' rounding says
+                m, d = (min(x, 0.5) if x < 1.5 else x for x in (m, d))
+            headers = tokens_verdict(limit, m, d, 1)  # raises where a budget refused
+        else:
+            headers = {}
+        if limit.requests_per_minute is not None:
+            headers |= requests_verdict(limit, float(left), refused != "rate")
+        if refused == "concurrency":
+            assert key.max_concurrency is not None
+            raise concurrency_refusal(key.max_concurrency)
+        return headers, member
+
+    async def visual(self, key: ApiKey, tokens: int) -> dict[str, str]:
+        """A request's visual tokens held to the key's token budgets and spent of its
+        ``visual_tokens_per_minute``: their headers, or the refusal."""
+        limit = key.rate_limit
+        if limit is None or (
+            limit.tokens_per_minute is None and limit.tokens_per_day is None and limit.visual_tokens_per_minute is None
+        ):
+            return {}
+        keys = self._keys(key, "tokens_minute", "tokens_day", "visual")
+        args = [_arg(limit.tokens_per_minute), _arg(limit.tokens_per_day), _arg(limit.visual_tokens_per_minute),
+                str(tokens)]  # fmt: skip
+        answer = await self._call("visual", self._visual, keys, args)
+        if answer is None:
+            return self._failed()
+        _, seen, minute, day, visual = (x.decode() if isinstance(x, bytes) else str(x) for x in answer)
+        headers = tokens_verdict(limit, float(minute), float(day), tokens)  # raises where the budgets refused
+        if limit.visual_tokens_per_minute is not None:
+            headers |= visual_verdict(limit, float(visual), tokens, seen == "1")
+        return headers
+
+    def finish(self, key: ApiKey, tokens: int, member: str | None) -> None:
+        """The request's end: its tokens spent, its slot given back; sent off its path."""
+        limit = key.rate_limit
+        budgets = limit is not None and (limit.tokens_per_minute is not None or limit.tokens_per_day is not None)
+        if member is None and not (budgets and tokens > 0):
+            return
+        keys = self._keys(key, "tokens_minute", "tokens_day", "slots")
+        args = [_arg(limit.tokens_per_minute if limit else None), _arg(limit.tokens_per_day if limit else None),
+                str(tokens), member or ""]  # fmt: skip
+        self._send_end(keys, args)
+
+    def _give_back(self, keys: list[str], member: str | None) -> None:
+        """A slot an admission may have taken, given back (its answer never came)."""
+        if member is not None:
+            self._send_end([keys[1], keys[2], keys[3]], ["", "", "0", member])
+
+    def _send_end(self, keys: list[str], args: list[str]) -> None:
+        task = asyncio.get_running_loop().create_task(self._end(keys, args))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
+
+    async def _end(self, keys: list[str], args: list[str]) -> None:
+        """A request's end, tried three times (a slot not given back is held until its lease lapses)."""
+        for wait in (1.0, 2.0, 0.0):
+            if await self._call("finish", self._finish, keys, args, always=True) is not None or not wait:
+                return
+            await asyncio.sleep(wait)
+
+    async def close(self) -> None:
+        if self._ending:
+            _, pending = await asyncio.wait(self._ending, timeout=self.spec.timeout_ms / 1000 * 4)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        await self._redis.aclose()

@@ -1,0 +1,232 @@
+"""gateway.admission.shared: key limits held in a real redis-server on loopback, shared by two
+gateways in one process and by the two workers of ``serve --workers 2``; the store killed
+mid-test gives on_failure's answer (open: served; closed: 503 in each API's shape), never a 500
+or a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+
+from gateway.server.state import SERVICES_KEY
+from tests.conftest import Gateway, Upstream, error_body, free_port, routing
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(
+        shutil.which("redis-server") is None and os.environ.get("CI") != "true",
+        reason="needs Debian's redis-server (make test installs it)",
+    ),
+]
+KEY_ENV = "MODALITY_GATEWAY_TEST_SHARED_KEY"
+ASK: Any = [{"role": "user", "content": "hello"}]
+
+
+class Redis:
+    def __init__(self, tmp_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        assert self.process.stdout is not None
+        for line in self.process.stdout:  # bounded by the test's timeout; redis says when it listens
+            if "Ready to accept connections" in line:
+                return
+        raise AssertionError("redis-server exited before it was ready")
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=10)
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[Redis]:
+    server = Redis(tmp_path)
+    yield server
+    if server.process.poll() is None:
+        server.kill()
+
+
+def table(upstream: Upstream, redis: Redis, limits: str, on_failure: str = "open") -> str:
+    keys = f"auth:\n  keys:\n    - {{name: team-a, key_env: {KEY_ENV}, {limits}}}\n"
+    server = f"{{limits_store: {{url: '{redis.url}', timeout_ms: 200, on_failure: {on_failure}}}}}"
+    model = f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text], apis: [chat, messages]}}"
+    return routing(model, server=server, extra=keys)
+
+
+def client(gw: Gateway) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-shared", max_retries=0)
+
+
+async def settled(*gateways: Gateway) -> None:
+    """Every request's end written to the store (it is sent off the request's path)."""
+    for gw in gateways:
+        shared = gw.app[SERVICES_KEY].shared_limits
+        assert shared is not None
+        if shared._ending:
+            await asyncio.wait(shared._ending)
+
+
+@pytest.fixture
+async def pair(gateway_factory, upstream: Upstream, redis_server: Redis, monkeypatch, request) -> list[Gateway]:
+    monkeypatch.setenv(KEY_ENV, "sk-shared")
+    text = table(upstream, redis_server, request.param)
+    return [await gateway_factory(text), await gateway_factory(text)]
+
+
+@pytest.mark.parametrize("pair", ["rate_limit: {requests_per_minute: 6, burst: 5}"], indirect=True)
+async def test_a_keys_rate_holds_across_two_gateways(pair: list[Gateway], upstream: Upstream) -> None:
+    served, refused = 0, 0
+    async with client(pair[0]) as a, client(pair[1]) as b:
+        for n in range(12):
+            try:
+                await (a if n % 2 else b).chat.completions.create(model="m", messages=ASK)
+                served += 1
+            except openai.RateLimitError as exc:
+                assert error_body(exc)["code"] == "rate_limit_exceeded"
+                assert int(exc.response.headers["Retry-After"]) >= 1
+                refused += 1
+    assert served in (5, 6) and served + refused == 12  # the one burst of 5 (a tenth of a request a second refills)
+    assert len(upstream.received) == served
+
+
+@pytest.mark.parametrize("pair", ["rate_limit: {tokens_per_minute: 20}"], indirect=True)
+async def test_a_keys_token_budget_is_spent_by_replies_on_either_gateway(pair: list[Gateway]) -> None:
+    async with client(pair[0]) as a, client(pair[1]) as b:
+        reply = await a.chat.completions.create(model="m", messages=ASK)
+        assert reply.usage is not None and 10 < reply.usage.total_tokens < 20
+        await settled(*pair)
+        raw = await b.chat.completions.with_raw_response.create(model="m", messages=ASK)
+        assert int(raw.headers["x-ratelimit-remaining-tokens"]) == 20 - reply.usage.total_tokens
+        await settled(*pair)
+        with pytest.raises(openai.RateLimitError) as caught:  # spent on both, refused on the first
+            await a.chat.completions.create(model="m", messages=ASK)
+    assert error_body(caught.value)["code"] == "tokens_rate_limit_exceeded"
+    assert pair[0].sample("gateway_rate_limited_total", key="team-a", reason="tokens") == 1
+
+
+@pytest.mark.parametrize("pair", ["max_concurrency: 1"], indirect=True)
+async def test_a_keys_requests_in_flight_are_counted_across_gateways(pair: list[Gateway]) -> None:
+    async with client(pair[0]) as a, client(pair[1]) as b:
+        slow = asyncio.create_task(
+            a.chat.completions.create(model="m", messages=ASK, extra_headers={"X-Standin-Delay-Ms": "400"})
+        )
+        gateway_a = pair[0].app[SERVICES_KEY]
+        while not gateway_a.metrics.in_flight._value.get():  # the slow one admitted (it holds the slot)
+            await asyncio.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await b.chat.completions.create(model="m", messages=ASK)
+        assert error_body(caught.value)["code"] == "concurrency_limit_exceeded"
+        await slow
+        await settled(*pair)
+        await b.chat.completions.create(model="m", messages=ASK)  # the slot given back
+
+
+async def test_a_store_killed_mid_test_fails_open_or_closed_as_configured(
+    gateway_factory, upstream: Upstream, redis_server: Redis, monkeypatch
+) -> None:
+    monkeypatch.setenv(KEY_ENV, "sk-shared")
+    limits = "rate_limit: {requests_per_minute: 600, tokens_per_minute: 100000}"
+    opened = await gateway_factory(table(upstream, redis_server, limits, "open"))
+    closed = await gateway_factory(table(upstream, redis_server, limits, "closed"))
+    async with client(opened) as a, client(closed) as b:
+        await a.chat.completions.create(model="m", messages=ASK)
+        await b.chat.completions.create(model="m", messages=ASK)
+        await settled(opened, closed)
+        redis_server.kill()
+        for _ in range(3):  # the first finds it gone, the others are answered without asking it
+            reply = await a.chat.completions.create(model="m", messages=ASK)
+            assert reply.choices
+            with pytest.raises(openai.InternalServerError) as caught:
+                await b.chat.completions.create(model="m", messages=ASK)
+            assert caught.value.status_code == 503
+            assert error_body(caught.value)["code"] == "limits_store_unavailable"
+            assert caught.value.response.headers["Retry-After"] == "1"
+    async with anthropic.AsyncAnthropic(base_url=closed.url, api_key="sk-shared", max_retries=0) as claude:
+        with pytest.raises(anthropic.InternalServerError) as refused:
+            await claude.messages.create(model="m", max_tokens=8, messages=ASK)
+    body = refused.value.body
+    assert isinstance(body, dict) and body["type"] == "error" and "limits store" in body["error"]["message"]
+    assert opened.sample("gateway_limits_store_errors_total", op="admit") >= 3
+    assert closed.sample("gateway_requests_total", code="503") == 4
+    assert (
+        closed.sample("gateway_requests_total", code="500") == opened.sample("gateway_requests_total", code="500") == 0
+    )
+
+
+async def test_nothing_of_a_key_is_written_to_the_store(
+    gateway_factory, upstream: Upstream, redis_server: Redis, monkeypatch
+) -> None:
+    import redis
+
+    monkeypatch.setenv(KEY_ENV, "sk-shared")
+    gw = await gateway_factory(
+        table(upstream, redis_server, "rate_limit: {requests_per_minute: 60, tokens_per_day: 1000}")
+    )
+    async with client(gw) as c:
+        await c.chat.completions.create(model="m", messages=ASK)
+    await settled(gw)
+    store = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    names = [str(k) for k in store.keys("*")]
+    store.close()
+    assert names and all(n.startswith("mg:") and "team-a" not in n and "sk-shared" not in n for n in names)
+    assert {n.rsplit(":", 1)[1] for n in names} == {"requests", "tokens_day"}
+
+
+# --- two processes: serve --workers 2 ------------------------------------------------------------
+
+
+@pytest.fixture
+async def workers(upstream: Upstream, redis_server: Redis, tmp_path: Path, monkeypatch) -> AsyncIterator[str]:
+    from tests.server.test_serve import wait_healthy
+    from tests.server.test_workers import each_worker, start, stop
+
+    monkeypatch.setenv(KEY_ENV, "sk-shared")
+    config = tmp_path / "routing.yaml"
+    config.write_text(table(upstream, redis_server, "rate_limit: {requests_per_minute: 60, burst: 10}"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    served = await start(config, port, tmp_path)
+    try:
+        await wait_healthy(url, served.process)
+        await each_worker(url)
+        yield url
+    finally:
+        await stop(served, tmp_path)
+
+
+async def test_a_burst_from_many_connections_to_two_workers_gets_one_keys_limit(
+    workers: str, upstream: Upstream
+) -> None:
+    async def one(session: aiohttp.ClientSession) -> int:
+        body = {"model": "m", "messages": ASK}
+        async with session.post(f"{workers}/v1/chat/completions", json=body,
+                                headers={"Authorization": "Bearer sk-shared"}) as resp:  # fmt: skip
+            await resp.read()
+            return resp.status
+
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    connector = aiohttp.TCPConnector(force_close=True, limit=16)  # a new connection each: both workers take them
+    async with aiohttp.ClientSession(connector=connector) as session:
+        statuses = await asyncio.gather(*(one(session) for _ in range(40)))
+    elapsed = loop.time() - started
+    ok = statuses.count(200)
+    assert set(statuses) <= {200, 429}
+    # the key's one burst of 10 and what a request a second refilled meanwhile; per process, it would be 20
+    assert 10 <= ok <= 10 + int(elapsed) + 1, (ok, elapsed)
