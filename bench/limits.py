@@ -19,11 +19,12 @@ import tempfile
 import time
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from gateway.admission.auth import KeyLimits
 from gateway.admission.shared import SharedLimits
 from gateway.config import ApiKey, LimitsStoreConfig, RateLimit
 from gateway.metrics import GatewayMetrics
-from prometheus_client import CollectorRegistry
 from tests.conftest import free_port
 
 KEY = ApiKey("bench", key_sha256="0" * 64, rate_limit=RateLimit(1e9, 10**9, None, 1e12, 1e13), max_concurrency=10**6)
