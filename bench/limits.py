@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -25,7 +25,7 @@ from gateway.admission.auth import KeyLimits
 from gateway.admission.shared import SharedLimits
 from gateway.config import ApiKey, LimitsStoreConfig, RateLimit
 from gateway.metrics import GatewayMetrics
-from tests.conftest import free_port
+from tools.redis_server import RedisServer
 
 KEY = ApiKey("bench", key_sha256="0" * 64, rate_limit=RateLimit(1e9, 10**9, None, 1e12, 1e13), max_concurrency=10**6)
 
@@ -56,20 +56,11 @@ def _calls(client: Any) -> int:
 async def main_async(args: argparse.Namespace) -> None:
     import redis
 
-    port = free_port()
     with tempfile.TemporaryDirectory() as where:
-        server = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", where], stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        server = RedisServer(Path(where))
         try:
-            assert server.stdout is not None
-            for line in server.stdout:
-                if "Ready to accept connections" in line:
-                    break
-            url = f"redis://127.0.0.1:{port}/0"
-            counter = redis.Redis.from_url(url)
-            shared = SharedLimits(LimitsStoreConfig(url, 1000.0), GatewayMetrics(CollectorRegistry()))
+            counter = redis.Redis.from_url(server.url)
+            shared = SharedLimits(LimitsStoreConfig(server.url, 1000.0), GatewayMetrics(CollectorRegistry()))
             local = KeyLimits()
             print(
                 "| concurrency | per process µs a request | shared (Redis) µs a request | x | round trips a request |"
@@ -91,7 +82,6 @@ async def main_async(args: argparse.Namespace) -> None:
             await shared.close()
         finally:
             server.kill()
-            server.wait(timeout=10)
 
 
 def main() -> None:

@@ -254,17 +254,25 @@ class InvalidConfigError(GatewayError, status=422, type="invalid_request_error",
 class RateLimitedError(GatewayError, status=429, type="rate_limit_error", code="rate_limit_exceeded"):
     """The key's rate_limit is spent (with Retry-After and the x-ratelimit-* headers)."""
 
+    limit: ClassVar[str] = "rate"  # the reason label of gateway_rate_limited_total
+
 
 class VisualTokensRateLimitedError(RateLimitedError, code="visual_tokens_rate_limit_exceeded"):
     """The key's visual_tokens_per_minute is spent (with its x-ratelimit-*-visual-tokens headers)."""
+
+    limit = "visual_tokens"
 
 
 class TokensRateLimitedError(RateLimitedError, code="tokens_rate_limit_exceeded"):
     """The key's tokens_per_minute or tokens_per_day is spent (with its x-ratelimit-*-tokens headers)."""
 
+    limit = "tokens"
+
 
 class ConcurrencyLimitError(RateLimitedError, code="concurrency_limit_exceeded"):
     """The key has max_concurrency requests in flight already."""
+
+    limit = "concurrency"
 
 
 class QueueFullError(GatewayError, status=429, type="rate_limit_error", code="queue_full"):

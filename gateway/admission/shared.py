@@ -57,7 +57,7 @@ local function opt(x) if x == '' then return nil end return tonumber(x) end
 """
 
 # KEYS: requests, tokens a minute, tokens a day, slots (a sorted set: member -> lease end)
-# ARGV: requests_per_minute, burst, tokens_per_minute, tokens_per_day, max_concurrency, member
+# ARGV: requests_per_minute, burst, tokens_per_minute, tokens_per_day, max_concurrency, member, lease (s)
 # Returns: {refused ('' | 'tokens' | 'rate' | 'concurrency'), requests left, minute left, day left}
 _ADMIT = (
     _FILL
@@ -90,7 +90,7 @@ return {refused, tostring(left or -1), tostring(minute or 0), tostring(day or 0)
 
 # KEYS: tokens a minute, tokens a day, visual tokens; ARGV: tokens_per_minute, tokens_per_day,
 # visual_tokens_per_minute, the request's visual tokens.
-# Returns {allowed by the budgets (1/0), allowed by the visual bucket, minute left, day left, visual left}
+# Returns {refused by the budgets (1/0), refused by the visual bucket, minute left, day left, visual left}
 _VISUAL = (
     _FILL
     + """
@@ -98,14 +98,14 @@ local tpm, tpd, vpm, need = opt(ARGV[1]), opt(ARGV[2]), opt(ARGV[3]), tonumber(A
 local minute, day, visual
 if tpm then minute = fill(KEYS[1], tpm, tpm / 60) end
 if tpd then day = fill(KEYS[2], tpd, tpd / 86400) end
-local budgets = not ((minute and minute < need) or (day and day < need))
-local seen = 1
+local over = (minute and minute < need) or (day and day < need)
+local short = 0
 if vpm then
   visual = fill(KEYS[3], vpm, vpm / 60)
-  if budgets and visual >= need then visual = visual - need else seen = 0 end
+  if not over and visual >= need then visual = visual - need else short = 1 end
   keep(KEYS[3], visual, vpm, vpm / 60)
 end
-return {budgets and 1 or 0, seen, tostring(minute or 0), tostring(day or 0), tostring(visual or 0)}
+return {over and 1 or 0, short, tostring(minute or 0), tostring(day or 0), tostring(visual or 0)}
 """
 )
 
@@ -124,6 +124,19 @@ return 1
 
 def _arg(value: float | int | None) -> str:
     return "" if value is None else repr(value)
+
+
+def _texts(answer: list[Any]) -> list[str]:
+    return [x.decode() if isinstance(x, bytes) else str(x) for x in answer]
+
+
+def _budgets(limit: RateLimit, minute: str, day: str, need: int, refused: bool) -> dict[str, str]:
+    """The token budgets' headers, or their refusal: the store's word holds, whatever the
+    rounding of the numbers it sends says (``tostring`` keeps 14 digits: 0.999999999999997 is "1")."""
+    m, d = float(minute), float(day)
+    if refused:
+        m, d = (min(x, need - 0.5) if x < need + 0.5 else x for x in (m, d))
+    return tokens_verdict(limit, m, d, need)  # raises where a budget holds fewer than need
 
 
 class SharedLimits:
@@ -206,14 +219,8 @@ class SharedLimits:
         if answer is None:  # it may have run, past the timeout: its slot given back, if it took one
             self._give_back(keys, member)
             return self._failed(), None
-        refused, left, minute, day = (x.decode() if isinstance(x, bytes) else str(x) for x in answer)
-        if budgets:
-            m, d = float(minute), float(day)
-            if refused == "tokens":  # the store's word holds, whatever its numbers' rounding says
-                m, d = (min(x, 0.5) if x < 1.5 else x for x in (m, d))
-            headers = tokens_verdict(limit, m, d, 1)  # raises where a budget refused
-        else:
-            headers = {}
+        refused, left, minute, day = _texts(answer)
+        headers = _budgets(limit, minute, day, 1, refused == "tokens") if budgets else {}
         if limit.requests_per_minute is not None:
             headers |= requests_verdict(limit, float(left), refused != "rate")
         if refused == "concurrency":
@@ -235,10 +242,10 @@ class SharedLimits:
         answer = await self._call("visual", self._visual, keys, args)
         if answer is None:
             return self._failed()
-        _, seen, minute, day, visual = (x.decode() if isinstance(x, bytes) else str(x) for x in answer)
-        headers = tokens_verdict(limit, float(minute), float(day), tokens)  # raises where the budgets refused
+        over, short, minute, day, visual = _texts(answer)
+        headers = _budgets(limit, minute, day, tokens, over == "1")
         if limit.visual_tokens_per_minute is not None:
-            headers |= visual_verdict(limit, float(visual), tokens, seen == "1")
+            headers |= visual_verdict(limit, float(visual), tokens, short == "0")
         return headers
 
     def finish(self, key: ApiKey, tokens: int, member: str | None) -> None:

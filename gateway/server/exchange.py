@@ -67,8 +67,8 @@ class Exchange:
         self.request[MODEL_LABEL_KEY] = model.name
 
     def admitted(self, plan: RoutePlan) -> None:
-        """The plan: the model that serves the request, and what happens to its parts (counted);
-        its visual tokens spent of its key's ``visual_tokens_per_minute`` (429 when they are not there)."""
+        """The plan: the model that serves the request, and what happens to its parts (counted).
+        Its visual tokens are spent of its key's budgets by :func:`convert`, once known."""
         self.plan, self.model = plan, plan.model
         metrics = self.services.metrics
         if plan.model.encode and (decision := plan.encode_decision) is not None:

@@ -22,7 +22,6 @@ from ..admission.apis.messages import MESSAGES
 from ..admission.auth import Keyring
 from ..admission.body import body_too_large
 from ..errors import (
-    ConcurrencyLimitError,
     GatewayError,
     HTTPStatusError,
     InvalidApiKeyError,
@@ -31,8 +30,6 @@ from ..errors import (
     NotFoundError,
     RateLimitedError,
     Shape,
-    TokensRateLimitedError,
-    VisualTokensRateLimitedError,
     clip,
     render,
 )
@@ -174,16 +171,7 @@ async def _with_key(request: web.Request, handler: Handler, services: Services, 
         finally:
             limits.finish(key, request.get(SPENT_KEY, 0), slot)
     except RateLimitedError as exc:
-        reason = (
-            "concurrency"
-            if isinstance(exc, ConcurrencyLimitError)
-            else "visual_tokens"
-            if isinstance(exc, VisualTokensRateLimitedError)
-            else "tokens"
-            if isinstance(exc, TokensRateLimitedError)
-            else "rate"
-        )
-        services.metrics.rate_limited.labels(key.name, reason).inc()
+        services.metrics.rate_limited.labels(key.name, exc.limit).inc()
         request[MODEL_LABEL_KEY] = request.get(MODEL_LABEL_KEY, UNKNOWN_MODEL)
         raise
     except LimitsStoreUnavailableError:  # on_failure: closed, counted as the API's request

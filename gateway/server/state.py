@@ -42,12 +42,6 @@ class Services:
     gates: Gates = field(default_factory=Gates)
     key_limits: KeyLimits = field(default_factory=KeyLimits)
     shared_limits: SharedLimits | None = None  # server.limits_store: the key limits every process shares
-
-    @property
-    def limits(self) -> KeyLimits | SharedLimits:
-        """Where the key limits are held: the shared store, or this process."""
-        return self.shared_limits if self.shared_limits is not None else self.key_limits
-
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     transcriber: Transcriber | None = None  # audio to text (on_unsupported: {audio: {transcribe: M}})
     # transcripts and video frames made before, for the next turn (media.cache_bytes)
@@ -55,6 +49,11 @@ class Services:
     # videos sampled into frames (gateway.media.video): threads of their own, a bounded queue for them,
     # apart from the default executor (DNS lookups, large data URLs); closed with the app
     decoders: DecoderPool = field(default_factory=DecoderPool)
+
+    @property
+    def limits(self) -> KeyLimits | SharedLimits:
+        """Where the key limits are held: the shared store, or this process."""
+        return self.shared_limits if self.shared_limits is not None else self.key_limits
 
 
 SERVICES_KEY = web.AppKey("services", Services)

@@ -8,7 +8,7 @@ generation they started with, whose pools and replicas stay valid for them. An i
 changes nothing: the old config stays, the problems are logged, and
 ``gateway_config_reloads_total{result="failure"}`` counts it. ``server.host``, ``port``,
 ``max_body_bytes``, ``client_idle_timeout_s``, ``drain_grace_s``, ``drain_timeout_s``, ``access_log``,
-``upstream_client`` and ``admin_listen`` take effect at the next start.
+``upstream_client``, ``admin_listen`` and ``limits_store`` take effect at the next start.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ _RESTART_ONLY = (
     "drain_grace_s",
     "drain_timeout_s",
     "admin_listen",
+    "limits_store",
     "access_log",
 )
 

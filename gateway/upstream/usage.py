@@ -113,12 +113,11 @@ class StreamUsage:
     holds a ``"usage"`` is parsed, and its usage fields (the event's own, or its ``response``'s or
     ``message``'s) merged over the ones before, so the last value of each field holds."""
 
-    __slots__ = ("_fields", "_tail", "seen")
+    __slots__ = ("_fields", "_tail")
 
     def __init__(self) -> None:
         self._tail = b""  # a line begun in one chunk and not yet ended
-        self._fields: dict[str, Any] = {}
-        self.seen = False  # some event carried a usage
+        self._fields: dict[str, Any] = {}  # every usage field seen, its last value
 
     def feed(self, chunk: bytes) -> None:
         data = self._tail + chunk if self._tail else chunk
@@ -146,11 +145,10 @@ class StreamUsage:
             fields = inner.get("usage") if isinstance(inner, dict) else None
         if isinstance(fields, dict):
             self._fields.update(fields)
-            self.seen = True
 
     @property
     def usage(self) -> Usage | None:
-        return usage_of(self._fields) if self.seen else None
+        return usage_of(self._fields)
 
 
 class BodyTail:

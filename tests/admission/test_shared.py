@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pytest
 
 from gateway.server.state import SERVICES_KEY
 from tests.conftest import Gateway, Upstream, error_body, free_port, routing
+from tools.redis_server import RedisServer
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -32,37 +32,14 @@ KEY_ENV = "MODALITY_GATEWAY_TEST_SHARED_KEY"
 ASK: Any = [{"role": "user", "content": "hello"}]
 
 
-class Redis:
-    def __init__(self, tmp_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(tmp_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        assert self.process.stdout is not None
-        for line in self.process.stdout:  # bounded by the test's timeout; redis says when it listens
-            if "Ready to accept connections" in line:
-                return
-        raise AssertionError("redis-server exited before it was ready")
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=10)
-        assert self.process.stdout is not None
-        self.process.stdout.close()
-
-
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[Redis]:
-    server = Redis(tmp_path)
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path)
     yield server
-    if server.process.poll() is None:
-        server.kill()
+    server.kill()
 
 
-def table(upstream: Upstream, redis: Redis, limits: str, on_failure: str = "open") -> str:
+def table(upstream: Upstream, redis: RedisServer, limits: str, on_failure: str = "open") -> str:
     keys = f"auth:\n  keys:\n    - {{name: team-a, key_env: {KEY_ENV}, {limits}}}\n"
     server = f"{{limits_store: {{url: '{redis.url}', timeout_ms: 200, on_failure: {on_failure}}}}}"
     model = f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text], apis: [chat, messages]}}"
@@ -83,7 +60,7 @@ async def settled(*gateways: Gateway) -> None:
 
 
 @pytest.fixture
-async def pair(gateway_factory, upstream: Upstream, redis_server: Redis, monkeypatch, request) -> list[Gateway]:
+async def pair(gateway_factory, upstream: Upstream, redis_server: RedisServer, monkeypatch, request) -> list[Gateway]:
     monkeypatch.setenv(KEY_ENV, "sk-shared")
     text = table(upstream, redis_server, request.param)
     return [await gateway_factory(text), await gateway_factory(text)]
@@ -138,7 +115,7 @@ async def test_a_keys_requests_in_flight_are_counted_across_gateways(pair: list[
 
 
 async def test_a_store_killed_mid_test_fails_open_or_closed_as_configured(
-    gateway_factory, upstream: Upstream, redis_server: Redis, monkeypatch
+    gateway_factory, upstream: Upstream, redis_server: RedisServer, monkeypatch
 ) -> None:
     monkeypatch.setenv(KEY_ENV, "sk-shared")
     limits = "rate_limit: {requests_per_minute: 600, tokens_per_minute: 100000}"
@@ -170,7 +147,7 @@ async def test_a_store_killed_mid_test_fails_open_or_closed_as_configured(
 
 
 async def test_nothing_of_a_key_is_written_to_the_store(
-    gateway_factory, upstream: Upstream, redis_server: Redis, monkeypatch
+    gateway_factory, upstream: Upstream, redis_server: RedisServer, monkeypatch
 ) -> None:
     import redis
 
@@ -192,7 +169,7 @@ async def test_nothing_of_a_key_is_written_to_the_store(
 
 
 @pytest.fixture
-async def workers(upstream: Upstream, redis_server: Redis, tmp_path: Path, monkeypatch) -> AsyncIterator[str]:
+async def workers(upstream: Upstream, redis_server: RedisServer, tmp_path: Path, monkeypatch) -> AsyncIterator[str]:
     from tests.server.test_serve import wait_healthy
     from tests.server.test_workers import each_worker, start, stop
 
