@@ -120,6 +120,8 @@ class StreamUsage:
         self._fields: dict[str, Any] = {}  # every usage field seen, its last value
 
     def feed(self, chunk: bytes) -> None:
+        if not self._tail and chunk[-1:] == b"\n" and _KEY not in chunk:  # whole events, none a usage
+            return
         data = self._tail + chunk if self._tail else chunk
         end = data.rfind(b"\n")
         if end < 0:
