@@ -14,7 +14,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,encoder,video]'
+	$(PY) -m pip install -q -e '.[dev,encoder,video,tracing]'
 	touch $@
 
 install: $(STAMP) ## create .venv and install the gateway with its dev tools
@@ -44,7 +44,7 @@ $(MIN_STAMP): pyproject.toml
 	$(MIN_VENV)/bin/python -m pip install -q -e '.[dev]'
 	touch $@
 
-test-minimal: $(MIN_STAMP) test-deps ## every test again on the gateway alone, without the video and encoder extras (CI runs it)
+test-minimal: $(MIN_STAMP) test-deps ## every test again on the gateway alone, without the video, encoder and tracing extras (CI runs it)
 	$(MIN_VENV)/bin/python -m pytest -q
 
 test-deps: ## system packages the tests use: Debian's prometheus (promtool and the server), wrk (the bench harness's test), curl (the README's quick start), redis-server (shared key limits)

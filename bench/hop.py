@@ -20,12 +20,14 @@ import argparse
 import base64
 import contextlib
 import datetime
+import hashlib
 import json
 import math
 import os
 import platform
 import random
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -34,7 +36,7 @@ import time
 import urllib.error
 import urllib.request
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,10 +45,11 @@ import orjson
 from bench import procstat, report, wrk
 from bench.common import free_port
 from bench.report import Run, Series, Summary
+from tools.redis_server import RedisServer
 
 # Text first, large bodies last: a process keeps some memory it grew for 2 MiB bodies, which would
 # show in the peak RSS of the runs after.
-SCENARIOS = ("text", "reject", "stream-20", "stream-500", "sweep", "image-100k", "image-2m", "epd", "apis")
+SCENARIOS = ("text", "reject", "stream-20", "stream-500", "sweep", "image-100k", "image-2m", "epd", "apis", "tenants")
 QUICK_SCENARIOS = ("text", "reject", "stream-20", "sweep", "image-100k")
 SWEEP = (1, 4, 16, 32, 64)
 QUICK_SWEEP = (1, 32)
@@ -58,6 +61,10 @@ GATEWAY_UNCOUNTED = "gateway, images not counted"  # a model with no visual_toke
 GATEWAY_AIOHTTP = "gateway, aiohttp client"  # server.upstream_client: aiohttp, side by side with the default
 FLOOR = "aiohttp server, fixed 400"  # bench.floor: the least an aiohttp server does to answer
 FORWARDED, REJECTED = "gateway, forwarded (text)", "gateway, rejected (400)"
+# The tenants scenario: a key's limits in this process or shared in Redis, and traces sent (issue 24)
+GATEWAY_KEYS, GATEWAY_REDIS = "gateway, key limits per process", "gateway, key limits in Redis"
+GATEWAY_TRACED, GATEWAY_SAMPLED = "gateway, traced (every request)", "gateway, traced (10% sampled)"
+BENCH_KEY = "sk-bench-0123456789"  # a key of the bench's own gateways, on loopback only
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -171,7 +178,35 @@ def stop(server: Server) -> None:
         server.process.wait()
 
 
-def gateway_config(port: int, upstream: str, *, access_log: bool, epd: bool, upstream_client: str = "http1") -> str:
+def tenants_config(variant: str, *, redis: str | None = None, collector: str | None = None) -> tuple[str, str]:
+    """The server keys and the auth section of a tenants-scenario gateway: its key limited (rates
+    far above what a run sends: the checks run, none refuses), in this process or in Redis, or
+    its requests traced to the bench's collector."""
+    server, auth = "", ""
+    if variant in (GATEWAY_KEYS, GATEWAY_REDIS):
+        digest = hashlib.sha256(BENCH_KEY.encode()).hexdigest()
+        auth = (
+            "auth:\n  keys:\n"
+            f"    - {{name: bench, key_sha256: {digest}, rate_limit: {{requests_per_minute: 1000000000, "
+            "burst: 1000000, tokens_per_minute: 1000000000000, tokens_per_day: 1000000000000}}\n"
+        )
+        if variant == GATEWAY_REDIS:
+            server = f", limits_store: {{url: '{redis}', timeout_ms: 50}}"
+    elif variant in (GATEWAY_TRACED, GATEWAY_SAMPLED):
+        ratio = 1.0 if variant == GATEWAY_TRACED else 0.1
+        server = f", tracing: {{otlp_endpoint: '{collector}', sample_ratio: {ratio}}}"
+    return server, auth
+
+
+def gateway_config(
+    port: int,
+    upstream: str,
+    *,
+    access_log: bool,
+    epd: bool,
+    upstream_client: str = "http1",
+    extra: tuple[str, str] = ("", ""),
+) -> str:
     encoders = (
         "encoders:\n  vision: {kind: local, model: 'builtin:vit-small', device: cpu, max_batch_size: 32}\n"
         if epd
@@ -182,7 +217,8 @@ def gateway_config(port: int, upstream: str, *, access_log: bool, epd: bool, ups
         "version: 1\n"
         f"server: {{host: 127.0.0.1, port: {port}, max_body_bytes: 67108864, reload_interval_s: 0, "
         "drain_grace_s: 0, drain_timeout_s: 2, "
-        f"access_log: {str(access_log).lower()}, upstream_client: {upstream_client}}}\n"
+        f"access_log: {str(access_log).lower()}, upstream_client: {upstream_client}{extra[0]}}}\n"
+        f"{extra[1]}"
         f"{encoders}"
         "models:\n"
         f"  - {{name: bench, upstreams: [{upstream}], accepts: [text, image], visual_tokens: {{preset: qwen2.5-vl}}, "
@@ -237,6 +273,12 @@ class Stack:
         if name == "upstream":
             argv = [sys.executable, "-m", "tools.standin", "--port", str(port), "--name", "bench", "--no-record"]
             return start_server("stand-in upstream", argv, url, "/health", self.tmp)
+        if name == "redis":  # tools.redis_server's: its output read until it is ready, then left to it
+            store = RedisServer(self.tmp)
+            return Server(name, store.process, store.url, self.tmp / "redis.log")  # type: ignore[arg-type]
+        if name == "collector":
+            argv = [sys.executable, "-m", "bench.otlp_sink", "--port", str(port)]
+            return start_server("trace collector", argv, url, "/health", self.tmp)
         if name in (MINIMAL, FLOOR):
             module = "bench.minimal_proxy" if name == MINIMAL else "bench.floor"
             argv = [sys.executable, "-m", module, "--port", str(port), "--upstream", self.upstream]
@@ -244,8 +286,15 @@ class Stack:
         epd = name == "gateway, EPD"
         config = self.tmp / f"routing-{port}.yaml"
         client = "aiohttp" if name == GATEWAY_AIOHTTP else "http1"
+        extra = ("", "")
+        if name in (GATEWAY_KEYS, GATEWAY_REDIS, GATEWAY_TRACED, GATEWAY_SAMPLED):
+            store_url = self.get("redis").url if name == GATEWAY_REDIS else None
+            collector = self.get("collector").url if name in (GATEWAY_TRACED, GATEWAY_SAMPLED) else None
+            extra = tenants_config(name, redis=store_url, collector=collector)
         config.write_text(
-            gateway_config(port, self.upstream, access_log=name == GATEWAY_LOG, epd=epd, upstream_client=client)
+            gateway_config(
+                port, self.upstream, access_log=name == GATEWAY_LOG, epd=epd, upstream_client=client, extra=extra
+            )
         )
         return start_server(
             name, gateway_command(config, self.workers), url, "/readyz" if epd else "/healthz", self.tmp
@@ -288,10 +337,12 @@ class Scripts:
         self._made: dict[str, Path] = {}
         self._seed = 1000
 
-    def static(self, key: str, bodies: Callable[[], Sequence[bytes]]) -> Callable[[], Path]:
+    def static(
+        self, key: str, bodies: Callable[[], Sequence[bytes]], headers: Mapping[str, str] | None = None
+    ) -> Callable[[], Path]:
         def make() -> Path:
             if key not in self._made:
-                self._made[key] = self._write(key, bodies())
+                self._made[key] = self._write(key, bodies(), headers or {})
             return self._made[key]
 
         return make
@@ -301,11 +352,11 @@ class Scripts:
 
         def make() -> Path:
             self._seed += count
-            return self._write(f"{key}-{self._seed}", [body(self._seed + i) for i in range(count)])
+            return self._write(f"{key}-{self._seed}", [body(self._seed + i) for i in range(count)], {})
 
         return make
 
-    def _write(self, key: str, bodies: Sequence[bytes]) -> Path:
+    def _write(self, key: str, bodies: Sequence[bytes], headers: Mapping[str, str]) -> Path:
         folder = self.tmp / "bodies" / key
         folder.mkdir(parents=True, exist_ok=True)
         paths = []
@@ -313,7 +364,7 @@ class Scripts:
             paths.append(folder / f"{i}.json")
             paths[-1].write_bytes(data)
         script = folder / "post.lua"
-        script.write_text(wrk.lua_script(paths, {"Content-Type": "application/json"}))
+        script.write_text(wrk.lua_script(paths, {"Content-Type": "application/json", **headers}))
         return script
 
 
@@ -369,7 +420,50 @@ def plans(name: str, stack: Stack, scripts: Scripts, *, duration: int, sweep: Se
         ]
     if name == "sweep":
         return [_three("sweep: text chat", c, stack, text) for c in sweep]
+    if name == "tenants":
+        return [_tenants_plan(stack, scripts)]
     raise ValueError(name)
+
+
+def _tenants_plan(stack: Stack, scripts: Scripts) -> Plan:
+    """Text chat through the gateway as it is, with a key's limits (in the process, then shared in
+    Redis: the store's commands a request counted), and with traces sent (the spans counted)."""
+    text = scripts.static("text", lambda: [chat_body("bench")])
+    keyed = scripts.static("text-keyed", lambda: [chat_body("bench")], {"Authorization": f"Bearer {BENCH_KEY}"})
+    redis = stack.get("redis")
+    collector = stack.get("collector")
+
+    def commands() -> dict[str, float]:
+        return {"limits scripts": float(_scripts_run(redis.url))}
+
+    def spans() -> dict[str, float]:
+        with urllib.request.urlopen(collector.url + "/count", timeout=10) as response:
+            return {"spans received": float(orjson.loads(response.read())["spans"])}
+
+    gw = stack.get(GATEWAY)
+    arms = [Arm(GATEWAY, gw, gw, text)]
+    for variant, script, counters in (
+        (GATEWAY_KEYS, keyed, None),
+        (GATEWAY_REDIS, keyed, commands),
+        (GATEWAY_TRACED, text, spans),
+        (GATEWAY_SAMPLED, text, spans),
+    ):
+        server = stack.get(variant)
+        arms.append(Arm(variant, server, server, script, counters=counters))
+    return Plan("tenants: text chat", CONNECTIONS, arms, reference=GATEWAY, direct=None)
+
+
+def _scripts_run(url: str) -> int:
+    """The limits scripts the store has run since it started (INFO commandstats: EVALSHA's
+    calls), over RESP on a plain socket: the reply is one bulk string, ``$LEN\\r\\n...\\r\\n``."""
+    host, port = url.removeprefix("redis://").split("/")[0].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"*2\r\n$4\r\nINFO\r\n$12\r\ncommandstats\r\n")
+        data = b""
+        while b"\r\n" not in data or len(data) < data.index(b"\r\n") + 4 + int(data[1 : data.index(b"\r\n")]):
+            data += conn.recv(65536)
+    found = re.search(rb"cmdstat_evalsha:calls=(\d+)", data)
+    return int(found.group(1)) if found else 0
 
 
 def _epd_plan(stack: Stack, scripts: Scripts, duration: int) -> Plan:

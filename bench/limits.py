@@ -5,7 +5,8 @@ redis-server on loopback (SharedLimits), side by side in one run.
 
 For each arm, ``requests`` admissions and ends of one key with a request rate, token budgets and
 ``max_concurrency`` (each end spending 100 tokens), ``concurrency`` at a time; the median over
-``repeats`` of the wall µs a request, and the store's round trips a request (its commandstats).
+``repeats`` of the wall µs a request, the scripts the store ran a request (its commandstats)
+and the round trips a request took (pipelines: the scripts of one event-loop turn go together).
 Bounded: it stops by itself, and the redis-server it starts goes with it.
 """
 
@@ -63,21 +64,27 @@ async def main_async(args: argparse.Namespace) -> None:
             shared = SharedLimits(LimitsStoreConfig(server.url, 1000.0), GatewayMetrics(CollectorRegistry()))
             local = KeyLimits()
             print(
-                "| concurrency | per process µs a request | shared (Redis) µs a request | x | round trips a request |"
+                "| concurrency | per process µs a request | shared (Redis) µs a request | x | scripts a request "
+                "| round trips a request |"
             )
-            print("|---:|---:|---:|---:|---:|")
+            print("|---:|---:|---:|---:|---:|---:|")
             for concurrency in args.concurrency:
                 await _run(shared, 200, concurrency)  # warm: the scripts loaded, the connections open
                 times: dict[str, list[float]] = {"local": [], "shared": []}
+                scripts: list[float] = []
                 trips: list[float] = []
                 for _ in range(args.repeats):  # alternating, so that the machine's drift hits both
                     times["local"].append(await _run(local, args.requests, concurrency))
-                    before = _calls(counter)
+                    before, sent = _calls(counter), shared.round_trips
                     times["shared"].append(await _run(shared, args.requests, concurrency))
-                    trips.append((_calls(counter) - before) / args.requests)
+                    scripts.append((_calls(counter) - before) / args.requests)
+                    trips.append((shared.round_trips - sent) / args.requests)
                 a = statistics.median(times["local"]) / args.requests * 1e6
                 b = statistics.median(times["shared"]) / args.requests * 1e6
-                print(f"| {concurrency} | {a:.1f} | {b:.1f} | {b / a:.1f} | {statistics.median(trips):.2f} |")
+                print(
+                    f"| {concurrency} | {a:.1f} | {b:.1f} | {b / a:.1f} | {statistics.median(scripts):.2f} "
+                    f"| {statistics.median(trips):.2f} |"
+                )
             counter.close()
             await shared.close()
         finally:

@@ -6,6 +6,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     ├── InvalidRequestError               400 invalid_request_error invalid_request
     │   ├── UnsupportedModalityError      400                       unsupported_modality
     │   ├── UnsupportedApiError           400                       unsupported_api
+    │   ├── InvalidPriorityError          400                       invalid_priority
     │   ├── TooManyItemsError             400                       too_many_items
     │   ├── TooManyVisualTokensError      400                       too_many_visual_tokens
     │   ├── ImageTooLargeError            400                       image_too_large
@@ -32,6 +33,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     │   └── TokensRateLimitedError        429                       tokens_rate_limit_exceeded
     ├── QueueFullError                    429 rate_limit_error      queue_full
     ├── QueueTimeoutError                 503 server_error          queue_timeout
+    ├── PreemptedError                    503 server_error          preempted
     ├── DecodersBusyError                 503 server_error          decoders_busy
     ├── LimitsStoreUnavailableError       503 server_error          limits_store_unavailable
     ├── UpstreamError                     502 server_error          upstream_error
@@ -158,6 +160,10 @@ class UnreadableBodyError(InvalidRequestError, closes_connection=True):
 
 
 class UnsupportedModalityError(InvalidRequestError, code="unsupported_modality"): ...
+
+
+class InvalidPriorityError(InvalidRequestError, code="invalid_priority"):
+    """An ``x-priority`` header that names no priority class."""
 
 
 class UnsupportedApiError(InvalidRequestError, code="unsupported_api"):
@@ -299,6 +305,11 @@ class EmbeddingsNotDeliveredError(UpstreamError):
 
 class QueueTimeoutError(GatewayError, status=503, code="queue_timeout"):
     """The request waited queue.timeout_s for a slot of its model (with Retry-After)."""
+
+
+class PreemptedError(GatewayError, status=503, code="preempted"):
+    """The request waited in its model's full queue and was shed for one of a higher priority
+    class, before any byte of it went upstream (with Retry-After)."""
 
 
 class LimitsStoreUnavailableError(GatewayError, status=503, code="limits_store_unavailable"):

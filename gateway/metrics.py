@@ -27,6 +27,7 @@ REJECTION_REASONS = ("unsupported", "too_many_items", "invalid_content", "media_
                      "image_too_large")  # fmt: skip
 # A request's visual tokens: one thumbnail (~100) to a camera roll (100k+)
 VISUAL_TOKEN_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+SHED_REASONS = ("queue_full", "queue_timeout", "preempted")  # gateway_shed_total{reason}
 TOKEN_KINDS = ("prompt", "completion", "cached")  # gateway_tokens_total's kind
 UNKNOWN_MODEL = "_unknown"  # the model label of requests that name no configured model
 NO_KEY = "-"  # the key label of requests without auth
@@ -264,8 +265,17 @@ class GatewayMetrics:
         )
         self.shed = Counter(
             "gateway_shed",
-            "Requests refused because their model was at max_concurrency: queue_full (429) or queue_timeout (503).",
-            ["model", "reason"],
+            "Requests refused because their model was at max_concurrency: queue_full (429), queue_timeout (503), or "
+            "preempted (503: shed from the full queue for a request of a higher class), by the shed one's priority.",
+            ["model", "reason", "priority"],
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "gateway_queue_wait_seconds",
+            "Time a request of a model with max_concurrency waited for its slot (0 when one was free), by its "
+            "priority class; only requests that got one.",
+            ["model", "priority"],
+            buckets=DURATION_BUCKETS,
             registry=registry,
         )
         self.config_info = Gauge(

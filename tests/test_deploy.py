@@ -43,6 +43,9 @@ POOL_ALERTED = (
 # Per-model concurrency (gateway.upstream.concurrency): on the "Concurrency limits" row, shedding alerted.
 CONCURRENCY_METRICS = ("gateway_queue_depth", "gateway_model_in_flight", "gateway_shed_total")
 CONCURRENCY_ALERTED = ("gateway_shed_total",)
+# Priority classes (x-priority) in the models' queues: on the "Priority queues" row (shedding is alerted above).
+PRIORITY_METRICS = ("gateway_queue_wait_seconds_bucket", "gateway_queue_wait_seconds_count", "gateway_queue_depth",
+                    "gateway_shed_total")  # fmt: skip
 # Which routing.yaml each instance runs: on the "Traffic" row, beside the reloads.
 CONFIG_METRICS = ("gateway_config_info", "gateway_config_generation", "gateway_config_reloads_total")
 # API keys (gateway.admission.auth): requests, refusals for a key and by a key's limits on the "Access (API
@@ -56,6 +59,7 @@ ROWS = (
     ("Traffic", CONFIG_METRICS, ("gateway_config_reloads_total",)),
     ("Access (API keys)", ACCESS_METRICS, ACCESS_ALERTED),
     ("Tokens: what each key and model spent", ("gateway_tokens_total",), ()),
+    ("Priority queues", PRIORITY_METRICS, ()),
 )
 
 pytestmark = pytest.mark.skipif(

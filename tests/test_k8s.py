@@ -391,12 +391,13 @@ def dependency_closure(requirements: list[str]) -> tuple[set[str], set[str]]:
     return seen, missing
 
 
-@needs_video  # the image installs the video extra: its dependencies must be installed here to be known
+@needs_video  # the image installs the video and tracing extras: their dependencies must be installed here
 def test_the_gateway_image_installs_the_gateway_and_its_dependencies_only() -> None:
     image = dockerfile("gateway")
-    # one install, of the project itself with the video extra (PyAV): pyproject's base dependencies
-    # and the decoder that video served as frames needs
-    assert pip_installs(image) == [[".[video]"]]
+    # one install, of the project itself with the video extra (PyAV) and the tracing one
+    # (OpenTelemetry): pyproject's base dependencies, the decoder that video served as frames
+    # needs, and what server.tracing sends spans with
+    assert pip_installs(image) == [[".[video,tracing]"]]
     assert "backends" not in copied_sources(image), "the encoder's code has no place in the gateway image"
     base, version = image.final.base.split(":")
     assert base == "python" and version.endswith("-slim-bookworm"), image.final.base
@@ -406,10 +407,10 @@ def test_the_gateway_image_installs_the_gateway_and_its_dependencies_only() -> N
         canonicalize_name(Requirement(r).name) for r in PYPROJECT["project"]["optional-dependencies"]["encoder"]
     }
     assert "torch" in encoder_only
-    video = PYPROJECT["project"]["optional-dependencies"]["video"]
-    closure, missing = dependency_closure([*PYPROJECT["project"]["dependencies"], *video])
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    closure, missing = dependency_closure([*PYPROJECT["project"]["dependencies"], *extras["video"], *extras["tracing"]])
     assert not missing, f"not installed here, so their dependencies are unknown: {sorted(missing)}"
-    assert {"aiohttp", "orjson", "pyyaml", "prometheus-client", "av"} <= closure
+    assert {"aiohttp", "orjson", "pyyaml", "prometheus-client", "av", "opentelemetry-sdk"} <= closure
     assert not closure & encoder_only, f"the gateway's dependencies pull in {sorted(closure & encoder_only)}"
     assert not [n for n in closure if n.startswith("nvidia-")]
 

@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.config import PRIORITIES
 from tests.conftest import Gateway, Upstream, free_port, routing
 from tools.standin import StandIn
 
@@ -159,11 +160,15 @@ async def test_metrics_pass_promtool_lint(
     # concurrency (models with max_concurrency only) and health checks
     limited = {"model": "limited"}
     assert (
-        value("gateway_shed_total", **limited, reason="queue_full"),
-        value("gateway_shed_total", **limited, reason="queue_timeout"),
-    ) == (1, 0)
-    assert (value("gateway_queue_depth", **limited), value("gateway_model_in_flight", **limited)) == (0, 0)
-    assert value("gateway_shed_total", model="pooled", reason="queue_full") is None  # declared with a limit only
+        value("gateway_shed_total", **limited, reason="queue_full", priority="default"),
+        value("gateway_shed_total", **limited, reason="queue_timeout", priority="default"),
+        value("gateway_shed_total", **limited, reason="preempted", priority="bulk"),  # declared: every class
+    ) == (1, 0, 0)
+    assert value("gateway_queue_wait_seconds_count", **limited, priority="default") == 1
+    assert value("gateway_queue_wait_seconds_count", **limited, priority="system") == 0
+    depths = [value("gateway_queue_depth", **limited, priority=p) for p in PRIORITIES]
+    assert depths == [0, 0, 0, 0] and value("gateway_model_in_flight", **limited) == 0
+    assert value("gateway_shed_total", model="pooled", reason="queue_full", priority="default") is None  # limits only
     assert value("gateway_health_checks_total", **limited, upstream=held.upstream.url, result="pass") == 1
     assert value("gateway_requests_total", **limited, code="429", key="ci", api="chat") == 1
     # API keys: a wrong one, and tight's second request within its minute

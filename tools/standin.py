@@ -64,6 +64,7 @@ class StandIn:
     healthy: bool = True  # GET /health: 200, or 503 when False
     record: bool = True  # False: keep nothing in ``received`` (a benchmark's millions of requests)
     stored: set[str] = field(default_factory=set)  # ids of the responses it stores, as vLLM's store keeps them
+    hold: asyncio.Event | None = None  # each request, once recorded, waits for it (a test's saturated engine)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -88,6 +89,8 @@ class StandIn:
         if self.reset and request.transport is not None:
             request.transport.abort()
             return {}, web.Response(status=500)  # never reaches anyone: the connection is gone
+        if self.hold is not None:
+            await self.hold.wait()
         delay = int(request.headers.get("X-Standin-Delay-Ms", "0")) + self.delay_ms
         if delay:
             await asyncio.sleep(delay / 1000)

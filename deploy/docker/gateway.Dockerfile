@@ -16,10 +16,10 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY gateway/ gateway/
-# The gateway's dependencies and the `video` extra (PyAV, whose wheel ships FFmpeg: video served
-# as frames or pre-sampled), not the `encoder` extra (torch). backends/ is not copied, so the image
-# holds no encoder code either.
-RUN python -m venv /opt/venv && /opt/venv/bin/pip install '.[video]'
+# The gateway's dependencies, the `video` extra (PyAV, whose wheel ships FFmpeg: video served as
+# frames or pre-sampled) and the `tracing` extra (OpenTelemetry: server.tracing), not the
+# `encoder` extra (torch). backends/ is not copied, so the image holds no encoder code either.
+RUN python -m venv /opt/venv && /opt/venv/bin/pip install '.[video,tracing]'
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1

@@ -12,6 +12,11 @@ step is one Lua script, atomic on the server, whose clock (``TIME``) every proce
   second round trip, once they are known);
 - **the end** (after the last byte, off the request's path): its tokens spent, its slot given back.
 
+The scripts of one turn of the event loop (every request admitted or ended in it) go to the store
+together, in one pipeline: one round trip, and one connection taken from the pool, for all of
+them (a busy gateway admits many requests a turn; the store's CPU, and the gateway's, go to the
+scripts, not to the trips).
+
 A key's buckets are under ``mg:<sha256 of the key's name>:...``; no key, nor any part of a
 request, is ever written to the store. Each call has ``timeout_ms``; a store that fails or is
 slow is counted (``gateway_limits_store_errors_total{op}``) and, for a second, not asked again;
@@ -22,6 +27,7 @@ meanwhile ``on_failure: open`` admits requests as if the key had no limits, ``cl
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import logging
@@ -37,6 +43,8 @@ log = logging.getLogger(__name__)
 
 LEASE_S = 900  # a slot's lease: the longest a request may hold it before it lapses (a gateway gone)
 PAUSE_S = 1.0  # after a failure, the store is not asked for this long (the policy answers)
+END_RETRIES_S = (1.0, 2.0)  # a request's end that failed is sent again after these waits
+MAX_PIPELINE = 256  # scripts in one pipeline at most
 
 # The buckets: a hash {t: tokens left, u: when (the store's clock, seconds)}; refilled to now,
 # never over capacity; kept until they would be full again.
@@ -49,8 +57,12 @@ local function fill(key, capacity, per_s)
   local updated = tonumber(v[2]) or now
   return math.min(capacity, tokens + math.max(0, now - updated) * per_s)
 end
+-- written in full: Lua's tostring keeps 14 digits, which rounds the clock (10 digits of
+-- seconds) to 100 us; a rounding past the next call's clock was forgiven (max(0, ...)), and a
+-- key refused thousands of times a second was let through a few percent more than its rate
+local function exact(x) return string.format('%.17g', x) end
 local function keep(key, tokens, capacity, per_s)
-  redis.call('HSET', key, 't', tostring(tokens), 'u', tostring(now))
+  redis.call('HSET', key, 't', exact(tokens), 'u', exact(now))
   redis.call('EXPIRE', key, math.min(math.ceil((capacity - tokens) / per_s) + 1, 2592000))  -- 30 days at most
 end
 local function opt(x) if x == '' then return nil end return tonumber(x) end
@@ -158,13 +170,18 @@ class SharedLimits:
             connection_pool=pool, retry=Retry(NoBackoff(), 0)
         )  # timeout_ms bounds it
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError, TimeoutError)
+        self._no_script: type[BaseException] = redis.exceptions.NoScriptError
         self._admit = self._redis.register_script(_ADMIT)
         self._visual = self._redis.register_script(_VISUAL)
         self._finish = self._redis.register_script(_FINISH)
         self._paused_until = 0.0
         self._members = (f"{os.getpid()}:{os.urandom(4).hex()}:{n}" for n in itertools.count())
-        self._ending: set[asyncio.Task[None]] = set()
+        self._ending: set[asyncio.Future[Any]] = set()  # requests' ends not answered yet
         self._names: dict[str, str] = {}
+        self._queued: list[tuple[Any, list[str], list[str], asyncio.Future[Any]]] = []  # this turn's scripts
+        self._sending: set[asyncio.Task[None]] = set()
+        self.round_trips = 0  # pipelines sent (bench.limits reads it)
+        self._closed = False
 
     def _keys(self, key: ApiKey, *kinds: str) -> list[str]:
         prefix = self._names.get(key.name)
@@ -173,23 +190,80 @@ class SharedLimits:
             prefix = self._names[key.name] = f"mg:{digest}"
         return [f"{prefix}:{kind}" for kind in kinds]
 
-    async def _call(self, op: str, script: Any, keys: list[str], args: list[str], *, always: bool = False) -> Any:
-        """One script; None when the store failed (counted, and not asked again for a second,
-        but ``always``: a request's end, whose slot must be given back)."""
+    async def _call(self, op: str, script: Any, keys: list[str], args: list[str]) -> Any:
+        """One script; None when the store failed (counted, and not asked again for a second:
+        a request's end goes all the same, :meth:`_send_end`)."""
         loop = asyncio.get_running_loop()
-        if not always and loop.time() < self._paused_until:
+        if loop.time() < self._paused_until:
             self._metrics.child(self._metrics.limits_store_errors, op).inc()
             return None
         try:
             async with asyncio.timeout(self.spec.timeout_ms / 1000):
-                return await script(keys=keys, args=args)
+                return await self._pipelined(script, keys, args)
         except self._errors as exc:
-            self._metrics.child(self._metrics.limits_store_errors, op).inc()
-            if loop.time() >= self._paused_until:
-                log.warning("limits store %s failed (%s: %s); on_failure: %s for %gs", op, type(exc).__name__, exc,
-                            self.spec.on_failure, PAUSE_S)  # fmt: skip
-            self._paused_until = loop.time() + PAUSE_S
+            self._store_failed(op, exc)
             return None
+
+    def _store_failed(self, op: str, exc: BaseException) -> None:
+        """A call that failed: counted, said once, and the store left alone for PAUSE_S."""
+        loop = asyncio.get_running_loop()
+        self._metrics.child(self._metrics.limits_store_errors, op).inc()
+        if loop.time() >= self._paused_until:
+            log.warning("limits store %s failed (%s: %s); on_failure: %s for %gs", op, type(exc).__name__, exc,
+                        self.spec.on_failure, PAUSE_S)  # fmt: skip
+        self._paused_until = loop.time() + PAUSE_S
+
+    def _pipelined(self, script: Any, keys: list[str], args: list[str]) -> asyncio.Future[Any]:
+        """The script's answer, once the pipeline of this turn's scripts is back."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        if not self._queued:
+            loop.call_soon(self._flush)
+        self._queued.append((script, keys, args, answer))
+        return answer
+
+    def _flush(self) -> None:
+        queued, self._queued = self._queued, []
+        for start in range(0, len(queued), MAX_PIPELINE):
+            task = asyncio.get_running_loop().create_task(self._send(queued[start : start + MAX_PIPELINE]))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
+
+    async def _send(self, batch: list[tuple[Any, list[str], list[str], asyncio.Future[Any]]]) -> None:
+        """One pipeline; each answer to its caller (an error too). A script the store lacks (it
+        restarted empty) is loaded, and those calls sent once more."""
+        try:
+            async with asyncio.timeout(self.spec.timeout_ms / 1000):
+                results = await self._execute(batch)
+                missing = [i for i, r in enumerate(results) if isinstance(r, self._no_script)]
+                if missing:
+                    for script in {id(batch[i][0]): batch[i][0] for i in missing}.values():
+                        await self._redis.script_load(script.script)
+                    again = await self._execute([batch[i] for i in missing])
+                    for i, result in zip(missing, again, strict=True):
+                        results[i] = result
+        except BaseException as exc:  # the pipeline's failure is each call's
+            failure = exc if isinstance(exc, Exception) else ConnectionError("the limits store call was cancelled")
+            for *_, answer in batch:
+                if not answer.done():
+                    answer.set_exception(failure)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (*_, answer), result in zip(batch, results, strict=True):
+            if not answer.done():  # its caller gave up (its timeout, or it left)
+                if isinstance(result, BaseException):
+                    answer.set_exception(result)
+                else:
+                    answer.set_result(result)
+
+    async def _execute(self, batch: list[tuple[Any, list[str], list[str], asyncio.Future[Any]]]) -> list[Any]:
+        self.round_trips += 1
+        pipe = self._redis.pipeline(transaction=False)
+        for script, keys, args, _ in batch:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        results: list[Any] = await pipe.execute(raise_on_error=False)
+        return results
 
     def _failed(self) -> dict[str, str]:
         """The policy's answer while the store fails: admitted without limits, or a 503."""
@@ -264,23 +338,31 @@ class SharedLimits:
         if member is not None:
             self._send_end([keys[1], keys[2], keys[3]], ["", "", "0", member])
 
-    def _send_end(self, keys: list[str], args: list[str]) -> None:
-        task = asyncio.get_running_loop().create_task(self._end(keys, args))
-        self._ending.add(task)
-        task.add_done_callback(self._ending.discard)
+    def _send_end(self, keys: list[str], args: list[str], tried: int = 0) -> None:
+        """A request's end, in this turn's pipeline: no task of its own. One that fails is sent
+        again after 1 s, then 2 s (a slot not given back is held until its lease lapses); the
+        store's pause does not hold it back."""
+        if self._closed:  # a retry that came due as the gateway stopped: the lease lapses instead
+            return
+        answer = self._pipelined(self._finish, keys, args)
+        self._ending.add(answer)
+        answer.add_done_callback(functools.partial(self._ended, keys, args, tried))
 
-    async def _end(self, keys: list[str], args: list[str]) -> None:
-        """A request's end, tried three times (a slot not given back is held until its lease lapses)."""
-        for wait in (1.0, 2.0, 0.0):
-            if await self._call("finish", self._finish, keys, args, always=True) is not None or not wait:
-                return
-            await asyncio.sleep(wait)
+    def _ended(self, keys: list[str], args: list[str], tried: int, answer: asyncio.Future[Any]) -> None:
+        self._ending.discard(answer)
+        if answer.cancelled() or (exc := answer.exception()) is None:
+            return
+        self._store_failed("finish", exc)
+        if tried < len(END_RETRIES_S):
+            asyncio.get_running_loop().call_later(END_RETRIES_S[tried], self._send_end, keys, args, tried + 1)
 
     async def close(self) -> None:
-        if self._ending:
-            _, pending = await asyncio.wait(self._ending, timeout=self.spec.timeout_ms / 1000 * 4)
-            for task in pending:
-                task.cancel()
+        self._closed = True
+        waiting: set[asyncio.Future[Any]] = {*self._ending, *self._sending}
+        if waiting:
+            _, pending = await asyncio.wait(waiting, timeout=self.spec.timeout_ms / 1000 * 4)
+            for left in pending:
+                left.cancel()
             if pending:
                 await asyncio.wait(pending)
         await self._redis.aclose()

@@ -27,6 +27,7 @@ from .loader import TooLargeError
 from .sections import Parser
 from .types import (
     BALANCE_POLICIES,
+    PRIORITIES,
     REJECT,
     ApiKey,
     AuthConfig,
@@ -38,16 +39,19 @@ from .types import (
     MediaConfig,
     ModelConfig,
     Policy,
+    PriorityCap,
     QueueConfig,
     RateLimit,
     RetryConfig,
     ServerConfig,
     TimeoutConfig,
+    TracingConfig,
 )
 from .validate import missing_software, validate, validate_host
 
 __all__ = [
     "BALANCE_POLICIES",
+    "PRIORITIES",
     "REJECT",
     "ApiKey",
     "AuthConfig",
@@ -59,11 +63,13 @@ __all__ = [
     "MediaConfig",
     "ModelConfig",
     "Policy",
+    "PriorityCap",
     "QueueConfig",
     "RateLimit",
     "RetryConfig",
     "ServerConfig",
     "TimeoutConfig",
+    "TracingConfig",
     "as_dict",
     "env_secret",
     "load_config",

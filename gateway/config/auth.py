@@ -6,8 +6,19 @@ import math
 from typing import Any
 
 from .loader import MISSING
-from .readers import Readers, describe, fields
-from .types import API_KEY_KEYS, AUTH_KEYS, RATE_LIMIT_KEYS, SHA256_HEX, ApiKey, AuthConfig, RateLimit
+from .readers import Readers, describe, fields, unknown_message
+from .types import (
+    API_KEY_KEYS,
+    AUTH_KEYS,
+    PRIORITIES,
+    PRIORITY_KEYS,
+    RATE_LIMIT_KEYS,
+    SHA256_HEX,
+    ApiKey,
+    AuthConfig,
+    PriorityCap,
+    RateLimit,
+)
 
 
 class AuthReaders(Readers):
@@ -55,7 +66,32 @@ class AuthReaders(Readers):
             max_concurrency=None
             if max_concurrency is MISSING
             else self.integer(max_concurrency, f"{path}.max_concurrency", 0, minimum=1) or None,
+            priority=self.priority(raw.get("priority", MISSING), f"{path}.priority"),
         )
+
+    def priority(self, value: Any, path: str) -> PriorityCap:
+        """A key's classes: ``max`` (its cap; default ``default``) and ``default`` (without the
+        header; default the lower of ``default`` and ``max``)."""
+        if value is MISSING:
+            return PriorityCap()
+        raw = self.mapping(value, path, PRIORITY_KEYS, what="priority")
+        if raw is None:
+            return PriorityCap()
+        cap = self._class(raw.get("max", MISSING), f"{path}.max", "default")
+        lowered = PRIORITIES[max(PRIORITIES.index("default"), PRIORITIES.index(cap))]
+        default = self._class(raw.get("default", MISSING), f"{path}.default", lowered)
+        if PRIORITIES.index(default) < PRIORITIES.index(cap):
+            self.problem(f"{path}.default", f"'{default}' is above the key's max '{cap}'")
+            default = cap
+        return PriorityCap(default, cap)
+
+    def _class(self, value: Any, path: str, otherwise: str) -> str:
+        if value is MISSING:
+            return otherwise
+        if value not in PRIORITIES:
+            self.problem(path, unknown_message(value, PRIORITIES, "priority class"))
+            return otherwise
+        return str(value)
 
     def rate_limit(self, value: Any, path: str) -> RateLimit | None:
         if value is MISSING:

@@ -38,6 +38,18 @@ class PoolReaders(Readers):
             self.problem(f"{path}.balance", unknown_message(balance, BALANCE_POLICIES, "balance policy"))
             balance = "p2c"
         max_concurrency = raw.get("max_concurrency", MISSING)
+        limit = (
+            None
+            if max_concurrency is MISSING
+            else self.integer(max_concurrency, f"{path}.max_concurrency", 0, minimum=1) or None
+        )
+        queue = self.queue(raw.get("queue", {}), f"{path}.queue")
+        if queue.reserved and (limit is None or queue.reserved >= limit):
+            self.problem(
+                f"{path}.queue.reserved",
+                f"{queue.reserved} slots reserved for the system class need a max_concurrency above it "
+                f"({'none is set' if limit is None else limit}): the other classes would never get one",
+            )
         health_check = raw.get("health_check", MISSING)
         return {
             "api_key_env": None if api_key_env is MISSING else self.env_name(api_key_env, f"{path}.api_key_env"),
@@ -45,10 +57,8 @@ class PoolReaders(Readers):
             "retries": self.retries(raw.get("retries", {}), f"{path}.retries"),
             "breaker": self.breaker(raw.get("breaker", {}), f"{path}.breaker", server),
             "timeouts": self.timeouts(raw.get("timeouts", {}), f"{path}.timeouts", server),
-            "max_concurrency": None
-            if max_concurrency is MISSING
-            else self.integer(max_concurrency, f"{path}.max_concurrency", 0, minimum=1) or None,
-            "queue": self.queue(raw.get("queue", {}), f"{path}.queue"),
+            "max_concurrency": limit,
+            "queue": queue,
             "health_check": None
             if health_check is MISSING
             else self.health_check(health_check, f"{path}.health_check"),
@@ -144,6 +154,7 @@ class PoolReaders(Readers):
         return QueueConfig(
             size=self.integer(*get("size"), minimum=0),
             timeout_s=self.number(*get("timeout_s")),
+            reserved=self.integer(*get("reserved"), minimum=0),
         )
 
     def breaker(self, value: Any, path: str, server: ServerConfig) -> BreakerConfig:

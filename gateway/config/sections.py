@@ -28,6 +28,7 @@ from .types import (
     SERVER_KEYS,
     SUPPORTED_VERSION,
     TOP_KEYS,
+    TRACING_KEYS,
     TRANSCRIBE_KEYS,
     UPSTREAM_CLIENTS,
     VISUAL_LIMITS,
@@ -38,6 +39,7 @@ from .types import (
     ModelConfig,
     Policy,
     ServerConfig,
+    TracingConfig,
 )
 from .visual import VisualReaders
 
@@ -100,7 +102,29 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
             access_log=self.boolean(*get("access_log")),
             upstream_client=self.upstream_client(*get("upstream_client")),
             limits_store=self.limits_store(*get("limits_store")),
+            tracing=self.tracing(*get("tracing")),
         )
+
+    def tracing(self, value: Any, path: str, default: None) -> TracingConfig | None:
+        if value is MISSING or value is None:
+            return None
+        raw = self.mapping(value, path, TRACING_KEYS, what="tracing")
+        if raw is None:
+            return None
+        endpoint = self.string(raw.get("otlp_endpoint", MISSING), f"{path}.otlp_endpoint")
+        if endpoint is not None and urllib.parse.urlsplit(endpoint).scheme not in ("http", "https"):
+            self.problem(f"{path}.otlp_endpoint", f"must be an http:// or https:// URL (OTLP/HTTP), not {endpoint!r}")
+            endpoint = None
+        get = fields(raw, path, TracingConfig(""))
+        ratio, ratio_path, default_ratio = get("sample_ratio")
+        sample_ratio = self.number(ratio, ratio_path, default_ratio, positive=False)
+        if not 0.0 <= sample_ratio <= 1.0:
+            self.problem(ratio_path, f"must be between 0 and 1, not {sample_ratio:g}")
+            sample_ratio = default_ratio
+        service = self.string(raw.get("service_name", "modality-gateway"), f"{path}.service_name")
+        if endpoint is None:
+            return None
+        return TracingConfig(endpoint, sample_ratio, service or "modality-gateway")
 
     def limits_store(self, value: Any, path: str, default: None) -> LimitsStoreConfig | None:
         if value is MISSING or value is None:

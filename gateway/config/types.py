@@ -46,7 +46,9 @@ SERVER_KEYS = (
     "access_log",
     "upstream_client",
     "limits_store",
+    "tracing",
 )
+TRACING_KEYS = ("otlp_endpoint", "sample_ratio", "service_name")
 LIMITS_STORE_KEYS = ("url", "timeout_ms", "on_failure")
 LIMITS_STORE_SCHEMES = ("redis", "rediss", "unix")
 # the keys of an on_unsupported policy written as a mapping (video: {sample: ...} takes the first
@@ -102,9 +104,12 @@ RETRY_KEYS = ("attempts", "on_status", "budget", "min_per_s", "backoff_s", "max_
 RETRYABLE_STATUSES = (429, 500, 502, 503, 504)  # what retries.on_status may list
 BREAKER_KEYS = ("failures", "open_s", "successes")
 TIMEOUT_KEYS = ("connect_s", "first_byte_s", "idle_s", "total_s")
-QUEUE_KEYS = ("size", "timeout_s")
+QUEUE_KEYS = ("size", "timeout_s", "reserved")
 AUTH_KEYS = ("keys",)
-API_KEY_KEYS = ("name", "key_env", "key_sha256", "models", "rate_limit", "max_concurrency")
+API_KEY_KEYS = ("name", "key_env", "key_sha256", "models", "rate_limit", "max_concurrency", "priority")
+PRIORITY_KEYS = ("default", "max")
+# The priority classes, highest first: a model's queue serves them in this order (x-priority)
+PRIORITIES = ("system", "interactive", "default", "bulk")
 RATE_LIMIT_KEYS = ("requests_per_minute", "burst", "visual_tokens_per_minute", "tokens_per_minute", "tokens_per_day")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 HEALTH_CHECK_KEYS = ("path", "interval_s", "timeout_s", "failures")
@@ -140,6 +145,15 @@ class LimitsStoreConfig:
     url: str
     timeout_ms: float = 50.0
     on_failure: Literal["open", "closed"] = "open"
+
+
+@dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """``server.tracing``: spans sent to an OTLP/HTTP collector (gateway.tracing)."""
+
+    otlp_endpoint: str  # http://collector:4318; spans go to its /v1/traces
+    sample_ratio: float = 1.0  # of the traces that begin here; a client's traceparent decides its own
+    service_name: str = "modality-gateway"  # the resource's service.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +194,7 @@ class ServerConfig:
     upstream_client: Literal["http1", "aiohttp"] = "http1"
     # key limits shared by every gateway process pointing at it; None: per process. Read at start
     limits_store: LimitsStoreConfig | None = None
+    tracing: TracingConfig | None = None  # None: no traces. Read at start
 
     @property
     def admin_address(self) -> tuple[str, int] | None:
@@ -260,6 +275,7 @@ class QueueConfig:
 
     size: int = 128  # waiting requests at most; one more: 429 queue_full
     timeout_s: float = 30.0  # the longest wait; then 503 queue_timeout
+    reserved: int = 0  # slots of max_concurrency only requests of the top class (system) may take
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +303,15 @@ class RateLimit:
 
 
 @dataclass(frozen=True, slots=True)
+class PriorityCap:
+    """The priority classes a key's requests get (``x-priority``): ``default`` without the
+    header, and never above ``max`` (a key may lower its class, not raise it)."""
+
+    default: str = "default"  # one of PRIORITIES
+    max: str = "default"
+
+
+@dataclass(frozen=True, slots=True)
 class ApiKey:
     """One client key of ``auth.keys``. The key itself is never held: an env var names it, or
     its sha256 is given."""
@@ -297,6 +322,7 @@ class ApiKey:
     models: tuple[str, ...] = ()  # names or globs (fnmatch); empty: every model
     rate_limit: RateLimit | None = None
     max_concurrency: int | None = None
+    priority: PriorityCap = PriorityCap()
 
     def allows(self, model: str) -> bool:
         return not self.models or any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)

@@ -9,6 +9,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from ..modalities import Modality
+from ..tracing import available as tracing_available
 from .environment import env_secret
 from .loader import MarkedDocument
 from .types import BUILTIN_TOWERS, ENCODABLE, GatewayConfig, ModelConfig
@@ -153,13 +154,18 @@ def _check_redirect_loops(config: GatewayConfig, p: MarkedDocument) -> None:
 
 
 def missing_software(config: GatewayConfig) -> list[tuple[str, str]]:
-    """What the config needs that this machine lacks (PyAV, for video sampling), as (dotted path,
-    message): refused by serve, reloads and ``check --here`` with the file's lines, and by the
-    config store for a config built in code."""
-    if find_spec("av") is not None:
-        return []
-    missing = "need PyAV, which is not installed here: pip install 'modality-gateway[video]'"
+    """What the config needs that this machine lacks (PyAV, for video sampling; OpenTelemetry,
+    for traces), as (dotted path, message): refused by serve, reloads and ``check --here`` with
+    the file's lines, and by the config store for a config built in code."""
     problems = []
+    if config.server.tracing is not None and not tracing_available():
+        problems.append(
+            ("server.tracing", "needs the OpenTelemetry SDK and its OTLP/HTTP exporter, which are not installed here: "
+             "pip install 'modality-gateway[tracing]'")
+        )  # fmt: skip
+    if find_spec("av") is not None:
+        return problems
+    missing = "need PyAV, which is not installed here: pip install 'modality-gateway[video]'"
     for i, model in enumerate(config.models):
         for m, policy in model.on_unsupported.items():
             if policy.action == "frames":

@@ -44,6 +44,7 @@ from ..errors import (
 from ..fanout import gather_all
 from ..media.fetch import MediaFetcher, is_data_url, sha256
 from ..metrics import GatewayMetrics
+from ..tracing import Tracing, inject
 from ..upstream.attempts import Attempts
 from ..upstream.client import KEEPALIVE_TIMEOUT_S, whole_body
 from ..upstream.failures import CLIENT_ERRORS
@@ -145,9 +146,12 @@ class EncoderClient:
         metrics: GatewayMetrics,
         fetcher: MediaFetcher,
         local_urls: Callable[[str], str | None] = lambda name: None,
+        *,
+        tracing: Tracing | None = None,
     ) -> None:
         self._metrics = metrics
         self.fetcher = fetcher
+        self._tracing = tracing  # each backend's request carries the encode span's traceparent
         self._local_urls = local_urls  # the supervisor's answer: where a local encoder listens, once ready
         # every backend's load and health, by URL; a request's pool is made from the URLs of its
         # encoder's config (the generation it was admitted under) when it encodes
@@ -214,6 +218,8 @@ class EncoderClient:
         model = plan.model.name
         blobs = await self._load_all(images, model, config.media)
         shas = await asyncio.gather(*(sha256(b) for b in blobs))
+        if self._tracing is not None and self._tracing.recording():  # the media named by hash, never shown
+            self._tracing.current().set_attribute("gateway.media.image.sha256", list(dict.fromkeys(shas)))
         if spec.kind == "vllm":
             new_parts, fields = await self._prime(spec, plan, body, images, shas, request_id)
         else:
@@ -265,7 +271,14 @@ class EncoderClient:
                 spec.name, urls, balance="affinity", breaker=self._breaker
             )
         priming = epd.Priming(
-            self._session, spec, pool, plan.model.upstream_name, epd.carried(body), request_id, self._metrics
+            self._session,
+            spec,
+            pool,
+            plan.model.upstream_name,
+            epd.carried(body),
+            request_id,
+            self._metrics,
+            self._tracing,
         )
         items: dict[str, epd.Item] = {}
         for image, sha in zip(images, shas, strict=True):
@@ -326,6 +339,7 @@ class EncoderClient:
         # a backend that does not accept the connection is skipped, like an upstream replica
         timeout = aiohttp.ClientTimeout(total=spec.timeout_s, sock_connect=self._connect_timeout_s)
         headers = {"Content-Type": OCTETS, "X-Request-Id": job.request_id}
+        inject(self._tracing, headers)
         # encoding is idempotent: every backend may be tried once. With every backend skipped the
         # first try goes anyway: one URL may be a whole fleet behind a Service, which one pod's
         # failure must not take out of use

@@ -45,6 +45,7 @@ from ..config import EncoderConfig
 from ..errors import EncoderError, ImagesRefusedError, error_detail
 from ..fanout import gather_all
 from ..metrics import GatewayMetrics
+from ..tracing import Tracing, inject
 from ..upstream.attempts import Attempts, failed
 from ..upstream.failures import CLIENT_ERRORS, being_cancelled, read_capped
 from ..upstream.replicas import Lease, Pool, Replica
@@ -82,6 +83,7 @@ class Priming:
     carried: Mapping[str, Any]  # CARRIED_FIELDS of the request
     request_id: str
     metrics: GatewayMetrics
+    tracing: Tracing | None = None  # each priming request carries the prime span's traceparent
 
 
 def carried(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -180,6 +182,12 @@ async def _limited(limit: asyncio.Semaphore, priming: Priming, group: _Group) ->
         return await _send(priming, group)
 
 
+def _headers(priming: Priming) -> dict[str, str]:
+    headers = {"Content-Type": JSON, "X-Request-Id": priming.request_id}
+    inject(priming.tracing, headers)
+    return headers
+
+
 async def _send(priming: Priming, group: _Group) -> str | None:
     """One priming request; None when it went through (each item's entry set), else why it failed
     (the items are tried on another instance). A 400 is the images' fault: raised."""
@@ -201,7 +209,7 @@ async def _send(priming: Priming, group: _Group) -> str | None:
             async with priming.session.post(
                 f"{url}/v1/chat/completions",
                 data=orjson.dumps(payload),
-                headers={"Content-Type": JSON, "X-Request-Id": priming.request_id},
+                headers=_headers(priming),
                 timeout=aiohttp.ClientTimeout(total=spec.timeout_s),
             ) as resp:
                 status, data = resp.status, await read_capped(resp, max_reply_bytes(len(group.items)))

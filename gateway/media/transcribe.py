@@ -44,6 +44,7 @@ from ..errors import (
 from ..fanout import gather_all
 from ..metrics import GatewayMetrics
 from ..modalities import Modality
+from ..tracing import Tracing, inject
 from ..upstream.attempts import Attempts
 from ..upstream.failures import CLIENT_ERRORS, read_capped
 from ..upstream.http1 import KEEPALIVE_S
@@ -66,9 +67,16 @@ class Transcriber:
     """Sends audio parts to a transcription model's upstreams over one ClientSession."""
 
     def __init__(
-        self, metrics: GatewayMetrics, fetcher: MediaFetcher, retries: RetryBook, cache: ConversionCache | None = None
+        self,
+        metrics: GatewayMetrics,
+        fetcher: MediaFetcher,
+        retries: RetryBook,
+        cache: ConversionCache | None = None,
+        *,
+        tracing: Tracing | None = None,
     ) -> None:
         self._metrics = metrics
+        self._tracing = tracing  # each transcription request carries the transcribe span's traceparent
         self._fetcher = fetcher
         self._retries = retries  # the transcription model's budget, which its chat requests share
         self._cache = cache if cache is not None else ConversionCache(0)
@@ -199,6 +207,7 @@ class Transcriber:
         assert self._session is not None
         target = job.target
         headers = {"X-Request-Id": job.request_id}
+        inject(self._tracing, headers)
         auth = job.live.upstream_auth.get(target.name)
         if auth is not None:
             headers["Authorization"] = auth

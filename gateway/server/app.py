@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import logging
 from collections.abc import AsyncIterator, Mapping
 from types import MappingProxyType
@@ -22,6 +23,7 @@ from ..media.conversions import ConversionCache
 from ..media.fetch import MediaFetcher
 from ..media.transcribe import Transcriber
 from ..metrics import GatewayMetrics, WorkersCollector
+from ..tracing import Tracing
 from ..upstream.client import UpstreamClient
 from ..upstream.collector import PoolCollector
 from ..upstream.concurrency import Gates
@@ -66,16 +68,20 @@ def create_app(
         scrape.register(WorkersCollector(multiprocess_dir))
     replicas = ReplicaSet(on_open=lambda model, url: _ejected(metrics, model, url))
     store = ConfigStore(config, metrics=metrics, path=config_path, replicas=replicas)
-    gates = Gates(on_shed=lambda model, reason: metrics.shed.labels(model, reason).inc())
+    gates = Gates(
+        on_shed=lambda model, reason, priority: metrics.child(metrics.shed, model, reason, priority).inc(),
+        on_wait=lambda model, priority, waited: metrics.child(metrics.queue_wait, model, priority).observe(waited),
+    )
     scrape.register(PoolCollector(lambda: store.live.pools, gates))  # this process's pools, also in a worker
     if supervisor is None:
         supervisor = Supervisor(config)
-    encoder = EncoderClient(metrics, MediaFetcher(config.media), supervisor.url)
+    tracing = _tracing(config)
+    encoder = EncoderClient(metrics, MediaFetcher(config.media), supervisor.url, tracing=tracing)
     conversions = ConversionCache(config.media.cache_bytes, metrics)
     store.subscribe(encoder.update)
     store.subscribe(supervisor.update)
     store.subscribe(lambda new: conversions.resize(new.media.cache_bytes))
-    upstream = UpstreamClient(metrics, client=config.server.upstream_client)
+    upstream = UpstreamClient(metrics, client=config.server.upstream_client, tracing=tracing)
     services = Services(
         store,
         metrics,
@@ -84,9 +90,10 @@ def create_app(
         supervisor,
         config.server.max_body_bytes,
         gates,
-        transcriber=Transcriber(metrics, encoder.fetcher, upstream.retries, conversions),
+        transcriber=Transcriber(metrics, encoder.fetcher, upstream.retries, conversions, tracing=tracing),
         conversions=conversions,
         shared_limits=_shared_limits(config, metrics),
+        tracing=tracing,
     )
 
     app = web.Application(
@@ -125,6 +132,19 @@ def _shared_limits(config: GatewayConfig, metrics: GatewayMetrics) -> SharedLimi
     return SharedLimits(spec, metrics)
 
 
+def _tracing(config: GatewayConfig) -> Tracing | None:
+    """The tracer (``server.tracing``), read at start: a reload that changes it is said to need
+    a restart."""
+    spec = config.server.tracing
+    if spec is None:
+        return None
+    try:
+        version = importlib.metadata.version("modality-gateway")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        version = ""
+    return Tracing(spec.otlp_endpoint, spec.sample_ratio, service=spec.service_name, version=version)
+
+
 async def _clients(app: web.Application) -> AsyncIterator[None]:
     services = app[SERVICES_KEY]
     config = services.store.current
@@ -141,6 +161,8 @@ async def _clients(app: web.Application) -> AsyncIterator[None]:
     services.decoders.close()
     if services.shared_limits is not None:
         await services.shared_limits.close()
+    if services.tracing is not None:  # the spans left sent (the SDK's thread; bounded by its export timeout)
+        await asyncio.to_thread(services.tracing.shutdown)
     await services.supervisor.close()  # supervised encoders stop last
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,15 +25,17 @@ from aiohttp import web
 from ..admission.body import exact, read_body, read_json
 from ..admission.dimensions import Dimensions, read_dimensions
 from ..admission.plan import EXPAND, RoutePlan, Visible
+from ..admission.priority import ANONYMOUS, DEFAULT_RANK, HEADER, priority_of
 from ..admission.rewrite import upstream_body
 from ..admission.upload import Form, parse_form
 from ..admission.visual import with_frames, with_videos
-from ..config import GatewayConfig, ModelConfig
+from ..config import PRIORITIES, GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
 from ..media import probe, remote, video
 from ..media.downscale import Resizing, downscale_for
 from ..metrics import NO_KEY, UNKNOWN_MODEL
+from ..tracing import Span, Tracing, stage
 from ..upstream.dispatch import Dispatch, Timeouts
 from ..upstream.live import Live
 from ..upstream.usage import Usage
@@ -55,11 +59,13 @@ class Exchange:
     raw: bytes
     body: dict[str, Any]
     stream: bool  # the client asked for a stream ("stream": true)
+    priority: int  # its class, as a rank in PRIORITIES (x-priority, capped by its key)
     model: ModelConfig | None = None  # the model that serves it, once known
     plan: RoutePlan | None = None  # for an API whose parts are admitted (every one but completions)
     converted: Replacements = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)  # beyond X-Request-Id, -Model, -Route
     primed: bool = False  # its images went to vLLM's encoder instances
+    began_ns: int = 0  # with tracing on: when it came (time.time_ns()), where its admission span begins
 
     def serve_with(self, model: ModelConfig) -> None:
         """The model the request names: its label in gateway_requests_total from now on."""
@@ -78,6 +84,8 @@ class Exchange:
         if plan.stripped:
             for part in plan.stripped_parts:
                 metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
+        if self.services.tracing is not None and self.services.tracing.recording():
+            _traced_admission(self.services.tracing, self.began_ns, plan)
 
     async def counted(self, plan: RoutePlan) -> None:
         """The request's visual tokens, known: held to its key's token budgets, spent of its
@@ -95,6 +103,17 @@ class Exchange:
             metrics = self.services.metrics
             metrics.child(metrics.visual_tokens, plan.model.name).inc(tokens)
             metrics.child(metrics.request_visual_tokens, plan.model.name).observe(tokens)
+
+
+def _traced_admission(tracing: Tracing, began_ns: int, plan: RoutePlan) -> None:
+    """The admission span, from the request's arrival to its plan: the media it holds, by
+    modality (their hashes come with the stages that read them: gateway.encode)."""
+    held = Counter(p.modality.value for p in plan.classification.parts)
+    attributes: dict[str, str | int] = {f"gateway.media.{m}.count": n for m, n in sorted(held.items())}
+    attributes["gateway.route"] = plan.route
+    if plan.visual is not None:
+        attributes["gateway.visual_tokens"] = plan.visual.tokens
+    tracing.start("gateway.admission", attributes, start_ns=began_ns or None).end()
 
 
 def _counts_frames(plan: RoutePlan) -> bool:
@@ -119,14 +138,26 @@ def visible(request: web.Request) -> Visible:
     return key.allows if key is not None else None
 
 
+def _admitted_as(request: web.Request) -> tuple[Visible, int]:
+    """The model names the request's key may use, and its class: ``x-priority`` within the key's
+    cap (400 for an unknown class)."""
+    key, header = request.get(API_KEY_KEY), request.headers.get(HEADER)
+    if key is None:
+        return None, DEFAULT_RANK if header is None else priority_of(header, ANONYMOUS)
+    return key.allows, priority_of(header, key.priority)
+
+
 async def begin(request: web.Request) -> Exchange:
     """The exchange of a request to a model endpoint: the live generation (the request keeps it to
     its last byte), its body read within the limits and parsed."""
     services = request.app[SERVICES_KEY]
     live = services.store.live
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL  # until the body names a model: a 413 or bad JSON counts too
+    allowed, priority = _admitted_as(request)
+    began = time.time_ns() if services.tracing is not None else 0
     raw, body = await read_json(request, live.config.server, max_bytes=services.max_body_bytes)
-    return Exchange(request, services, live, live.config, visible(request), raw, body, body.get("stream") is True)
+    streamed = body.get("stream") is True
+    return Exchange(request, services, live, live.config, allowed, raw, body, streamed, priority, began_ns=began)
 
 
 async def begin_upload(request: web.Request) -> tuple[Exchange, Form]:
@@ -134,11 +165,13 @@ async def begin_upload(request: web.Request) -> tuple[Exchange, Form]:
     services = request.app[SERVICES_KEY]
     live = services.store.live
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
+    allowed, priority = _admitted_as(request)
     server = live.config.server
     raw = await read_body(request, timeout_s=server.client_body_timeout_s, max_bytes=services.max_body_bytes)
     form = parse_form(raw, request.headers.get("Content-Type", ""))
     streamed = (form.value("stream") or "").lower() == "true"
-    return Exchange(request, services, live, live.config, visible(request), raw, {}, streamed), form
+    began = time.time_ns() if services.tracing is not None else 0
+    return Exchange(request, services, live, live.config, allowed, raw, {}, streamed, priority, began_ns=began), form
 
 
 async def convert(ex: Exchange) -> None:
@@ -154,7 +187,8 @@ async def convert(ex: Exchange) -> None:
         await ex.counted(plan)
     fetched: dict[tuple[int, int], bytes] = {}
     if plan.visual is not None and plan.visual.to_fetch:  # remote: fetch: their headers, then the limits
-        plan, fetched = await remote.sized(plan, ex.body, services.encoder.fetcher, ex.config.media)
+        with stage(services.tracing, "gateway.fetch", {"gateway.media.image.count": len(plan.visual.to_fetch)}):
+            plan, fetched = await remote.sized(plan, ex.body, services.encoder.fetcher, ex.config.media)
         ex.plan = plan
         ex.converted |= remote.inline(plan, ex.body, fetched)  # the bytes measured, not the URL again
     probes = plan.visual is not None and bool(plan.visual.to_probe)
@@ -171,26 +205,31 @@ async def convert(ex: Exchange) -> None:
         services.conversions,
     )
     if probes and not plan.presample_parts:
-        videos, inline = await probe.probed(plan, ex.body, sampling)  # their containers: the limits hold
+        with stage(services.tracing, "gateway.decode", {"gateway.conversion": "probe"}):
+            videos, inline = await probe.probed(plan, ex.body, sampling)  # their containers: the limits hold
         assert plan.visual is not None
         ex.plan = plan = dataclasses.replace(plan, visual=with_videos(plan.model, plan.visual, videos))
         ex.converted |= inline
     if plan.downscale_parts:
         resizing = Resizing(services.decoders, services.conversions, services.metrics, ex.config.media.max_image_bytes)
-        ex.converted |= await downscale_for(plan, ex.body, resizing, fetched)
+        with stage(services.tracing, "gateway.decode", {"gateway.conversion": "downscale"}):
+            ex.converted |= await downscale_for(plan, ex.body, resizing, fetched)
     if plan.transcribe_parts:
         assert services.transcriber is not None
-        ex.converted |= await services.transcriber.transcribe(
-            plan, ex.body, ex.live, request_id=ex.request[REQUEST_ID_KEY]
-        )
+        with stage(services.tracing, "gateway.transcribe", {"gateway.media.audio.count": len(plan.transcribe_parts)}):
+            ex.converted |= await services.transcriber.transcribe(
+                plan, ex.body, ex.live, request_id=ex.request[REQUEST_ID_KEY]
+            )
     if plan.frame_parts:
-        frames = await video.frames_for(plan, ex.body, sampling)
+        with stage(services.tracing, "gateway.decode", {"gateway.conversion": "frames"}):
+            frames = await video.frames_for(plan, ex.body, sampling)
         ex.converted |= frames
         if _counts_frames(plan):  # the frames are images to the model: their tokens count
             sizes = [(p, _frame_sizes(frames[(p.message, p.index or 0)])) for p in plan.frame_parts]
             ex.plan = plan = dataclasses.replace(plan, visual=with_frames(plan.model, plan.visual, sizes))
     if plan.presample_parts:
-        presampled = await video.presampled_for(plan, ex.body, sampling)
+        with stage(services.tracing, "gateway.decode", {"gateway.conversion": "presample"}):
+            presampled = await video.presampled_for(plan, ex.body, sampling)
         ex.converted |= presampled
         if probes:  # counted as the engine gets them: the frames sent
             assert plan.visual is not None
@@ -207,10 +246,13 @@ async def encode(ex: Exchange) -> bytes:
     assert plan is not None
     encoded = Encoded(ex.converted, {})
     if plan.encode_parts or plan.encodes_frames:
-        images = await _encode(ex, plan)
+        kind = ex.config.encoders[plan.encoder or ""].kind
+        name = "gateway.prime" if kind == "vllm" else "gateway.encode"
+        with stage(ex.services.tracing, name, {"gateway.encoder": plan.encoder or ""}):
+            images = await _encode(ex, plan)
         ex.headers["X-Gateway-Encoded"] = str(images.images)
         encoded = Encoded(ex.converted | images.replacements, images.fields)
-        ex.primed = bool(images.replacements) and ex.config.encoders[plan.encoder or ""].kind == "vllm"
+        ex.primed = bool(images.replacements) and kind == "vllm"
     if encoded.replacements:
         _check_grown_size(ex.config, ex.raw, encoded)
     return upstream_body(plan, ex.raw, ex.body, encoded.replacements, encoded.fields)
@@ -248,6 +290,7 @@ def forward(
         "X-Request-Id": request[REQUEST_ID_KEY],
         "X-Gateway-Model": model.name,
         "X-Gateway-Route": ex.plan.route if ex.plan is not None else "direct",
+        "X-Gateway-Priority": PRIORITIES[ex.priority],
         **ex.headers,
     }
     t = model.timeouts
@@ -268,9 +311,14 @@ def forward(
         on_usage=functools.partial(_spent, ex.services, request, model.name, _floor(ex.plan)),
     )
     upstream = ex.services.upstream
+    if ex.services.tracing is not None and ex.services.tracing.recording():  # the request's span: who served it
+        ex.services.tracing.current().set_attributes(
+            {"gen_ai.response.model": model.name, "gateway.route": headers["X-Gateway-Route"],
+             "gateway.priority": PRIORITIES[ex.priority]}
+        )  # fmt: skip
     if model.max_concurrency is None:
         return upstream.forward(request, dispatch)
-    return _gated(ex.services, model, lambda: upstream.forward(request, dispatch))
+    return _gated(ex.services, model, ex.priority, lambda: upstream.forward(request, dispatch))
 
 
 def _floor(plan: RoutePlan | None) -> int:
@@ -293,6 +341,11 @@ def _spent(services: Services, request: web.Request, model: str, floor: int, usa
         if usage.cached:
             metrics.child(metrics.tokens, model, label, "cached").inc(usage.cached)
         tokens = usage.total
+        if services.tracing is not None and services.tracing.recording():  # GenAI usage, on the request's span
+            services.tracing.current().set_attributes(
+                {"gen_ai.usage.input_tokens": usage.prompt, "gen_ai.usage.output_tokens": usage.completion,
+                 "gen_ai.usage.cache_read.input_tokens": usage.cached}
+            )  # fmt: skip
     if key is not None:
         request[SPENT_KEY] = tokens
 
@@ -311,12 +364,26 @@ def _let_go(ex: Exchange) -> None:
 
 
 async def _gated(
-    services: Services, model: ModelConfig, exchange: Callable[[], Awaitable[web.StreamResponse]]
+    services: Services, model: ModelConfig, rank: int, exchange: Callable[[], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """The exchange, begun once the model's gate gives it a slot (``max_concurrency``): its
-    deadlines and retry budget count from then."""
-    async with services.gates.slot(model):
-        return await exchange()
+    """The exchange, begun once the model's gate gives it a slot (``max_concurrency``), in the
+    order of its priority class (``rank``): its deadlines and retry budget count from then."""
+    tracing = services.tracing
+    if tracing is None or not tracing.recording():
+        async with services.gates.slot(model, rank):
+            return await exchange()
+    waiting: Span | None = tracing.start("gateway.queue", {"gateway.priority": PRIORITIES[rank]})
+    try:
+        async with services.gates.slot(model, rank):
+            assert waiting is not None
+            waiting.end()
+            waiting = None
+            return await exchange()
+    except BaseException as exc:
+        if waiting is not None:  # shed, or the client left, while it waited
+            tracing.failed(waiting, exc)
+            waiting.end()
+        raise
 
 
 def _check_grown_size(config: GatewayConfig, raw: bytes, encoded: Encoded) -> None:

@@ -73,8 +73,11 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
     rid = request[REQUEST_ID_KEY] = _request_id(request)
     metrics = services.metrics
     started = time.perf_counter()
-    code = 500
+    code, failure = 500, None
     metrics.in_flight.inc()
+    tracing, traced = services.tracing, None
+    if tracing is not None and request.path in API_BY_PATH:  # a model endpoint: a trace (gateway.tracing)
+        traced = tracing.open(request.headers, API_BY_PATH[request.path], request.method, request.path, rid)
     try:
         try:
             _check_port(request, services)
@@ -84,26 +87,35 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
             else:
                 response = await _with_key(request, handler, services, keyring)
         except GatewayError as exc:
+            failure = exc.code
             response = await _render_error(request, services, exc)
         except web.HTTPException as exc:
             if exc.status < 400:
                 code = exc.status
                 raise
-            response = render(_from_http_exception(request, exc, services), shape_of(request.path))
+            error = _from_http_exception(request, exc, services)
+            failure = error.code
+            response = render(error, shape_of(request.path))
         except Exception:
             log.exception("unhandled error in %s %s (request id %s)", request.method, request.path, rid)
+            failure = "internal_error"
             response = render(GatewayError(f"Internal error in the gateway (request id {rid})"), shape_of(request.path))
         if not response.prepared:
             response.headers[REQUEST_ID] = rid
         gone = isinstance(response, RelayResponse) and response.client_gone
         code = CLIENT_CLOSED if gone else response.status
+        if gone:
+            failure = "client_closed"
         return response
     except asyncio.CancelledError:
-        code = CLIENT_CLOSED
+        code, failure = CLIENT_CLOSED, "cancelled"
         raise
     finally:
         metrics.in_flight.dec()
         model = request.get(MODEL_LABEL_KEY)
+        if traced is not None:
+            assert tracing is not None
+            tracing.close(traced, code, failure, model if model != UNKNOWN_MODEL else None)
         if model is not None:
             api = api_of(request.path)
             metrics.child(metrics.requests, model, str(code), request.get(KEY_LABEL_KEY, NO_KEY), api).inc()

@@ -16,6 +16,7 @@ from ..media.conversions import ConversionCache
 from ..media.decoders import DecoderPool
 from ..media.transcribe import Transcriber
 from ..metrics import GatewayMetrics
+from ..tracing import Tracing
 from ..upstream.client import UpstreamClient
 from ..upstream.concurrency import Gates
 from .store import ConfigStore
@@ -49,6 +50,7 @@ class Services:
     # videos sampled into frames (gateway.media.video): threads of their own, a bounded queue for them,
     # apart from the default executor (DNS lookups, large data URLs); closed with the app
     decoders: DecoderPool = field(default_factory=DecoderPool)
+    tracing: Tracing | None = None  # server.tracing: spans for each stage of a request (gateway.tracing)
 
     @property
     def limits(self) -> KeyLimits | SharedLimits:

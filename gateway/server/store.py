@@ -22,9 +22,9 @@ from collections.abc import Callable
 from types import MappingProxyType
 
 from ..admission.auth import Keyring
-from ..config import GatewayConfig, env_secret, load_config, missing_software
+from ..config import PRIORITIES, GatewayConfig, env_secret, load_config, missing_software
 from ..errors import ConfigError, ConfigProblem
-from ..metrics import NO_KEY, REJECTION_REASONS, TOKEN_KINDS, GatewayMetrics
+from ..metrics import NO_KEY, REJECTION_REASONS, SHED_REASONS, TOKEN_KINDS, GatewayMetrics
 from ..modalities import MODALITY_NAMES
 from ..upstream.live import Live
 from ..upstream.replicas import ReplicaSet
@@ -41,6 +41,7 @@ _RESTART_ONLY = (
     "drain_timeout_s",
     "admin_listen",
     "limits_store",
+    "tracing",
     "access_log",
 )
 
@@ -175,8 +176,10 @@ def declare(metrics: GatewayMetrics, config: GatewayConfig) -> None:
             for decision in ("encoded", "direct"):
                 metrics.encode_decisions.labels(model.name, decision)
         if model.max_concurrency is not None:
-            for reason in ("queue_full", "queue_timeout"):
-                metrics.shed.labels(model.name, reason)
+            for priority in PRIORITIES:
+                metrics.queue_wait.labels(model.name, priority)
+                for reason in SHED_REASONS:
+                    metrics.shed.labels(model.name, reason, priority)
         for url in model.upstreams:
             metrics.upstream_ejections.labels(model.name, url)
         for modality, policy in model.on_unsupported.items():

@@ -21,6 +21,7 @@ import functools
 import logging
 import re
 import time
+import urllib.parse
 from collections.abc import Awaitable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -39,6 +40,7 @@ from ..errors import (
     UpstreamTimeoutError,
 )
 from ..metrics import GatewayMetrics
+from ..tracing import Span, Tracing
 from .attempts import Attempts
 from .dispatch import Dispatch, Timeouts
 from .failures import CLIENT_ERRORS, ClientFailure
@@ -66,8 +68,16 @@ class UpstreamClient:
     """Sends requests to a model's replicas over one client: the gateway's own (``http1``) or
     aiohttp's ``ClientSession`` (``aiohttp``)."""
 
-    def __init__(self, metrics: GatewayMetrics, *, client: str = "http1", retries: RetryBook | None = None) -> None:
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        *,
+        client: str = "http1",
+        retries: RetryBook | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self._metrics = metrics
+        self._tracing = tracing  # a span per attempt, its traceparent sent (gateway.tracing)
         self.retries = retries if retries is not None else RetryBook(metrics)  # every model's budget
         self.holders = Holders()  # the replica that holds each stored response (the Responses API)
         self._session: aiohttp.ClientSession | None = None
@@ -126,30 +136,33 @@ class UpstreamClient:
             with lease:
                 replica = lease.replica
                 started = time.perf_counter()
+                span = None if self._tracing is None else self._attempt(replica, sending, len(attempts.tried))
                 try:
                     upstream = await self._post(replica, dispatch.body, sending, attempts.left())
                 except asyncio.CancelledError:  # the client left (handler cancellation)
-                    self._count(model, replica, "aborted")
+                    self._count(model, replica, "aborted", span)
                     raise
                 except UnsendableHeader:  # the gateway's own (its config): no replica is blamed or tried
-                    self._count(model, replica, "error")
+                    self._count(model, replica, "error", span)
                     raise UpstreamError(
                         f"A header the gateway would send to model '{model.name}' holds a line break; nothing was sent"
                     ) from None
                 except PoolFull:  # saturated from this gateway's side, not failing: no breaker count
-                    self._count(model, replica, "pool_full")
+                    self._count(model, replica, "pool_full", span)
                     lease.busy(POOL_FULL_PAUSE_S)
                     continue  # nothing was sent: the next replica may take it; none left: 503 with Retry-After
                 except CLIENT_ERRORS as exc:
-                    self._failed(attempts, lease, model, exc, dispatch.timeouts)
+                    self._failed(attempts, lease, model, exc, dispatch.timeouts, span)
                     continue
                 status = upstream.status
+                if span is not None:
+                    span.set_attribute("http.response.status_code", status)
                 if status == 429:
                     lease.busy(_retry_after(upstream.headers.get(hdrs.RETRY_AFTER)))
                 if status in model.retries.on_status and attempts.again(f"http_{status}"):
                     attempts.failure = None  # a replica answered: if none is left, that is no_healthy_upstream
                     upstream.close()
-                    self._count(model, replica, outcome_of(status))
+                    self._count(model, replica, outcome_of(status), span)
                     if status >= 500:  # a 429 is the engine protecting itself, not failing
                         lease.failure(f"HTTP {status}")
                     continue
@@ -159,17 +172,18 @@ class UpstreamClient:
                     lease.failure(f"HTTP {status}")
                 else:
                     lease.success()
+                relaying = None if span is None else self._relaying(span, dispatch)
                 try:
                     async with upstream:
                         relayed = await relay(request, upstream, dispatch, attempts.deadline)
                 except asyncio.CancelledError:  # the client left; closing upstream stops the engine
-                    self._count(model, replica, "aborted")
+                    self._count(model, replica, "aborted", span, relaying)
                     raise
                 if relayed.upstream_failed:
                     lease.failure("broke off mid-response")
                 if relayed.response_id is not None:
                     self.holders.remember(relayed.response_id, replica.url)
-                self._count(model, replica, relayed.outcome)
+                self._count(model, replica, relayed.outcome, span, relaying)
                 error = relayed.error
                 if not isinstance(error, EmbeddingsNotDeliveredError) or dispatch.reprime is None:
                     if error is not None:
@@ -228,15 +242,21 @@ class UpstreamClient:
         return upstream
 
     def _failed(
-        self, attempts: Attempts, lease: Lease, model: ModelConfig, exc: ClientFailure, timeouts: Timeouts
+        self,
+        attempts: Attempts,
+        lease: Lease,
+        model: ModelConfig,
+        exc: ClientFailure,
+        timeouts: Timeouts,
+        span: Span | None,
     ) -> None:
         """A try that failed before any reply: returns when the next replica is tried, raises
         what the client is told otherwise."""
         if attempts.expired:
-            self._count(model, lease.replica, "timeout")  # the model's limit, not the replica's fault
+            self._count(model, lease.replica, "timeout", span)  # the model's limit, not the replica's fault
             raise _out_of_time(model, timeouts)
         failure = attempts.failed(lease, exc)
-        self._count(model, lease.replica, failure.outcome)
+        self._count(model, lease.replica, failure.outcome, span)
         if failure.kind == "connect":
             # nothing reached the engine: the next replica may take it, whatever the budget
             attempts.failure = UpstreamConnectError(
@@ -259,8 +279,42 @@ class UpstreamClient:
         result = "unknown" if holder is None else "holder" if first.url == holder else "elsewhere"
         self._metrics.child(self._metrics.stored_responses, model.name, result).inc()
 
-    def _count(self, model: ModelConfig, replica: Replica, outcome: str) -> None:
+    def _count(
+        self, model: ModelConfig, replica: Replica, outcome: str, span: Span | None = None, relaying: Span | None = None
+    ) -> None:
+        """An attempt's outcome, counted (gateway_upstream_requests_total), and its spans ended."""
         self._metrics.child(self._metrics.upstream_requests, model.name, replica.url, outcome).inc()
+        if span is not None:
+            assert self._tracing is not None
+            span.set_attribute("gateway.outcome", outcome)
+            for ended in (relaying, span):
+                if ended is not None:
+                    if outcome != "ok":
+                        self._tracing.failed(ended, outcome)
+                    ended.end()
+
+    def _attempt(self, replica: Replica, sending: _Sending, attempt: int) -> Span | None:
+        """An attempt's span (CLIENT), its traceparent in the headers it sends; None for a
+        request not sampled, whose context (not sampled) goes upstream as it is."""
+        assert self._tracing is not None
+        if not self._tracing.recording():
+            self._tracing.inject(sending.headers)
+            return None
+        url = urllib.parse.urlsplit(replica.url)
+        host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
+        span = self._tracing.start(
+            "gateway.upstream",
+            {"server.address": host, "server.port": port, "url.path": sending.path, "gateway.attempt": attempt,
+             "http.request.method": "POST"},
+            kind="client",
+        )  # fmt: skip
+        self._tracing.inject(sending.headers, span)
+        return span
+
+    def _relaying(self, attempt: Span, dispatch: Dispatch) -> Span:
+        assert self._tracing is not None
+        streamed = dispatch.timeouts.stream_idle is not None
+        return self._tracing.start("gateway.relay", {"gateway.stream": streamed}, parent=attempt)
 
 
 @dataclass(frozen=True, slots=True)

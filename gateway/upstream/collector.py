@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..config import PRIORITIES
 from .concurrency import Gates
 from .replicas import BREAKER_STATES, Pool
 
@@ -42,12 +43,15 @@ class PoolCollector(Collector):
                 for s in BREAKER_STATES:
                     state.add_metric([name, replica.url, s], 1.0 if replica.state == s else 0.0)
         queued = GaugeMetricFamily(
-            "gateway_queue_depth", "Requests waiting for a slot of their model (max_concurrency).", labels=["model"]
+            "gateway_queue_depth",
+            "Requests waiting for a slot of their model (max_concurrency), by priority class.",
+            labels=["model", "priority"],
         )
         active = GaugeMetricFamily(
             "gateway_model_in_flight", "Requests holding a slot of their model (max_concurrency).", labels=["model"]
         )
         for name, gate in self._gates.items():
-            queued.add_metric([name], gate.queued)
+            for rank, priority in enumerate(PRIORITIES):
+                queued.add_metric([name, priority], gate.queued_at(rank))
             active.add_metric([name], gate.active)
         yield from (healthy, state, in_flight, queued, active)

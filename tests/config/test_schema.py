@@ -12,7 +12,15 @@ import pytest
 import yaml
 from jsonschema import Draft202012Validator
 
-from gateway.config import EncoderConfig, MediaConfig, ServerConfig, parse_config
+from gateway.config import (
+    EncoderConfig,
+    MediaConfig,
+    PriorityCap,
+    QueueConfig,
+    ServerConfig,
+    TracingConfig,
+    parse_config,
+)
 from gateway.config.types import (
     API_KEY_KEYS,
     AUTH_KEYS,
@@ -22,12 +30,14 @@ from gateway.config.types import (
     MEDIA_KEYS,
     MODEL_KEYS,
     POLICY_ACTIONS,
+    PRIORITY_KEYS,
     QUEUE_KEYS,
     RATE_LIMIT_KEYS,
     RETRY_KEYS,
     SERVER_KEYS,
     TIMEOUT_KEYS,
     TOP_KEYS,
+    TRACING_KEYS,
     UPSTREAM_KEYS,
 )
 from gateway.errors import ConfigError
@@ -79,6 +89,8 @@ def test_schema_is_a_valid_draft_2020_12_schema() -> None:
         pytest.param(DEFS["auth"]["properties"], AUTH_KEYS, id="auth"),
         pytest.param(DEFS["apiKey"]["properties"], API_KEY_KEYS, id="api-key"),
         pytest.param(DEFS["rateLimit"]["properties"], RATE_LIMIT_KEYS, id="rate-limit"),
+        pytest.param(DEFS["priority"]["properties"], PRIORITY_KEYS, id="priority"),
+        pytest.param(DEFS["server"]["properties"]["tracing"]["properties"], TRACING_KEYS, id="tracing"),
     ],
 )
 def test_schema_keys_match_the_parser(properties: dict[str, Any], keys: tuple[str, ...]) -> None:
@@ -157,6 +169,11 @@ def test_encode_allows_only_encodable_modalities() -> None:
         pytest.param(
             DEFS["httpEncoder"]["properties"], EncoderConfig("v", "http"), ("kind", "urls"), id="encoder-http"
         ),
+        pytest.param(DEFS["queue"]["properties"], QueueConfig(), (), id="queue"),
+        pytest.param(DEFS["priority"]["properties"], PriorityCap(), (), id="priority"),
+        pytest.param(
+            DEFS["server"]["properties"]["tracing"]["properties"], TracingConfig(""), ("otlp_endpoint",), id="tracing"
+        ),
     ],
 )
 def test_defaults_match_the_dataclasses(properties: dict[str, Any], instance: Any, skip: tuple[str, ...]) -> None:
@@ -227,6 +244,14 @@ models:
   - name: qwen-omni
     upstreams: ['http://[::1]:8000']
     accepts: [audio, video, image, text]
+    max_concurrency: 8
+    queue: {size: 64, timeout_s: 10, reserved: 2}
+auth:
+  keys:
+    - name: team-a
+      key_env: TEAM_A_KEY
+      rate_limit: {requests_per_minute: 600, burst: 20, tokens_per_minute: 200000, tokens_per_day: 20000000}
+      priority: {default: default, max: interactive}
 """,
         id="every-key",
     ),

@@ -258,7 +258,8 @@ async def test_the_upstream_gets_the_clients_headers_and_the_gateways_and_nothin
     for name in ("Accept", "Accept-Encoding", "User-Agent"):
         assert name not in bare  # none added on the client's behalf: no compression it did not ask for
     assert {name.lower() for name in bare} == {"host", "content-type", "content-length", "x-request-id",
-                                               "x-gateway-model", "x-gateway-route", "x-forwarded-for"}  # fmt: skip
+                                               "x-gateway-model", "x-gateway-route", "x-gateway-priority",
+                                               "x-forwarded-for"}  # fmt: skip
     assert (full["Accept-Encoding"], full["User-Agent"], full["X-Custom"]) == ("br", "sdk/1", "y")
 
 

@@ -1,4 +1,5 @@
-"""Per-model concurrency: slots, the bounded FIFO queue, shedding, and clients that leave."""
+"""Per-model concurrency: slots, the bounded queue by priority class, shedding, preemption, and
+clients that leave."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ from typing import Any
 
 import pytest
 
-from gateway.config import ModelConfig, QueueConfig
-from gateway.errors import QueueFullError, QueueTimeoutError
+from gateway.config import PRIORITIES, ModelConfig, QueueConfig
+from gateway.errors import PreemptedError, QueueFullError, QueueTimeoutError
 from gateway.modalities import Modality
 from gateway.upstream.concurrency import Gate, Gates
 
+SYSTEM, INTERACTIVE, DEFAULT, BULK = range(len(PRIORITIES))
 
-def model(limit: int | None = 2, size: int = 1, timeout_s: float = 30.0) -> ModelConfig:
-    return ModelConfig(
-        "m", ("http://a",), (Modality.TEXT,), max_concurrency=limit, queue=QueueConfig(size=size, timeout_s=timeout_s)
-    )
+
+def model(limit: int | None = 2, size: int = 1, timeout_s: float = 30.0, reserved: int = 0) -> ModelConfig:
+    queue = QueueConfig(size=size, timeout_s=timeout_s, reserved=reserved)
+    return ModelConfig("m", ("http://a",), (Modality.TEXT,), max_concurrency=limit, queue=queue)
 
 
 async def waiting(gate: Gate, n: int) -> None:
@@ -26,8 +28,8 @@ async def waiting(gate: Gate, n: int) -> None:
 
 
 async def test_requests_beyond_the_limit_wait_in_order_and_one_more_than_the_queue_is_shed() -> None:
-    shed: list[tuple[str, str]] = []
-    gate, m = Gates(on_shed=lambda model, reason: shed.append((model, reason)))("m"), model(limit=2, size=2)
+    shed: list[tuple[str, str, str]] = []
+    gate, m = Gates(on_shed=lambda *shed_one: shed.append(shed_one))("m"), model(limit=2, size=2)
     order: list[int] = []
     async with AsyncExitStack() as held:
         await held.enter_async_context(gate.slot(m))
@@ -44,7 +46,7 @@ async def test_requests_beyond_the_limit_wait_in_order_and_one_more_than_the_que
             async with gate.slot(m):
                 pass
         assert caught.value.status == 429 and caught.value.headers["Retry-After"] == "1"
-        assert shed == [("m", "queue_full")]
+        assert shed == [("m", "queue_full", "default")]
     await asyncio.gather(*tasks)
     assert order == [0, 1] and gate.active == 0 and gate.queued == 0
 
@@ -146,4 +148,100 @@ async def test_a_reload_that_changes_the_limit_applies_to_requests_already_in_an
         assert gate.active == 4
     for cm in held:
         await cm.__aexit__(None, None, None)
+    assert gate.active == 0
+
+
+async def test_a_freed_slot_goes_to_the_highest_class_waiting_first_come_within_a_class() -> None:
+    waits: list[tuple[str, str]] = []
+    gate, m = Gates(on_wait=lambda model, priority, waited: waits.append((model, priority)))("m"), model(1, size=8)
+    order: list[str] = []
+
+    async def queued(name: str, rank: int) -> None:
+        async with gate.slot(m, rank):
+            order.append(name)
+
+    async with gate.slot(m, BULK):
+        tasks = []
+        for name, rank in [("bulk", BULK), ("default", DEFAULT), ("interactive-1", INTERACTIVE)]:
+            tasks.append(asyncio.create_task(queued(name, rank)))
+            await waiting(gate, len(tasks))
+        tasks += [asyncio.create_task(queued("interactive-2", INTERACTIVE)), asyncio.create_task(queued("system", 0))]
+        await waiting(gate, 5)
+        assert [gate.queued_at(r) for r in range(4)] == [1, 2, 1, 1]
+    await asyncio.gather(*tasks)
+    assert order == ["system", "interactive-1", "interactive-2", "default", "bulk"]
+    assert waits[0] == ("m", "bulk") and sorted(p for _, p in waits) == sorted(["bulk"] * 2 + ["default"] + [
+        "interactive"] * 2 + ["system"])  # fmt: skip
+    assert gate.active == 0 and gate.queued == 0
+
+
+async def test_reserved_slots_let_the_top_class_in_while_the_others_wait() -> None:
+    gate, m = Gate(), model(limit=2, size=4, reserved=1)
+    later = gate.slot(m, INTERACTIVE)
+    async with gate.slot(m, INTERACTIVE):  # one slot for everyone
+        interactive = asyncio.create_task(later.__aenter__())
+        await waiting(gate, 1)
+        async with gate.slot(m, SYSTEM):  # the reserved one: at once, past the waiter
+            assert gate.active == 2 and gate.queued == 1
+        assert not interactive.done()  # the reserved slot freed is the top class's still
+        await asyncio.sleep(0)
+        assert gate.queued == 1
+    await interactive
+    assert gate.active == 1 and gate.queued == 0
+    await later.__aexit__(None, None, None)
+    assert gate.active == 0
+
+
+async def test_a_full_queue_sheds_the_newest_of_the_lowest_class_for_a_higher_one() -> None:
+    shed: list[tuple[str, str, str]] = []
+    gate, m = Gates(on_shed=lambda *one: shed.append(one))("m"), model(limit=1, size=3)
+    order: list[str] = []
+
+    async def queued(name: str, rank: int) -> None:
+        async with gate.slot(m, rank):
+            order.append(name)
+
+    async with gate.slot(m, DEFAULT):
+        early = [asyncio.create_task(queued(n, r)) for n, r in [("bulk-1", BULK), ("default", DEFAULT)]]
+        await waiting(gate, 2)
+        newest = asyncio.create_task(queued("bulk-2", BULK))
+        await waiting(gate, 3)
+        urgent = asyncio.create_task(queued("interactive", INTERACTIVE))  # the queue is full
+        with pytest.raises(PreemptedError) as caught:
+            await newest
+        assert caught.value.status == 503 and caught.value.code == "preempted"
+        assert caught.value.headers["Retry-After"] == "1" and "bulk" in caught.value.message
+        assert shed == [("m", "preempted", "bulk")] and gate.queued == 3
+        with pytest.raises(QueueFullError):  # no class below bulk: bulk is shed itself
+            async with gate.slot(m, BULK):
+                pass
+        assert shed[-1] == ("m", "queue_full", "bulk")
+    await asyncio.gather(urgent, *early)
+    assert order == ["interactive", "default", "bulk-1"] and gate.queued == 0 and gate.active == 0
+
+
+async def test_a_request_is_never_shed_for_its_own_class_or_one_below() -> None:
+    gate, m = Gate(), model(limit=1, size=1)
+    later = gate.slot(m, INTERACTIVE)
+    async with gate.slot(m, INTERACTIVE):
+        waiter = asyncio.create_task(later.__aenter__())
+        await waiting(gate, 1)
+        for rank in (INTERACTIVE, DEFAULT, BULK):
+            with pytest.raises(QueueFullError):
+                async with gate.slot(m, rank):
+                    pass
+        assert not waiter.done()
+    await waiter
+    await later.__aexit__(None, None, None)
+    assert gate.active == 0 and gate.queued == 0
+
+
+async def test_a_request_holding_a_slot_is_never_shed() -> None:
+    """Preemption takes waiters only: a request in flight (its bytes going upstream) keeps its slot."""
+    gate, m = Gate(), model(limit=1, size=0)
+    async with gate.slot(m, BULK):
+        with pytest.raises(QueueFullError):  # nothing waits to be shed, and the bulk one holds on
+            async with gate.slot(m, SYSTEM):
+                pass
+        assert gate.active == 1
     assert gate.active == 0

@@ -1,0 +1,266 @@
+"""Traces: the span tree of a request, decoded from the OTLP/HTTP protobuf a collector on
+loopback receives, and the W3C trace context the engine and the encoder got."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+import pytest
+from aiohttp import web
+
+from gateway.config import parse_config
+from gateway.errors import ConfigError
+from gateway.server.state import SERVICES_KEY
+from gateway.tracing import available, traces_url
+from tests.conftest import Gateway, Upstream, routing
+from tests.images import image_part, png
+
+needs_tracing = pytest.mark.skipif(not available(), reason="needs the tracing extra: pip install -e '.[tracing]'")
+
+TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")  # version, trace, parent, flags
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_PARENT = f"00-{CLIENT_TRACE}-00f067aa0ba902b7-01"
+
+
+@dataclass
+class Collector:
+    """An OTLP/HTTP receiver: every span of every export, decoded with opentelemetry-proto."""
+
+    spans: list[Any] = field(default_factory=list)
+    resources: list[dict[str, Any]] = field(default_factory=list)
+    content_types: list[str] = field(default_factory=list)
+
+    def app(self) -> web.Application:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+            ExportTraceServiceResponse,
+        )
+
+        async def export(request: web.Request) -> web.Response:
+            self.content_types.append(request.content_type)
+            message = ExportTraceServiceRequest()
+            message.ParseFromString(await request.read())
+            for resource_spans in message.resource_spans:
+                self.resources.append({a.key: value(a.value) for a in resource_spans.resource.attributes})
+                for scope in resource_spans.scope_spans:
+                    self.spans.extend(scope.spans)
+            reply = ExportTraceServiceResponse().SerializeToString()
+            return web.Response(body=reply, content_type="application/x-protobuf")
+
+        app = web.Application()
+        app.router.add_post("/v1/traces", export)
+        return app
+
+    def named(self, name: str) -> list[Any]:
+        return [s for s in self.spans if s.name == name]
+
+
+def value(any_value: Any) -> Any:
+    kind = any_value.WhichOneof("value")
+    if kind == "array_value":
+        return [value(v) for v in any_value.array_value.values]
+    return getattr(any_value, kind)
+
+
+def attributes(span: Any) -> dict[str, Any]:
+    return {a.key: value(a.value) for a in span.attributes}
+
+
+@dataclass
+class Encoder:
+    """An encoder backend (POST /v1/encode) that keeps the trace context of each call."""
+
+    traceparents: list[str] = field(default_factory=list)
+
+    def app(self) -> web.Application:
+        async def encode(request: web.Request) -> web.Response:
+            await request.read()
+            self.traceparents.append(request.headers.get("traceparent", ""))
+            return web.json_response({"image_embeds": "QUFBQQ==", "cached": False})
+
+        app = web.Application(client_max_size=1 << 26)
+        app.router.add_post("/v1/encode", encode)
+        return app
+
+
+@pytest.fixture
+async def collector(upstream_factory) -> tuple[Collector, str]:
+    found = Collector()
+    server = await upstream_factory("collector", found.app())
+    return found, server.url
+
+
+async def flushed(gw: Gateway) -> None:
+    tracing = gw.app[SERVICES_KEY].tracing
+    assert tracing is not None
+    assert await asyncio.to_thread(tracing.flush)  # the exporter's thread posts to this loop's collector
+
+
+def traced(collector_url: str, *models: str, extra: str = "", ratio: float = 1.0) -> str:
+    return routing(
+        *models, extra=extra, server=f"{{tracing: {{otlp_endpoint: '{collector_url}', sample_ratio: {ratio}}}}}"
+    )
+
+
+@needs_tracing
+async def test_a_request_with_an_encoded_image_and_a_retry_is_one_span_tree_the_engine_continues(
+    upstream_factory, gateway_factory, collector
+) -> None:
+    found, url = collector
+    failing, serving = await upstream_factory("failing"), await upstream_factory("serving")
+    failing.standin.fail_status = 503
+    encoder = Encoder()
+    enc = await upstream_factory("encoder", encoder.app())
+    gw = await gateway_factory(
+        traced(
+            url,
+            f"  - {{name: m, upstreams: [{failing.url}, {serving.url}], balance: round_robin, accepts: [text, image],",
+            "     encode: {image: enc}, retries: {attempts: 1, on_status: [503], budget: 1.0, min_per_s: 10}}",
+            extra=f"encoders:\n  enc: {{kind: http, urls: [{enc.url}]}}\n",
+        )
+    )
+    content = [{"type": "text", "text": "what is it?"}, image_part(png())]
+    for _ in range(2):  # round robin: one of the two requests meets the failing replica first
+        async with openai.AsyncOpenAI(
+            base_url=f"{gw.url}/v1", api_key="sk", max_retries=0, default_headers={"traceparent": CLIENT_PARENT}
+        ) as client:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}])
+    await flushed(gw)
+
+    roots = found.named("chat m")
+    assert len(roots) == 2 and all(r.trace_id.hex() == CLIENT_TRACE for r in roots)  # the client's trace
+    assert all(r.parent_span_id.hex() == "00f067aa0ba902b7" and r.kind == 2 for r in roots)  # SERVER
+    retried = next(r for r in roots if len([s for s in found.spans if s.parent_span_id == r.span_id]) == 4)
+    root = attributes(retried)
+    assert root["gen_ai.operation.name"] == "chat" and root["gen_ai.request.model"] == "m"
+    assert root["gen_ai.response.model"] == "m" and root["http.response.status_code"] == 200
+    assert root["gen_ai.usage.input_tokens"] > 0 and root["gen_ai.usage.output_tokens"] > 0
+    assert root["gateway.priority"] == "default" and root["gateway.route"] == "direct"
+    children = sorted(
+        (s for s in found.spans if s.parent_span_id == retried.span_id), key=lambda s: s.start_time_unix_nano
+    )
+    assert [s.name for s in children] == ["gateway.admission", "gateway.encode", "gateway.upstream", "gateway.upstream"]
+    admission, encode, first, second = children
+    assert attributes(admission)["gateway.media.image.count"] == 1
+    assert attributes(admission)["gateway.media.text.count"] == 1
+    (sha,) = attributes(encode)["gateway.media.image.sha256"]
+    assert re.fullmatch(r"[0-9a-f]{64}", sha)
+    assert attributes(first)["http.response.status_code"] == 503 and attributes(first)["gateway.outcome"] == "http_5xx"
+    assert first.status.code == 2 and attributes(first)["error.type"] == "http_5xx"  # ERROR
+    assert attributes(second)["http.response.status_code"] == 200 and second.kind == 3  # CLIENT
+    assert attributes(first)["server.address"] == "127.0.0.1" and attributes(first)["gateway.attempt"] == 1
+    assert attributes(second)["gateway.attempt"] == 2
+    (relay,) = [s for s in found.spans if s.parent_span_id == second.span_id]
+    assert relay.name == "gateway.relay"
+    # what the engines and the encoder got: the trace, each attempt and each encoding its own parent
+    attempts = {s.span_id.hex() for s in found.named("gateway.upstream")}
+    engine = [TRACEPARENT.fullmatch(x.headers["traceparent"]) for r in (failing, serving) for x in r.received]
+    assert len(engine) == 3 and len({m.group(2) for m in engine if m is not None}) == 3
+    assert all(m is not None and m.group(1) == CLIENT_TRACE and m.group(2) in attempts for m in engine)
+    encodes = {s.span_id.hex() for s in found.named("gateway.encode")}
+    sent = [TRACEPARENT.fullmatch(t) for t in encoder.traceparents]
+    assert len(sent) == 2 and all(m is not None and m.group(1) == CLIENT_TRACE and m.group(2) in encodes for m in sent)
+    assert found.resources[0]["service.name"] == "modality-gateway"
+    assert found.content_types[0] == "application/x-protobuf"
+    assert all("what is it" not in str(attributes(s)) and "sk" != attributes(s).get("gateway.key") for s in found.spans)
+
+
+@needs_tracing
+async def test_a_request_without_a_traceparent_starts_a_trace_and_errors_say_their_code(
+    upstream, gateway_factory, collector
+) -> None:
+    found, url = collector
+    gw = await gateway_factory(traced(url, f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}"))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]
+            )
+    await flushed(gw)
+    ok, refused = sorted(found.named("chat m"), key=lambda s: s.start_time_unix_nano)
+    assert ok.parent_span_id == b"" and ok.trace_id != refused.trace_id
+    (received,) = upstream.received
+    match = TRACEPARENT.fullmatch(received.headers["traceparent"])
+    assert match is not None and match.group(1) == ok.trace_id.hex()
+    assert attributes(refused)["error.type"] == "unsupported_modality"
+    assert refused.status.code == 0  # unset: a 4xx is the client's error, not the gateway's
+    assert attributes(refused)["http.response.status_code"] == 400
+
+
+@needs_tracing
+async def test_sample_ratio_zero_records_nothing_yet_passes_the_context_on(
+    upstream, gateway_factory, collector
+) -> None:
+    found, url = collector
+    gw = await gateway_factory(traced(url, f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}", ratio=0))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], extra_headers={"traceparent": CLIENT_PARENT}
+        )  # the client sampled it: its decision holds
+    await flushed(gw)
+    assert [s.trace_id.hex() for s in found.named("chat m")] == [CLIENT_TRACE]
+    first, second = (TRACEPARENT.fullmatch(r.headers["traceparent"]) for r in upstream.received)
+    assert first is not None and int(first.group(3), 16) & 1 == 0  # not sampled, still propagated
+    assert second is not None and second.group(1) == CLIENT_TRACE
+
+
+@needs_tracing
+async def test_the_wait_for_a_slot_is_a_span_with_the_requests_class(upstream, gateway_factory, collector) -> None:
+    found, url = collector
+    gw = await gateway_factory(
+        traced(url, f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text], max_concurrency: 1}}")
+    )
+    async with gw.client() as client:
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], extra_headers={"x-priority": "bulk"}
+        )
+    await flushed(gw)
+    (root,) = found.named("chat m")
+    (queue,) = found.named("gateway.queue")
+    (attempt,) = found.named("gateway.upstream")
+    assert queue.parent_span_id == root.span_id == attempt.parent_span_id
+    assert attributes(queue)["gateway.priority"] == "bulk" == attributes(root)["gateway.priority"]
+    assert queue.end_time_unix_nano <= attempt.start_time_unix_nano
+
+
+def test_a_table_with_tracing_is_refused_where_opentelemetry_is_not_installed(monkeypatch) -> None:
+    monkeypatch.setattr(sys.modules["gateway.config.validate"], "tracing_available", lambda: False)
+    text = routing(
+        "  - {name: m, upstreams: ['http://h:1'], accepts: [text]}",
+        server="{tracing: {otlp_endpoint: 'http://c:4318'}}",
+    )
+    parse_config(text)  # `check FILE`: any machine
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, here=True)
+    assert "server.tracing: needs the OpenTelemetry SDK" in str(info.value) and "modality-gateway[tracing]" in str(
+        info.value
+    )
+
+
+def test_tracing_config_is_checked() -> None:
+    for server, expected in (
+        ("{tracing: {otlp_endpoint: 'ftp://c:4318'}}", "server.tracing.otlp_endpoint: must be an http:// or https://"),
+        ("{tracing: {otlp_endpoint: 'http://c:4318', sample_ratio: 2}}", "server.tracing.sample_ratio: must be"),
+        ("{tracing: {sample_ratio: 0.5}}", "server.tracing.otlp_endpoint: is required"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            parse_config(routing("  - {name: m, upstreams: ['http://h:1'], accepts: [text]}", server=server))
+        assert str(info.value.problems[0]).split(": ", 1)[1].startswith(expected), info.value.problems
+    config = parse_config(
+        routing(
+            "  - {name: m, upstreams: ['http://h:1'], accepts: [text]}",
+            server="{tracing: {otlp_endpoint: 'http://c:4318'}}",
+        )
+    )
+    assert config.server.tracing is not None and config.server.tracing.sample_ratio == 1.0
+    assert traces_url("http://c:4318/") == "http://c:4318/v1/traces" == traces_url("http://c:4318/v1/traces")
+
+
+def _unused(upstream: Upstream) -> None: ...
