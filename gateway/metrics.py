@@ -71,7 +71,8 @@ class GatewayMetrics:
         self.limits_store_errors = Counter(
             "gateway_limits_store_errors",
             "Calls to server.limits_store that failed or timed out, and those not made while it was paused after "
-            "one (answered by its on_failure), by op: admit, visual, finish.",
+            "one (answered by its on_failure), by op: admit, visual, finish, members (the heartbeat that counts the "
+            "live processes).",
             ["op"],
             registry=registry,
         )

@@ -41,7 +41,7 @@ POOL_ALERTED = (
     "gateway_health_checks_total",
 )
 # Per-model concurrency (gateway.upstream.concurrency): on the "Concurrency limits" row, shedding alerted.
-CONCURRENCY_METRICS = ("gateway_queue_depth", "gateway_model_in_flight", "gateway_shed_total")
+CONCURRENCY_METRICS = ("gateway_queue_depth", "gateway_model_in_flight", "gateway_model_slots", "gateway_shed_total")
 CONCURRENCY_ALERTED = ("gateway_shed_total",)
 # Priority classes (x-priority) in the models' queues: on the "Priority queues" row (shedding is alerted above).
 PRIORITY_METRICS = ("gateway_queue_wait_seconds_bucket", "gateway_queue_wait_seconds_count", "gateway_queue_depth",

@@ -10,7 +10,10 @@ step is one Lua script, atomic on the server, whose clock (``TIME``) every proce
   taken (a lease: a gateway that dies mid-request frees its slots when they lapse);
 - **visual tokens** (a request with counted images, to a key with a visual or token budget: a
   second round trip, once they are known);
-- **the end** (after the last byte, off the request's path): its tokens spent, its slot given back.
+- **the end** (after the last byte, off the request's path): its tokens spent, its slot given back;
+- **the heartbeat** (every second, off every request's path): this process counted among the live
+  ones, whose number divides each model's ``max_concurrency`` (:func:`share`; the gate of
+  gateway.upstream.concurrency fills this process's part).
 
 The scripts of one turn of the event loop (every request admitted or ended in it) go to the store
 together, in one pipeline: one round trip, and one connection taken from the pool, for all of
@@ -27,11 +30,13 @@ meanwhile ``on_failure: open`` admits requests as if the key had no limits, ``cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import itertools
 import logging
 import os
+import socket
 from typing import Any
 
 from ..config import ApiKey, LimitsStoreConfig, RateLimit
@@ -134,6 +139,30 @@ return 1
 )
 
 
+# KEYS: the live gateway processes (a sorted set: member -> when its heartbeat lapses)
+# ARGV: this process's member, how long its heartbeat holds (s). Returns the live members.
+_MEMBERS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local ttl = tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+redis.call('EXPIRE', KEYS[1], math.ceil(ttl) + 1)
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+MEMBERS_KEY = "mg:gateways"
+HEARTBEAT_S = 1.0  # each process says it is alive this often
+MEMBER_TTL_S = 3.0  # and is counted out this long after its last word
+
+
+def share(limit: int, rank: int, members: int) -> int:
+    """A process's part of a limit divided among ``members`` processes, by its ``rank`` among
+    them (the parts add up to the limit); one at least: a limit below the number of processes
+    lets each have one slot (docs/operations.md)."""
+    part = limit // members + (1 if rank < limit % members else 0)
+    return max(1, part)
+
+
 def _arg(value: float | int | None) -> str:
     return "" if value is None else repr(value)
 
@@ -174,6 +203,10 @@ class SharedLimits:
         self._admit = self._redis.register_script(_ADMIT)
         self._visual = self._redis.register_script(_VISUAL)
         self._finish = self._redis.register_script(_FINISH)
+        self._members_script = self._redis.register_script(_MEMBERS)
+        # this process among the live ones: a model's max_concurrency is divided among them
+        self.member = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
+        self.rank, self.members = 0, 1  # until the store first answers: the whole limit here
         self._paused_until = 0.0
         self._members = (f"{os.getpid()}:{os.urandom(4).hex()}:{n}" for n in itertools.count())
         self._ending: set[asyncio.Future[Any]] = set()  # requests' ends not answered yet
@@ -356,8 +389,31 @@ class SharedLimits:
         if tried < len(END_RETRIES_S):
             asyncio.get_running_loop().call_later(END_RETRIES_S[tried], self._send_end, keys, args, tried + 1)
 
+    def slots(self, limit: int) -> int:
+        """This process's part of a model's ``max_concurrency`` (gateway.upstream.concurrency)."""
+        return limit if self.members == 1 else share(limit, self.rank, self.members)
+
+    async def heartbeat(self) -> None:
+        """This process said alive, and the live ones counted: its rank and their number. A
+        store that fails leaves the last count (counted in gateway_limits_store_errors_total)."""
+        answer = await self._call("members", self._members_script, [MEMBERS_KEY], [self.member, str(MEMBER_TTL_S)])
+        if answer is None:
+            return
+        members = sorted(m.decode() if isinstance(m, bytes) else str(m) for m in answer)
+        if self.member in members:
+            self.rank, self.members = members.index(self.member), len(members)
+
+    async def keep_alive(self) -> None:
+        """:meth:`heartbeat` every HEARTBEAT_S, until cancelled."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            await self.heartbeat()
+
     async def close(self) -> None:
         self._closed = True
+        with contextlib.suppress(*self._errors):  # counted out at once: the others' parts grow now
+            async with asyncio.timeout(self.spec.timeout_ms / 1000):
+                await self._redis.zrem(MEMBERS_KEY, self.member)
         waiting: set[asyncio.Future[Any]] = {*self._ending, *self._sending}
         if waiting:
             _, pending = await asyncio.wait(waiting, timeout=self.spec.timeout_ms / 1000 * 4)

@@ -68,9 +68,12 @@ def create_app(
         scrape.register(WorkersCollector(multiprocess_dir))
     replicas = ReplicaSet(on_open=lambda model, url: _ejected(metrics, model, url))
     store = ConfigStore(config, metrics=metrics, path=config_path, replicas=replicas)
+    shared = _shared_limits(config, metrics)
     gates = Gates(
         on_shed=lambda model, reason, priority: metrics.child(metrics.shed, model, reason, priority).inc(),
         on_wait=lambda model, priority, waited: metrics.child(metrics.queue_wait, model, priority).observe(waited),
+        # with a store, a model's max_concurrency is divided among the live gateway processes
+        slots=shared.slots if shared is not None else lambda limit: limit,
     )
     scrape.register(PoolCollector(lambda: store.live.pools, gates))  # this process's pools, also in a worker
     if supervisor is None:
@@ -92,7 +95,7 @@ def create_app(
         gates,
         transcriber=Transcriber(metrics, encoder.fetcher, upstream.retries, conversions, tracing=tracing),
         conversions=conversions,
-        shared_limits=_shared_limits(config, metrics),
+        shared_limits=shared,
         tracing=tracing,
     )
 
@@ -127,7 +130,7 @@ def _shared_limits(config: GatewayConfig, metrics: GatewayMetrics) -> SharedLimi
     spec = config.server.limits_store
     if spec is None:
         return None
-    for op in ("admit", "visual", "finish"):
+    for op in ("admit", "visual", "finish", "members"):
         metrics.limits_store_errors.labels(op)
     return SharedLimits(spec, metrics)
 
@@ -153,7 +156,15 @@ async def _clients(app: web.Application) -> AsyncIterator[None]:
     if services.transcriber is not None:
         await services.transcriber.start()
     await services.supervisor.start()
+    members = None
+    if services.shared_limits is not None:  # counted among the live processes before the first request
+        await services.shared_limits.heartbeat()
+        members = asyncio.create_task(services.shared_limits.keep_alive(), name="limits store heartbeat")
     yield
+    if members is not None:
+        members.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await members
     await services.upstream.close()
     await services.encoder.close()
     if services.transcriber is not None:

@@ -50,8 +50,15 @@ class PoolCollector(Collector):
         active = GaugeMetricFamily(
             "gateway_model_in_flight", "Requests holding a slot of their model (max_concurrency).", labels=["model"]
         )
+        slots = GaugeMetricFamily(
+            "gateway_model_slots",
+            "The slots of its model's max_concurrency this process may fill: all of them, or with server.limits_store "
+            "its part (the limit divided among the live gateway processes).",
+            labels=["model"],
+        )
         for name, gate in self._gates.items():
+            slots.add_metric([name], gate.limit)
             for rank, priority in enumerate(PRIORITIES):
                 queued.add_metric([name, priority], gate.queued_at(rank))
             active.add_metric([name], gate.active)
-        yield from (healthy, state, in_flight, queued, active)
+        yield from (healthy, state, in_flight, queued, active, slots)

@@ -13,7 +13,10 @@ it is shed itself, at once, with 429 ``queue_full``; one that waited ``queue.tim
 ``queue_timeout``; all three carry ``Retry-After``, which the OpenAI SDKs honour.
 
 A slot is held from the first upstream attempt to the last byte relayed (the engine works the
-whole time). Gates are kept by model name across reloads; a reload that changes the limit
+whole time). With a limits store (``server.limits_store``) a model's ``max_concurrency`` is
+divided among the live gateway processes (``slots``: this process's part, from the store's count
+of them, gateway.admission.shared), and ``queue.reserved`` holds within each part (one slot at
+least left to the other classes). Gates are kept by model name across reloads; a reload that changes the limit
 applies to the gate from the model's next request on: a lowered limit lets no new request in
 until the requests in flight are under it, a raised one lets waiters in at once.
 """
@@ -33,6 +36,11 @@ DEFAULT_RANK = PRIORITIES.index("default")  # a slot's class when none is said (
 
 OnShed = Callable[[str, str, str], None]  # (model, reason, priority)
 OnWait = Callable[[str, str, float], None]  # (model, priority, seconds waited)
+Slots = Callable[[int], int]  # a model's max_concurrency -> this process's part of it
+
+
+def _whole(limit: int) -> int:
+    return limit
 
 
 def _no_shed(model: str, reason: str, priority: str) -> None: ...
@@ -44,14 +52,15 @@ def _no_wait(model: str, priority: str, seconds: float) -> None: ...
 class Gate:
     """One model's slots and its queue, a line per priority class."""
 
-    __slots__ = ("_lines", "_on_shed", "_on_wait", "active", "limit", "reserved")
+    __slots__ = ("_configured", "_lines", "_on_shed", "_on_wait", "_slots", "active", "limit", "reserved")
 
-    def __init__(self, on_shed: OnShed = _no_shed, on_wait: OnWait = _no_wait) -> None:
+    def __init__(self, on_shed: OnShed = _no_shed, on_wait: OnWait = _no_wait, slots: Slots = _whole) -> None:
         self.active = 0
-        self.limit = 0  # the latest request's max_concurrency: a reload changes it for all at once
-        self.reserved = 0  # and its queue.reserved
+        self.limit = 0  # this process's part of the latest request's max_concurrency: a reload changes it for all
+        self.reserved = 0  # and of its queue.reserved
+        self._configured = (0, 0)  # the latest request's max_concurrency and queue.reserved, as configured
         self._lines: tuple[deque[asyncio.Future[None]], ...] = tuple(deque() for _ in PRIORITIES)
-        self._on_shed, self._on_wait = on_shed, on_wait
+        self._on_shed, self._on_wait, self._slots = on_shed, on_wait, slots
 
     @property
     def queued(self) -> int:
@@ -67,14 +76,23 @@ class Gate:
         if limit is None:
             yield
             return
-        if limit != self.limit or model.queue.reserved != self.reserved:
-            self.limit, self.reserved = limit, model.queue.reserved
+        self._configured = (limit, model.queue.reserved)
+        if self._resize():
             self._hand_over()  # a raised limit frees slots for the waiters at once
         await self._acquire(model, rank)
         try:
             yield
         finally:
             self._release()
+
+    def _resize(self) -> bool:
+        """The limit from the configured one and this process's part of it; whether it changed."""
+        configured, reserved = self._configured
+        limit = self._slots(configured)
+        reserved = min(reserved, limit - 1)
+        changed = limit != self.limit or reserved != self.reserved
+        self.limit, self.reserved = limit, reserved
+        return changed
 
     def _room(self, rank: int) -> bool:
         return self.active < (self.limit if rank == TOP else self.limit - self.reserved)
@@ -140,6 +158,7 @@ class Gate:
 
     def _release(self) -> None:
         self.active -= 1
+        self._resize()  # the part may have grown since (a process gone)
         self._hand_over()
 
     def _hand_over(self) -> None:
@@ -163,12 +182,15 @@ def _forget(line: deque[asyncio.Future[None]], waiter: asyncio.Future[None]) -> 
 class Gates:
     """Every model's gate, by name, for the life of the gateway."""
 
-    def __init__(self, on_shed: OnShed = _no_shed, on_wait: OnWait = _no_wait) -> None:
+    def __init__(self, on_shed: OnShed = _no_shed, on_wait: OnWait = _no_wait, slots: Slots = _whole) -> None:
         self._by_model: dict[str, Gate] = {}
-        self._on_shed, self._on_wait = on_shed, on_wait
+        self._on_shed, self._on_wait, self._slots = on_shed, on_wait, slots
 
     def __call__(self, model: str) -> Gate:
-        return self._by_model.get(model) or self._by_model.setdefault(model, Gate(self._on_shed, self._on_wait))
+        found = self._by_model.get(model)
+        if found is None:
+            found = self._by_model.setdefault(model, Gate(self._on_shed, self._on_wait, self._slots))
+        return found
 
     def slot(self, model: ModelConfig, rank: int = DEFAULT_RANK) -> AbstractAsyncContextManager[None]:
         """A slot of the model's gate; nothing to wait for (and no gate, no gauges) without a limit."""

@@ -160,9 +160,11 @@ async def test_nothing_of_a_key_is_written_to_the_store(
     await settled(gw)
     store = redis.Redis.from_url(redis_server.url, decode_responses=True)
     names = [str(k) for k in store.keys("*")]
+    members = store.zrange("mg:gateways", 0, -1)  # the live gateway processes: host, pid, a nonce
     store.close()
     assert names and all(n.startswith("mg:") and "team-a" not in n and "sk-shared" not in n for n in names)
-    assert {n.rsplit(":", 1)[1] for n in names} == {"requests", "tokens_day"}
+    assert {n.rsplit(":", 1)[1] for n in names} == {"requests", "tokens_day", "gateways"}
+    assert len(members) == 1 and "team-a" not in members[0] and "sk-shared" not in members[0]
 
 
 async def test_the_scripts_of_one_turn_go_in_one_round_trip_and_a_flushed_store_is_served_again(
@@ -192,6 +194,47 @@ async def test_the_scripts_of_one_turn_go_in_one_round_trip_and_a_flushed_store_
         raw = await c.chat.completions.with_raw_response.create(model="m", messages=ASK)
     assert raw.headers["x-ratelimit-remaining-requests"] == "78"
     assert gw.sample("gateway_limits_store_errors_total") == 0
+
+
+@pytest.mark.parametrize(
+    ("limit", "members", "parts"),
+    [(8, 1, [8]), (8, 2, [4, 4]), (8, 3, [3, 3, 2]), (2, 3, [1, 1, 1]), (5, 4, [2, 1, 1, 1])],
+)
+def test_a_limit_is_divided_among_the_processes_so_that_the_parts_add_up(
+    limit: int, members: int, parts: list[int]
+) -> None:
+    from gateway.admission.shared import share
+
+    assert [share(limit, rank, members) for rank in range(members)] == parts  # a limit below them: one each
+
+
+async def test_a_models_max_concurrency_holds_across_two_gateways(
+    gateway_factory, upstream: Upstream, redis_server: RedisServer
+) -> None:
+    """Two gateways on one store divide the model's 4 slots; one that stops leaves them all to
+    the other (counted out at once)."""
+    upstream.standin.hold = asyncio.Event()
+    server = f"{{limits_store: {{url: '{redis_server.url}', timeout_ms: 200}}}}"
+    model = f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text], max_concurrency: 4, queue: {{size: 16}}}}"
+    first, second = [await gateway_factory(routing(model, server=server)) for _ in range(2)]
+    stores = [gw.app[SERVICES_KEY].shared_limits for gw in (first, second)]
+    assert stores[0] is not None and stores[1] is not None
+    await stores[0].heartbeat()  # it began alone; the second is counted now
+    assert [(s.rank, s.members) for s in stores] in ([(0, 2), (1, 2)], [(1, 2), (0, 2)])
+    async with client(first) as a, client(second) as b:
+        calls = [asyncio.create_task(c.chat.completions.create(model="m", messages=ASK)) for c in (a, b) * 4]
+        for gw in (first, second):  # each filled its 2 slots, and queued the rest
+            gate = gw.app[SERVICES_KEY].gates("m")
+            while gate.queued < 2:
+                await asyncio.sleep(0.005)
+            assert (gate.active, gate.limit) == (2, 2)
+        assert len(upstream.received) <= 4
+        upstream.standin.hold.set()
+        await asyncio.gather(*calls)
+    assert first.sample("gateway_model_slots", model="m") == 2
+    await stores[1].close()  # as a stopping gateway does
+    await stores[0].heartbeat()
+    assert (stores[0].rank, stores[0].members) == (0, 1) and stores[0].slots(4) == 4
 
 
 # --- two processes: serve --workers 2 ------------------------------------------------------------
