@@ -11,7 +11,7 @@ gateway's provider is its own, and so is its propagator.
 
 The span tree of one request (names fixed: dashboards and queries rely on them)::
 
-    {operation} {model}     SERVER   the request, from its first byte to its last: http.*,
+    {operation} {model}     SERVER   the request, from its arrival to its handler's end: http.*,
     │                                gen_ai.operation.name, gen_ai.request.model,
     │                                gen_ai.response.model, gen_ai.usage.*, gateway.priority,
     │                                gateway.route, error.type

@@ -246,7 +246,13 @@ def test_a_table_with_tracing_is_refused_where_opentelemetry_is_not_installed(mo
 
 def test_tracing_config_is_checked() -> None:
     for server, expected in (
-        ("{tracing: {otlp_endpoint: 'ftp://c:4318'}}", "server.tracing.otlp_endpoint: must be an http:// or https://"),
+        ("{tracing: {otlp_endpoint: 'ftp://c:4318'}}", "server.tracing.otlp_endpoint: bad URL 'ftp://c:4318': must be"),
+        (
+            "{tracing: {otlp_endpoint: 'http://u:pw@c:4318'}}",
+            "server.tracing.otlp_endpoint: bad URL 'http://u:pw@c:4318': must not carry credentials",
+        ),
+        ("{tracing: {otlp_endpoint: 'http://[::1:4318'}}", "server.tracing.otlp_endpoint: bad URL"),
+        ("{limits_store: {url: 'redis://[::1:6379'}}", "server.limits_store.url: must be a redis://"),
         ("{tracing: {otlp_endpoint: 'http://c:4318', sample_ratio: 2}}", "server.tracing.sample_ratio: must be"),
         ("{tracing: {sample_ratio: 0.5}}", "server.tracing.otlp_endpoint: is required"),
     ):

@@ -37,6 +37,7 @@ import itertools
 import logging
 import os
 import socket
+from collections.abc import Awaitable
 from typing import Any
 
 from ..config import ApiKey, LimitsStoreConfig, RateLimit
@@ -230,12 +231,16 @@ class SharedLimits:
         if loop.time() < self._paused_until:
             self._metrics.child(self._metrics.limits_store_errors, op).inc()
             return None
+        answer = self._pipelined(script, keys, args)
         try:
             async with asyncio.timeout(self.spec.timeout_ms / 1000):
-                return await self._pipelined(script, keys, args)
+                return await answer
         except self._errors as exc:
             self._store_failed(op, exc)
             return None
+        finally:  # given up in the instant its answer came: retrieved, so that nothing logs it as lost
+            if answer.done() and not answer.cancelled():
+                answer.exception()
 
     def _store_failed(self, op: str, exc: BaseException) -> None:
         """A call that failed: counted, said once, and the store left alone for PAUSE_S."""
@@ -263,32 +268,48 @@ class SharedLimits:
             task.add_done_callback(self._sending.discard)
 
     async def _send(self, batch: list[tuple[Any, list[str], list[str], asyncio.Future[Any]]]) -> None:
-        """One pipeline; each answer to its caller (an error too). A script the store lacks (it
-        restarted empty) is loaded, and those calls sent once more."""
+        """One pipeline; each answer to its caller (an error too) as soon as it is known. A
+        script the store lacks (it restarted empty) is loaded, and those calls alone sent once
+        more: a failure then is theirs, never that of a script that ran (none runs twice)."""
         try:
             async with asyncio.timeout(self.spec.timeout_ms / 1000):
-                results = await self._execute(batch)
-                missing = [i for i, r in enumerate(results) if isinstance(r, self._no_script)]
+                results = await self._answered(batch, self._execute(batch))
+                missing = [batch[i] for i, r in enumerate(results) if isinstance(r, self._no_script)]
                 if missing:
-                    for script in {id(batch[i][0]): batch[i][0] for i in missing}.values():
-                        await self._redis.script_load(script.script)
-                    again = await self._execute([batch[i] for i in missing])
-                    for i, result in zip(missing, again, strict=True):
-                        results[i] = result
+                    await self._answered(missing, self._reload_and_execute(missing))
+        except TimeoutError:  # told to the callers still waiting (_answered)
+            pass
+
+    async def _answered(
+        self, batch: list[tuple[Any, list[str], list[str], asyncio.Future[Any]]], sent: Awaitable[list[Any]]
+    ) -> list[Any]:
+        """``sent``'s results told to their callers (a script the store lacks: left to the
+        caller of this); its failure told to every one of them."""
+        try:
+            results = await sent
         except BaseException as exc:  # the pipeline's failure is each call's
-            failure = exc if isinstance(exc, Exception) else ConnectionError("the limits store call was cancelled")
+            failure = exc if isinstance(exc, Exception) else TimeoutError("the limits store did not answer in time")
             for *_, answer in batch:
                 if not answer.done():
                     answer.set_exception(failure)
             if not isinstance(exc, Exception):
                 raise
-            return
+            return []
         for (*_, answer), result in zip(batch, results, strict=True):
-            if not answer.done():  # its caller gave up (its timeout, or it left)
-                if isinstance(result, BaseException):
-                    answer.set_exception(result)
-                else:
-                    answer.set_result(result)
+            if answer.done() or isinstance(result, self._no_script):  # its caller gave up; or sent again
+                continue
+            if isinstance(result, BaseException):
+                answer.set_exception(result)
+            else:
+                answer.set_result(result)
+        return results
+
+    async def _reload_and_execute(
+        self, batch: list[tuple[Any, list[str], list[str], asyncio.Future[Any]]]
+    ) -> list[Any]:
+        for script in {id(call[0]): call[0] for call in batch}.values():
+            await self._redis.script_load(script.script)
+        return await self._execute(batch)
 
     async def _execute(self, batch: list[tuple[Any, list[str], list[str], asyncio.Future[Any]]]) -> list[Any]:
         self.round_trips += 1
@@ -421,4 +442,4 @@ class SharedLimits:
                 left.cancel()
             if pending:
                 await asyncio.wait(pending)
-        await self._redis.aclose()
+        await self._redis.aclose(close_connection_pool=True)  # the pool is its own: closed with it

@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from .loader import MISSING
-from .readers import Readers, describe, fields, unknown_message
+from .readers import Readers, describe, fields
 from .types import (
     API_KEY_KEYS,
     AUTH_KEYS,
@@ -77,21 +77,13 @@ class AuthReaders(Readers):
         raw = self.mapping(value, path, PRIORITY_KEYS, what="priority")
         if raw is None:
             return PriorityCap()
-        cap = self._class(raw.get("max", MISSING), f"{path}.max", "default")
+        cap = self.choice(raw.get("max", MISSING), f"{path}.max", PRIORITIES, "priority class", "default")
         lowered = PRIORITIES[max(PRIORITIES.index("default"), PRIORITIES.index(cap))]
-        default = self._class(raw.get("default", MISSING), f"{path}.default", lowered)
+        default = self.choice(raw.get("default", MISSING), f"{path}.default", PRIORITIES, "priority class", lowered)
         if PRIORITIES.index(default) < PRIORITIES.index(cap):
             self.problem(f"{path}.default", f"'{default}' is above the key's max '{cap}'")
             default = cap
         return PriorityCap(default, cap)
-
-    def _class(self, value: Any, path: str, otherwise: str) -> str:
-        if value is MISSING:
-            return otherwise
-        if value not in PRIORITIES:
-            self.problem(path, unknown_message(value, PRIORITIES, "priority class"))
-            return otherwise
-        return str(value)
 
     def rate_limit(self, value: Any, path: str) -> RateLimit | None:
         if value is MISSING:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,9 @@ def as_dict(config: GatewayConfig) -> dict[str, Any]:
     data: dict[str, Any] = _plain(config)
     for key in ("_by_name", "source", "sha256"):
         data.pop(key, None)
+    store = data["server"]["limits_store"]
+    if store is not None:  # a password in the store's URL is a secret: never shown
+        store["url"] = _without_password(store["url"])
     for model, raw in zip(config.models, data["models"], strict=True):
         weights = model.weights or (1,) * len(model.upstreams)
         raw["upstreams"] = [{"url": u, "weight": w} for u, w in zip(model.upstreams, weights, strict=True)]
@@ -22,6 +26,15 @@ def as_dict(config: GatewayConfig) -> dict[str, Any]:
         raw["on_unsupported"] = {m.value: _policy(p) for m, p in model.on_unsupported.items()}
         _visual(model, raw)
     return data
+
+
+def _without_password(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 # a formula's own keys, as routing.yaml spells a custom one (the others: presets only)

@@ -95,6 +95,21 @@ class Readers(MarkedDocument):
                 urls.append(url)
         return urls
 
+    def choice(self, value: Any, path: str, allowed: tuple[str, ...], what: str, default: str) -> str:
+        """One of ``allowed`` (``default`` when absent; said, and the default, when not one)."""
+        if value is MISSING:
+            return default
+        if value not in allowed:
+            self.problem(path, unknown_message(value, allowed, what))
+            return default
+        return str(value)
+
+    def optional_mapping(self, value: Any, path: str, keys: tuple[str, ...], what: str) -> dict[str, Any] | None:
+        """An optional section: None when absent or null (or not a mapping: said)."""
+        if value is MISSING or value is None:
+            return None
+        return self.mapping(value, path, keys, what=what)
+
     def url(self, value: str, path: str) -> str | None:
         try:
             parts = urlsplit(value)

@@ -106,15 +106,12 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
         )
 
     def tracing(self, value: Any, path: str, default: None) -> TracingConfig | None:
-        if value is MISSING or value is None:
-            return None
-        raw = self.mapping(value, path, TRACING_KEYS, what="tracing")
+        raw = self.optional_mapping(value, path, TRACING_KEYS, "tracing")
         if raw is None:
             return None
         endpoint = self.string(raw.get("otlp_endpoint", MISSING), f"{path}.otlp_endpoint")
-        if endpoint is not None and urllib.parse.urlsplit(endpoint).scheme not in ("http", "https"):
-            self.problem(f"{path}.otlp_endpoint", f"must be an http:// or https:// URL (OTLP/HTTP), not {endpoint!r}")
-            endpoint = None
+        if endpoint is not None:  # http(s), a host, a valid port, no query and no credentials (shown in /admin/config)
+            endpoint = self.url(endpoint, f"{path}.otlp_endpoint")
         get = fields(raw, path, TracingConfig(""))
         ratio, ratio_path, default_ratio = get("sample_ratio")
         sample_ratio = self.number(ratio, ratio_path, default_ratio, positive=False)
@@ -127,14 +124,17 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
         return TracingConfig(endpoint, sample_ratio, service or "modality-gateway")
 
     def limits_store(self, value: Any, path: str, default: None) -> LimitsStoreConfig | None:
-        if value is MISSING or value is None:
-            return None
-        raw = self.mapping(value, path, LIMITS_STORE_KEYS, what="limits_store")
+        raw = self.optional_mapping(value, path, LIMITS_STORE_KEYS, "limits_store")
         if raw is None:
             return None
         url = self.string(raw.get("url", MISSING), f"{path}.url")
-        if url is not None and urllib.parse.urlsplit(url).scheme not in LIMITS_STORE_SCHEMES:
+        try:
+            scheme = urllib.parse.urlsplit(url).scheme if url is not None else None
+        except ValueError:  # e.g. a malformed IPv6 host
+            scheme = ""
+        if url is not None and scheme not in LIMITS_STORE_SCHEMES:
             self.problem(f"{path}.url", f"must be a redis://, rediss:// or unix:// URL, not {url!r}")
+            url = None
         get = fields(raw, path, LimitsStoreConfig(""))
         timeout = self.number(*get("timeout_ms"))
         on_failure = raw.get("on_failure", "open")
@@ -144,12 +144,7 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
         return None if url is None else LimitsStoreConfig(url, timeout, on_failure)
 
     def upstream_client(self, value: Any, path: str, default: str) -> Any:
-        if value is MISSING:
-            return default
-        if value not in UPSTREAM_CLIENTS:
-            self.problem(path, unknown_message(value, UPSTREAM_CLIENTS, "client"))
-            return default
-        return value
+        return self.choice(value, path, UPSTREAM_CLIENTS, "client", default)
 
     def media(self, value: Any) -> MediaConfig:
         get = self._section(value, "media", MEDIA_KEYS, MediaConfig())

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import importlib.metadata
 import logging
+import threading
 from collections.abc import AsyncIterator, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -41,6 +42,7 @@ from .store import ConfigStore
 log = logging.getLogger(__name__)
 
 SERVER_OPTIONS: Mapping[str, Any] = MappingProxyType({"handler_cancellation": True, "auto_decompress": False})
+TRACES_STOP_S = 2.0  # the longest a stopping gateway waits for its last spans to be sent
 
 
 def create_app(
@@ -172,9 +174,20 @@ async def _clients(app: web.Application) -> AsyncIterator[None]:
     services.decoders.close()
     if services.shared_limits is not None:
         await services.shared_limits.close()
-    if services.tracing is not None:  # the spans left sent (the SDK's thread; bounded by its export timeout)
-        await asyncio.to_thread(services.tracing.shutdown)
-    await services.supervisor.close()  # supervised encoders stop last
+    await services.supervisor.close()  # supervised encoders stop next to last
+    if services.tracing is not None:  # last: the spans of the drain go too
+        await _stop_tracing(services.tracing)
+
+
+async def _stop_tracing(tracing: Tracing) -> None:
+    """The spans left sent, waited for TRACES_STOP_S at most: the SDK's shutdown blocks while a
+    collector does not answer (its exporter retries for 10 s a batch), which must not eat the
+    drain's time. It goes on in a daemon thread; what it has not sent when the process ends is lost."""
+    stopping = threading.Thread(target=tracing.shutdown, name="trace export shutdown", daemon=True)
+    stopping.start()
+    await asyncio.to_thread(stopping.join, TRACES_STOP_S)
+    if stopping.is_alive():
+        log.warning("the trace collector did not take the last spans within %gs; they may be lost", TRACES_STOP_S)
 
 
 async def _health_checks(app: web.Application) -> AsyncIterator[None]:

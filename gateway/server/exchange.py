@@ -166,11 +166,11 @@ async def begin_upload(request: web.Request) -> tuple[Exchange, Form]:
     live = services.store.live
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
     allowed, priority = _admitted_as(request)
+    began = time.time_ns() if services.tracing is not None else 0
     server = live.config.server
     raw = await read_body(request, timeout_s=server.client_body_timeout_s, max_bytes=services.max_body_bytes)
     form = parse_form(raw, request.headers.get("Content-Type", ""))
     streamed = (form.value("stream") or "").lower() == "true"
-    began = time.time_ns() if services.tracing is not None else 0
     return Exchange(request, services, live, live.config, allowed, raw, {}, streamed, priority, began_ns=began), form
 
 

@@ -154,6 +154,9 @@ class UpstreamClient:
                 except CLIENT_ERRORS as exc:
                     self._failed(attempts, lease, model, exc, dispatch.timeouts, span)
                     continue
+                except BaseException as exc:  # none that the attempt loop knows: its span ended, marked
+                    self._abandoned(exc, span)
+                    raise
                 status = upstream.status
                 if span is not None:
                     span.set_attribute("http.response.status_code", status)
@@ -178,6 +181,9 @@ class UpstreamClient:
                         relayed = await relay(request, upstream, dispatch, attempts.deadline)
                 except asyncio.CancelledError:  # the client left; closing upstream stops the engine
                     self._count(model, replica, "aborted", span, relaying)
+                    raise
+                except BaseException as exc:  # (the client's connection broke as the answer began)
+                    self._abandoned(exc, relaying, span)
                     raise
                 if relayed.upstream_failed:
                     lease.failure("broke off mid-response")
@@ -289,9 +295,19 @@ class UpstreamClient:
             span.set_attribute("gateway.outcome", outcome)
             for ended in (relaying, span):
                 if ended is not None:
-                    if outcome != "ok":
+                    if outcome == "http_4xx":  # an answer: the request's fault, not the attempt's
+                        ended.set_attribute("error.type", outcome)
+                    elif outcome != "ok":
                         self._tracing.failed(ended, outcome)
                     ended.end()
+
+    def _abandoned(self, exc: BaseException, *spans: Span | None) -> None:
+        """Spans of an attempt that ended in an error nothing else counts: ended, marked."""
+        for span in spans:
+            if span is not None and span.is_recording():
+                assert self._tracing is not None
+                self._tracing.failed(span, exc)
+                span.end()
 
     def _attempt(self, replica: Replica, sending: _Sending, attempt: int) -> Span | None:
         """An attempt's span (CLIENT), its traceparent in the headers it sends; None for a

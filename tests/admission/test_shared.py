@@ -196,6 +196,38 @@ async def test_the_scripts_of_one_turn_go_in_one_round_trip_and_a_flushed_store_
     assert gw.sample("gateway_limits_store_errors_total") == 0
 
 
+async def test_a_resend_that_fails_fails_only_the_calls_sent_again(monkeypatch) -> None:
+    """A store that lacked one script: the call that ran is answered, and only the one sent again
+    fails with the resend (a request's end spent twice, or an admission told it failed after it
+    ran, would be wrong)."""
+    import redis
+    from prometheus_client import CollectorRegistry
+
+    from gateway.admission.shared import SharedLimits
+    from gateway.config import LimitsStoreConfig
+    from gateway.metrics import GatewayMetrics
+
+    shared = SharedLimits(LimitsStoreConfig("redis://127.0.0.1:9/0", 200.0), GatewayMetrics(CollectorRegistry()))
+    sent: list[int] = []
+
+    async def execute(batch: list[Any]) -> list[Any]:
+        sent.append(len(batch))
+        if len(sent) == 1:
+            return ["ran", redis.exceptions.NoScriptError("NOSCRIPT No matching script")]
+        raise redis.ConnectionError("the store went away")
+
+    async def load(script: str) -> None: ...
+
+    monkeypatch.setattr(shared, "_execute", execute)
+    monkeypatch.setattr(shared._redis, "script_load", load)
+    ran = shared._pipelined(shared._finish, ["k"], ["", "", "1", ""])
+    lacked = shared._pipelined(shared._visual, ["k"], ["", "", "", "1"])
+    await asyncio.wait([ran, lacked])
+    assert ran.result() == "ran" and isinstance(lacked.exception(), redis.ConnectionError)
+    assert sent == [2, 1]  # the one that ran was not sent again
+    await shared.close()
+
+
 @pytest.mark.parametrize(
     ("limit", "members", "parts"),
     [(8, 1, [8]), (8, 2, [4, 4]), (8, 3, [3, 3, 2]), (2, 3, [1, 1, 1]), (5, 4, [2, 1, 1, 1])],

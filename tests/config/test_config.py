@@ -1319,3 +1319,18 @@ def test_pool_keys_parse_with_their_defaults() -> None:
     assert (a.retries.attempts, a.retries.on_status, a.retries.budget) == (0, (500, 503), 0.2)
     assert (a.breaker.failures, a.breaker.open_s, a.breaker.successes) == (5, 7.0, 1)
     assert b.upstreams == ("http://h:3", "http://h:4") and b.weights == () and b.balance == "p2c"
+
+
+def test_a_password_in_the_limits_stores_url_is_never_shown() -> None:
+    from gateway.config import as_dict
+
+    config = parse_config(
+        doc(
+            "version: 1",
+            "server: {limits_store: {url: 'redis://:s3cret@redis:6379/0'}}",
+            "models: [{name: a, accepts: [text], upstreams: ['http://h:1']}]",
+        )
+    )
+    assert config.server.limits_store is not None and "s3cret" in config.server.limits_store.url  # used as given
+    shown = as_dict(config)["server"]["limits_store"]
+    assert shown["url"] == "redis://:***@redis:6379/0" and "s3cret" not in str(as_dict(config))
