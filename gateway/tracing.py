@@ -15,12 +15,12 @@ The span tree of one request (names fixed: dashboards and queries rely on them):
     │                                gen_ai.operation.name, gen_ai.request.model,
     │                                gen_ai.response.model, gen_ai.usage.*, gateway.priority,
     │                                gateway.route, error.type
-    ├── gateway.admission            arrival to the plan: the media it holds, by modality
+    ├── gateway.admission            arrival to the plan: the media it holds, by modality and hash
     ├── gateway.fetch                remote images fetched (visual_tokens remote: fetch)
     ├── gateway.decode               videos probed and sampled, images downscaled
     ├── gateway.transcribe           audio to its transcript (the transcription POST carries it)
     ├── gateway.encode               images to embeddings (gateway.prime on vLLM's encoder
-    │                                instances): the images' sha256, the encoder's request carries it
+    │                                instances): their bytes' sha256, the encoder's request carries it
     ├── gateway.queue                the wait for a slot of the model (max_concurrency)
     └── gateway.upstream  CLIENT     one per attempt: server.address, http.response.status_code,
         │                            gateway.outcome; the engine gets its traceparent

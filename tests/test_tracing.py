@@ -4,6 +4,7 @@ loopback receives, and the W3C trace context the engine and the encoder got."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
 import sys
 from dataclasses import dataclass, field
@@ -148,8 +149,10 @@ async def test_a_request_with_an_encoded_image_and_a_retry_is_one_span_tree_the_
     admission, encode, first, second = children
     assert attributes(admission)["gateway.media.image.count"] == 1
     assert attributes(admission)["gateway.media.text.count"] == 1
-    (sha,) = attributes(encode)["gateway.media.image.sha256"]
-    assert re.fullmatch(r"[0-9a-f]{64}", sha)
+    (sha,) = attributes(encode)["gateway.encode.image.sha256"]  # of the image's bytes
+    assert sha == hashlib.sha256(png()).hexdigest()
+    (sent,) = attributes(admission)["gateway.media.image.sha256"]  # of what was sent: its data URL
+    assert sent == hashlib.sha256(content[1]["image_url"]["url"].encode()).hexdigest()
     assert attributes(first)["http.response.status_code"] == 503 and attributes(first)["gateway.outcome"] == "http_5xx"
     assert first.status.code == 2 and attributes(first)["error.type"] == "http_5xx"  # ERROR
     assert attributes(second)["http.response.status_code"] == 200 and second.kind == 3  # CLIENT

@@ -219,7 +219,7 @@ class EncoderClient:
         blobs = await self._load_all(images, model, config.media)
         shas = await asyncio.gather(*(sha256(b) for b in blobs))
         if self._tracing is not None and self._tracing.recording():  # the media named by hash, never shown
-            self._tracing.current().set_attribute("gateway.media.image.sha256", list(dict.fromkeys(shas)))
+            self._tracing.current().set_attribute("gateway.encode.image.sha256", list(dict.fromkeys(shas)))
         if spec.kind == "vllm":
             new_parts, fields = await self._prime(spec, plan, body, images, shas, request_id)
         else:

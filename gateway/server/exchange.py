@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -35,6 +36,7 @@ from ..errors import EncoderError, PayloadTooLargeError
 from ..media import probe, remote, video
 from ..media.downscale import Resizing, downscale_for
 from ..metrics import NO_KEY, UNKNOWN_MODEL
+from ..modalities import Modality
 from ..tracing import Span, Tracing, stage
 from ..upstream.dispatch import Dispatch, Timeouts
 from ..upstream.live import Live
@@ -85,7 +87,7 @@ class Exchange:
             for part in plan.stripped_parts:
                 metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
         if self.services.tracing is not None and self.services.tracing.recording():
-            _traced_admission(self.services.tracing, self.began_ns, plan)
+            _traced_admission(self.services.tracing, self.began_ns, plan, self.body)
 
     async def counted(self, plan: RoutePlan) -> None:
         """The request's visual tokens, known: held to its key's token budgets, spent of its
@@ -105,15 +107,44 @@ class Exchange:
             metrics.child(metrics.request_visual_tokens, plan.model.name).observe(tokens)
 
 
-def _traced_admission(tracing: Tracing, began_ns: int, plan: RoutePlan) -> None:
+def _traced_admission(tracing: Tracing, began_ns: int, plan: RoutePlan, body: dict[str, Any]) -> None:
     """The admission span, from the request's arrival to its plan: the media it holds, by
-    modality (their hashes come with the stages that read them: gateway.encode)."""
+    modality, and each one's hash (never its content)."""
     held = Counter(p.modality.value for p in plan.classification.parts)
-    attributes: dict[str, str | int] = {f"gateway.media.{m}.count": n for m, n in sorted(held.items())}
+    attributes: dict[str, str | int | list[str]] = {f"gateway.media.{m}.count": n for m, n in sorted(held.items())}
+    for modality, hashes in _media_hashes(plan, body).items():
+        attributes[f"gateway.media.{modality}.sha256"] = hashes
     attributes["gateway.route"] = plan.route
     if plan.visual is not None:
         attributes["gateway.visual_tokens"] = plan.visual.tokens
     tracing.start("gateway.admission", attributes, start_ns=began_ns or None).end()
+
+
+def _media_hashes(plan: RoutePlan, body: dict[str, Any]) -> dict[str, list[str]]:
+    """Each medium's sha256, by modality: of its URL or data as sent (a data URL's text), so that
+    the same image, video or clip sent again has the same hash in every trace."""
+    contents = plan.contents(body)
+    found: dict[str, list[str]] = {}
+    for part in plan.classification.parts:
+        if part.modality is Modality.TEXT or part.index is None:
+            continue
+        value = contents[part.message].value
+        sent = _payload(value[part.index]) if isinstance(value, list) and part.index < len(value) else None
+        if sent:
+            digest = hashlib.sha256(sent.encode("utf-8", "surrogatepass")).hexdigest()
+            found.setdefault(part.modality.value, []).append(digest)
+    return found
+
+
+def _payload(part: Any, depth: int = 0) -> str | None:
+    """The longest string of a part but its type (its URL or its data; a part nests them two
+    deep at most)."""
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict) or depth > 2:
+        return None
+    strings = [s for k, v in part.items() if k != "type" and (s := _payload(v, depth + 1))]
+    return max(strings, key=len, default=None)
 
 
 def _counts_frames(plan: RoutePlan) -> bool:
