@@ -271,6 +271,20 @@ class GatewayMetrics:
             ["model", "reason", "priority"],
             registry=registry,
         )
+        self.images_described = Counter(
+            "gateway_images_described",
+            "Images described by a vision model for a model that takes none (on_unsupported: {image: {describe: M}}), "
+            "by the requested model; a description served from media.cache_bytes is not counted again.",
+            ["model"],
+            registry=registry,
+        )
+        self.image_describe_seconds = Histogram(
+            "gateway_image_describe_seconds",
+            "Time to describe one image: the describing model's answer, retries included.",
+            ["model"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds",
             "Time a request of a model with max_concurrency waited for its slot (0 when one was free), by its "

@@ -60,6 +60,11 @@ ROWS = (
     ("Access (API keys)", ACCESS_METRICS, ACCESS_ALERTED),
     ("Tokens: what each key and model spent", ("gateway_tokens_total",), ()),
     ("Priority queues", PRIORITY_METRICS, ()),
+    (
+        "Media converted (video as frames, audio as transcripts, images described)",
+        ("gateway_images_described_total", "gateway_image_describe_seconds_bucket"),
+        (),
+    ),
 )
 
 pytestmark = pytest.mark.skipif(

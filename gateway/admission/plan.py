@@ -46,7 +46,7 @@ from .parts import Classification, Content, Part
 from .visual import VisualCount, measure
 
 # What X-Gateway-Route names, in this order, comma-separated; "direct" when none (docs/openapi.yaml)
-ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "transcode", "normalize", "downscale")
+ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "describe", "transcode", "normalize", "downscale")
 # Image parts the gateway can turn into embeddings (image_embeds parts already are).
 ENCODABLE_TYPES = frozenset({"image_url", "input_image"})
 
@@ -73,6 +73,7 @@ class RoutePlan:
     api: Api = CHAT  # the API it came in on
     normalized: frozenset[tuple[int, int]] = frozenset()  # parts sent in the shape the engine reads (Api.normalize)
     visual: VisualCount | None = None  # its images sized and counted (the model's visual_tokens, image_pixels)
+    described: frozenset[Modality] = frozenset()  # images sent to a vision model, as its description
 
     @property
     def route(self) -> str:
@@ -81,6 +82,7 @@ class RoutePlan:
             self.redirects
             or self.stripped
             or self.transcribed
+            or self.described
             or self.frames_per_video
             or self.model.video_sample
             or self.normalized
@@ -92,6 +94,7 @@ class RoutePlan:
             bool(self.redirects),
             stripped,
             bool(self.transcribe_parts),
+            bool(self.describe_parts),
             bool(self.frame_parts or self.presample_parts),
             bool(self.normalized),
             bool(self.downscale_parts),
@@ -116,6 +119,13 @@ class RoutePlan:
     @property
     def _video_urls(self) -> tuple[Part, ...]:
         return tuple(p for p in self.classification.parts if p.type == "video_url" and p.index is not None)
+
+    @property
+    def describe_parts(self) -> tuple[Part, ...]:
+        """Images to replace by their description (``on_unsupported: {image: {describe: M}}``)."""
+        if not self.described:
+            return ()
+        return tuple(p for p in self.classification.parts if p.modality in self.described and p.index is not None)
 
     @property
     def transcribe_parts(self) -> tuple[Part, ...]:
@@ -148,7 +158,7 @@ class RoutePlan:
     def needs_rewrite(self, body: Mapping[str, Any]) -> bool:
         if body.get("model") != self.model.upstream_name or self.normalized:
             return True
-        if self.transcribe_parts or self.frame_parts:
+        if self.transcribe_parts or self.frame_parts or self.describe_parts:
             return True
         return bool(self.stripped or self.transcribed) and (bool(self.stripped_parts) or self.mutes_audio_in_video)
 
@@ -196,6 +206,8 @@ class RoutePlan:
             return "strip"
         if part.modality in self.transcribed:
             return "transcribe"
+        if part.modality in self.described:
+            return "describe"
         if self.frames_per_video and part.type == "video_url":
             return "frames, encoded" if self.encoder is not None else "frames"
         return "encode" if self.encoder is not None and part.type in ENCODABLE_TYPES else "accept"
@@ -226,6 +238,14 @@ class RoutePlan:
             ],
             **({"visual_tokens": self.visual.tokens} if self.visual is not None else {}),
         }
+
+
+def with_strip(route: str) -> str:
+    """An X-Gateway-Route that says ``strip`` too, in its place (parts dropped after admission)."""
+    done = [] if route == "direct" else route.split(", ")
+    if "strip" not in done:
+        done.insert(1 if done[:1] == ["redirect"] else 0, "strip")
+    return ", ".join(done)
 
 
 def lookup(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = None, api: str = "chat") -> ModelConfig:
@@ -290,21 +310,41 @@ def admit(
         for m in unsupported
         if (policy := model.policy(m)).action == "transcribe" and _may_use(visible, policy.target or "")
     )
+    described = frozenset(
+        m
+        for m in unsupported
+        if (policy := model.policy(m)).action == "describe" and _may_use(visible, policy.target or "")
+    )
     framed = frozenset(m for m in unsupported if model.policy(m).action == "frames")
-    refused = (framed if not api.converts else frozenset()) | (transcribed if not api.transcribes else frozenset())
+    as_text = transcribed | described  # sent as a text part of the API's: only where it has one
+    refused = (framed if not api.converts else frozenset()) | (as_text if not api.transcribes else frozenset())
     if refused:
         _refuse_conversion(model, classification, refused, api)
-    _reject_unsupported(model, classification, unsupported, stripped | transcribed | framed, redirects)
-    _enforce_limits(model, classification, stripped | transcribed | framed)
+    if described:
+        _hold_descriptions(model, classification)
+    handled = stripped | as_text | framed
+    _reject_unsupported(model, classification, unsupported, handled, redirects)
+    _enforce_limits(model, classification, handled)
     per_video = _frames_per_video(model, classification, stripped) if framed else 0
-    visual = _measure(model, classification, contents, stripped | framed) if model.counts_images else None
+    gone = stripped | framed | described  # not sent as images
+    visual = _measure(model, classification, contents, gone) if model.counts_images else None
     plan = RoutePlan(
-        requested.name, model, classification, tuple(redirects), stripped, transcribed, per_video, api, visual=visual
+        requested.name,
+        model,
+        classification,
+        tuple(redirects),
+        stripped,
+        transcribed,
+        per_video,
+        api,
+        visual=visual,
+        described=described,
     )
     if not normalized:
         return plan
-    gone = {(p.message, p.index) for p in (*plan.stripped_parts, *plan.transcribe_parts)}  # not sent as parts
-    return dataclasses.replace(plan, normalized=normalized - gone)
+    parts = (*plan.stripped_parts, *plan.transcribe_parts, *plan.describe_parts)
+    gone_at = {(p.message, p.index) for p in parts}  # not sent as parts
+    return dataclasses.replace(plan, normalized=normalized - gone_at)
 
 
 def _measure(
@@ -325,16 +365,32 @@ def _measure(
     return measure(model, parts, contents)
 
 
+def _hold_descriptions(model: ModelConfig, classification: Classification) -> None:
+    """A request's images to describe, at most the policy's ``max_images``: each is a
+    generation of the describing model."""
+    most = model.policy(Modality.IMAGE).max_images
+    images = [p for p in classification.parts if p.modality is Modality.IMAGE and p.index is not None]
+    if len(images) > most:
+        part = images[most]
+        raise TooManyItemsError(
+            f"Model '{model.name}' takes images as their description, at most {most} a request "
+            f"(on_unsupported.image.max_images); this one has {len(images)}: {part.location} is one too many",
+            param=part.location,
+            rejection=Rejection(model.name, "image", "too_many_items"),
+        )
+
+
 def _refuse_conversion(
     model: ModelConfig, classification: Classification, converted: frozenset[Modality], api: Api
 ) -> None:
     """Audio to transcribe or video to sample, on an API whose parts the gateway does not convert:
     refused as the model's own modality, saying where it is served."""
     part = next(p for p in classification.parts if p.modality in converted)
-    action = "as its transcript" if part.modality is Modality.AUDIO else "as frames"
+    action = {Modality.AUDIO: "as its transcript", Modality.IMAGE: "as its description"}.get(part.modality, "as frames")
+    where = "the chat API" if part.modality is Modality.VIDEO else "the chat, Responses and Messages APIs"
     raise UnsupportedModalityError(
         f"Model '{model.name}' does not accept {part.modality} input, and takes it only {action}, which the gateway "
-        f"makes on /v1/chat/completions, not on the {api.name} API: {part.location} is '{part.type}'. "
+        f"makes on {where}, not on the {api.name} API: {part.location} is '{part.type}'. "
         f"It accepts: {model.accepts_text()}.",
         param=part.location,
         rejection=Rejection(model.name, part.modality.value, "unsupported"),

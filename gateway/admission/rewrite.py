@@ -57,9 +57,10 @@ def rewrite(
     expanded = {i for (i, _), new_part in (replacements or {}).items() if new_part.get("type") == EXPAND}
     for i in expanded:  # a part replaced by several (a video by its frames), in place
         content = contents[i]
-        content.holder[content.key] = [
-            q for p in content.value for q in (p["parts"] if p.get("type") == EXPAND else (p,))
-        ]
+        spliced = [q for p in content.value for q in (p["parts"] if p.get("type") == EXPAND else (p,))]
+        content.holder[content.key] = (
+            spliced or ""
+        )  # every part gone (an image not described, dropped): as strip leaves it
     if plan.mutes_audio_in_video:
         body["mm_processor_kwargs"] = {**body["mm_processor_kwargs"], "use_audio_in_video": False}
     return dump_body(body)

@@ -72,8 +72,23 @@ def _visual(model: ModelConfig, raw: dict[str, Any]) -> None:
     raw["on_oversize"] = {"downscale": targets} if oversize.action == "downscale" else "reject"
 
 
-def _policy(policy: Policy) -> str | dict[str, str | None]:
-    return {"redirect": policy.target} if policy.action == "redirect" else policy.action
+def _policy(policy: Policy) -> str | dict[str, Any]:
+    """A policy as routing.yaml spells it (what /admin/config shows parses back)."""
+    if policy.action == "redirect":
+        return {"redirect": policy.target}
+    if policy.action == "transcribe":
+        return {"transcribe": policy.target, "on_error": policy.on_error}
+    if policy.action == "describe":
+        return {"describe": policy.target, "prompt": policy.prompt, "on_error": policy.on_error,
+                "max_images": policy.max_images}  # fmt: skip
+    if policy.action == "frames":
+        return {
+            "frames": policy.frames,
+            "fps": policy.fps,
+            "max_side": policy.max_side,
+            "timestamps": policy.timestamps,
+        }
+    return policy.action
 
 
 def _plain(value: Any) -> Any:

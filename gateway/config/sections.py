@@ -15,7 +15,10 @@ from .readers import describe, fields, show, unknown_message
 from .types import (
     API_NAMES,
     DEFAULT_APIS,
+    DEFAULT_DESCRIBE_PROMPT,
     DEFAULT_ENCODE_IMAGE_LIMIT,
+    DESCRIBE_ERRORS,
+    DESCRIBE_KEYS,
     ENCODER_ERROR_ACTIONS,
     ENCODER_KEYS,
     FRAMES_KEYS,
@@ -383,6 +386,16 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
                 self.problem(f"{path}.on_error", unknown_message(on_error, ("fail", "reject"), "action"))
                 return None
             return Policy("transcribe", target, on_error) if target else None
+        if isinstance(value, dict) and "describe" in value and set(value) <= set(DESCRIBE_KEYS):
+            target = self.string(value["describe"], f"{path}.describe")
+            on_error = self.choice(
+                value.get("on_error", MISSING), f"{path}.on_error", DESCRIBE_ERRORS, "action", "fail"
+            )
+            prompt = self.string(value.get("prompt", DEFAULT_DESCRIBE_PROMPT), f"{path}.prompt")
+            most = self.integer(value.get("max_images", MISSING), f"{path}.max_images", 8, minimum=1, maximum=64)
+            if target is None or prompt is None:
+                return None
+            return Policy("describe", target, on_error, prompt=prompt, max_images=most)  # type: ignore[arg-type]
         if isinstance(value, dict) and "frames" in value and set(value) <= set(FRAMES_KEYS):
             frames = self.integer(value["frames"], f"{path}.frames", 8, minimum=1, maximum=64)
             fps = value.get("fps")
@@ -392,14 +405,22 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
             timestamps = self.boolean(value.get("timestamps", True), f"{path}.timestamps", True)
             return Policy("frames", frames=frames, fps=fps, max_side=max_side, timestamps=timestamps)
         if isinstance(value, dict) and value:
-            allowed = TRANSCRIBE_KEYS if "transcribe" in value else FRAMES_KEYS if "frames" in value else ("redirect",)
+            allowed = (
+                TRANSCRIBE_KEYS
+                if "transcribe" in value
+                else DESCRIBE_KEYS
+                if "describe" in value
+                else FRAMES_KEYS
+                if "frames" in value
+                else ("redirect",)
+            )
             for key in value:
                 if key not in allowed:
                     self.problem(join_path(path, key), unknown_message(key, allowed, "key"), at_key=True)
             return None
         self.problem(
             path,
-            f"unknown policy {show(value)} (expected reject, strip, {{redirect: MODEL}}, {{transcribe: MODEL}} "
-            "or {frames: N})",
+            f"unknown policy {show(value)} (expected reject, strip, {{redirect: MODEL}}, {{transcribe: MODEL}}, "
+            "{describe: MODEL} or {frames: N})",
         )
         return None

@@ -54,6 +54,9 @@ LIMITS_STORE_SCHEMES = ("redis", "rediss", "unix")
 # the keys of an on_unsupported policy written as a mapping (video: {sample: ...} takes the first
 # three of FRAMES_KEYS)
 TRANSCRIBE_KEYS = ("transcribe", "on_error")
+DESCRIBE_KEYS = ("describe", "prompt", "on_error", "max_images")
+DESCRIBE_ERRORS = ("fail", "reject", "strip")  # describe's on_error
+DEFAULT_DESCRIBE_PROMPT = "Describe the image for someone who cannot see it."
 FRAMES_KEYS = ("frames", "fps", "max_side", "timestamps")
 MEDIA_KEYS = (
     "allow_domains",
@@ -337,9 +340,12 @@ class AuthConfig:
 class Policy:
     """What to do with a modality a model does not accept."""
 
-    action: Literal["reject", "strip", "redirect", "transcribe", "frames"]
-    target: str | None = None  # the model to redirect to, or whose upstreams transcribe (audio)
-    on_error: Literal["fail", "reject"] = "fail"  # transcribe: when it fails, 502/504 or 400 as if rejected
+    action: Literal["reject", "strip", "redirect", "transcribe", "frames", "describe"]
+    target: str | None = None  # the model to redirect to, whose upstreams transcribe (audio) or describe (image)
+    # transcribe, describe: when it fails, 502/504, 400 as if rejected, or (describe) the image dropped
+    on_error: Literal["fail", "reject", "strip"] = "fail"
+    prompt: str = DEFAULT_DESCRIBE_PROMPT  # describe: what the describing model is asked, with the image
+    max_images: int = 8  # describe: a request's images at most (each a generation of the describing model)
     # frames (video): this many frames sampled evenly (or fps a second, capped by frames), each
     # scaled to fit max_side, each after a text part with its time when timestamps is on
     frames: int = 8
@@ -352,6 +358,8 @@ class Policy:
             return f"redirect to '{self.target}'"
         if self.action == "transcribe":
             return f"transcribe with '{self.target}'"
+        if self.action == "describe":
+            return f"describe with '{self.target}'"
         if self.action == "frames":
             return f"{self.frames} frames"
         return self.action

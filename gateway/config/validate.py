@@ -50,6 +50,20 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                 elif Modality.IMAGE not in model.accepts:
                     p.problem(f"{where}.frames", "frames are images: the model must accept image")
                 continue
+            if policy.action == "describe":
+                describer = config.model(policy.target or "")
+                if m != Modality.IMAGE:
+                    p.problem(f"{where}.describe", f"only images can be described, not '{m}'")
+                elif describer is None:
+                    names = ", ".join(mm.name for mm in config.models)
+                    p.problem(f"{where}.describe", f"describing model '{policy.target}' is not a model here ({names})")
+                elif Modality.IMAGE not in describer.accepts or "chat" not in describer.apis:
+                    p.problem(
+                        f"{where}.describe",
+                        f"describing model '{describer.name}' must accept image and serve chat (it accepts: "
+                        f"{describer.accepts_text()}; apis: {', '.join(describer.apis)})",
+                    )
+                continue
             if policy.action == "transcribe":
                 if m != Modality.AUDIO:
                     p.problem(f"{where}.transcribe", f"only audio can be transcribed, not '{m}'")

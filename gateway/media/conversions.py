@@ -10,6 +10,8 @@ keeps what it made, by the sha256 of the medium's bytes and everything else that
 - ``("frames", frames, fps, max_side, timestamps, sha256)``: a video's frames, as chat parts;
 - ``("presample", frames, fps, max_side, sha256)``: a video in vLLM's pre-sampled form;
 - ``("downscale", width, height, sha256)``: an image resized (``on_oversize: downscale``).
+- ``("description", model, upstream model, prompt, sha256)``: an image's description
+  (``on_unsupported: {image: {describe: M}}``).
 
 One LRU per process (each worker of ``serve --workers N`` has its own), bounded in bytes
 (``media.cache_bytes``; 0 turns it off, and then nothing is hashed or counted). The bound counts

@@ -21,6 +21,7 @@ from ..config import GatewayConfig
 from ..encode.client import EncoderClient
 from ..encode.supervisor import Supervisor
 from ..media.conversions import ConversionCache
+from ..media.describe import Describer
 from ..media.fetch import MediaFetcher
 from ..media.transcribe import Transcriber
 from ..metrics import GatewayMetrics, WorkersCollector
@@ -96,6 +97,7 @@ def create_app(
         config.server.max_body_bytes,
         gates,
         transcriber=Transcriber(metrics, encoder.fetcher, upstream.retries, conversions, tracing=tracing),
+        describer=Describer(metrics, encoder.fetcher, upstream.retries, conversions, tracing=tracing),
         conversions=conversions,
         shared_limits=shared,
         tracing=tracing,
@@ -157,6 +159,8 @@ async def _clients(app: web.Application) -> AsyncIterator[None]:
     await services.encoder.start(config)
     if services.transcriber is not None:
         await services.transcriber.start()
+    if services.describer is not None:
+        await services.describer.start()
     await services.supervisor.start()
     members = None
     if services.shared_limits is not None:  # counted among the live processes before the first request
@@ -171,6 +175,8 @@ async def _clients(app: web.Application) -> AsyncIterator[None]:
     await services.encoder.close()
     if services.transcriber is not None:
         await services.transcriber.close()
+    if services.describer is not None:
+        await services.describer.close()
     services.decoders.close()
     if services.shared_limits is not None:
         await services.shared_limits.close()

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from ..admission.body import exact, read_body, read_json
 from ..admission.dimensions import Dimensions, read_dimensions
-from ..admission.plan import EXPAND, RoutePlan, Visible
+from ..admission.plan import EXPAND, RoutePlan, Visible, with_strip
 from ..admission.priority import ANONYMOUS, DEFAULT_RANK, HEADER, priority_of
 from ..admission.rewrite import upstream_body
 from ..admission.upload import Form, parse_form
@@ -34,6 +34,7 @@ from ..config import PRIORITIES, GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
 from ..media import probe, remote, video
+from ..media.describe import dropped
 from ..media.downscale import Resizing, downscale_for
 from ..metrics import NO_KEY, UNKNOWN_MODEL
 from ..modalities import Modality
@@ -223,7 +224,14 @@ async def convert(ex: Exchange) -> None:
         ex.plan = plan
         ex.converted |= remote.inline(plan, ex.body, fetched)  # the bytes measured, not the URL again
     probes = plan.visual is not None and bool(plan.visual.to_probe)
-    if not (probes or plan.frame_parts or plan.presample_parts or plan.downscale_parts or plan.transcribe_parts):
+    if not (
+        probes
+        or plan.frame_parts
+        or plan.presample_parts
+        or plan.downscale_parts
+        or plan.transcribe_parts
+        or plan.describe_parts
+    ):
         if waited:
             await ex.counted(plan)
         return
@@ -251,6 +259,14 @@ async def convert(ex: Exchange) -> None:
             ex.converted |= await services.transcriber.transcribe(
                 plan, ex.body, ex.live, request_id=ex.request[REQUEST_ID_KEY]
             )
+    if plan.describe_parts:
+        assert services.describer is not None
+        with stage(services.tracing, "gateway.describe", {"gateway.media.image.count": len(plan.describe_parts)}):
+            described = await services.describer.describe(plan, ex.body, ex.live, request_id=ex.request[REQUEST_ID_KEY])
+        if gone := dropped(described):  # on_error: strip: counted and said as strip's are
+            services.metrics.stripped_parts.labels(plan.model.name, "image").inc(gone)
+            ex.headers["X-Gateway-Route"] = with_strip(plan.route)
+        ex.converted |= described
     if plan.frame_parts:
         with stage(services.tracing, "gateway.decode", {"gateway.conversion": "frames"}):
             frames = await video.frames_for(plan, ex.body, sampling)
@@ -322,7 +338,7 @@ def forward(
         "X-Gateway-Model": model.name,
         "X-Gateway-Route": ex.plan.route if ex.plan is not None else "direct",
         "X-Gateway-Priority": PRIORITIES[ex.priority],
-        **ex.headers,
+        **ex.headers,  # a route a conversion changed too (an image not described, dropped)
     }
     t = model.timeouts
     stream_idle = t.idle_s if ex.stream else None

@@ -189,6 +189,9 @@ def declare(metrics: GatewayMetrics, config: GatewayConfig) -> None:
                 metrics.stripped_parts.labels(model.name, modality.value)
             elif policy.action == "transcribe":
                 metrics.audio_transcribed_seconds.labels(model.name)
+            elif policy.action == "describe":
+                metrics.images_described.labels(model.name)
+                metrics.image_describe_seconds.labels(model.name)
             elif policy.action == "frames":
                 metrics.video_frames.labels(model.name)
         if model.video_sample is not None or any(p.action == "frames" for p in model.on_unsupported.values()):

@@ -713,7 +713,8 @@ MODEL_CHECKS = [
         "    on_unsupported: {image: drop}",
         [
             "r.yaml:6:29: models[0].on_unsupported.image: "
-            "unknown policy 'drop' (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL} or {frames: N})"
+            "unknown policy 'drop' (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL}, "
+            "{describe: MODEL} or {frames: N})"
         ],
         id="policy-unknown",
     ),
@@ -721,7 +722,8 @@ MODEL_CHECKS = [
         "    on_unsupported: {image: null}",
         [
             "r.yaml:6:29: models[0].on_unsupported.image: "
-            "unknown policy null (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL} or {frames: N})"
+            "unknown policy null (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL}, "
+            "{describe: MODEL} or {frames: N})"
         ],
         id="policy-null",
     ),
@@ -1127,7 +1129,8 @@ ODD_VALUES = [
         model_doc("    on_unsupported: {video: {}}"),
         [
             "r.yaml:6:29: models[0].on_unsupported.video: "
-            "unknown policy {} (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL} or {frames: N})"
+            "unknown policy {} (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL}, "
+            "{describe: MODEL} or {frames: N})"
         ],
         id="empty-policy-mapping",
     ),

@@ -134,7 +134,10 @@ async def test_a_model_not_served_on_responses_and_conversions_chat_alone_makes_
             await client.embeddings.create(model="texty", input="", extra_body={"messages": user(audio)})
     error = error_body(caught.value)
     assert error["code"] == "unsupported_modality" and error["param"] == "messages[0].content[1]"
-    assert "which the gateway makes on /v1/chat/completions, not on the embeddings API" in error["message"]
+    assert (
+        "which the gateway makes on the chat, Responses and Messages APIs, not on the embeddings API"
+        in error["message"]
+    )
     assert texty.received == [] and vision.received == []
 
 

@@ -10,17 +10,17 @@ its errors look to its clients. Classification, limits and actions are the same 
 API                     ``apis:``    errors             actions on its parts
 ======================  ===========  =================  =====================================
 /v1/chat/completions    chat         OpenAI             every one
-/v1/responses           responses    OpenAI             reject, redirect, strip, transcribe
-/v1/messages            messages     Anthropic          reject, redirect, strip
+/v1/responses           responses    OpenAI             reject, redirect, strip, transcribe, describe
+/v1/messages            messages     Anthropic          reject, redirect, strip, describe
 /v1/embeddings          embeddings   OpenAI             reject, redirect, strip
 /v1/score, /score       score        OpenAI             reject, redirect, strip
 /v1/rerank, ...         rerank       OpenAI             reject, redirect, strip
 /v1/audio/...           transcr.     OpenAI             the model takes audio, or redirect
 ======================  ===========  =================  =====================================
 
-An action an API cannot carry is never silently skipped: audio to transcribe (but on the
-Responses API, which takes its transcript as an ``input_text`` part) and video to sample into
-frames are refused (400 ``unsupported_modality``, saying where they are served);
+An action an API cannot carry is never silently skipped: audio to transcribe and images to
+describe (but on the Responses and Messages APIs, which take the text as their own text part)
+and video to sample into frames are refused (400 ``unsupported_modality``, saying where they are served);
 images of a model with ``encode:`` go to the engine as sent, which encodes them itself
 (docs/routing.md).
 """
@@ -47,7 +47,7 @@ class Api:
     table: PartTable
     contents: Callable[[dict[str, Any], ContentBounds], list[Content]]  # the view of a body, checked
     converts: bool = False  # video sampled, images encoded: the chat API only
-    transcribes: bool = False  # audio served as its transcript (a text part of this API's)
+    transcribes: bool = False  # media served as text, audio's transcript or an image's description (its text part)
     errors: ErrorShape = "openai"
     text_part: str = "text"  # the type of a text part, for a part the gateway writes
     # a part in the shape the engines read, where clients may send another of the same meaning; None: as sent

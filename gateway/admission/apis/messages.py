@@ -94,6 +94,10 @@ def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
     return view
 
 
-MESSAGES = Api("messages", "/v1/messages", PARTS, contents, errors="anthropic")
-# the input tokens of a message, admitted as the message would be (Claude Code asks it first)
-COUNT_TOKENS = Api("messages", "/v1/messages/count_tokens", PARTS, contents, errors="anthropic", spends=False)
+# transcribes: an image described is a text block (Anthropic's API carries no audio)
+MESSAGES = Api("messages", "/v1/messages", PARTS, contents, errors="anthropic", transcribes=True)
+# the input tokens of a message, admitted as the message would be (Claude Code asks it first; its
+# images described then are in the conversions cache when the message itself comes)
+COUNT_TOKENS = Api(
+    "messages", "/v1/messages/count_tokens", PARTS, contents, errors="anthropic", spends=False, transcribes=True
+)

@@ -1,0 +1,306 @@
+"""Images a model cannot take, served as a description (``on_unsupported: {image: {describe: M}}``).
+
+Each image part of the request (chat ``image_url``, Responses ``input_image``, Anthropic
+``image``: a data URL, base64 data, or an http(s) URL fetched under the ``media:`` rules, within
+``max_image_bytes``) goes to one of model M's upstreams as a chat completion: the policy's
+``prompt`` and the image, ``POST /v1/chat/completions`` (M: a vision model of the table, its pool,
+key, timeouts and retry budget). The part is replaced by a text part holding the answer, marked as
+a description. One description per distinct image: the conversions cache (``media.cache_bytes``)
+keeps it by the image's sha256, M and the prompt, and requests that carry the same image at once
+share one call. A 4xx of M's (400, 413, 415, 422) is the image's fault (400 ``invalid_image``).
+When every replica failed, ``on_error`` says: ``fail`` (502 ``upstream_error`` / 504
+``upstream_timeout`` naming the part), ``reject`` (the 400 the model's rejection would have
+been) or ``strip`` (the image dropped, as ``strip`` does). What is lost: everything the
+describing model did not say, and what it got wrong: a description is one model's reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from ..admission.parts import Part
+from ..admission.plan import EXPAND, RoutePlan
+from ..config import MediaConfig, ModelConfig, Policy
+from ..errors import (
+    GatewayError,
+    InvalidImageError,
+    MediaRefusedError,
+    Rejection,
+    UnsupportedModalityError,
+    UpstreamError,
+    UpstreamTimeoutError,
+    error_detail,
+)
+from ..fanout import gather_all
+from ..metrics import GatewayMetrics
+from ..modalities import Modality
+from ..tracing import Tracing, inject
+from ..upstream.attempts import Attempts
+from ..upstream.failures import CLIENT_ERRORS, read_capped
+from ..upstream.http1 import KEEPALIVE_S
+from ..upstream.live import Live
+from ..upstream.retries import RetryBook
+from .conversions import ConversionCache
+from .fetch import MediaFetcher, sha256
+
+log = logging.getLogger(__name__)
+DESCRIPTION = "[Description of the user's image] "  # marks the text part that replaced an image
+CONCURRENCY = 4  # images of one request described at once
+MAX_REPLY_BYTES = 1 << 20  # a description: a paragraph
+MAX_TOKENS = 512  # the longest description asked for
+# the image formats a data URL is made for, by their first bytes (an image fetched by URL)
+MAGIC = ((b"\x89PNG", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "image/gif"),
+         (b"BM", "image/bmp"))  # fmt: skip
+
+
+class Describer:
+    """Sends images to a describing model's upstreams over one ClientSession."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        fetcher: MediaFetcher,
+        retries: RetryBook,
+        cache: ConversionCache | None = None,
+        *,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self._metrics = metrics
+        self._fetcher = fetcher
+        self._retries = retries  # the describing model's budget, which its own requests share
+        self._cache = cache if cache is not None else ConversionCache(0)
+        self._tracing = tracing  # each request to the describing model carries the describe span's traceparent
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def describe(
+        self, plan: RoutePlan, body: dict[str, Any], live: Live, *, request_id: str
+    ) -> dict[tuple[int, int], dict[str, Any]]:
+        """The text part that replaces each image of ``plan.describe_parts`` (or nothing, with
+        ``on_error: strip``, for one that could not be described)."""
+        policy = plan.model.policy(Modality.IMAGE)
+        target = live.config.model(policy.target or "")
+        if target is None:  # validation forbids it; a config built in code may not
+            raise UpstreamError(f"Describing model '{policy.target}' does not exist")
+        job = _Job(plan, policy, target, live, request_id)
+        limit = asyncio.Semaphore(CONCURRENCY)
+        contents = plan.contents(body)
+
+        async def one(part: Part) -> tuple[tuple[int, int], dict[str, Any]]:
+            assert part.index is not None
+            async with limit:
+                try:
+                    text = await self._one(contents[part.message].value[part.index], part, job)
+                except (UpstreamError, UpstreamTimeoutError) as exc:
+                    if policy.on_error == "strip":  # dropped: counted and said by the exchange (dropped())
+                        log.warning("model %s: %s not described, dropped (%s)", plan.model.name, part.location,
+                                    exc.message)  # fmt: skip
+                        return (part.message, part.index), {"type": EXPAND, "parts": []}
+                    if policy.on_error != "reject":
+                        raise
+                    raise UnsupportedModalityError(
+                        f"Model '{plan.model.name}' does not accept image input, and its description failed: "
+                        f"{part.location} is '{part.type}' ({exc.message})",
+                        param=part.location,
+                        rejection=Rejection(plan.model.name, "image", "unsupported"),
+                    ) from None
+            return (part.message, part.index), {"type": plan.api.text_part, "text": DESCRIPTION + text}
+
+        # an image refused stops the others' descriptions at once
+        return dict(await gather_all(*(one(p) for p in plan.describe_parts)))
+
+    async def _one(self, value: Mapping[str, Any], part: Part, job: _Job) -> str:
+        url, data = await self._data_url(value, part, job.plan.model.name, job.live.config.media)
+        make = functools.partial(self._described, url, part, job)
+        cache = self._cache
+        if not cache.enabled:
+            return await make()
+        key = ("description", job.target.name, job.target.upstream_name, job.policy.prompt, await sha256(data))
+        try:  # the same image again (a later turn, a parallel request): one description
+            return await cache.get_or_make(
+                key,
+                make,
+                size_of=lambda text: len(text.encode()),
+                keep=lambda text: bool(text.strip()),
+                shared_errors=(InvalidImageError,),  # refused by the describing model: it would be again
+            )
+        except InvalidImageError as exc:  # the image's fault, maybe found by a request that carried it too
+            refused = Rejection(job.plan.model.name, "image", "media_refused")  # this request's model's
+            raise exc.located_at(part.location, rejection=refused) from None
+
+    async def _described(self, url: str, part: Part, job: _Job) -> str:
+        """The image's description, from one of the describing model's upstreams: each try on a
+        replica not tried yet, within its retries and budget and ``timeouts.total_s``."""
+        started = time.perf_counter()
+        text = await self._ask(url, part, job)
+        model = job.plan.model.name
+        self._metrics.images_described.labels(model).inc()
+        self._metrics.image_describe_seconds.labels(model).observe(time.perf_counter() - started)
+        return text
+
+    async def _ask(self, url: str, part: Part, job: _Job) -> str:
+        target = job.target
+        t = target.timeouts
+        attempts = Attempts(
+            job.live.pools[target.name],
+            retries=self._retries.of(target),
+            panic=True,
+            deadline=asyncio.get_running_loop().time() + t.total_s if t.total_s else None,
+        )
+        why, timed_out = "no replica admits a request", False
+        while (lease := await attempts.next()) is not None:
+            with lease:
+                try:
+                    status, data = await self._post(lease.replica.url, url, job, attempts.left())
+                except CLIENT_ERRORS as exc:
+                    failure = attempts.failed(lease, exc)
+                    why, timed_out = failure.reason, failure.kind == "timeout"
+                    if attempts.again(failure.outcome, free=failure.kind == "connect"):
+                        continue  # describing is idempotent: the next replica, after a timeout too
+                    break
+                text = _content(data) if status == 200 else None
+                if status == 200 and text == "":  # a chat reply with no words (a refusal; a reasoning model's
+                    lease.success()  # tokens all spent thinking): the model's answer, not a failing replica
+                    why, timed_out = "the describing model answered with no text", False
+                    break
+                if status in (400, 413, 415, 422):  # the image's fault
+                    lease.success()
+                    raise InvalidImageError(
+                        f"{part.location}: describing model '{target.name}' could not read the image "
+                        f"(HTTP {status}{error_detail(data)})",
+                        param=part.location,
+                        rejection=Rejection(job.plan.model.name, "image", "media_refused"),
+                    )
+                if text is None:  # failing, busy, not a chat server, or not its reply
+                    if status != 429:
+                        lease.failure(f"HTTP {status}" if status != 200 else "not a chat completion")
+                    why, timed_out = f"HTTP {status}", False
+                    if attempts.again(f"http_{status}"):
+                        continue
+                    break
+                lease.success()
+                return text
+        if attempts.expired:
+            why, timed_out = f"timeouts.total_s of {t.total_s:g}s spent", True
+        if timed_out:
+            raise UpstreamTimeoutError(
+                f"{part.location}: describing model '{target.name}' sent no description in time ({why})",
+                param=part.location,
+            )
+        raise UpstreamError(
+            f"{part.location}: no upstream of describing model '{target.name}' could describe the image ({why})",
+            param=part.location,
+        )
+
+    async def _post(self, replica: str, url: str, job: _Job, left: float | None) -> tuple[int, bytes]:
+        """One try: the chat completion that asks for the description, its status and body."""
+        assert self._session is not None, "Describer.start() was not called"
+        target = job.target
+        headers = {"Content-Type": "application/json", "X-Request-Id": job.request_id}
+        inject(self._tracing, headers)
+        auth = job.live.upstream_auth.get(target.name)
+        if auth is not None:
+            headers["Authorization"] = auth
+        content = [{"type": "text", "text": job.policy.prompt}, {"type": "image_url", "image_url": {"url": url}}]
+        payload = {
+            "model": target.upstream_name,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": MAX_TOKENS,
+            "stream": False,
+        }
+        t = target.timeouts
+        timeout = aiohttp.ClientTimeout(total=left, connect=t.connect_s, sock_read=t.first_byte_s)
+        async with self._session.post(
+            f"{replica}/v1/chat/completions", data=orjson.dumps(payload), headers=headers, timeout=timeout
+        ) as resp:
+            return resp.status, await read_capped(resp, MAX_REPLY_BYTES)
+
+    async def _data_url(
+        self, value: Mapping[str, Any], part: Part, model: str, media: MediaConfig
+    ) -> tuple[str, bytes]:
+        """The image as a data URL (as sent, or made of the bytes fetched), and its bytes."""
+        source = _source(value)
+        if source is None:
+            what = "embeddings" if part.type == "image_embeds" else "a reference (no image)"
+            raise UnsupportedModalityError(
+                f"Model '{model}' does not accept image input, and {part.location} ('{part.type}') cannot be "
+                f"described: it carries {what}",
+                param=part.location,
+                rejection=Rejection(model, "image", "unsupported"),
+            )
+        try:
+            data = await self._fetcher.load(source, "image", media)  # the size limit, and the fetch rules
+        except GatewayError as exc:
+            kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidImageError
+            refused = Rejection(model, "image", "media_refused")
+            raise kind(f"{part.location}: {exc.message}", param=part.location, rejection=refused) from None
+        if source.startswith("data:"):
+            return source, data
+        webp = data[:4] == b"RIFF" and data[8:12] == b"WEBP"
+        mime = "image/webp" if webp else next((m for magic, m in MAGIC if data.startswith(magic)), "image/png")
+        return f"data:{mime};base64,{base64.b64encode(data).decode()}", data
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """What every image of one request is described for, how, and by whom."""
+
+    plan: RoutePlan  # the requested model's
+    policy: Policy  # its image policy: the prompt and on_error
+    target: ModelConfig  # the describing model
+    live: Live  # its pool and key, of the request's generation
+    request_id: str
+
+
+def _source(part: Mapping[str, Any]) -> str | None:
+    """An image part's URL or data URL, whatever its API's shape: chat's ``image_url: {url}``,
+    Responses' ``image_url: "..."``, Anthropic's ``source: {type: base64 | url}``; None for one
+    that carries no image (embeddings, a file id)."""
+    value = part.get("image_url")
+    if isinstance(value, dict):
+        value = value.get("url")
+    if isinstance(value, str) and value:
+        return value
+    source = part.get("source")
+    if isinstance(source, dict):
+        if source.get("type") == "base64" and isinstance(source.get("data"), str):
+            return f"data:{source.get('media_type', 'image/png')};base64,{source['data']}"
+        if source.get("type") == "url" and isinstance(source.get("url"), str):
+            return str(source["url"])
+    return None
+
+
+def _content(data: bytes) -> str | None:
+    """A chat completion's answer ("" for one with no text: null or blank content); None when
+    the reply is not a chat completion."""
+    try:
+        reply = orjson.loads(data)
+        message = reply["choices"][0]["message"]
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+        return None
+    if not isinstance(message, dict):
+        return None
+    text = message.get("content")
+    return text.strip() if isinstance(text, str) else ""
+
+
+def dropped(replacements: Mapping[tuple[int, int], Mapping[str, Any]]) -> int:
+    """The images :meth:`Describer.describe` dropped (``on_error: strip``)."""
+    return sum(1 for part in replacements.values() if part.get("type") == EXPAND and not part.get("parts"))
