@@ -45,11 +45,11 @@ from ..fanout import gather_all
 from ..metrics import GatewayMetrics
 from ..modalities import Modality
 from ..tracing import Tracing, inject
-from ..upstream.attempts import Attempts
-from ..upstream.failures import CLIENT_ERRORS, read_capped
+from ..upstream.failures import read_capped
 from ..upstream.http1 import KEEPALIVE_S
 from ..upstream.live import Live
 from ..upstream.retries import RetryBook
+from .asking import MEDIA_FAULTS, Failed, GaveUp, ask, gave_up_error
 from .conversions import ConversionCache
 from .fetch import MediaFetcher, sha256
 
@@ -157,59 +157,35 @@ class Describer:
 
     async def _ask(self, url: str, part: Part, job: _Job) -> str:
         target = job.target
-        t = target.timeouts
-        attempts = Attempts(
-            job.live.pools[target.name],
-            retries=self._retries.of(target),
-            panic=True,
-            deadline=asyncio.get_running_loop().time() + t.total_s if t.total_s else None,
-        )
-        why, timed_out = "no replica admits a request", False
-        while (lease := await attempts.next()) is not None:
-            with lease:
-                try:
-                    status, data = await self._post(lease.replica.url, url, job, attempts.left())
-                except CLIENT_ERRORS as exc:
-                    failure = attempts.failed(lease, exc)
-                    why, timed_out = failure.reason, failure.kind == "timeout"
-                    if attempts.again(failure.outcome, free=failure.kind == "connect"):
-                        continue  # describing is idempotent: the next replica, after a timeout too
-                    break
-                text = _content(data) if status == 200 else None
-                if status == 200 and text == "":  # a chat reply with no words (a refusal; a reasoning model's
-                    lease.success()  # tokens all spent thinking): the model's answer, not a failing replica
-                    why, timed_out = "the describing model answered with no text", False
-                    break
-                if status in (400, 413, 415, 422):  # the image's fault
-                    lease.success()
-                    raise InvalidImageError(
-                        f"{part.location}: describing model '{target.name}' could not read the image "
-                        f"(HTTP {status}{error_detail(data)})",
-                        param=part.location,
-                        rejection=Rejection(job.plan.model.name, "image", "media_refused"),
-                    )
-                if text is None:  # failing, busy, not a chat server, or not its reply
-                    if status != 429:
-                        lease.failure(f"HTTP {status}" if status != 200 else "not a chat completion")
-                    why, timed_out = f"HTTP {status}", False
-                    if attempts.again(f"http_{status}"):
-                        continue
-                    break
-                lease.success()
-                return text
-        if attempts.expired:
-            why, timed_out = f"timeouts.total_s of {t.total_s:g}s spent", True
-        if timed_out:
-            raise UpstreamTimeoutError(
-                f"{part.location}: describing model '{target.name}' sent no description in time ({why})",
-                param=part.location,
-            )
-        raise UpstreamError(
-            f"{part.location}: no upstream of describing model '{target.name}' could describe the image ({why})",
-            param=part.location,
-        )
 
-    async def _post(self, replica: str, url: str, job: _Job, left: float | None) -> tuple[int, bytes]:
+        def judge(status: int, data: bytes) -> str | Failed:
+            if status in MEDIA_FAULTS:  # the image's fault
+                raise InvalidImageError(
+                    f"{part.location}: describing model '{target.name}' could not read the image "
+                    f"(HTTP {status}{error_detail(data)})",
+                    param=part.location,
+                    rejection=Rejection(job.plan.model.name, "image", "media_refused"),
+                )
+            text = _content(data) if status == 200 else None
+            if text is None:  # failing, busy, or not a chat server
+                return Failed(f"HTTP {status}" if status != 200 else "not a chat completion")
+            if not text:  # a refusal; a reasoning model's tokens all spent thinking: the model's answer
+                return Failed("the describing model answered with no text", final=True)
+            return text
+
+        post = functools.partial(self._post, url=url, job=job)
+        try:
+            return await ask(target, job.live, self._retries, post, judge)
+        except GaveUp as gave_up:
+            named = f"describing model '{target.name}'"
+            raise gave_up_error(
+                gave_up,
+                part.location,
+                late=f"{named} sent no description in time",
+                failed=f"no upstream of {named} could describe the image",
+            ) from None
+
+    async def _post(self, replica: str, left: float | None, *, url: str, job: _Job) -> tuple[int, bytes]:
         """One try: the chat completion that asks for the description, its status and body."""
         assert self._session is not None, "Describer.start() was not called"
         target = job.target

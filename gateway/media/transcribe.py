@@ -45,11 +45,11 @@ from ..fanout import gather_all
 from ..metrics import GatewayMetrics
 from ..modalities import Modality
 from ..tracing import Tracing, inject
-from ..upstream.attempts import Attempts
-from ..upstream.failures import CLIENT_ERRORS, read_capped
+from ..upstream.failures import read_capped
 from ..upstream.http1 import KEEPALIVE_S
 from ..upstream.live import Live
 from ..upstream.retries import RetryBook
+from .asking import MEDIA_FAULTS, Failed, GaveUp, ask, gave_up_error
 from .conversions import ConversionCache
 from .demux import AUDIO_FORMATS, UnreadableMediaError, open_media
 from .fetch import DECODE_IN_THREAD_CHARS, MediaFetcher, sha256
@@ -146,63 +146,41 @@ class Transcriber:
         return text
 
     async def _transcribe(self, clip: _Clip, job: _Job) -> tuple[str, float]:
-        """The clip's transcript and its seconds, from one of the transcription model's upstreams:
-        each try on a replica not tried yet, ``retries.attempts`` of them after the first within
-        the model's retry budget (a refused connection free), all within ``timeouts.total_s``."""
+        """The clip's transcript and its seconds, from one of the transcription model's upstreams
+        (gateway.media.asking: its pool, retries and budget, within ``timeouts.total_s``)."""
         assert self._session is not None, "Transcriber.start() was not called"
         target, part = job.target, clip.part
-        t = target.timeouts
-        attempts = Attempts(
-            job.live.pools[target.name],
-            retries=self._retries.of(target),
-            panic=True,
-            deadline=asyncio.get_running_loop().time() + t.total_s if t.total_s else None,
-        )
-        why, timed_out = "no replica admits a request", False
-        while (lease := await attempts.next()) is not None:
-            with lease:
-                try:
-                    status, data = await self._post(lease.replica.url, clip, job, attempts.left())
-                except CLIENT_ERRORS as exc:
-                    failure = attempts.failed(lease, exc)
-                    why, timed_out = failure.reason, failure.kind == "timeout"
-                    # the next replica, after a timeout too: transcribing is idempotent
-                    if attempts.again(failure.outcome, free=failure.kind == "connect"):
-                        continue
-                    break
-                reply = _json(data) if status == 200 else None
-                text = reply.get("text") if reply is not None else None
-                if status in (400, 413, 415, 422):  # the audio's fault
-                    lease.success()
-                    raise InvalidAudioError(
-                        f"{part.location}: transcription model '{target.name}' could not transcribe the audio "
-                        f"(HTTP {status}{error_detail(data)})",
-                        param=part.location,
-                        rejection=Rejection(job.plan.model.name, "audio", "media_refused"),
-                    )
-                if not isinstance(text, str):  # failing, busy, not a transcription server, or not its reply
-                    if status != 429:
-                        lease.failure(f"HTTP {status}" if status != 200 else "not a transcription reply")
-                    why, timed_out = f"HTTP {status}", False
-                    if attempts.again(f"http_{status}"):
-                        continue
-                    break
-                lease.success()
-            assert reply is not None
-            return text, await _seconds(reply, clip.audio, clip.fmt)
-        if attempts.expired:
-            why, timed_out = f"timeouts.total_s of {t.total_s:g}s spent", True
-        if timed_out:
-            raise UpstreamTimeoutError(
-                f"{part.location}: transcription model '{target.name}' sent no transcript in time ({why})",
-                param=part.location,
-            )
-        raise UpstreamError(
-            f"{part.location}: no upstream of transcription model '{target.name}' could transcribe the audio ({why})",
-            param=part.location,
-        )
+        replies: list[dict[str, Any]] = []
 
-    async def _post(self, url: str, clip: _Clip, job: _Job, left: float | None) -> tuple[int, bytes]:
+        def judge(status: int, data: bytes) -> str | Failed:
+            if status in MEDIA_FAULTS:  # the audio's fault
+                raise InvalidAudioError(
+                    f"{part.location}: transcription model '{target.name}' could not transcribe the audio "
+                    f"(HTTP {status}{error_detail(data)})",
+                    param=part.location,
+                    rejection=Rejection(job.plan.model.name, "audio", "media_refused"),
+                )
+            reply = _json(data) if status == 200 else None
+            text = reply.get("text") if reply is not None else None
+            if reply is None or not isinstance(text, str):  # failing, busy, or not a transcription server
+                return Failed(f"HTTP {status}" if status != 200 else "not a transcription reply")
+            replies.append(reply)
+            return text
+
+        post = functools.partial(self._post, clip=clip, job=job)
+        try:
+            text = await ask(target, job.live, self._retries, post, judge)
+        except GaveUp as gave_up:
+            named = f"transcription model '{target.name}'"
+            raise gave_up_error(
+                gave_up,
+                part.location,
+                late=f"{named} sent no transcript in time",
+                failed=f"no upstream of {named} could transcribe the audio",
+            ) from None
+        return text, await _seconds(replies[-1], clip.audio, clip.fmt)
+
+    async def _post(self, url: str, left: float | None, *, clip: _Clip, job: _Job) -> tuple[int, bytes]:
         """One try: the transcription request, its reply's status and (small) body."""
         assert self._session is not None
         target = job.target

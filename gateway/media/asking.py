@@ -1,0 +1,97 @@
+"""One request to a model of the table on a conversion's behalf: a transcript, a description.
+
+The request goes through the model's pool as its own requests do (its choice of replica,
+breakers, API key and timeouts; ``retries.attempts`` more tries within the model's retry budget,
+a refused connection free; all within ``timeouts.total_s``), and the caller judges each answer:
+a value, the medium's own fault (an error it raises: not retried, and no mark on the replica),
+or a failed answer (:class:`Failed`: tried on the next replica, or not at all when ``final``).
+When no replica gave a value, :class:`GaveUp` says why, and the caller tells its client in its
+own words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from ..config import ModelConfig
+from ..errors import GatewayError, UpstreamError, UpstreamTimeoutError
+from ..upstream.attempts import Attempts
+from ..upstream.failures import CLIENT_ERRORS
+from ..upstream.live import Live
+from ..upstream.retries import RetryBook
+
+T = TypeVar("T")
+MEDIA_FAULTS = (400, 413, 415, 422)  # statuses that say the medium is at fault: not retried
+Post = Callable[[str, float | None], Awaitable[tuple[int, bytes]]]  # (replica URL, seconds left) -> status, body
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """An answer that is not a value: ``why`` (for the breaker and the client); ``final``: the
+    model's own answer (no text), not the replica's failure: neither marked nor tried again."""
+
+    why: str
+    final: bool = False
+
+
+class GaveUp(Exception):
+    """No replica gave a value: why the last one did not, and whether time ran out."""
+
+    def __init__(self, why: str, timed_out: bool) -> None:
+        super().__init__(why)
+        self.why, self.timed_out = why, timed_out
+
+
+def gave_up_error(gave_up: GaveUp, location: str, *, late: str, failed: str) -> UpstreamError:
+    """The client's error at the part for a conversion no replica made: 504 ``upstream_timeout``
+    (``late``) when time ran out, else 502 ``upstream_error`` (``failed``); each with why."""
+    if gave_up.timed_out:
+        return UpstreamTimeoutError(f"{location}: {late} ({gave_up.why})", param=location)
+    return UpstreamError(f"{location}: {failed} ({gave_up.why})", param=location)
+
+
+async def ask(
+    target: ModelConfig, live: Live, retries: RetryBook, post: Post, judge: Callable[[int, bytes], T | Failed]
+) -> T:
+    """``judge``'s value for the first answer that has one, from one of ``target``'s replicas."""
+    t = target.timeouts
+    attempts = Attempts(
+        live.pools[target.name],
+        retries=retries.of(target),
+        panic=True,
+        deadline=asyncio.get_running_loop().time() + t.total_s if t.total_s else None,
+    )
+    why, timed_out = "no replica admits a request", False
+    while (lease := await attempts.next()) is not None:
+        with lease:
+            try:
+                status, data = await post(lease.replica.url, attempts.left())
+            except CLIENT_ERRORS as exc:
+                failure = attempts.failed(lease, exc)
+                why, timed_out = failure.reason, failure.kind == "timeout"
+                if attempts.again(failure.outcome, free=failure.kind == "connect"):
+                    continue  # the next replica, after a timeout too: a conversion is idempotent
+                break
+            try:
+                verdict = judge(status, data)
+            except GatewayError:  # the medium's fault: the replica did its job
+                lease.success()
+                raise
+            if isinstance(verdict, Failed):
+                why, timed_out = verdict.why, False
+                if verdict.final:
+                    lease.success()
+                    break
+                if status != 429:  # busy is not failing
+                    lease.failure(verdict.why)
+                if attempts.again(f"http_{status}"):
+                    continue
+                break
+            lease.success()
+            return verdict
+    if attempts.expired:
+        why, timed_out = f"timeouts.total_s of {t.total_s:g}s spent", True
+    raise GaveUp(why, timed_out)
