@@ -49,6 +49,7 @@ from ..upstream.failures import read_capped
 from ..upstream.http1 import KEEPALIVE_S
 from ..upstream.live import Live
 from ..upstream.retries import RetryBook
+from ..upstream.usage import Usage, usage_of
 from .asking import MEDIA_FAULTS, Failed, GaveUp, ask, gave_up_error
 from .conversions import ConversionCache
 from .fetch import MediaFetcher, sha256
@@ -92,14 +93,15 @@ class Describer:
 
     async def describe(
         self, plan: RoutePlan, body: dict[str, Any], live: Live, *, request_id: str
-    ) -> dict[tuple[int, int], dict[str, Any]]:
+    ) -> tuple[dict[tuple[int, int], dict[str, Any]], Usage | None]:
         """The text part that replaces each image of ``plan.describe_parts`` (or nothing, with
-        ``on_error: strip``, for one that could not be described)."""
+        ``on_error: strip``, for one that could not be described), and what the descriptions made
+        for this request cost the describing model (None: none made, or none said its usage)."""
         policy = plan.model.policy(Modality.IMAGE)
         target = live.config.model(policy.target or "")
         if target is None:  # validation forbids it; a config built in code may not
             raise UpstreamError(f"Describing model '{policy.target}' does not exist")
-        job = _Job(plan, policy, target, live, request_id)
+        job = _Job(plan, policy, target, live, request_id, [])
         limit = asyncio.Semaphore(CONCURRENCY)
         contents = plan.contents(body)
 
@@ -124,7 +126,10 @@ class Describer:
             return (part.message, part.index), {"type": plan.api.text_part, "text": DESCRIPTION + text}
 
         # an image refused stops the others' descriptions at once
-        return dict(await gather_all(*(one(p) for p in plan.describe_parts)))
+        described = dict(await gather_all(*(one(p) for p in plan.describe_parts)))
+        if not job.spent:
+            return described, None
+        return described, Usage(*(sum(u[i] for u in job.spent) for i in range(3)))
 
     async def _one(self, value: Mapping[str, Any], part: Part, job: _Job) -> str:
         url, data = await self._data_url(value, part, job.plan.model.name, job.live.config.media)
@@ -167,6 +172,8 @@ class Describer:
                     rejection=Rejection(job.plan.model.name, "image", "media_refused"),
                 )
             text = _content(data) if status == 200 else None
+            if text and (usage := _usage(data)) is not None:  # spent of the request's key (the exchange)
+                job.spent.append(usage)
             if text is None:  # failing, busy, or not a chat server
                 return Failed(f"HTTP {status}" if status != 200 else "not a chat completion")
             if not text:  # a refusal; a reasoning model's tokens all spent thinking: the model's answer
@@ -243,6 +250,15 @@ class _Job:
     target: ModelConfig  # the describing model
     live: Live  # its pool and key, of the request's generation
     request_id: str
+    spent: list[Usage]  # what the descriptions it made cost (a shared one: the request that made it)
+
+
+def _usage(data: bytes) -> Usage | None:
+    try:
+        fields = orjson.loads(data).get("usage")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return usage_of(fields) if isinstance(fields, dict) else None
 
 
 def _source(part: Mapping[str, Any]) -> str | None:

@@ -262,7 +262,11 @@ async def convert(ex: Exchange) -> None:
     if plan.describe_parts:
         assert services.describer is not None
         with stage(services.tracing, "gateway.describe", {"gateway.media.image.count": len(plan.describe_parts)}):
-            described = await services.describer.describe(plan, ex.body, ex.live, request_id=ex.request[REQUEST_ID_KEY])
+            described, usage = await services.describer.describe(
+                plan, ex.body, ex.live, request_id=ex.request[REQUEST_ID_KEY]
+            )
+        if usage is not None:  # the descriptions made for this request (none from the cache)
+            _spent_converting(ex, plan.model.policy(Modality.IMAGE).target or "", usage)
         if gone := dropped(described):  # on_error: strip: counted and said as strip's are
             services.metrics.stripped_parts.labels(plan.model.name, "image").inc(gone)
             ex.headers["X-Gateway-Route"] = with_strip(plan.route)
@@ -378,15 +382,11 @@ def _floor(plan: RoutePlan | None) -> int:
 
 def _spent(services: Services, request: web.Request, model: str, floor: int, usage: Usage | None) -> None:
     """A successful reply's usage: counted (gateway_tokens_total), and left to be spent of its
-    key's token budgets at the request's end; without one, the tokens known before it (``floor``)."""
+    key's token budgets at the request's end (with what its conversions spent already); without
+    one, the tokens known before it (``floor``)."""
     tokens, key = floor, request.get(API_KEY_KEY)
     if usage is not None:
-        metrics, label = services.metrics, key.name if key is not None else NO_KEY
-        metrics.child(metrics.tokens, model, label, "prompt").inc(usage.prompt)
-        if usage.completion:  # pooling APIs complete nothing
-            metrics.child(metrics.tokens, model, label, "completion").inc(usage.completion)
-        if usage.cached:
-            metrics.child(metrics.tokens, model, label, "cached").inc(usage.cached)
+        _count_tokens(services, request, model, usage)
         tokens = usage.total
         if services.tracing is not None and services.tracing.recording():  # GenAI usage, on the request's span
             services.tracing.current().set_attributes(
@@ -394,7 +394,27 @@ def _spent(services: Services, request: web.Request, model: str, floor: int, usa
                  "gen_ai.usage.cache_read.input_tokens": usage.cached}
             )  # fmt: skip
     if key is not None:
-        request[SPENT_KEY] = tokens
+        request[SPENT_KEY] = request.get(SPENT_KEY, 0) + tokens
+
+
+def _count_tokens(services: Services, request: web.Request, model: str, usage: Usage) -> None:
+    """``usage`` of ``model`` for the request's key, in gateway_tokens_total."""
+    key = request.get(API_KEY_KEY)
+    metrics, label = services.metrics, key.name if key is not None else NO_KEY
+    metrics.child(metrics.tokens, model, label, "prompt").inc(usage.prompt)
+    if usage.completion:  # pooling APIs complete nothing
+        metrics.child(metrics.tokens, model, label, "completion").inc(usage.completion)
+    if usage.cached:
+        metrics.child(metrics.tokens, model, label, "cached").inc(usage.cached)
+
+
+def _spent_converting(ex: Exchange, model: str, usage: Usage) -> None:
+    """What a conversion cost a model of the table (an image's description): counted as that
+    model's tokens for the request's key, and spent of the key's budgets at the request's end
+    whatever becomes of the request."""
+    _count_tokens(ex.services, ex.request, model, usage)
+    if ex.request.get(API_KEY_KEY) is not None:
+        ex.request[SPENT_KEY] = ex.request.get(SPENT_KEY, 0) + usage.total
 
 
 async def _reprime(ex: Exchange) -> bytes:

@@ -242,3 +242,24 @@ def test_admin_config_shows_the_policy_as_routing_yaml_spells_it() -> None:
     )
     shown = as_dict(parse_config(text))["models"][0]["on_unsupported"]["image"]
     assert shown == {"describe": "vision", "prompt": "What is it?", "on_error": "strip", "max_images": 3}
+
+
+async def test_a_descriptions_tokens_are_the_describing_models_and_spent_of_the_key(
+    gateway_factory, upstream_factory
+) -> None:
+    import hashlib
+
+    chat, vision = await upstream_factory("chat"), await upstream_factory("vision")
+    key = "sk-describe-0123456789"
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    keyed = f"    - {{name: team, key_sha256: {digest}, rate_limit: {{tokens_per_day: 100000}}}}\n"
+    gw = await gateway_factory(table(chat, vision).replace("models:\n", f"auth:\n  keys:\n{keyed}models:\n", 1))
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0) as client:
+        await client.chat.completions.create(model="texty", messages=ask(image_part(png())))
+        first = gw.sample("gateway_tokens_total", key="team")  # the description's and the reply's
+        raw = await client.chat.completions.with_raw_response.create(model="texty", messages=ask())
+    description = chat.received[0].json()["messages"][0]["content"][1]["text"].removeprefix(DESCRIPTION)
+    # the stand-in's usage: 10 prompt tokens, a completion token a word
+    assert gw.sample("gateway_tokens_total", model="vision", key="team", kind="prompt") == 10
+    assert gw.sample("gateway_tokens_total", model="vision", key="team", kind="completion") == len(description.split())
+    assert 100000 - int(raw.headers["x-ratelimit-remaining-tokens-day"]) >= first - 1  # both spent (1: refilled)
