@@ -57,7 +57,7 @@ class PoolCollector(Collector):
             labels=["model"],
         )
         for name, gate in self._gates.items():
-            slots.add_metric([name], gate.limit)
+            slots.add_metric([name], gate.slots)
             for rank, priority in enumerate(PRIORITIES):
                 queued.add_metric([name, priority], gate.queued_at(rank))
             active.add_metric([name], gate.active)

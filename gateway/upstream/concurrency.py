@@ -66,6 +66,13 @@ class Gate:
     def queued(self) -> int:
         return sum(len(line) for line in self._lines)
 
+    @property
+    def slots(self) -> int:
+        """This process's part of the model's max_concurrency as it stands now (read only: the
+        gate takes it up at its next request or release)."""
+        configured, _ = self._configured
+        return self._slots(configured) if configured else self.limit
+
     def queued_at(self, rank: int) -> int:
         """The waiters of one class (its index in PRIORITIES)."""
         return len(self._lines[rank])

@@ -267,6 +267,7 @@ async def test_a_models_max_concurrency_holds_across_two_gateways(
     await stores[1].close()  # as a stopping gateway does
     await stores[0].heartbeat()
     assert (stores[0].rank, stores[0].members) == (0, 1) and stores[0].slots(4) == 4
+    assert first.sample("gateway_model_slots", model="m") == 4  # the gauge says so before the next request
 
 
 # --- two processes: serve --workers 2 ------------------------------------------------------------
