@@ -108,7 +108,7 @@ class Tracing:
     def open(self, headers: Mapping[str, str], api: str, method: str, path: str, request_id: str) -> Traced:
         """A request's span, the client's ``traceparent`` its parent, made current until
         :meth:`close` (no context manager: the front middleware keeps one frame)."""
-        operation = "count_tokens" if path.endswith("/count_tokens") else OPERATIONS.get(api, api)
+        operation = "count_tokens" if path == "/v1/messages/count_tokens" else OPERATIONS.get(api, api)
         attributes = {
             "http.request.method": method,
             "url.path": path,

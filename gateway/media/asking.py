@@ -3,7 +3,7 @@
 The request goes through the model's pool as its own requests do (its choice of replica,
 breakers, API key and timeouts; ``retries.attempts`` more tries within the model's retry budget,
 a refused connection free; all within ``timeouts.total_s``), and the caller judges each answer:
-a value, the medium's own fault (an error it raises: not retried, and no mark on the replica),
+a value, the medium's own fault (an error it raises: not retried; the replica did its job),
 or a failed answer (:class:`Failed`: tried on the next replica, or not at all when ``final``).
 When no replica gave a value, :class:`GaveUp` says why, and the caller tells its client in its
 own words.

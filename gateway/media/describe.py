@@ -21,7 +21,7 @@ import base64
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,16 +92,24 @@ class Describer:
             await self._session.close()
 
     async def describe(
-        self, plan: RoutePlan, body: dict[str, Any], live: Live, *, request_id: str
-    ) -> tuple[dict[tuple[int, int], dict[str, Any]], Usage | None]:
+        self,
+        plan: RoutePlan,
+        body: dict[str, Any],
+        live: Live,
+        *,
+        request_id: str,
+        spend: Callable[[str, Usage], None] = lambda model, usage: None,
+    ) -> dict[tuple[int, int], dict[str, Any]]:
         """The text part that replaces each image of ``plan.describe_parts`` (or nothing, with
-        ``on_error: strip``, for one that could not be described), and what the descriptions made
-        for this request cost the describing model (None: none made, or none said its usage)."""
+        ``on_error: strip``, for one that could not be described). ``spend`` is told what each
+        answer cost the describing model (its name, the reply's usage) as it comes, whatever
+        becomes of the request: a description made for it (a shared one: for the request that
+        began it), an empty answer too; none from the cache."""
         policy = plan.model.policy(Modality.IMAGE)
         target = live.config.model(policy.target or "")
         if target is None:  # validation forbids it; a config built in code may not
             raise UpstreamError(f"Describing model '{policy.target}' does not exist")
-        job = _Job(plan, policy, target, live, request_id, [])
+        job = _Job(plan, policy, target, live, request_id, spend)
         limit = asyncio.Semaphore(CONCURRENCY)
         contents = plan.contents(body)
 
@@ -126,10 +134,7 @@ class Describer:
             return (part.message, part.index), {"type": plan.api.text_part, "text": DESCRIPTION + text}
 
         # an image refused stops the others' descriptions at once
-        described = dict(await gather_all(*(one(p) for p in plan.describe_parts)))
-        if not job.spent:
-            return described, None
-        return described, Usage(*(sum(u[i] for u in job.spent) for i in range(3)))
+        return dict(await gather_all(*(one(p) for p in plan.describe_parts)))
 
     async def _one(self, value: Mapping[str, Any], part: Part, job: _Job) -> str:
         url, data = await self._data_url(value, part, job.plan.model.name, job.live.config.media)
@@ -171,9 +176,10 @@ class Describer:
                     param=part.location,
                     rejection=Rejection(job.plan.model.name, "image", "media_refused"),
                 )
-            text = _content(data) if status == 200 else None
-            if text and (usage := _usage(data)) is not None:  # spent of the request's key (the exchange)
-                job.spent.append(usage)
+            reply = _reply(data) if status == 200 else None
+            text = _content(reply) if reply is not None else None
+            if reply is not None and text is not None and (usage := _usage(reply)) is not None:
+                job.spend(target.name, usage)  # spent, an empty answer too
             if text is None:  # failing, busy, or not a chat server
                 return Failed(f"HTTP {status}" if status != 200 else "not a chat completion")
             if not text:  # a refusal; a reasoning model's tokens all spent thinking: the model's answer
@@ -250,14 +256,19 @@ class _Job:
     target: ModelConfig  # the describing model
     live: Live  # its pool and key, of the request's generation
     request_id: str
-    spent: list[Usage]  # what the descriptions it made cost (a shared one: the request that made it)
+    spend: Callable[[str, Usage], None]  # what each answer cost (the describing model's name, its usage)
 
 
-def _usage(data: bytes) -> Usage | None:
+def _reply(data: bytes) -> dict[str, Any] | None:
     try:
-        fields = orjson.loads(data).get("usage")
-    except (orjson.JSONDecodeError, AttributeError):
+        reply = orjson.loads(data)
+    except orjson.JSONDecodeError:
         return None
+    return reply if isinstance(reply, dict) else None
+
+
+def _usage(reply: Mapping[str, Any]) -> Usage | None:
+    fields = reply.get("usage")
     return usage_of(fields) if isinstance(fields, dict) else None
 
 
@@ -279,13 +290,12 @@ def _source(part: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _content(data: bytes) -> str | None:
+def _content(reply: Mapping[str, Any]) -> str | None:
     """A chat completion's answer ("" for one with no text: null or blank content); None when
     the reply is not a chat completion."""
     try:
-        reply = orjson.loads(data)
         message = reply["choices"][0]["message"]
-    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+    except (KeyError, IndexError, TypeError):
         return None
     if not isinstance(message, dict):
         return None

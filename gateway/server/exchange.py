@@ -262,11 +262,13 @@ async def convert(ex: Exchange) -> None:
     if plan.describe_parts:
         assert services.describer is not None
         with stage(services.tracing, "gateway.describe", {"gateway.media.image.count": len(plan.describe_parts)}):
-            described, usage = await services.describer.describe(
-                plan, ex.body, ex.live, request_id=ex.request[REQUEST_ID_KEY]
+            described = await services.describer.describe(
+                plan,
+                ex.body,
+                ex.live,
+                request_id=ex.request[REQUEST_ID_KEY],
+                spend=functools.partial(_spent_converting, ex),
             )
-        if usage is not None:  # the descriptions made for this request (none from the cache)
-            _spent_converting(ex, plan.model.policy(Modality.IMAGE).target or "", usage)
         if gone := dropped(described):  # on_error: strip: counted and said as strip's are
             services.metrics.stripped_parts.labels(plan.model.name, "image").inc(gone)
             ex.headers["X-Gateway-Route"] = with_strip(plan.route)

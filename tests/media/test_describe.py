@@ -263,3 +263,33 @@ async def test_a_descriptions_tokens_are_the_describing_models_and_spent_of_the_
     assert gw.sample("gateway_tokens_total", model="vision", key="team", kind="prompt") == 10
     assert gw.sample("gateway_tokens_total", model="vision", key="team", kind="completion") == len(description.split())
     assert 100000 - int(raw.headers["x-ratelimit-remaining-tokens-day"]) >= first - 1  # both spent (1: refilled)
+
+
+async def test_descriptions_made_are_counted_though_another_image_of_the_request_fails(
+    gateway_factory, upstream_factory
+) -> None:
+    from aiohttp import web
+
+    answered = []
+
+    async def once(request: web.Request) -> web.Response:  # the first answer, then failing
+        await request.read()
+        answered.append(1)
+        if len(answered) > 1:
+            return web.json_response({"error": {"message": "down"}}, status=500)
+        message = {"role": "assistant", "content": "a red square"}
+        usage = {"prompt_tokens": 30, "completion_tokens": 3, "total_tokens": 33}
+        return web.json_response({"choices": [{"index": 0, "message": message}], "usage": usage})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", once)
+    chat, vision = await upstream_factory("chat"), await upstream_factory("vision", app)
+    gw = await gateway_factory(table(chat, vision))
+    async with gw.client() as client:
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(
+                model="texty", messages=ask(image_part(png((1, 0, 0))), image_part(png((2, 0, 0))))
+            )
+    assert caught.value.status_code == 502
+    assert gw.sample("gateway_tokens_total", model="vision", kind="prompt") == 30  # the one made, counted
+    assert gw.sample("gateway_tokens_total", model="vision", kind="completion") == 3
