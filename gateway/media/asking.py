@@ -16,16 +16,64 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import aiohttp
+
 from ..config import ModelConfig
 from ..errors import GatewayError, UpstreamError, UpstreamTimeoutError
+from ..metrics import GatewayMetrics
+from ..tracing import Tracing, inject
 from ..upstream.attempts import Attempts
 from ..upstream.failures import CLIENT_ERRORS
+from ..upstream.http1 import KEEPALIVE_S
 from ..upstream.live import Live
 from ..upstream.retries import RetryBook
+from .conversions import ConversionCache
+from .fetch import MediaFetcher
 
 T = TypeVar("T")
 MEDIA_FAULTS = (400, 413, 415, 422)  # statuses that say the medium is at fault: not retried
 Post = Callable[[str, float | None], Awaitable[tuple[int, bytes]]]  # (replica URL, seconds left) -> status, body
+
+
+class Asker:
+    """What a conversion that asks models of the table needs: the gateway's metrics, its media
+    fetcher, the models' retry budgets (the ones their own requests share), the conversions
+    cache, the tracer, and a ClientSession of its own (:meth:`start`, :meth:`close`)."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        fetcher: MediaFetcher,
+        retries: RetryBook,
+        cache: ConversionCache | None = None,
+        *,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self._metrics = metrics
+        self._fetcher = fetcher
+        self._retries = retries
+        self._cache = cache if cache is not None else ConversionCache(0)
+        self._tracing = tracing  # each request it makes carries its stage's traceparent
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        # connections let go before the engine's uvicorn closes them (5 s idle), as for chat requests
+        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def headers(self, target: ModelConfig, live: Live, request_id: str, **more: str) -> dict[str, str]:
+        """A request's headers to ``target``: the client request's id, the trace context, and
+        the model's API key (``api_key_env``) where it has one."""
+        headers = {"X-Request-Id": request_id, **more}
+        inject(self._tracing, headers)
+        auth = live.upstream_auth.get(target.name)
+        if auth is not None:
+            headers["Authorization"] = auth
+        return headers
 
 
 @dataclass(frozen=True, slots=True)

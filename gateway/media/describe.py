@@ -42,17 +42,12 @@ from ..errors import (
     error_detail,
 )
 from ..fanout import gather_all
-from ..metrics import GatewayMetrics
 from ..modalities import Modality
-from ..tracing import Tracing, inject
 from ..upstream.failures import read_capped
-from ..upstream.http1 import KEEPALIVE_S
 from ..upstream.live import Live
-from ..upstream.retries import RetryBook
 from ..upstream.usage import Usage, usage_of
-from .asking import MEDIA_FAULTS, Failed, GaveUp, ask, gave_up_error
-from .conversions import ConversionCache
-from .fetch import MediaFetcher, sha256
+from .asking import MEDIA_FAULTS, Asker, Failed, GaveUp, ask, gave_up_error
+from .fetch import sha256
 
 log = logging.getLogger(__name__)
 DESCRIPTION = "[Description of the user's image] "  # marks the text part that replaced an image
@@ -64,32 +59,8 @@ MAGIC = ((b"\x89PNG", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF8", "
          (b"BM", "image/bmp"))  # fmt: skip
 
 
-class Describer:
+class Describer(Asker):
     """Sends images to a describing model's upstreams over one ClientSession."""
-
-    def __init__(
-        self,
-        metrics: GatewayMetrics,
-        fetcher: MediaFetcher,
-        retries: RetryBook,
-        cache: ConversionCache | None = None,
-        *,
-        tracing: Tracing | None = None,
-    ) -> None:
-        self._metrics = metrics
-        self._fetcher = fetcher
-        self._retries = retries  # the describing model's budget, which its own requests share
-        self._cache = cache if cache is not None else ConversionCache(0)
-        self._tracing = tracing  # each request to the describing model carries the describe span's traceparent
-        self._session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
-        self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
 
     async def describe(
         self,
@@ -202,11 +173,7 @@ class Describer:
         """One try: the chat completion that asks for the description, its status and body."""
         assert self._session is not None, "Describer.start() was not called"
         target = job.target
-        headers = {"Content-Type": "application/json", "X-Request-Id": job.request_id}
-        inject(self._tracing, headers)
-        auth = job.live.upstream_auth.get(target.name)
-        if auth is not None:
-            headers["Authorization"] = auth
+        headers = self.headers(target, job.live, job.request_id, **{"Content-Type": "application/json"})
         content = [{"type": "text", "text": job.policy.prompt}, {"type": "image_url", "image_url": {"url": url}}]
         payload = {
             "model": target.upstream_name,

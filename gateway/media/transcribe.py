@@ -42,17 +42,12 @@ from ..errors import (
     error_detail,
 )
 from ..fanout import gather_all
-from ..metrics import GatewayMetrics
 from ..modalities import Modality
-from ..tracing import Tracing, inject
 from ..upstream.failures import read_capped
-from ..upstream.http1 import KEEPALIVE_S
 from ..upstream.live import Live
-from ..upstream.retries import RetryBook
-from .asking import MEDIA_FAULTS, Failed, GaveUp, ask, gave_up_error
-from .conversions import ConversionCache
+from .asking import MEDIA_FAULTS, Asker, Failed, GaveUp, ask, gave_up_error
 from .demux import AUDIO_FORMATS, UnreadableMediaError, open_media
-from .fetch import DECODE_IN_THREAD_CHARS, MediaFetcher, sha256
+from .fetch import DECODE_IN_THREAD_CHARS, sha256
 
 log = logging.getLogger(__name__)
 TRANSCRIPT = "[Transcript of the user's audio] "  # marks the text part that replaced an audio part
@@ -63,33 +58,8 @@ FORMATS = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg":
            "m4a": "audio/mp4", "mp4": "audio/mp4", "mpeg": "audio/mpeg", "mpga": "audio/mpeg"}  # fmt: skip
 
 
-class Transcriber:
+class Transcriber(Asker):
     """Sends audio parts to a transcription model's upstreams over one ClientSession."""
-
-    def __init__(
-        self,
-        metrics: GatewayMetrics,
-        fetcher: MediaFetcher,
-        retries: RetryBook,
-        cache: ConversionCache | None = None,
-        *,
-        tracing: Tracing | None = None,
-    ) -> None:
-        self._metrics = metrics
-        self._tracing = tracing  # each transcription request carries the transcribe span's traceparent
-        self._fetcher = fetcher
-        self._retries = retries  # the transcription model's budget, which its chat requests share
-        self._cache = cache if cache is not None else ConversionCache(0)
-        self._session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        # connections let go before the engine's uvicorn closes them (5 s idle), as for chat requests
-        connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
-        self._session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
 
     async def transcribe(
         self, plan: RoutePlan, body: dict[str, Any], live: Live, *, request_id: str
@@ -184,11 +154,7 @@ class Transcriber:
         """One try: the transcription request, its reply's status and (small) body."""
         assert self._session is not None
         target = job.target
-        headers = {"X-Request-Id": job.request_id}
-        inject(self._tracing, headers)
-        auth = job.live.upstream_auth.get(target.name)
-        if auth is not None:
-            headers["Authorization"] = auth
+        headers = self.headers(target, job.live, job.request_id)
         t = target.timeouts
         timeout = aiohttp.ClientTimeout(total=left, connect=t.connect_s, sock_read=t.first_byte_s)
         form = aiohttp.FormData()
