@@ -35,7 +35,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from gateway.media.transcribe import CONCURRENCY
+from gateway.media.asking import CONCURRENCY
 from tests.conftest import Gateway, free_port, routing
 from tools.standin import Received
 
@@ -807,7 +807,7 @@ async def run(gateway_factory, upstream_factory) -> AsyncIterator[Run]:
         for model in MODELS:
             body = {"model": model, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
             await asyncio.to_thread(exchange, target, Case("/v1/chat/completions", json.dumps(body).encode()))
-        # and the transcriber's pool: as many connections as it opens at once (transcribe.CONCURRENCY)
+        # and the transcriber's pool: as many connections as it opens at once (asking.CONCURRENCY)
         clips = [base64.b64encode(f"clip {i}".encode()).decode() for i in range(CONCURRENCY)]  # distinct: not shared
         audio = [{"type": "input_audio", "input_audio": {"data": clip, "format": "wav"}} for clip in clips]
         body = {"model": "framed", "messages": [{"role": "user", "content": audio}]}

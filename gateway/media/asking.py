@@ -12,14 +12,19 @@ own words.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
+import orjson
 
+from ..admission.parts import Part
+from ..admission.plan import EXPAND, RoutePlan
 from ..config import ModelConfig
-from ..errors import GatewayError, UpstreamError, UpstreamTimeoutError
+from ..errors import GatewayError, Rejection, UnsupportedModalityError, UpstreamError, UpstreamTimeoutError
+from ..fanout import gather_all
 from ..metrics import GatewayMetrics
 from ..tracing import Tracing, inject
 from ..upstream.attempts import Attempts
@@ -30,7 +35,11 @@ from ..upstream.retries import RetryBook
 from .conversions import ConversionCache
 from .fetch import MediaFetcher
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
+CONCURRENCY = 4  # parts of one request converted at once
+Replacements = dict[tuple[int, int], dict[str, Any]]
+CONVERSIONS = {"transcribe": "transcription", "describe": "description"}  # what a failure names
 MEDIA_FAULTS = (400, 413, 415, 422)  # statuses that say the medium is at fault: not retried
 Post = Callable[[str, float | None], Awaitable[tuple[int, bytes]]]  # (replica URL, seconds left) -> status, body
 
@@ -65,6 +74,52 @@ class Asker:
         if self._session is not None:
             await self._session.close()
 
+    async def each_part(
+        self,
+        plan: RoutePlan,
+        body: dict[str, Any],
+        parts: tuple[Part, ...],
+        convert: Callable[[Mapping[str, Any], Part], Awaitable[str]],
+        *,
+        marked: str,
+    ) -> Replacements:
+        """Each of ``parts`` (of one modality, which its policy converts) replaced by a
+        text part of the request's API: ``marked`` and ``convert``'s text, CONCURRENCY at a
+        time; a part the medium's fault refuses stops the others at once. When the model of the
+        table could not answer, the policy's ``on_error``: ``fail``, the 502/504 at the part;
+        ``reject``, the 400 a rejection would have been; ``strip``, the part dropped (counted and
+        said by the exchange: :func:`dropped`)."""
+        if not parts:
+            return {}
+        modality = parts[0].modality
+        policy = plan.model.policy(modality)
+        doing = CONVERSIONS.get(policy.action, policy.action)
+        limit = asyncio.Semaphore(CONCURRENCY)
+        contents = plan.contents(body)  # where the request keeps its parts (its API's view)
+        model = plan.model.name
+
+        async def one(part: Part) -> tuple[tuple[int, int], dict[str, Any]]:
+            assert part.index is not None
+            at = (part.message, part.index)
+            async with limit:
+                try:
+                    text = await convert(contents[part.message].value[part.index], part)
+                except (UpstreamError, UpstreamTimeoutError) as exc:
+                    if policy.on_error == "strip":
+                        log.warning("model %s: %s not converted, dropped (%s)", model, part.location, exc.message)
+                        return at, {"type": EXPAND, "parts": []}
+                    if policy.on_error != "reject":
+                        raise
+                    raise UnsupportedModalityError(
+                        f"Model '{model}' does not accept {modality} input, and its {doing} failed: "
+                        f"{part.location} is '{part.type}' ({exc.message})",
+                        param=part.location,
+                        rejection=Rejection(model, modality.value, "unsupported"),
+                    ) from None
+            return at, {"type": plan.api.text_part, "text": marked + text}
+
+        return dict(await gather_all(*(one(p) for p in parts)))
+
     def headers(self, target: ModelConfig, live: Live, request_id: str, **more: str) -> dict[str, str]:
         """A request's headers to ``target``: the client request's id, the trace context, and
         the model's API key (``api_key_env``) where it has one."""
@@ -91,6 +146,20 @@ class GaveUp(Exception):
     def __init__(self, why: str, timed_out: bool) -> None:
         super().__init__(why)
         self.why, self.timed_out = why, timed_out
+
+
+def json_object(data: bytes) -> dict[str, Any] | None:
+    """A reply as the JSON object it should be, or None."""
+    try:
+        reply = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return reply if isinstance(reply, dict) else None
+
+
+def dropped(replacements: Mapping[tuple[int, int], Mapping[str, Any]]) -> int:
+    """The parts :meth:`Asker.each_part` dropped (``on_error: strip``)."""
+    return sum(1 for part in replacements.values() if part.get("type") == EXPAND and not part.get("parts"))
 
 
 def gave_up_error(gave_up: GaveUp, location: str, *, late: str, failed: str) -> UpstreamError:

@@ -16,7 +16,6 @@ describing model did not say, and what it got wrong: a description is one model'
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import functools
 import logging
@@ -29,7 +28,7 @@ import aiohttp
 import orjson
 
 from ..admission.parts import Part
-from ..admission.plan import EXPAND, RoutePlan
+from ..admission.plan import RoutePlan
 from ..config import MediaConfig, ModelConfig, Policy
 from ..errors import (
     GatewayError,
@@ -38,20 +37,17 @@ from ..errors import (
     Rejection,
     UnsupportedModalityError,
     UpstreamError,
-    UpstreamTimeoutError,
     error_detail,
 )
-from ..fanout import gather_all
 from ..modalities import Modality
 from ..upstream.failures import read_capped
 from ..upstream.live import Live
 from ..upstream.usage import Usage, usage_of
-from .asking import MEDIA_FAULTS, Asker, Failed, GaveUp, ask, gave_up_error
+from .asking import MEDIA_FAULTS, Asker, Failed, GaveUp, ask, gave_up_error, json_object
 from .fetch import sha256
 
 log = logging.getLogger(__name__)
 DESCRIPTION = "[Description of the user's image] "  # marks the text part that replaced an image
-CONCURRENCY = 4  # images of one request described at once
 MAX_REPLY_BYTES = 1 << 20  # a description: a paragraph
 MAX_TOKENS = 512  # the longest description asked for
 # the image formats a data URL is made for, by their first bytes (an image fetched by URL)
@@ -81,33 +77,10 @@ class Describer(Asker):
         if target is None:  # validation forbids it; a config built in code may not
             raise UpstreamError(f"Describing model '{policy.target}' does not exist")
         job = _Job(plan, policy, target, live, request_id, spend)
-        limit = asyncio.Semaphore(CONCURRENCY)
-        contents = plan.contents(body)
+        convert = functools.partial(self._one, job=job)
+        return await self.each_part(plan, body, plan.describe_parts, convert, marked=DESCRIPTION)
 
-        async def one(part: Part) -> tuple[tuple[int, int], dict[str, Any]]:
-            assert part.index is not None
-            async with limit:
-                try:
-                    text = await self._one(contents[part.message].value[part.index], part, job)
-                except (UpstreamError, UpstreamTimeoutError) as exc:
-                    if policy.on_error == "strip":  # dropped: counted and said by the exchange (dropped())
-                        log.warning("model %s: %s not described, dropped (%s)", plan.model.name, part.location,
-                                    exc.message)  # fmt: skip
-                        return (part.message, part.index), {"type": EXPAND, "parts": []}
-                    if policy.on_error != "reject":
-                        raise
-                    raise UnsupportedModalityError(
-                        f"Model '{plan.model.name}' does not accept image input, and its description failed: "
-                        f"{part.location} is '{part.type}' ({exc.message})",
-                        param=part.location,
-                        rejection=Rejection(plan.model.name, "image", "unsupported"),
-                    ) from None
-            return (part.message, part.index), {"type": plan.api.text_part, "text": DESCRIPTION + text}
-
-        # an image refused stops the others' descriptions at once
-        return dict(await gather_all(*(one(p) for p in plan.describe_parts)))
-
-    async def _one(self, value: Mapping[str, Any], part: Part, job: _Job) -> str:
+    async def _one(self, value: Mapping[str, Any], part: Part, *, job: _Job) -> str:
         url, data = await self._data_url(value, part, job.plan.model.name, job.live.config.media)
         make = functools.partial(self._described, url, part, job)
         cache = self._cache
@@ -147,7 +120,7 @@ class Describer(Asker):
                     param=part.location,
                     rejection=Rejection(job.plan.model.name, "image", "media_refused"),
                 )
-            reply = _reply(data) if status == 200 else None
+            reply = json_object(data) if status == 200 else None
             text = _content(reply) if reply is not None else None
             if reply is not None and text is not None and (usage := _usage(reply)) is not None:
                 job.spend(target.name, usage)  # spent, an empty answer too
@@ -226,14 +199,6 @@ class _Job:
     spend: Callable[[str, Usage], None]  # what each answer cost (the describing model's name, its usage)
 
 
-def _reply(data: bytes) -> dict[str, Any] | None:
-    try:
-        reply = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    return reply if isinstance(reply, dict) else None
-
-
 def _usage(reply: Mapping[str, Any]) -> Usage | None:
     fields = reply.get("usage")
     return usage_of(fields) if isinstance(fields, dict) else None
@@ -268,8 +233,3 @@ def _content(reply: Mapping[str, Any]) -> str | None:
         return None
     text = message.get("content")
     return text.strip() if isinstance(text, str) else ""
-
-
-def dropped(replacements: Mapping[tuple[int, int], Mapping[str, Any]]) -> int:
-    """The images :meth:`Describer.describe` dropped (``on_error: strip``)."""
-    return sum(1 for part in replacements.values() if part.get("type") == EXPAND and not part.get("parts"))

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import aiohttp
-import orjson
 
 from ..admission.parts import Part
 from ..admission.plan import RoutePlan
@@ -38,20 +37,17 @@ from ..errors import (
     Rejection,
     UnsupportedModalityError,
     UpstreamError,
-    UpstreamTimeoutError,
     error_detail,
 )
-from ..fanout import gather_all
 from ..modalities import Modality
 from ..upstream.failures import read_capped
 from ..upstream.live import Live
-from .asking import MEDIA_FAULTS, Asker, Failed, GaveUp, ask, gave_up_error
+from .asking import MEDIA_FAULTS, Asker, Failed, GaveUp, ask, gave_up_error, json_object
 from .demux import AUDIO_FORMATS, UnreadableMediaError, open_media
 from .fetch import DECODE_IN_THREAD_CHARS, sha256
 
 log = logging.getLogger(__name__)
 TRANSCRIPT = "[Transcript of the user's audio] "  # marks the text part that replaced an audio part
-CONCURRENCY = 4  # audio parts of one request transcribed at once
 MAX_REPLY_BYTES = 4 << 20  # a transcript: words, a few KB
 MIN_BITRATE = 6000  # bits a second: Opus's lowest; no clip holds more seconds than its bytes at this rate
 FORMATS = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "ogg": "audio/ogg", "webm": "audio/webm",
@@ -70,29 +66,10 @@ class Transcriber(Asker):
         if target is None:  # validation forbids it; a config built in code may not
             raise UpstreamError(f"Transcription model '{policy.target}' does not exist")
         job = _Job(plan, target, live, request_id)
-        limit = asyncio.Semaphore(CONCURRENCY)
-        contents = plan.contents(body)  # where the request keeps its parts (its API's view)
+        convert = functools.partial(self._one, job=job)
+        return await self.each_part(plan, body, plan.transcribe_parts, convert, marked=TRANSCRIPT)
 
-        async def one(part: Part) -> tuple[tuple[int, int], dict[str, Any]]:
-            assert part.index is not None
-            async with limit:
-                try:
-                    text = await self._one(contents[part.message].value[part.index], part, job)
-                except (UpstreamError, UpstreamTimeoutError) as exc:
-                    if policy.on_error != "reject":
-                        raise
-                    raise UnsupportedModalityError(
-                        f"Model '{plan.model.name}' does not accept audio input, and its transcription failed: "
-                        f"{part.location} is '{part.type}' ({exc.message})",
-                        param=part.location,
-                        rejection=Rejection(plan.model.name, "audio", "unsupported"),
-                    ) from None
-            return (part.message, part.index), {"type": plan.api.text_part, "text": TRANSCRIPT + text}
-
-        # a clip refused stops the others' transcriptions at once
-        return dict(await gather_all(*(one(p) for p in plan.transcribe_parts)))
-
-    async def _one(self, value: Mapping[str, Any], part: Part, job: _Job) -> str:
+    async def _one(self, value: Mapping[str, Any], part: Part, *, job: _Job) -> str:
         audio, fmt = await self._audio(value, part, job.plan.model.name, job.live.config.media)
         clip = _Clip(audio, fmt, part)
         make = functools.partial(self._transcribe, clip, job)
@@ -130,7 +107,7 @@ class Transcriber(Asker):
                     param=part.location,
                     rejection=Rejection(job.plan.model.name, "audio", "media_refused"),
                 )
-            reply = _json(data) if status == 200 else None
+            reply = json_object(data) if status == 200 else None
             text = reply.get("text") if reply is not None else None
             if reply is None or not isinstance(text, str):  # failing, busy, or not a transcription server
                 return Failed(f"HTTP {status}" if status != 200 else "not a transcription reply")
@@ -241,15 +218,6 @@ def _format_of(url: str) -> str:
     path = url.split("?", 1)[0].rsplit("/", 1)[-1]
     ext = path.rsplit(".", 1)[-1].lower() if "." in path else ""
     return ext if ext in FORMATS else "wav"
-
-
-def _json(data: bytes) -> dict[str, Any] | None:
-    """A transcription reply as the JSON object it should be, or None."""
-    try:
-        reply = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-    return reply if isinstance(reply, dict) else None
 
 
 async def _seconds(reply: Mapping[str, Any], audio: bytes, fmt: str) -> float:

@@ -34,7 +34,7 @@ from ..config import PRIORITIES, GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
 from ..media import probe, remote, video
-from ..media.describe import dropped
+from ..media.asking import dropped
 from ..media.downscale import Resizing, downscale_for
 from ..metrics import NO_KEY, UNKNOWN_MODEL
 from ..modalities import Modality
