@@ -293,3 +293,22 @@ async def test_descriptions_made_are_counted_though_another_image_of_the_request
     assert caught.value.status_code == 502
     assert gw.sample("gateway_tokens_total", model="vision", kind="prompt") == 30  # the one made, counted
     assert gw.sample("gateway_tokens_total", model="vision", kind="completion") == 3
+
+
+async def test_a_failed_description_on_messages_is_an_error_in_anthropics_shape(
+    gateway_factory, upstream_factory
+) -> None:
+    chat, vision = await upstream_factory("chat"), await upstream_factory("vision")
+    vision.standin.fail_status = 500
+    gw = await gateway_factory(table(chat, vision, "{describe: vision, on_error: reject}"))
+    block = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png()).decode()},
+    }
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk", max_retries=0) as a:
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await a.messages.create(model="texty", max_tokens=8, messages=[{"role": "user", "content": [block]}])
+    body: Any = caught.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "its description failed" in body["error"]["message"]
+    assert chat.received == []
