@@ -204,6 +204,10 @@ class InvalidAudioError(InvalidRequestError, code="invalid_audio"):
     """Audio the gateway transcribes is not base64, or the transcription model refused it."""
 
 
+class InvalidFileError(InvalidRequestError, code="invalid_file"):
+    """A document the gateway extracts cannot be read, is of a type it does not read, or breaks a bound."""
+
+
 class MediaRefusedError(InvalidRequestError, code="media_refused"): ...
 
 

@@ -285,6 +285,26 @@ class GatewayMetrics:
             buckets=DURATION_BUCKETS,
             registry=registry,
         )
+        self.files_extracted = Counter(
+            "gateway_files_extracted",
+            "Files served as their text to a model that takes none (on_unsupported: {file: {extract: ...}}), by the "
+            "requested model and the file's kind (pdf, text); a PDF read before comes from media.cache_bytes.",
+            ["model", "kind"],
+            registry=registry,
+        )
+        self.file_pages = Counter(
+            "gateway_file_pages",
+            "Pages of PDFs read for their text (a PDF read before, from media.cache_bytes, not counted again).",
+            ["model"],
+            registry=registry,
+        )
+        self.file_extract_seconds = Histogram(
+            "gateway_file_extract_seconds",
+            "Time to read one PDF's text in a reader process, its wait for a decoding thread included.",
+            ["model"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds",
             "Time a request of a model with max_concurrency waited for its slot (0 when one was free), by its "

@@ -46,7 +46,7 @@ from .parts import Classification, Content, Part
 from .visual import VisualCount, measure
 
 # What X-Gateway-Route names, in this order, comma-separated; "direct" when none (docs/openapi.yaml)
-ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "describe", "transcode", "normalize", "downscale")
+ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "describe", "extract", "transcode", "normalize", "downscale")
 # Image parts the gateway can turn into embeddings (image_embeds parts already are).
 ENCODABLE_TYPES = frozenset({"image_url", "input_image"})
 
@@ -74,6 +74,7 @@ class RoutePlan:
     normalized: frozenset[tuple[int, int]] = frozenset()  # parts sent in the shape the engine reads (Api.normalize)
     visual: VisualCount | None = None  # its images sized and counted (the model's visual_tokens, image_pixels)
     described: frozenset[Modality] = frozenset()  # images sent to a vision model, as its description
+    extracted: frozenset[Modality] = frozenset()  # files read, sent as their text
 
     @property
     def route(self) -> str:
@@ -83,6 +84,7 @@ class RoutePlan:
             or self.stripped
             or self.transcribed
             or self.described
+            or self.extracted
             or self.frames_per_video
             or self.model.video_sample
             or self.normalized
@@ -95,6 +97,7 @@ class RoutePlan:
             stripped,
             bool(self.transcribe_parts),
             bool(self.describe_parts),
+            bool(self.extract_parts),
             bool(self.frame_parts or self.presample_parts),
             bool(self.normalized),
             bool(self.downscale_parts),
@@ -128,6 +131,13 @@ class RoutePlan:
         return tuple(p for p in self.classification.parts if p.modality in self.described and p.index is not None)
 
     @property
+    def extract_parts(self) -> tuple[Part, ...]:
+        """Files to replace by their text (``on_unsupported: {file: {extract: ...}}``)."""
+        if not self.extracted:
+            return ()
+        return tuple(p for p in self.classification.parts if p.modality in self.extracted and p.index is not None)
+
+    @property
     def transcribe_parts(self) -> tuple[Part, ...]:
         """Audio parts to replace by their transcript (``on_unsupported: {audio: {transcribe: M}}``)."""
         if not self.transcribed:
@@ -158,7 +168,7 @@ class RoutePlan:
     def needs_rewrite(self, body: Mapping[str, Any]) -> bool:
         if body.get("model") != self.model.upstream_name or self.normalized:
             return True
-        if self.transcribe_parts or self.frame_parts or self.describe_parts:
+        if self.transcribe_parts or self.frame_parts or self.describe_parts or self.extract_parts:
             return True
         return bool(self.stripped or self.transcribed) and (bool(self.stripped_parts) or self.mutes_audio_in_video)
 
@@ -208,6 +218,8 @@ class RoutePlan:
             return "transcribe"
         if part.modality in self.described:
             return "describe"
+        if part.modality in self.extracted:
+            return "extract"
         if self.frames_per_video and part.type == "video_url":
             return "frames, encoded" if self.encoder is not None else "frames"
         return "encode" if self.encoder is not None and part.type in ENCODABLE_TYPES else "accept"
@@ -316,12 +328,15 @@ def admit(
         if (policy := model.policy(m)).action == "describe" and _may_use(visible, policy.target or "")
     )
     framed = frozenset(m for m in unsupported if model.policy(m).action == "frames")
-    as_text = transcribed | described  # sent as a text part of the API's: only where it has one
+    extracted = frozenset(m for m in unsupported if model.policy(m).action == "extract")
+    as_text = transcribed | described | extracted  # sent as a text part of the API's: only where it has one
     refused = (framed if not api.converts else frozenset()) | (as_text if not api.transcribes else frozenset())
     if refused:
         _refuse_conversion(model, classification, refused, api)
     if described:
         _hold_descriptions(model, classification)
+    if extracted:
+        _hold_files(model, classification)
     handled = stripped | as_text | framed
     _reject_unsupported(model, classification, unsupported, handled, redirects)
     _enforce_limits(model, classification, handled)
@@ -339,10 +354,11 @@ def admit(
         api,
         visual=visual,
         described=described,
+        extracted=extracted,
     )
     if not normalized:
         return plan
-    parts = (*plan.stripped_parts, *plan.transcribe_parts, *plan.describe_parts)
+    parts = (*plan.stripped_parts, *plan.transcribe_parts, *plan.describe_parts, *plan.extract_parts)
     gone_at = {(p.message, p.index) for p in parts}  # not sent as parts
     return dataclasses.replace(plan, normalized=normalized - gone_at)
 
@@ -380,13 +396,28 @@ def _hold_descriptions(model: ModelConfig, classification: Classification) -> No
         )
 
 
+def _hold_files(model: ModelConfig, classification: Classification) -> None:
+    """A request's files to read, at most the policy's ``max_files`` (each a PDFium reading)."""
+    most = model.policy(Modality.FILE).max_files
+    files = [p for p in classification.parts if p.modality is Modality.FILE and p.index is not None]
+    if len(files) > most:
+        part = files[most]
+        raise TooManyItemsError(
+            f"Model '{model.name}' takes files as their text, at most {most} a request "
+            f"(on_unsupported.file.max_files); this one has {len(files)}: {part.location} is one too many",
+            param=part.location,
+            rejection=Rejection(model.name, "file", "too_many_items"),
+        )
+
+
 def _refuse_conversion(
     model: ModelConfig, classification: Classification, converted: frozenset[Modality], api: Api
 ) -> None:
     """Audio to transcribe or video to sample, on an API whose parts the gateway does not convert:
     refused as the model's own modality, saying where it is served."""
     part = next(p for p in classification.parts if p.modality in converted)
-    action = {Modality.AUDIO: "as its transcript", Modality.IMAGE: "as its description"}.get(part.modality, "as frames")
+    action = {Modality.AUDIO: "as its transcript", Modality.IMAGE: "as its description",
+              Modality.FILE: "as its text"}.get(part.modality, "as frames")  # fmt: skip
     where = "the chat API" if part.modality is Modality.VIDEO else "the chat, Responses and Messages APIs"
     raise UnsupportedModalityError(
         f"Model '{model.name}' does not accept {part.modality} input, and takes it only {action}, which the gateway "

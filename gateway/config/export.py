@@ -81,6 +81,11 @@ def _policy(policy: Policy) -> str | dict[str, Any]:
     if policy.action == "describe":
         return {"describe": policy.target, "prompt": policy.prompt, "on_error": policy.on_error,
                 "max_images": policy.max_images}  # fmt: skip
+    if policy.action == "extract":
+        return {
+            "extract": {"max_pages": policy.max_pages, "timeout_s": policy.timeout_s},
+            "max_files": policy.max_files,
+        }
     if policy.action == "frames":
         return {
             "frames": policy.frames,

@@ -21,6 +21,8 @@ from .types import (
     DESCRIBE_KEYS,
     ENCODER_ERROR_ACTIONS,
     ENCODER_KEYS,
+    EXTRACT_KEYS,
+    EXTRACT_OPTIONS,
     FRAMES_KEYS,
     LIMITS_STORE_KEYS,
     LIMITS_STORE_SCHEMES,
@@ -163,6 +165,7 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
             max_image_bytes=self.integer(*get("max_image_bytes"), minimum=1),
             max_video_bytes=self.integer(*get("max_video_bytes"), minimum=1),
             max_audio_bytes=self.integer(*get("max_audio_bytes"), minimum=1),
+            max_file_bytes=self.integer(*get("max_file_bytes"), minimum=1),
             cache_bytes=self.integer(*get("cache_bytes"), minimum=0),
         )
 
@@ -396,6 +399,8 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
             if target is None or prompt is None:
                 return None
             return Policy("describe", target, on_error, prompt=prompt, max_images=most)  # type: ignore[arg-type]
+        if isinstance(value, dict) and "extract" in value and set(value) <= set(EXTRACT_KEYS):
+            return self._extract(value, path)
         if isinstance(value, dict) and "frames" in value and set(value) <= set(FRAMES_KEYS):
             frames = self.integer(value["frames"], f"{path}.frames", 8, minimum=1, maximum=64)
             fps = value.get("fps")
@@ -412,6 +417,8 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
                 if "describe" in value
                 else FRAMES_KEYS
                 if "frames" in value
+                else EXTRACT_KEYS
+                if "extract" in value
                 else ("redirect",)
             )
             for key in value:
@@ -421,6 +428,26 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
         self.problem(
             path,
             f"unknown policy {show(value)} (expected reject, strip, {{redirect: MODEL}}, {{transcribe: MODEL}}, "
-            "{describe: MODEL} or {frames: N})",
+            "{describe: MODEL}, {frames: N} or {extract: {max_pages: N}})",
         )
         return None
+
+    def _extract(self, value: dict[str, Any], path: str) -> Policy | None:
+        """``{extract: {max_pages, timeout_s}, max_files}`` (``extract: {}`` takes the defaults)."""
+        options = value["extract"] if value["extract"] is not None else {}
+        if not isinstance(options, dict):
+            self.problem(f"{path}.extract", f"must be a mapping {{max_pages: N, timeout_s: S}}, not {show(options)}")
+            return None
+        for key in options:
+            if key not in EXTRACT_OPTIONS:
+                self.problem(
+                    join_path(f"{path}.extract", key), unknown_message(key, EXTRACT_OPTIONS, "key"), at_key=True
+                )
+        pages = self.integer(
+            options.get("max_pages", MISSING), f"{path}.extract.max_pages", 20, minimum=1, maximum=1000
+        )
+        timeout = self.number(options.get("timeout_s", MISSING), f"{path}.extract.timeout_s", 10.0)
+        if timeout > 300:
+            self.problem(f"{path}.extract.timeout_s", f"must be at most 300 seconds, not {timeout:g}")
+        files = self.integer(value.get("max_files", MISSING), f"{path}.max_files", 8, minimum=1, maximum=64)
+        return Policy("extract", max_files=files, max_pages=pages, timeout_s=timeout)

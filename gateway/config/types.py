@@ -58,6 +58,8 @@ DESCRIBE_KEYS = ("describe", "prompt", "on_error", "max_images")
 DESCRIBE_ERRORS = ("fail", "reject", "strip")  # describe's on_error
 DEFAULT_DESCRIBE_PROMPT = "Describe the image for someone who cannot see it."
 FRAMES_KEYS = ("frames", "fps", "max_side", "timestamps")
+EXTRACT_KEYS = ("extract", "max_files")  # file: {extract: {...}, max_files: N}
+EXTRACT_OPTIONS = ("max_pages", "timeout_s")  # what extract: {...} holds
 MEDIA_KEYS = (
     "allow_domains",
     "allow_private_networks",
@@ -65,6 +67,7 @@ MEDIA_KEYS = (
     "max_image_bytes",
     "max_video_bytes",
     "max_audio_bytes",
+    "max_file_bytes",
     "cache_bytes",
 )
 ENCODER_KEYS = {
@@ -223,6 +226,8 @@ class MediaConfig:
     max_video_bytes: int = 100 * 1024 * 1024
     # an audio clip sent for transcription: OpenAI's and vLLM's own limit for one file
     max_audio_bytes: int = 25 * 1024 * 1024
+    # a document read for its text (on_unsupported: {file: {extract: ...}}): OpenAI's own limit
+    max_file_bytes: int = 32 * 1024 * 1024
     # what the gateway made of media it converted (transcripts, video frames), kept for the next
     # turn of the conversation, which sends them again (gateway.media.conversions); 0: not kept
     cache_bytes: int = 256 * 1024 * 1024
@@ -340,12 +345,16 @@ class AuthConfig:
 class Policy:
     """What to do with a modality a model does not accept."""
 
-    action: Literal["reject", "strip", "redirect", "transcribe", "frames", "describe"]
+    action: Literal["reject", "strip", "redirect", "transcribe", "frames", "describe", "extract"]
     target: str | None = None  # the model to redirect to, whose upstreams transcribe (audio) or describe (image)
     # transcribe, describe: when it fails, 502/504, 400 as if rejected, or (describe) the image dropped
     on_error: Literal["fail", "reject", "strip"] = "fail"
     prompt: str = DEFAULT_DESCRIBE_PROMPT  # describe: what the describing model is asked, with the image
     max_images: int = 8  # describe: a request's images at most (each a generation of the describing model)
+    # extract (file): a request's files at most, a PDF's pages at most, and one PDF's reading time
+    max_files: int = 8
+    max_pages: int = 20
+    timeout_s: float = 10.0
     # frames (video): this many frames sampled evenly (or fps a second, capped by frames), each
     # scaled to fit max_side, each after a text part with its time when timestamps is on
     frames: int = 8
@@ -362,6 +371,8 @@ class Policy:
             return f"describe with '{self.target}'"
         if self.action == "frames":
             return f"{self.frames} frames"
+        if self.action == "extract":
+            return "extract its text"
         return self.action
 
 

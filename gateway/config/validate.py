@@ -64,6 +64,8 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                         f"{describer.accepts_text()}; apis: {', '.join(describer.apis)})",
                     )
                 continue
+            if policy.action == "extract" and m is not Modality.FILE:
+                p.problem(f"{where}.extract", f"only files can be extracted, not '{m}'")
             if policy.action == "transcribe":
                 if m != Modality.AUDIO:
                     p.problem(f"{where}.transcribe", f"only audio can be transcribed, not '{m}'")

@@ -52,7 +52,7 @@ DECODE_IN_THREAD_CHARS = 1 << 20
 HASH_IN_THREAD_BYTES = 1 << 20
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-MediaKind = Literal["image", "video", "audio"]
+MediaKind = Literal["image", "video", "audio", "file"]
 
 
 class NonPublicAddressError(OSError):
@@ -396,6 +396,8 @@ def size_limit(media: MediaConfig, kind: MediaKind) -> int:
         return media.max_video_bytes
     if kind == "audio":
         return media.max_audio_bytes
+    if kind == "file":
+        return media.max_file_bytes
     return media.max_image_bytes
 
 

@@ -21,7 +21,9 @@ from ..config import GatewayConfig
 from ..encode.client import EncoderClient
 from ..encode.supervisor import Supervisor
 from ..media.conversions import ConversionCache
+from ..media.decoders import DecoderPool
 from ..media.describe import Describer
+from ..media.documents import Documents
 from ..media.fetch import MediaFetcher
 from ..media.transcribe import Transcriber
 from ..metrics import GatewayMetrics, WorkersCollector
@@ -88,6 +90,7 @@ def create_app(
     store.subscribe(supervisor.update)
     store.subscribe(lambda new: conversions.resize(new.media.cache_bytes))
     upstream = UpstreamClient(metrics, client=config.server.upstream_client, tracing=tracing)
+    decoders = DecoderPool()
     services = Services(
         store,
         metrics,
@@ -98,7 +101,9 @@ def create_app(
         gates,
         transcriber=Transcriber(metrics, encoder.fetcher, upstream.retries, conversions, tracing=tracing),
         describer=Describer(metrics, encoder.fetcher, upstream.retries, conversions, tracing=tracing),
+        documents=Documents(metrics, encoder.fetcher, decoders, conversions),
         conversions=conversions,
+        decoders=decoders,
         shared_limits=shared,
         tracing=tracing,
     )
@@ -178,6 +183,8 @@ async def _clients(app: web.Application) -> AsyncIterator[None]:
     if services.describer is not None:
         await services.describer.close()
     services.decoders.close()
+    if services.documents is not None:
+        services.documents.close()
     if services.shared_limits is not None:
         await services.shared_limits.close()
     await services.supervisor.close()  # supervised encoders stop next to last

@@ -231,6 +231,7 @@ async def convert(ex: Exchange) -> None:
         or plan.downscale_parts
         or plan.transcribe_parts
         or plan.describe_parts
+        or plan.extract_parts
     ):
         if waited:
             await ex.counted(plan)
@@ -273,6 +274,12 @@ async def convert(ex: Exchange) -> None:
             services.metrics.stripped_parts.labels(plan.model.name, "image").inc(gone)
             ex.headers["X-Gateway-Route"] = with_strip(plan.route)
         ex.converted |= described
+    if plan.extract_parts:
+        assert services.documents is not None
+        with stage(services.tracing, "gateway.extract", {"gateway.media.file.count": len(plan.extract_parts)}):
+            ex.converted |= await services.documents.extract(
+                plan, ex.body, max_text_chars=ex.config.server.max_text_chars, media=ex.config.media
+            )
     if plan.frame_parts:
         with stage(services.tracing, "gateway.decode", {"gateway.conversion": "frames"}):
             frames = await video.frames_for(plan, ex.body, sampling)

@@ -15,6 +15,7 @@ from ..encode.supervisor import Supervisor
 from ..media.conversions import ConversionCache
 from ..media.decoders import DecoderPool
 from ..media.describe import Describer
+from ..media.documents import Documents
 from ..media.transcribe import Transcriber
 from ..metrics import GatewayMetrics
 from ..tracing import Tracing
@@ -47,6 +48,7 @@ class Services:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     transcriber: Transcriber | None = None  # audio to text (on_unsupported: {audio: {transcribe: M}})
     describer: Describer | None = None  # images to text (on_unsupported: {image: {describe: M}})
+    documents: Documents | None = None  # files to text (on_unsupported: {file: {extract: ...}})
     # transcripts and video frames made before, for the next turn (media.cache_bytes)
     conversions: ConversionCache = field(default_factory=lambda: ConversionCache(0))
     # videos sampled into frames (gateway.media.video): threads of their own, a bounded queue for them,

@@ -92,7 +92,7 @@ UNKNOWN_KEYS = [
         doc("version: 1", "media:", "  allow_domain: [example.com]", *MODELS),
         [
             "r.yaml:3:3: media.allow_domain: unknown key 'allow_domain' (expected one of: allow_domains, "
-            "allow_private_networks, fetch_timeout_s, max_image_bytes, max_video_bytes, max_audio_bytes, "
+            "allow_private_networks, fetch_timeout_s, max_image_bytes, max_video_bytes, max_audio_bytes, max_file_bytes, "
             "cache_bytes); did you mean 'allow_domains'?"
         ],
         id="media",
@@ -714,7 +714,7 @@ MODEL_CHECKS = [
         [
             "r.yaml:6:29: models[0].on_unsupported.image: "
             "unknown policy 'drop' (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL}, "
-            "{describe: MODEL} or {frames: N})"
+            "{describe: MODEL}, {frames: N} or {extract: {max_pages: N}})"
         ],
         id="policy-unknown",
     ),
@@ -723,7 +723,7 @@ MODEL_CHECKS = [
         [
             "r.yaml:6:29: models[0].on_unsupported.image: "
             "unknown policy null (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL}, "
-            "{describe: MODEL} or {frames: N})"
+            "{describe: MODEL}, {frames: N} or {extract: {max_pages: N}})"
         ],
         id="policy-null",
     ),
@@ -1021,7 +1021,7 @@ def test_explicit_values_are_read(tmp_path: Path) -> None:
             "server: {host: 0.0.0.0, port: 9090, max_body_bytes: 2048, admin_token_env: TOKEN, reload_interval_s: 1,",
             "         upstream_connect_timeout_s: 1.5, upstream_read_timeout_s: 60, upstream_cooldown_s: 2}",
             "media: {allow_domains: [Example.COM], allow_private_networks: true, fetch_timeout_s: 2,",
-            "        max_image_bytes: 100, max_video_bytes: 200, max_audio_bytes: 300, cache_bytes: 0}",
+            "        max_image_bytes: 100, max_video_bytes: 200, max_audio_bytes: 300, max_file_bytes: 400, cache_bytes: 0}",
             "encoders:",
             f"  v: {{kind: local, model: {tmp_path}, device: 'cuda:1', max_batch_size: 8, max_batch_delay_ms: 2,",
             "      timeout_s: 10}",
@@ -1029,7 +1029,7 @@ def test_explicit_values_are_read(tmp_path: Path) -> None:
         )
     )
     assert config.server == ServerConfig("0.0.0.0", 9090, 2048, "TOKEN", 1.0, 1.5, 60.0, 2.0)
-    assert config.media == MediaConfig(("example.com",), True, 2.0, 100, 200, 300, 0)
+    assert config.media == MediaConfig(("example.com",), True, 2.0, 100, 200, 300, 400, 0)
     assert config.encoders["v"] == EncoderConfig("v", "local", str(tmp_path), "cuda:1", 8, 2.0, 10.0)
     assert isinstance(config.server.reload_interval_s, float)
 
@@ -1130,7 +1130,7 @@ ODD_VALUES = [
         [
             "r.yaml:6:29: models[0].on_unsupported.video: "
             "unknown policy {} (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL}, "
-            "{describe: MODEL} or {frames: N})"
+            "{describe: MODEL}, {frames: N} or {extract: {max_pages: N}})"
         ],
         id="empty-policy-mapping",
     ),

@@ -1,0 +1,267 @@
+"""Documents a model cannot take, served as their text (``on_unsupported: {file: {extract: {...}}}``).
+
+Each file part of the request (chat ``file`` with ``file_data``, Responses ``input_file`` with
+``file_data`` or ``file_url``, an Anthropic ``document`` with a ``base64``, ``url`` or ``text``
+source; within ``media.max_file_bytes``, a URL fetched under the ``media:`` rules) is replaced
+by a text part of the request's API: ``[Text of the user's file 'NAME']`` and its text, a PDF's
+page by page (``[Page 2 of 5]``). What is read:
+
+- a PDF (by its ``%PDF-`` header, whatever it is labelled): its text, by PDFium in a reader
+  process (gateway.media.readers, gateway.media.pdf), at most ``extract.max_pages`` pages, within
+  ``extract.timeout_s``, the reader's 1 GiB and ``server.max_text_chars``; encrypted, malformed,
+  truncated, scripted or over-long documents are 400 ``invalid_file``. One reading per distinct
+  document: the conversions cache keeps it by the bytes' sha256 and the bounds, and requests that
+  carry the same document at once share one reading.
+- plain text (``text/plain``, ``text/markdown``, ``text/csv``, ``application/json``, or a
+  ``.txt``, ``.md``, ``.csv``, ``.json`` name): its UTF-8 text as it is.
+
+Any other type is 400 ``invalid_file`` naming those. What is lost: a PDF's layout, tables (their
+cells become lines of text), figures and anything drawn rather than written (a scanned page has
+no text: its page says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import functools
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..admission.parts import Part
+from ..admission.plan import RoutePlan
+from ..config import MediaConfig
+from ..errors import (
+    DecodersBusyError,
+    GatewayError,
+    InvalidFileError,
+    MediaRefusedError,
+    Rejection,
+    UnsupportedModalityError,
+)
+from ..fanout import gather_all
+from ..metrics import GatewayMetrics
+from ..modalities import Modality
+from .conversions import ConversionCache
+from .decoders import DecoderPool
+from .fetch import MediaFetcher, sha256
+from .readers import ReaderFailed, Readers
+
+MARK = "[Text of the user's file"  # opens the text part that replaced a file
+TEXT_TYPES = {"text/plain": "text", "text/markdown": "Markdown", "text/x-markdown": "Markdown",
+              "text/csv": "CSV", "application/json": "JSON"}  # fmt: skip
+TEXT_NAMES = {".txt": "text/plain", ".md": "text/markdown", ".markdown": "text/markdown", ".csv": "text/csv",
+              ".json": "application/json"}  # fmt: skip
+READS = "PDF, plain text, Markdown, CSV and JSON"  # what an error names
+TEXT_IN_THREAD_BYTES = 1 << 20  # larger text files are decoded off the event loop
+
+
+@dataclass(frozen=True, slots=True)
+class _File:
+    name: str  # as the client named it ("" when it did not)
+    media_type: str  # as labelled ("" when not)
+    data: bytes | None  # its bytes; None for text given as text
+    text: str | None = None  # an Anthropic ``text`` source
+
+
+class Documents:
+    """Turns file parts into their text (see the module docstring)."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        fetcher: MediaFetcher,
+        decoders: DecoderPool,
+        cache: ConversionCache | None = None,
+    ) -> None:
+        self._metrics = metrics
+        self._fetcher = fetcher
+        self._decoders = decoders
+        self._cache = cache if cache is not None else ConversionCache(0)
+        self._readers = Readers()
+
+    def close(self) -> None:
+        self._readers.close()
+
+    async def extract(
+        self, plan: RoutePlan, body: dict[str, Any], *, max_text_chars: int, media: MediaConfig
+    ) -> dict[tuple[int, int], dict[str, Any]]:
+        """The text part that replaces each file of ``plan.extract_parts``."""
+        contents = plan.contents(body)
+        job = functools.partial(self._one, plan=plan, max_chars=max_text_chars, media=media)
+
+        async def one(part: Part) -> tuple[tuple[int, int], dict[str, Any]]:
+            assert part.index is not None
+            text = await job(contents[part.message].value[part.index], part)
+            return (part.message, part.index), {"type": plan.api.text_part, "text": text}
+
+        return dict(await gather_all(*(one(p) for p in plan.extract_parts)))
+
+    async def _one(
+        self, value: Mapping[str, Any], part: Part, *, plan: RoutePlan, max_chars: int, media: MediaConfig
+    ) -> str:
+        model = plan.model.name
+        refused = Rejection(model, "file", "media_refused")
+        try:
+            file = await self._file(value, part, model, media)
+            kind, pages = await self._read(file, plan, max_chars)
+        except InvalidFileError as exc:
+            raise exc.located_at(part.location, rejection=refused) from None
+        self._metrics.files_extracted.labels(model, kind).inc()
+        title = f"{MARK} '{file.name}']" if file.name else f"{MARK}]"
+        if len(pages) == 1 and kind != "pdf":
+            return f"{title}\n{pages[0]}"
+        said = [
+            f"[Page {i} of {len(pages)}]\n{text}" if text else f"[Page {i} of {len(pages)}: no text; it may be a scan]"
+            for i, text in enumerate(pages, 1)
+        ]
+        return title + "\n" + "\n\n".join(said)
+
+    async def _read(self, file: _File, plan: RoutePlan, max_chars: int) -> tuple[str, list[str]]:
+        """What kind of file it is (``pdf``, ``text``) and its text, a PDF's page by page."""
+        if file.text is not None:
+            return "text", [file.text]
+        data = file.data
+        assert data is not None
+        if data[:1024].find(b"%PDF-") >= 0:
+            return "pdf", await self._pdf(data, plan, max_chars)
+        media_type = file.media_type or TEXT_NAMES.get(_suffix(file.name), "")
+        if media_type == "application/pdf":
+            raise InvalidFileError(
+                f"the file is labelled a PDF but is not one (no %PDF- header); the gateway reads {READS}"
+            )
+        if media_type not in TEXT_TYPES:
+            what = f"'{media_type}'" if media_type else "of no type the gateway knows"
+            raise InvalidFileError(f"the file is {what}; the gateway reads {READS} files")
+        if len(data) > TEXT_IN_THREAD_BYTES:
+            text = await asyncio.to_thread(_utf8, data, TEXT_TYPES[media_type])
+        else:
+            text = _utf8(data, TEXT_TYPES[media_type])
+        if len(text) > max_chars:
+            raise InvalidFileError(f"its text is {len(text)} characters, over server.max_text_chars ({max_chars})")
+        return "text", [text]
+
+    async def _pdf(self, data: bytes, plan: RoutePlan, max_chars: int) -> list[str]:
+        policy = plan.model.policy(Modality.FILE)
+        job = {"max_pages": policy.max_pages, "max_chars": max_chars}
+        model = plan.model.name
+
+        async def make() -> list[str]:
+            started = time.perf_counter()
+            read = functools.partial(self._readers.read, job, data, timeout_s=policy.timeout_s)
+            try:
+                answer = await self._decoders.run(lambda stop: read(stop=stop))
+            except ReaderFailed as exc:
+                raise InvalidFileError(f"the PDF cannot be read: {exc}") from None
+            if "error" in answer:
+                raise InvalidFileError(f"the PDF is refused: {answer['error']}")
+            self._metrics.file_extract_seconds.labels(model).observe(time.perf_counter() - started)
+            self._metrics.file_pages.labels(model).inc(len(answer["pages"]))
+            return list(answer["pages"])
+
+        cache = self._cache
+        try:
+            if not cache.enabled:
+                return await make()
+            key = ("document", policy.max_pages, policy.timeout_s, max_chars, await sha256(data))
+            return await cache.get_or_make(
+                key,
+                make,
+                size_of=lambda pages: sum(len(p.encode()) for p in pages) + 64 * len(pages),
+                shared_errors=(InvalidFileError, DecodersBusyError),
+            )
+        except DecodersBusyError as exc:
+            self._metrics.video_decode_shed.labels(model, exc.reason).inc()
+            raise
+
+    async def _file(self, value: Mapping[str, Any], part: Part, model: str, media: MediaConfig) -> _File:
+        """The file a part carries: its name, type and bytes (decoded, or fetched)."""
+        file = value.get("file") if part.type == "file" else value
+        file = file if isinstance(file, Mapping) else {}
+        name = _name(file.get("filename") or value.get("title") or "")
+        source = value.get("source") if part.type == "document" else None
+        if isinstance(source, Mapping):
+            return await self._source(source, name, part, model, media)
+        data = file.get("file_data")
+        url = file.get("file_url")
+        if isinstance(data, str) and data:
+            if data[:5].lower() != "data:":  # bare base64, as some clients send it
+                return _File(name, "", _base64(data, media.max_file_bytes))
+            return _File(name, _data_type(data), await self._load(data, part, model, media))
+        if isinstance(url, str) and url:
+            return _File(name, "", await self._load(url, part, model, media))
+        raise _reference(part, model)
+
+    async def _source(self, source: Mapping[str, Any], name: str, part: Part, model: str, media: MediaConfig) -> _File:
+        kind = source.get("type")
+        media_type = str(source.get("media_type") or "")
+        if kind == "base64":
+            return _File(name, media_type, _base64(str(source.get("data", "")), media.max_file_bytes))
+        if kind == "url":
+            return _File(name, media_type, await self._load(str(source.get("url", "")), part, model, media))
+        if kind == "text":
+            return _File(name, media_type or "text/plain", None, str(source.get("data", "")))
+        if kind == "content":
+            content = source.get("content")
+            if isinstance(content, str):
+                return _File(name, "text/plain", None, content)
+            if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
+                return _File(name, "text/plain", None, "\n\n".join(str(b.get("text", "")) for b in content))
+            raise InvalidFileError("a document of content blocks is read here when its blocks are text blocks only")
+        raise _reference(part, model)
+
+    async def _load(self, url: str, part: Part, model: str, media: MediaConfig) -> bytes:
+        try:
+            return await self._fetcher.load(url, "file", media)  # the size limit, and the fetch rules
+        except GatewayError as exc:
+            kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidFileError
+            refused = Rejection(model, "file", "media_refused")
+            raise kind(f"{part.location}: {exc.message}", param=part.location, rejection=refused) from None
+
+
+def _reference(part: Part, model: str) -> UnsupportedModalityError:
+    return UnsupportedModalityError(
+        f"Model '{model}' does not accept file input, and {part.location} ('{part.type}') cannot be read: it "
+        "carries a file id, not the file; send its data (file_data, or a base64 source)",
+        param=part.location,
+        rejection=Rejection(model, "file", "unsupported"),
+    )
+
+
+def _base64(data: str, max_bytes: int) -> bytes:
+    if len(data) // 4 * 3 > max_bytes + 2:
+        raise InvalidFileError(f"the file is larger than media.max_file_bytes ({max_bytes} bytes)")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidFileError("the file's data is not valid base64") from None
+
+
+def _data_type(url: str) -> str:
+    """A data URL's media type ("" when it names none)."""
+    head = url[5 : url.find(",")] if "," in url else ""
+    return head.split(";", 1)[0].strip().lower()
+
+
+def _utf8(data: bytes, what: str) -> str:
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InvalidFileError(f"the {what} file is not UTF-8 text (byte {exc.start})") from None
+    if "\x00" in text:
+        raise InvalidFileError(f"the {what} file holds NUL characters: it is not text")
+    return text
+
+
+def _name(name: Any) -> str:
+    """A file name as the text says it: printable, short, no brackets or quotes."""
+    text = "".join(c for c in str(name) if c.isprintable() and c not in "[]'")
+    return text[:128]
+
+
+def _suffix(name: str) -> str:
+    dot = name.rfind(".")
+    return name[dot:].lower() if dot >= 0 else ""

@@ -1,0 +1,106 @@
+"""A PDF's text, page by page, read with PDFium (pypdfium2) in a reader process of its own.
+
+PDFium is not thread-safe and parses what a stranger wrote, so the gateway never loads it:
+``python -m gateway.media.pdf`` is a reader process (gateway.media.readers starts and kills them)
+that caps its own address space (:data:`MEMORY_BYTES`) before it imports PDFium, then answers one
+job after another on its stdin and stdout. A frame is a 4-byte big-endian length and its bytes; a
+job is two frames (its JSON header, the PDF), an answer one (JSON: ``{"pages": [...]}`` or
+``{"error": ...}``). A document that breaks a bound is an error answer; one that makes PDFium
+abort (out of its memory) ends the process, which its parent reports; the parent kills one that
+takes too long. This PDFium has no JavaScript engine: nothing a document carries is run, and a
+document that carries scripts is refused.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any, BinaryIO
+
+MEMORY_BYTES = 1 << 30  # a reader's address space: a decompression bomb ends it, not the gateway
+# names of script actions, as written or with #xx escapes (pdfid's test): refused
+_SCRIPT_NAME = re.compile(rb"/(?:J|#4[aA])(?:S|#53)(?![A-Za-z0-9#])|/(?:J|#4[aA])(?:a|#61)(?:v|#76)(?:a|#61)")
+
+
+class Refused(Exception):
+    """The document breaks a bound, or PDFium cannot read it: said to the client as 400."""
+
+
+def read(data: bytes, *, max_pages: int, max_chars: int) -> list[str]:
+    """The text of each page of the PDF in ``data`` (lines joined by ``\\n``), at most
+    ``max_pages`` pages and ``max_chars`` characters in all, else :class:`Refused`."""
+    import pypdfium2 as pdfium
+    import pypdfium2.raw as raw
+
+    if _SCRIPT_NAME.search(data):
+        raise Refused("it carries JavaScript, which the gateway does not run; a PDF with scripts is refused")
+    try:
+        document = pdfium.PdfDocument(data)
+    except pdfium.PdfiumError as exc:
+        code = raw.FPDF_GetLastError()
+        if code in (raw.FPDF_ERR_PASSWORD, raw.FPDF_ERR_SECURITY):
+            raise Refused("it is encrypted (password-protected); send it without a password") from None
+        raise Refused(f"PDFium cannot read it: malformed or truncated ({exc})") from None
+    try:
+        if raw.FPDFDoc_GetJavaScriptActionCount(document) > 0:
+            raise Refused("it carries JavaScript, which the gateway does not run; a PDF with scripts is refused")
+        count = len(document)
+        if count == 0:
+            raise Refused("it has no pages")
+        if count > max_pages:
+            raise Refused(f"it has {count} pages, more than the {max_pages} the model takes (extract.max_pages)")
+        pages, chars = [], 0
+        for i in range(count):
+            page = document[i]
+            try:
+                textpage = page.get_textpage()
+                text = textpage.get_text_bounded().replace("\r\n", "\n").replace("\r", "\n").strip()
+                textpage.close()
+            finally:
+                page.close()
+            chars += len(text)
+            if chars > max_chars:
+                raise Refused(f"its text passes {max_chars} characters (server.max_text_chars) by page {i + 1}")
+            pages.append(text)
+        return pages
+    finally:
+        document.close()
+
+
+def _frame(stream: BinaryIO) -> bytes | None:
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    size = int.from_bytes(head, "big")
+    data = stream.read(size)
+    return data if len(data) == size else None
+
+
+def _answer(stream: BinaryIO, answer: dict[str, Any]) -> None:
+    import orjson
+
+    data = orjson.dumps(answer)
+    stream.write(len(data).to_bytes(4, "big") + data)
+    stream.flush()
+
+
+def main() -> None:  # pragma: no cover - run as a process (tests/media/test_documents.py)
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+    import orjson
+
+    source, sink = sys.stdin.buffer, sys.stdout.buffer
+    while (header := _frame(source)) is not None and (data := _frame(source)) is not None:
+        job = orjson.loads(header)
+        try:
+            _answer(sink, {"pages": read(data, max_pages=job["max_pages"], max_chars=job["max_chars"])})
+        except Refused as exc:
+            _answer(sink, {"error": str(exc)})
+        except MemoryError:
+            _answer(sink, {"error": f"reading it needs more than the reader's {MEMORY_BYTES >> 20} MiB"})
+            return  # a fresh process for the next document
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

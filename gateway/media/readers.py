@@ -1,0 +1,136 @@
+"""Reader processes for documents: PDFium runs in them, never in the gateway (gateway.media.pdf).
+
+:class:`Readers` keeps the idle reader processes of the gateway process and lends one to each
+job; a job runs on one of the media decoding threads (gateway.media.decoders: a bounded queue,
+two at once), which waits for the answer while the event loop serves. A reader that takes longer
+than the job's time, or whose request left, is killed; one that died (PDFium aborts when its
+address space, 1 GiB, runs out) is reported, and the next job starts a fresh one. A reader is
+used for :data:`JOBS` documents, then replaced. The first document after a start waits ~0.2 s
+for its reader to start.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+JOBS = 256  # documents a reader reads before it is replaced
+_ROOT = str(Path(__file__).resolve().parents[2])  # where the gateway package is, for the reader's import
+
+
+class ReaderFailed(Exception):
+    """The document could not be read: why, in words for the client."""
+
+
+class Readers:
+    """The idle reader processes, lent one a job (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._idle: list[tuple[subprocess.Popen[bytes], int]] = []  # each with the jobs it has done
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def read(self, job: dict[str, Any], data: bytes, *, timeout_s: float, stop: threading.Event) -> Any:
+        """The reader's answer to ``job`` for ``data`` (on a decoding thread), or ReaderFailed."""
+        process, done = self._lend()
+        deadline = time.monotonic() + timeout_s
+        try:
+            header = orjson.dumps(job)
+            assert process.stdin is not None
+            process.stdin.write(len(header).to_bytes(4, "big") + header + len(data).to_bytes(4, "big"))
+            process.stdin.write(data)
+            process.stdin.flush()
+            answer = _answer(process, deadline, stop, timeout_s)
+        except BrokenPipeError:  # it died as the document came
+            _kill(process)
+            raise ReaderFailed(_died(process)) from None
+        except BaseException:
+            _kill(process)
+            raise
+        self._give_back(process, done + 1)
+        return answer
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for process, _ in idle:
+            _kill(process)
+
+    def _lend(self) -> tuple[subprocess.Popen[bytes], int]:
+        with self._lock:
+            while self._idle:
+                process, done = self._idle.pop()
+                if process.poll() is None:
+                    return process, done
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)}
+        command = [sys.executable, "-m", "gateway.media.pdf"]
+        process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        )
+        return process, 0
+
+    def _give_back(self, process: subprocess.Popen[bytes], done: int) -> None:
+        with self._lock:
+            if not self._closed and done < JOBS and process.poll() is None:
+                self._idle.append((process, done))
+                return
+        _kill(process)
+
+
+def _answer(process: subprocess.Popen[bytes], deadline: float, stop: threading.Event, timeout_s: float) -> Any:
+    """The answer frame, read as it comes, within the deadline; 50 ms at most between looks at
+    ``stop``."""
+    assert process.stdout is not None
+    fd = process.stdout.fileno()
+    got = bytearray()
+    want = 4
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while len(got) < want:
+            if stop.is_set():
+                raise ReaderFailed("nobody waits for it any more")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ReaderFailed(f"reading it took over {timeout_s:g}s (extract.timeout_s)")
+            if not selector.select(min(left, 0.05)):
+                continue
+            chunk = os.read(fd, max(want - len(got), 1 << 16))
+            if not chunk:
+                raise ReaderFailed(_died(process))
+            got += chunk
+            if want == 4 and len(got) >= 4:
+                want = 4 + int.from_bytes(got[:4], "big")
+    return orjson.loads(bytes(got[4:want]))
+
+
+def _died(process: subprocess.Popen[bytes]) -> str:
+    try:
+        code = process.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        code = None
+    if code is not None and code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        return f"its reader ended on {name}: out of its memory (1 GiB), or a malformed file"
+    return "its reader ended before it answered"
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+    try:
+        process.wait(timeout=2.0)
+    except subprocess.TimeoutExpired:  # pragma: no cover - a killed process is reaped at once
+        pass
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            pipe.close()

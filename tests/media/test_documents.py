@@ -1,0 +1,246 @@
+"""Files served as their text (``on_unsupported: {file: {extract: ...}}``, gateway/media/documents.py):
+PDFs written in the tests read by PDFium in its reader processes, plain-text types, hostile
+documents refused within their bounds; the real openai and anthropic SDKs as clients."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from gateway.config import parse_config
+from gateway.errors import ConfigError
+from gateway.media.documents import MARK
+from tests.conftest import Upstream, error_body, routing
+from tools import pdfs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def table(chat: Upstream | str, policy: str = "{extract: {max_pages: 20}}", media: str = "") -> str:
+    url = chat if isinstance(chat, str) else chat.url
+    return routing(
+        f"  - {{name: texty, upstreams: [{url}], accepts: [text], on_unsupported: {{file: {policy}}}}}", extra=media
+    )
+
+
+def file_part(data: bytes, media_type: str = "application/pdf", name: str = "report.pdf") -> dict[str, Any]:
+    url = f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+    return {"type": "file", "file": {"filename": name, "file_data": url}}
+
+
+def ask(*parts: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "text", "text": "summarize"}, *parts]}]
+
+
+def sent(chat: Upstream) -> list[dict[str, Any]]:
+    (message,) = chat.received[-1].json()["messages"]
+    parts: list[dict[str, Any]] = message["content"]
+    return parts
+
+
+async def test_a_pdf_becomes_its_text_page_by_page(gateway_factory, upstream_factory) -> None:
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(table(chat))
+    document = pdfs.text_pdf(["Quarterly report\nRevenue rose", "Costs fell", ""], scan_page=2)
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(model="texty", messages=ask(file_part(document)))
+    assert raw.headers["X-Gateway-Route"] == "extract"
+    first, text = sent(chat)
+    assert first == {"type": "text", "text": "summarize"}
+    assert text == {
+        "type": "text",
+        "text": f"{MARK} 'report.pdf']\n[Page 1 of 3]\nQuarterly report\nRevenue rose\n\n[Page 2 of 3]\nCosts fell\n\n"
+        "[Page 3 of 3: no text; it may be a scan]",
+    }
+    assert gw.sample("gateway_files_extracted_total", model="texty", kind="pdf") == 1
+    assert gw.sample("gateway_file_pages_total", model="texty") == 3
+    assert gw.sample("gateway_file_extract_seconds_count", model="texty") == 1
+
+
+async def test_one_reading_per_distinct_pdf_across_parallel_requests_and_turns(
+    gateway_factory, upstream_factory
+) -> None:
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(table(chat))
+    same, other = pdfs.text_pdf(["same"]), pdfs.text_pdf(["other"])
+    async with gw.client() as client:
+        await asyncio.gather(
+            *(client.chat.completions.create(model="texty", messages=ask(file_part(same))) for _ in range(4)),
+            client.chat.completions.create(model="texty", messages=ask(file_part(same), file_part(other))),
+        )
+        await client.chat.completions.create(model="texty", messages=ask(file_part(same)))  # a later turn
+    assert gw.sample("gateway_file_extract_seconds_count", model="texty") == 2  # read once each
+    assert gw.sample("gateway_files_extracted_total", model="texty", kind="pdf") == 7  # served 7 times
+    assert all(p["text"].startswith(MARK) for r in chat.received for p in r.json()["messages"][0]["content"][1:])
+
+
+@pytest.mark.parametrize(
+    ("data", "media_type", "name"),
+    [
+        (b"plain words\nline two", "text/plain", "notes.txt"),
+        (b"# Title\n\n- item", "text/markdown", "readme.md"),
+        (b"a,b\n1,2", "text/csv", "table.csv"),
+        (b'{"k": [1, 2]}', "application/json", "data.json"),
+        (b"\xef\xbb\xbfnamed by its suffix", "application/octet-stream", "named.md"),
+    ],
+)
+async def test_plain_text_files_become_their_text(gateway_factory, upstream_factory, data, media_type, name) -> None:
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(table(chat))
+    media_type = "" if media_type == "application/octet-stream" else media_type
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=ask(file_part(data, media_type, name)))
+    _, text = sent(chat)
+    assert text["text"] == f"{MARK} '{name}']\n" + data.decode("utf-8-sig")
+    assert gw.sample("gateway_files_extracted_total", model="texty", kind="text") == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "media_type", "message"),
+    [
+        (pdfs.encrypted(), "application/pdf", "encrypted"),
+        (pdfs.text_pdf(["whole"])[:200], "application/pdf", "malformed or truncated"),
+        (pdfs.scripted(), "application/pdf", "JavaScript"),
+        (pdfs.page_bomb(), "application/pdf", "it has 100000 pages, more than the 20"),
+        (b"GIF89a", "image/gif", "the file is 'image/gif'; the gateway reads PDF, plain text, Markdown, CSV and JSON"),
+        (b"\xff\xfe\x00bad", "text/plain", "not UTF-8 text"),
+        (b"no header here", "application/pdf", "labelled a PDF but is not one"),
+    ],
+)
+async def test_files_the_gateway_cannot_read_are_400_invalid_file(
+    gateway_factory, upstream_factory, data, media_type, message
+) -> None:
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(table(chat))
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask(file_part(data, media_type)))
+    error = error_body(caught.value)
+    assert error["code"] == "invalid_file" and error["param"] == "messages[0].content[1]"
+    assert message in error["message"]
+    assert not chat.received
+    assert gw.sample("gateway_modality_rejections_total", model="texty", modality="file", reason="media_refused") == 1
+
+
+async def test_a_decompression_bomb_ends_its_reader_not_the_gateway(gateway_factory, upstream_factory) -> None:
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(table(chat))
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:  # 2 GB of content in a 2 MB file
+            await client.chat.completions.create(model="texty", messages=ask(file_part(pdfs.decompression_bomb())))
+        error = error_body(caught.value)
+        assert error["code"] == "invalid_file" and "out of its memory (1 GiB)" in error["message"]
+        await client.chat.completions.create(model="texty", messages=ask(file_part(pdfs.text_pdf(["after"]))))
+    assert "after" in sent(chat)[1]["text"]  # a fresh reader for the next document
+
+
+async def test_a_pdf_that_reads_too_long_is_killed_at_its_timeout(gateway_factory, upstream_factory) -> None:
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(table(chat, "{extract: {timeout_s: 0.3}}"))
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:  # inflating 2 GB takes over a second
+            await client.chat.completions.create(model="texty", messages=ask(file_part(pdfs.decompression_bomb())))
+    assert "took over 0.3s (extract.timeout_s)" in error_body(caught.value)["message"]
+
+
+async def test_files_over_max_files_or_max_file_bytes_are_refused(gateway_factory, upstream_factory) -> None:
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(table(chat, "{extract: {}, max_files: 2}", "media: {max_file_bytes: 1000}\n"))
+    small = file_part(b"x", "text/plain", "a.txt")
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask(small, small, small))
+        assert error_body(caught.value)["code"] == "too_many_items"
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask(file_part(b"y" * 2000, "text/plain")))
+        assert "media.max_file_bytes (1000 bytes)" in error_body(caught.value)["message"]
+        file_id = {"type": "file", "file": {"file_id": "file-abc"}}
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask(file_id))
+        assert error_body(caught.value)["code"] == "unsupported_modality"
+    assert not chat.received
+
+
+async def test_responses_input_file_and_messages_documents_become_their_apis_text(
+    gateway_factory, upstream_factory
+) -> None:
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(table(chat))
+    document = pdfs.text_pdf(["from the responses api"])
+    url = f"data:application/pdf;base64,{base64.b64encode(document).decode()}"
+    async with gw.client() as client:
+        raw = await client.responses.with_raw_response.create(
+            model="texty",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "read"},
+                                                {"type": "input_file", "filename": "r.pdf", "file_data": url}]}],
+        )  # fmt: skip
+    assert raw.headers["X-Gateway-Route"] == "extract"
+    part = chat.received[-1].json()["input"][0]["content"][1]
+    assert part == {"type": "input_text", "text": f"{MARK} 'r.pdf']\n[Page 1 of 1]\nfrom the responses api"}
+    pdf_block = {"type": "document", "title": "m.pdf",
+                 "source": {"type": "base64", "media_type": "application/pdf",
+                            "data": base64.b64encode(pdfs.text_pdf(["from messages"])).decode()}}  # fmt: skip
+    text_block = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "plain doc"}}
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk", max_retries=0) as a:
+        await a.messages.create(
+            model="texty", max_tokens=8, messages=[{"role": "user", "content": [pdf_block, text_block]}]
+        )
+        parts = chat.received[-1].json()["messages"][0]["content"]
+        assert parts == [
+            {"type": "text", "text": f"{MARK} 'm.pdf']\n[Page 1 of 1]\nfrom messages"},
+            {"type": "text", "text": f"{MARK}]\nplain doc"},
+        ]
+        bad = {**pdf_block, "source": {**pdf_block["source"], "data": base64.b64encode(pdfs.encrypted()).decode()}}
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            await a.messages.create(model="texty", max_tokens=8, messages=[{"role": "user", "content": [bad]}])
+    body = caught.value.body
+    assert isinstance(body, dict) and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error" and "encrypted" in body["error"]["message"]
+
+
+async def test_a_model_that_accepts_files_gets_them_as_sent(gateway_factory, upstream_factory) -> None:
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(routing(f"  - {{name: filer, upstreams: [{chat.url}], accepts: [text, file]}}"))
+    part = file_part(pdfs.text_pdf(["kept"]))
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(model="filer", messages=ask(part))
+    assert raw.headers["X-Gateway-Route"] == "direct" and sent(chat)[1] == part
+
+
+def test_explain_and_admin_config_show_extract() -> None:
+    from gateway.admission.plan import admit
+    from gateway.config import as_dict
+
+    config = parse_config(table("http://c:1", "{extract: {max_pages: 5, timeout_s: 2}, max_files: 3}"))
+    (model,) = as_dict(config)["models"]
+    assert model["on_unsupported"]["file"] == {"extract": {"max_pages": 5, "timeout_s": 2.0}, "max_files": 3}
+    assert parse_config(table("http://c:1", str(model["on_unsupported"]["file"]))) is not None  # parses back
+    plan = admit(config, {"model": "texty", "messages": ask(file_part(b"x", "text/plain"))})
+    assert plan.route == "extract" and plan.explain()["parts"][1]["action"] == "extract"
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ("{extract: {max_pages: 0}}", "max_pages"),
+        ("{extract: {timeout_s: 900}}", "at most 300 seconds"),
+        ("{extract: {dpi: 100}}", "dpi"),
+        ("{extract: 5}", "must be a mapping"),
+    ],
+)
+def test_extract_config_is_checked(policy, message) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(table("http://c:1", policy))
+    assert message in str(caught.value)
+
+
+def test_only_files_are_extracted() -> None:
+    text = routing("  - {name: t, upstreams: ['http://c:1'], accepts: [text], on_unsupported: {image: {extract: {}}}}")
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text)
+    assert "only files can be extracted, not 'image'" in str(caught.value)
