@@ -26,13 +26,14 @@ from gateway.media.conversions import ConversionCache
 from gateway.media.decoders import DecoderPool
 from gateway.media.documents import Documents
 from gateway.media.fetch import MediaFetcher
-from gateway.media.readers import Readers, ReaderFailed
+from gateway.media.readers import ReaderFailed, Readers
 from gateway.metrics import GatewayMetrics
 from tools import pdfs
 
 CONFIG = """version: 1
 models:
-  - {name: texty, upstreams: ['http://127.0.0.1:9'], accepts: [text], on_unsupported: {file: {extract: {max_pages: 100}}}}
+  - {name: texty, upstreams: ['http://127.0.0.1:9'], accepts: [text],
+     on_unsupported: {file: {extract: {max_pages: 100}}}}
 """
 LINE = "The quarterly figures rose by four percent while costs fell in every region we serve."
 

@@ -16,6 +16,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     │   │   └── ImagesRefusedError        400                       invalid_image
     │   ├── InvalidVideoError             400                       invalid_video
     │   ├── InvalidAudioError             400                       invalid_audio
+    │   ├── InvalidFileError              400                       invalid_file
     │   └── MediaRefusedError             400                       media_refused
     ├── AuthenticationError               401 authentication_error  invalid_admin_token
     │   └── InvalidApiKeyError            401                       invalid_api_key

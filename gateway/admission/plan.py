@@ -316,19 +316,17 @@ def admit(
             raise GatewayError(f"model '{model.name}' redirects to '{redirect.target}', which does not exist")
         model = target
     unsupported = [m for m in present if m not in model.accepts]
-    stripped = frozenset(m for m in unsupported if model.policy(m).action == "strip")
-    transcribed = frozenset(
-        m
-        for m in unsupported
-        if (policy := model.policy(m)).action == "transcribe" and _may_use(visible, policy.target or "")
+    # each unsupported modality by what its policy does (one the key may not use its model for: rejected)
+    policies = [(m, model.policy(m)) for m in unsupported]
+    if all(policy.action == "reject" for _, policy in policies):  # the common refusal: nothing else to weigh
+        _reject_unsupported(model, classification, unsupported, frozenset(), redirects)
+    doing: dict[str, set[Modality]] = {}
+    for m, policy in policies:
+        if policy.action not in ("transcribe", "describe") or _may_use(visible, policy.target or ""):
+            doing.setdefault(policy.action, set()).add(m)
+    stripped, transcribed, described, framed, extracted = (
+        frozenset(doing.get(action, ())) for action in ("strip", "transcribe", "describe", "frames", "extract")
     )
-    described = frozenset(
-        m
-        for m in unsupported
-        if (policy := model.policy(m)).action == "describe" and _may_use(visible, policy.target or "")
-    )
-    framed = frozenset(m for m in unsupported if model.policy(m).action == "frames")
-    extracted = frozenset(m for m in unsupported if model.policy(m).action == "extract")
     as_text = transcribed | described | extracted  # sent as a text part of the API's: only where it has one
     refused = (framed if not api.converts else frozenset()) | (as_text if not api.transcribes else frozenset())
     if refused:

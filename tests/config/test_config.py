@@ -92,8 +92,8 @@ UNKNOWN_KEYS = [
         doc("version: 1", "media:", "  allow_domain: [example.com]", *MODELS),
         [
             "r.yaml:3:3: media.allow_domain: unknown key 'allow_domain' (expected one of: allow_domains, "
-            "allow_private_networks, fetch_timeout_s, max_image_bytes, max_video_bytes, max_audio_bytes, max_file_bytes, "
-            "cache_bytes); did you mean 'allow_domains'?"
+            "allow_private_networks, fetch_timeout_s, max_image_bytes, max_video_bytes, max_audio_bytes, "
+            "max_file_bytes, cache_bytes); did you mean 'allow_domains'?"
         ],
         id="media",
     ),
@@ -1021,7 +1021,8 @@ def test_explicit_values_are_read(tmp_path: Path) -> None:
             "server: {host: 0.0.0.0, port: 9090, max_body_bytes: 2048, admin_token_env: TOKEN, reload_interval_s: 1,",
             "         upstream_connect_timeout_s: 1.5, upstream_read_timeout_s: 60, upstream_cooldown_s: 2}",
             "media: {allow_domains: [Example.COM], allow_private_networks: true, fetch_timeout_s: 2,",
-            "        max_image_bytes: 100, max_video_bytes: 200, max_audio_bytes: 300, max_file_bytes: 400, cache_bytes: 0}",
+            "        max_image_bytes: 100, max_video_bytes: 200, max_audio_bytes: 300, max_file_bytes: 400,",
+            "        cache_bytes: 0}",
             "encoders:",
             f"  v: {{kind: local, model: {tmp_path}, device: 'cuda:1', max_batch_size: 8, max_batch_delay_ms: 2,",
             "      timeout_s: 10}",
