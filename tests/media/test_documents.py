@@ -182,9 +182,12 @@ async def test_responses_input_file_and_messages_documents_become_their_apis_tex
     assert raw.headers["X-Gateway-Route"] == "extract"
     part = chat.received[-1].json()["input"][0]["content"][1]
     assert part == {"type": "input_text", "text": f"{MARK} 'r.pdf']\n[Page 1 of 1]\nfrom the responses api"}
-    pdf_block = {"type": "document", "title": "m.pdf",
-                 "source": {"type": "base64", "media_type": "application/pdf",
-                            "data": base64.b64encode(pdfs.text_pdf(["from messages"])).decode()}}  # fmt: skip
+
+    def pdf_document(data: bytes) -> dict[str, Any]:
+        source = {"type": "base64", "media_type": "application/pdf", "data": base64.b64encode(data).decode()}
+        return {"type": "document", "title": "m.pdf", "source": source}
+
+    pdf_block = pdf_document(pdfs.text_pdf(["from messages"]))
     text_block = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "plain doc"}}
     async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk", max_retries=0) as a:
         await a.messages.create(
@@ -195,7 +198,7 @@ async def test_responses_input_file_and_messages_documents_become_their_apis_tex
             {"type": "text", "text": f"{MARK} 'm.pdf']\n[Page 1 of 1]\nfrom messages"},
             {"type": "text", "text": f"{MARK}]\nplain doc"},
         ]
-        bad = {**pdf_block, "source": {**pdf_block["source"], "data": base64.b64encode(pdfs.encrypted()).decode()}}
+        bad = pdf_document(pdfs.encrypted())
         with pytest.raises(anthropic.BadRequestError) as caught:
             await a.messages.create(model="texty", max_tokens=8, messages=[{"role": "user", "content": [bad]}])
     body = caught.value.body
