@@ -48,7 +48,7 @@ from ..modalities import Modality
 from .conversions import ConversionCache
 from .decoders import DecoderPool
 from .fetch import MediaFetcher, sha256
-from .readers import ReaderFailed, Readers
+from .readers import ReaderFailed, Readers, ReaderStopped
 
 MARK = "[Text of the user's file"  # opens the text part that replaced a file
 TEXT_TYPES = {"text/plain": "text", "text/markdown": "Markdown", "text/x-markdown": "Markdown",
@@ -108,7 +108,7 @@ class Documents:
         try:
             file = await self._file(value, part, model, media)
             kind, pages = await self._read(file, plan, max_chars)
-        except InvalidFileError as exc:
+        except (InvalidFileError, MediaRefusedError) as exc:  # the file's fault (or size), said at its part
             raise exc.located_at(part.location, rejection=refused) from None
         self._metrics.files_extracted.labels(model, kind).inc()
         title = f"{MARK} '{file.name}']" if file.name else f"{MARK}]"
@@ -123,6 +123,10 @@ class Documents:
     async def _read(self, file: _File, plan: RoutePlan, max_chars: int) -> tuple[str, list[str]]:
         """What kind of file it is (``pdf``, ``text``) and its text, a PDF's page by page."""
         if file.text is not None:
+            if len(file.text) > max_chars:
+                raise InvalidFileError(
+                    f"its text is {len(file.text)} characters, over server.max_text_chars ({max_chars})"
+                )
             return "text", [file.text]
         data = file.data
         assert data is not None
@@ -156,6 +160,8 @@ class Documents:
                 answer = await self._decoders.run(lambda stop: read(stop=stop))
             except ReaderFailed as exc:
                 raise InvalidFileError(f"the PDF cannot be read: {exc}") from None
+            except ReaderStopped:  # the gateway stops (a request that left hears nothing)
+                raise DecodersBusyError("The gateway is shutting down; retry on another", reason="queue_full") from None
             if "error" in answer:
                 raise InvalidFileError(f"the PDF is refused: {answer['error']}")
             self._metrics.file_extract_seconds.labels(model).observe(time.perf_counter() - started)
@@ -189,7 +195,7 @@ class Documents:
         url = file.get("file_url")
         if isinstance(data, str) and data:
             if data[:5].lower() != "data:":  # bare base64, as some clients send it
-                return _File(name, "", _base64(data, media.max_file_bytes))
+                return _File(name, "", await _base64(data, media.max_file_bytes))
             return _File(name, _data_type(data), await self._load(data, part, model, media))
         if isinstance(url, str) and url:
             return _File(name, "", await self._load(url, part, model, media))
@@ -199,7 +205,7 @@ class Documents:
         kind = source.get("type")
         media_type = str(source.get("media_type") or "")
         if kind == "base64":
-            return _File(name, media_type, _base64(str(source.get("data", "")), media.max_file_bytes))
+            return _File(name, media_type, await _base64(str(source.get("data", "")), media.max_file_bytes))
         if kind == "url":
             return _File(name, media_type, await self._load(str(source.get("url", "")), part, model, media))
         if kind == "text":
@@ -231,10 +237,12 @@ def _reference(part: Part, model: str) -> UnsupportedModalityError:
     )
 
 
-def _base64(data: str, max_bytes: int) -> bytes:
+async def _base64(data: str, max_bytes: int) -> bytes:
     if len(data) // 4 * 3 > max_bytes + 2:
-        raise InvalidFileError(f"the file is larger than media.max_file_bytes ({max_bytes} bytes)")
+        raise MediaRefusedError(f"the file is larger than media.max_file_bytes ({max_bytes} bytes)")
     try:
+        if len(data) > TEXT_IN_THREAD_BYTES:  # off the event loop, as a large data URL is
+            return await asyncio.to_thread(base64.b64decode, data, validate=True)
         return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidFileError("the file's data is not valid base64") from None

@@ -98,7 +98,7 @@ def main() -> None:  # pragma: no cover - run as a process (tests/media/test_doc
         except Refused as exc:
             _answer(sink, {"error": str(exc)})
         except MemoryError:
-            _answer(sink, {"error": f"reading it needs more than the reader's {MEMORY_BYTES >> 20} MiB"})
+            _answer(sink, {"error": f"reading it needs more than the reader's {MEMORY_BYTES >> 20} MiB", "last": True})
             return  # a fresh process for the next document
 
 

@@ -23,12 +23,18 @@ from typing import Any
 
 import orjson
 
+from ..errors import DecodersBusyError
+
 JOBS = 256  # documents a reader reads before it is replaced
 _ROOT = str(Path(__file__).resolve().parents[2])  # where the gateway package is, for the reader's import
 
 
 class ReaderFailed(Exception):
     """The document could not be read: why, in words for the client."""
+
+
+class ReaderStopped(Exception):
+    """Nobody waits for the reading any more (the request left, the gateway stops)."""
 
 
 class Readers:
@@ -40,23 +46,48 @@ class Readers:
         self._closed = False
 
     def read(self, job: dict[str, Any], data: bytes, *, timeout_s: float, stop: threading.Event) -> Any:
-        """The reader's answer to ``job`` for ``data`` (on a decoding thread), or ReaderFailed."""
-        process, done = self._lend()
+        """The reader's answer to ``job`` for ``data`` (on a decoding thread), or ReaderFailed.
+        A reader used before that ends before it answers is tried once more with a fresh one (it
+        may have died between two jobs: not this document's fault)."""
         deadline = time.monotonic() + timeout_s
+        limit = 6 * int(job.get("max_chars", 1 << 20)) + (1 << 20)  # the longest answer: its text, escaped
+        while True:
+            process, done = self._lend()
+            try:
+                return self._job(process, done, (job, data), (deadline, limit, timeout_s), stop)
+            except _Ended as ended:
+                if done == 0:
+                    raise ReaderFailed(str(ended)) from None
+
+    def _job(
+        self,
+        process: subprocess.Popen[bytes],
+        done: int,
+        work: tuple[dict[str, Any], bytes],
+        bounds: tuple[float, int, float],
+        stop: threading.Event,
+    ) -> Any:
+        job, data = work
         try:
             header = orjson.dumps(job)
             assert process.stdin is not None
             process.stdin.write(len(header).to_bytes(4, "big") + header + len(data).to_bytes(4, "big"))
             process.stdin.write(data)
             process.stdin.flush()
-            answer = _answer(process, deadline, stop, timeout_s)
-        except BrokenPipeError:  # it died as the document came
+            answer = _answer(process, bounds, stop)
+        except OSError:  # it died as the document came
             _kill(process)
-            raise ReaderFailed(_died(process)) from None
+            raise _Ended(_died(process)) from None
         except BaseException:
             _kill(process)
             raise
-        self._give_back(process, done + 1)
+        if not isinstance(answer, dict) or not ("pages" in answer or "error" in answer):
+            _kill(process)
+            raise ReaderFailed("its reader answered something else than an answer")
+        if answer.get("last"):  # it ends itself after this answer (out of memory)
+            _kill(process)
+        else:
+            self._give_back(process, done + 1)
         return answer
 
     def close(self) -> None:
@@ -72,11 +103,15 @@ class Readers:
                 process, done = self._idle.pop()
                 if process.poll() is None:
                     return process, done
+                _kill(process)  # died while idle: its pipes closed now
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)}
         command = [sys.executable, "-m", "gateway.media.pdf"]
-        process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
-        )
+        try:
+            process = subprocess.Popen(
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+            )
+        except OSError as exc:  # out of processes or descriptors: the gateway's saturation, not the file's
+            raise DecodersBusyError(f"The gateway could not start a document reader ({exc}); retry shortly") from None
         return process, 0
 
     def _give_back(self, process: subprocess.Popen[bytes], done: int) -> None:
@@ -87,9 +122,14 @@ class Readers:
         _kill(process)
 
 
-def _answer(process: subprocess.Popen[bytes], deadline: float, stop: threading.Event, timeout_s: float) -> Any:
-    """The answer frame, read as it comes, within the deadline; 50 ms at most between looks at
-    ``stop``."""
+class _Ended(Exception):
+    """The reader ended before it answered."""
+
+
+def _answer(process: subprocess.Popen[bytes], bounds: tuple[float, int, float], stop: threading.Event) -> Any:
+    """The answer frame, read as it comes, within the deadline and the longest answer; 50 ms at
+    most between looks at ``stop``."""
+    deadline, limit, timeout_s = bounds
     assert process.stdout is not None
     fd = process.stdout.fileno()
     got = bytearray()
@@ -98,19 +138,24 @@ def _answer(process: subprocess.Popen[bytes], deadline: float, stop: threading.E
         selector.register(fd, selectors.EVENT_READ)
         while len(got) < want:
             if stop.is_set():
-                raise ReaderFailed("nobody waits for it any more")
+                raise ReaderStopped
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ReaderFailed(f"reading it took over {timeout_s:g}s (extract.timeout_s)")
             if not selector.select(min(left, 0.05)):
                 continue
-            chunk = os.read(fd, max(want - len(got), 1 << 16))
+            chunk = os.read(fd, min(want - len(got), 1 << 20))
             if not chunk:
-                raise ReaderFailed(_died(process))
+                raise _Ended(_died(process))
             got += chunk
             if want == 4 and len(got) >= 4:
                 want = 4 + int.from_bytes(got[:4], "big")
-    return orjson.loads(bytes(got[4:want]))
+                if want > limit:
+                    raise ReaderFailed("its reader's answer passed the longest an answer may be")
+    try:
+        return orjson.loads(bytes(got[4:want]))
+    except orjson.JSONDecodeError:
+        raise ReaderFailed("its reader's answer was not JSON") from None
 
 
 def _died(process: subprocess.Popen[bytes]) -> str:
@@ -119,7 +164,10 @@ def _died(process: subprocess.Popen[bytes]) -> str:
     except subprocess.TimeoutExpired:
         code = None
     if code is not None and code < 0:
-        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:  # a real-time signal: no name
+            name = f"signal {-code}"
         return f"its reader ended on {name}: out of its memory (1 GiB), or a malformed file"
     return "its reader ended before it answered"
 

@@ -247,3 +247,22 @@ def test_only_files_are_extracted() -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(text)
     assert "only files can be extracted, not 'image'" in str(caught.value)
+
+
+async def test_a_reader_that_died_while_idle_costs_the_next_pdf_nothing(gateway_factory, upstream_factory) -> None:
+    from gateway.server.state import SERVICES_KEY
+
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(table(chat))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=ask(file_part(pdfs.text_pdf(["first"]))))
+        documents = gw.app[SERVICES_KEY].documents
+        assert documents is not None
+        ((process, _),) = documents._readers._idle
+        process.kill()  # between two jobs, as an OOM killer would
+        process.wait()
+        killed = process.pid
+        await client.chat.completions.create(model="texty", messages=ask(file_part(pdfs.text_pdf(["second"]))))
+    assert "second" in sent(chat)[1]["text"]
+    ((fresh, _),) = documents._readers._idle
+    assert fresh.pid != killed
