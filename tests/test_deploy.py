@@ -61,8 +61,8 @@ ROWS = (
     ("Tokens: what each key and model spent", ("gateway_tokens_total",), ()),
     ("Priority queues", PRIORITY_METRICS, ()),
     (
-        "Media converted (video as frames, audio as transcripts, images described)",
-        ("gateway_images_described_total", "gateway_image_describe_seconds_bucket"),
+        "Media converted (video as frames, audio as transcripts, images described, files as text)",
+        ("gateway_images_described_total", "gateway_image_describe_seconds_bucket", "gateway_files_extracted_total"),
         (),
     ),
 )
