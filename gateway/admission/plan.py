@@ -331,10 +331,9 @@ def admit(
     refused = (framed if not api.converts else frozenset()) | (as_text if not api.transcribes else frozenset())
     if refused:
         _refuse_conversion(model, classification, refused, api)
-    if described:
-        _hold_descriptions(model, classification)
-    if extracted:
-        _hold_files(model, classification)
+    for converted in (described, extracted):
+        for m in converted:
+            _hold_conversions(model, classification, m)
     handled = stripped | as_text | framed
     _reject_unsupported(model, classification, unsupported, handled, redirects)
     _enforce_limits(model, classification, handled)
@@ -379,32 +378,23 @@ def _measure(
     return measure(model, parts, contents)
 
 
-def _hold_descriptions(model: ModelConfig, classification: Classification) -> None:
-    """A request's images to describe, at most the policy's ``max_images``: each is a
-    generation of the describing model."""
-    most = model.policy(Modality.IMAGE).max_images
-    images = [p for p in classification.parts if p.modality is Modality.IMAGE and p.index is not None]
-    if len(images) > most:
-        part = images[most]
+def _hold_conversions(model: ModelConfig, classification: Classification, modality: Modality) -> None:
+    """A request's images to describe (at most the policy's ``max_images``: each a generation of
+    the describing model) or files to read (``max_files``: each a reading in a reader process)."""
+    policy = model.policy(modality)
+    most, key, taken = (
+        (policy.max_images, "max_images", "images as their description")
+        if modality is Modality.IMAGE
+        else (policy.max_files, "max_files", "files as their text")
+    )
+    parts = [p for p in classification.parts if p.modality is modality and p.index is not None]
+    if len(parts) > most:
+        part = parts[most]
         raise TooManyItemsError(
-            f"Model '{model.name}' takes images as their description, at most {most} a request "
-            f"(on_unsupported.image.max_images); this one has {len(images)}: {part.location} is one too many",
+            f"Model '{model.name}' takes {taken}, at most {most} a request "
+            f"(on_unsupported.{modality}.{key}); this one has {len(parts)}: {part.location} is one too many",
             param=part.location,
-            rejection=Rejection(model.name, "image", "too_many_items"),
-        )
-
-
-def _hold_files(model: ModelConfig, classification: Classification) -> None:
-    """A request's files to read, at most the policy's ``max_files`` (each a PDFium reading)."""
-    most = model.policy(Modality.FILE).max_files
-    files = [p for p in classification.parts if p.modality is Modality.FILE and p.index is not None]
-    if len(files) > most:
-        part = files[most]
-        raise TooManyItemsError(
-            f"Model '{model.name}' takes files as their text, at most {most} a request "
-            f"(on_unsupported.file.max_files); this one has {len(files)}: {part.location} is one too many",
-            param=part.location,
-            rejection=Rejection(model.name, "file", "too_many_items"),
+            rejection=Rejection(model.name, modality.value, "too_many_items"),
         )
 
 
