@@ -112,7 +112,7 @@ class Documents:
             raise exc.located_at(part.location, rejection=refused) from None
         self._metrics.files_extracted.labels(model, kind).inc()
         title = f"{MARK} '{file.name}']" if file.name else f"{MARK}]"
-        if len(pages) == 1 and kind != "pdf":
+        if kind == "text":
             return f"{title}\n{pages[0]}"
         said = [
             f"[Page {i} of {len(pages)}]\n{text}" if text else f"[Page {i} of {len(pages)}: no text; it may be a scan]"
@@ -121,17 +121,19 @@ class Documents:
         return title + "\n" + "\n\n".join(said)
 
     async def _read(self, file: _File, plan: RoutePlan, max_chars: int) -> tuple[str, list[str]]:
-        """What kind of file it is (``pdf``, ``text``) and its text, a PDF's page by page."""
-        if file.text is not None:
-            if len(file.text) > max_chars:
-                raise InvalidFileError(
-                    f"its text is {len(file.text)} characters, over server.max_text_chars ({max_chars})"
-                )
-            return "text", [file.text]
+        """What kind of file it is (``pdf``, ``text``) and its text, a PDF's page by page (a text
+        file's is one page), within ``max_chars``."""
+        if file.data is not None and file.data[:1024].find(b"%PDF-") >= 0:
+            return "pdf", await self._pdf(file.data, plan, max_chars)
+        text = file.text if file.text is not None else await self._text(file)
+        if len(text) > max_chars:
+            raise InvalidFileError(f"its text is {len(text)} characters, over server.max_text_chars ({max_chars})")
+        return "text", [text]
+
+    async def _text(self, file: _File) -> str:
+        """A plain-text file's text, by its type or name; 400 for any other type."""
         data = file.data
         assert data is not None
-        if data[:1024].find(b"%PDF-") >= 0:
-            return "pdf", await self._pdf(data, plan, max_chars)
         media_type = file.media_type or TEXT_NAMES.get(_suffix(file.name), "")
         if media_type == "application/pdf":
             raise InvalidFileError(
@@ -141,12 +143,8 @@ class Documents:
             what = f"'{media_type}'" if media_type else "of no type the gateway knows"
             raise InvalidFileError(f"the file is {what}; the gateway reads {READS} files")
         if len(data) > TEXT_IN_THREAD_BYTES:
-            text = await asyncio.to_thread(_utf8, data, TEXT_TYPES[media_type])
-        else:
-            text = _utf8(data, TEXT_TYPES[media_type])
-        if len(text) > max_chars:
-            raise InvalidFileError(f"its text is {len(text)} characters, over server.max_text_chars ({max_chars})")
-        return "text", [text]
+            return await asyncio.to_thread(_utf8, data, TEXT_TYPES[media_type])
+        return _utf8(data, TEXT_TYPES[media_type])
 
     async def _pdf(self, data: bytes, plan: RoutePlan, max_chars: int) -> list[str]:
         policy = plan.model.policy(Modality.FILE)
