@@ -190,7 +190,8 @@ class GatewayMetrics:
         )
         self.video_decode_shed = Counter(
             "gateway_video_decode_shed",
-            "Videos refused with 503 decoders_busy because every decoding thread was busy: the queue for them was "
+            "Media (videos, images to downscale, documents) refused with 503 decoders_busy because every decoding "
+            "thread was busy: the queue for them was "
             "full (queue_full) or the wait too long (queue_timeout), by the request's model.",
             ["model", "reason"],
             registry=registry,
@@ -295,6 +296,13 @@ class GatewayMetrics:
         self.file_pages = Counter(
             "gateway_file_pages",
             "Pages of PDFs read for their text (a PDF read before, from media.cache_bytes, not counted again).",
+            ["model"],
+            registry=registry,
+        )
+        self.file_page_images = Counter(
+            "gateway_file_page_images",
+            "Page images rendered of PDFs for a model that takes images (extract: {page_images: true}); a PDF "
+            "read before, from media.cache_bytes, not counted again.",
             ["model"],
             registry=registry,
         )

@@ -24,7 +24,7 @@ must a redirect target.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -138,6 +138,12 @@ class RoutePlan:
         return tuple(p for p in self.classification.parts if p.modality in self.extracted and p.index is not None)
 
     @property
+    def page_images(self) -> bool:
+        """Whether the PDFs of ``extract_parts`` go with an image of each page (``extract:
+        {page_images: true}``; validation holds that the model accepts images)."""
+        return bool(self.extract_parts) and self.model.policy(Modality.FILE).page_images
+
+    @property
     def transcribe_parts(self) -> tuple[Part, ...]:
         """Audio parts to replace by their transcript (``on_unsupported: {audio: {transcribe: M}}``)."""
         if not self.transcribed:
@@ -219,7 +225,7 @@ class RoutePlan:
         if part.modality in self.described:
             return "describe"
         if part.modality in self.extracted:
-            return "extract"
+            return "extract, page images" if self.page_images else "extract"
         if self.frames_per_video and part.type == "video_url":
             return "frames, encoded" if self.encoder is not None else "frames"
         return "encode" if self.encoder is not None and part.type in ENCODABLE_TYPES else "accept"
@@ -436,6 +442,29 @@ def _frames_per_video(model: ModelConfig, classification: Classification, stripp
             rejection=Rejection(model.name, Modality.IMAGE.value, "too_many_items"),
         )
     return per_video
+
+
+def hold_page_images(plan: RoutePlan, pages: Sequence[tuple[Part, int]]) -> None:
+    """The page images of the request's PDFs (``pages``: each file part, its images), held to
+    the model's image limit with the images it is sent besides (its own, its videos' frames):
+    400 too_many_items naming the file that passes it."""
+    model = plan.model
+    limit = model.limits.get(Modality.IMAGE)
+    if limit is None:
+        return
+    gone = plan.stripped | plan.described
+    sent = sum(1 for p in plan.classification.parts_with(Modality.IMAGE) if p.modality not in gone)
+    sent += plan.frames_per_video * len(plan.frame_parts)
+    for part, count in pages:
+        sent += count
+        if sent > limit:
+            raise TooManyItemsError(
+                f"Model '{model.name}' accepts at most {limit} image(s) per request, and a PDF's pages go to it as "
+                f"images (on_unsupported.file.extract.page_images): with {part.location}'s {count} page(s) this "
+                f"request has {sent}; send fewer pages, or lower extract.max_pages",
+                param=part.location,
+                rejection=Rejection(model.name, Modality.IMAGE.value, "too_many_items"),
+            )
 
 
 def _may_use(visible: Visible, model: str) -> bool:

@@ -286,7 +286,7 @@ def _scaled(width: int, height: int, scale: float) -> tuple[int, int]:
 # the most an image costs the model
 # videos: read from the container (its metadata), or from the frames the gateway sampled; to probe
 # (the container is read once the gateway has the video's bytes, after admission)
-Source = Literal["header", "fetch", "assumed", "most", "frames", "container", "sampled", "probe"]
+Source = Literal["header", "fetch", "assumed", "most", "frames", "pages", "container", "sampled", "probe"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,10 +303,10 @@ class Sized:
     frames: int = 0  # a video's: the frames the model takes of it
 
     def explain(self) -> dict[str, Any]:
-        shown = ("header", "assumed", "frames", "container", "sampled")
+        shown = ("header", "assumed", "frames", "pages", "container", "sampled")
         known = {"width": self.width, "height": self.height} if self.source in shown else {}
         resized = {"downscale_to": list(self.downscale)} if self.downscale is not None else {}
-        frames = {"frames": self.frames} if self.frames else {}
+        frames = {"pages" if self.source == "pages" else "frames": self.frames} if self.frames else {}
         if self.source == "probe":  # explain does not read videos: the gateway does once it has them
             return {"size_from": "probe", "visual_tokens": None}
         return {**known, **frames, "size_from": self.source, "visual_tokens": self.tokens, **resized}
@@ -398,19 +398,23 @@ def measure(
 
 
 def with_frames(
-    model: ModelConfig, visual: VisualCount | None, videos: Sequence[tuple[Part, Sequence[Dimensions]]]
+    model: ModelConfig,
+    visual: VisualCount | None,
+    made: Sequence[tuple[Part, Sequence[Dimensions]]],
+    source: Literal["frames", "pages"] = "frames",
 ) -> VisualCount:
-    """The request's count with each video's sampled frames (``on_unsupported: {video: {frames:
-    N}}``: images to the model), one entry a video, its frames' tokens; held to
-    ``limits.visual_tokens`` (frames are not downscaled: fewer, or a smaller ``max_side``, is the
-    policy's to say)."""
+    """The request's count with the images the gateway made of its parts: each video's sampled
+    frames (``on_unsupported: {video: {frames: N}}``), each PDF's page images (``extract:
+    {page_images: true}``); one entry a part, its images' tokens; held to
+    ``limits.visual_tokens`` (they are not downscaled: fewer, or a smaller ``max_side`` or
+    ``dpi``, is the policy's to say)."""
     spec = model.visual_tokens
     assert spec is not None
     sized = list(visual.images) if visual is not None else []
-    for part, frames in videos:
-        tokens = sum(count(spec, f.width, f.height) for f in frames)
-        first = frames[0] if frames else Dimensions(0, 0, "jpeg")
-        sized.append(Sized(part, first.width, first.height, tokens, "frames", None, "jpeg", len(frames)))
+    for part, images in made:
+        tokens = sum(count(spec, f.width, f.height) for f in images)
+        first = images[0] if images else Dimensions(0, 0, "jpeg")
+        sized.append(Sized(part, first.width, first.height, tokens, source, None, first.format, len(images)))
     return _held(model, sized)
 
 
@@ -541,6 +545,8 @@ def _described(item: Sized) -> str:
         return f"{item.tokens} tokens, {item.frames} frames at {item.width}x{item.height}{seen}"
     if item.source == "frames":
         return f"{item.tokens} tokens, its frames at {item.width}x{item.height}"
+    if item.source == "pages":
+        return f"{item.tokens} tokens, its {item.frames} page image(s), the first {item.width}x{item.height}"
     if item.source == "most":
         return f"{item.tokens} tokens: a remote image counted at the most an image costs the model"
     seen = "assumed" if item.source == "assumed" else "its header says"

@@ -83,7 +83,12 @@ def _policy(policy: Policy) -> str | dict[str, Any]:
                 "max_images": policy.max_images}  # fmt: skip
     if policy.action == "extract":
         return {
-            "extract": {"max_pages": policy.max_pages, "timeout_s": policy.timeout_s},
+            "extract": {
+                "max_pages": policy.max_pages,
+                "timeout_s": policy.timeout_s,
+                "page_images": policy.page_images,
+                "dpi": policy.dpi,
+            },
             "max_files": policy.max_files,
         }
     if policy.action == "frames":

@@ -433,7 +433,8 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
         return None
 
     def _extract(self, value: dict[str, Any], path: str) -> Policy | None:
-        """``{extract: {max_pages, timeout_s}, max_files}`` (``extract: {}`` takes the defaults)."""
+        """``{extract: {max_pages, timeout_s, page_images, dpi}, max_files}`` (``extract: {}`` takes
+        the defaults)."""
         options = value["extract"] if value["extract"] is not None else {}
         if not isinstance(options, dict):
             self.problem(f"{path}.extract", f"must be a mapping {{max_pages: N, timeout_s: S}}, not {show(options)}")
@@ -449,5 +450,7 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
         timeout = self.number(options.get("timeout_s", MISSING), f"{path}.extract.timeout_s", 10.0)
         if timeout > 300:
             self.problem(f"{path}.extract.timeout_s", f"must be at most 300 seconds, not {timeout:g}")
+        images = self.boolean(options.get("page_images", MISSING), f"{path}.extract.page_images", False)
+        dpi = self.integer(options.get("dpi", MISSING), f"{path}.extract.dpi", 100, minimum=36, maximum=300)
         files = self.integer(value.get("max_files", MISSING), f"{path}.max_files", 8, minimum=1, maximum=64)
-        return Policy("extract", max_files=files, max_pages=pages, timeout_s=timeout)
+        return Policy("extract", max_files=files, max_pages=pages, timeout_s=timeout, page_images=images, dpi=dpi)

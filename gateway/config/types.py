@@ -59,7 +59,7 @@ DESCRIBE_ERRORS = ("fail", "reject", "strip")  # describe's on_error
 DEFAULT_DESCRIBE_PROMPT = "Describe the image for someone who cannot see it."
 FRAMES_KEYS = ("frames", "fps", "max_side", "timestamps")
 EXTRACT_KEYS = ("extract", "max_files")  # file: {extract: {...}, max_files: N}
-EXTRACT_OPTIONS = ("max_pages", "timeout_s")  # what extract: {...} holds
+EXTRACT_OPTIONS = ("max_pages", "timeout_s", "page_images", "dpi")  # what extract: {...} holds
 MEDIA_KEYS = (
     "allow_domains",
     "allow_private_networks",
@@ -351,10 +351,13 @@ class Policy:
     on_error: Literal["fail", "reject", "strip"] = "fail"
     prompt: str = DEFAULT_DESCRIBE_PROMPT  # describe: what the describing model is asked, with the image
     max_images: int = 8  # describe: a request's images at most (each a generation of the describing model)
-    # extract (file): a request's files at most, a PDF's pages at most, and one PDF's reading time
+    # extract (file): a request's files at most, a PDF's pages at most, and one PDF's reading time;
+    # page_images: each PDF page as an image too (rendered at dpi), for a model that accepts images
     max_files: int = 8
     max_pages: int = 20
     timeout_s: float = 10.0
+    page_images: bool = False
+    dpi: int = 100
     # frames (video): this many frames sampled evenly (or fps a second, capped by frames), each
     # scaled to fit max_side, each after a text part with its time when timestamps is on
     frames: int = 8
@@ -372,7 +375,7 @@ class Policy:
         if self.action == "frames":
             return f"{self.frames} frames"
         if self.action == "extract":
-            return "extract its text"
+            return f"extract its text and page images at {self.dpi} dpi" if self.page_images else "extract its text"
         return self.action
 
 

@@ -66,6 +66,8 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                 continue
             if policy.action == "extract" and m is not Modality.FILE:
                 p.problem(f"{where}.extract", f"only files can be extracted, not '{m}'")
+            elif policy.action == "extract" and policy.page_images and Modality.IMAGE not in model.accepts:
+                p.problem(f"{where}.extract.page_images", "page images are images: the model must accept image")
             if policy.action == "transcribe":
                 if m != Modality.AUDIO:
                     p.problem(f"{where}.transcribe", f"only audio can be transcribed, not '{m}'")

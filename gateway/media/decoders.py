@@ -93,7 +93,8 @@ class DecoderPool:
             return
         if len(self._waiters) >= self._queue:
             raise DecodersBusyError(
-                f"Every video decoder of this gateway is busy and {self._queue} requests wait for one; retry shortly",
+                f"Every media decoder of this gateway (video, images, documents) is busy and {self._queue} "
+                "requests wait for one; retry shortly",
                 reason="queue_full",
             )
         waiter = asyncio.get_running_loop().create_future()
@@ -106,7 +107,8 @@ class DecoderPool:
                 self._release()  # handed a thread just as it gave up
             if isinstance(exc, TimeoutError):
                 raise DecodersBusyError(
-                    f"Every video decoder of this gateway was busy for {self._wait_s:g}s; retry shortly",
+                    "Every media decoder of this gateway (video, images, documents) was busy "
+                    f"for {self._wait_s:g}s; retry shortly",
                     reason="queue_timeout",
                 ) from None
             raise

@@ -18,6 +18,13 @@ page by page (``[Page 2 of 5]``). What is read:
 Any other type is 400 ``invalid_file`` naming those. What is lost: a PDF's layout, tables (their
 cells become lines of text), figures and anything drawn rather than written (a scanned page has
 no text: its page says so).
+
+With ``extract: {page_images: true}`` (a model that accepts images) a PDF's pages go as images
+too: each page's text, then an image part of the API's (a PNG at ``extract.dpi``, smaller where
+the page would pass 4096x4096 pixels or the model's ``limits.image_pixels``, each within
+``media.max_image_bytes``, a document's within :data:`PAGE_IMAGES_MAX_BYTES`). They lose nothing
+the pages show, and cost what images cost: the caller counts them against the model's image
+limit and ``limits.visual_tokens`` (gateway.server.exchange).
 """
 
 from __future__ import annotations
@@ -32,8 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..admission.parts import Part
-from ..admission.plan import RoutePlan
-from ..config import MediaConfig
+from ..admission.plan import EXPAND, RoutePlan
+from ..config import MediaConfig, ModelConfig
 from ..errors import (
     DecodersBusyError,
     GatewayError,
@@ -48,6 +55,7 @@ from ..modalities import Modality
 from .conversions import ConversionCache
 from .decoders import DecoderPool
 from .fetch import MediaFetcher, sha256
+from .pdf import PageImage
 from .readers import ReaderFailed, Readers, ReaderStopped
 
 MARK = "[Text of the user's file"  # opens the text part that replaced a file
@@ -57,6 +65,8 @@ TEXT_NAMES = {".txt": "text/plain", ".md": "text/markdown", ".markdown": "text/m
               ".json": "application/json"}  # fmt: skip
 READS = "PDF, plain text, Markdown, CSV and JSON"  # what an error names
 TEXT_IN_THREAD_BYTES = 1 << 20  # larger text files are decoded off the event loop
+RENDER_MAX_PIXELS = 4096 * 4096  # a page image's pixels at most, whatever the dpi
+PAGE_IMAGES_MAX_BYTES = 64 << 20  # a document's page images, as PNG, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +75,17 @@ class _File:
     media_type: str  # as labelled ("" when not)
     data: bytes | None  # its bytes; None for text given as text
     text: str | None = None  # an Anthropic ``text`` source
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    kind: str  # "pdf", "text"
+    pages: list[str]  # a PDF's text page by page; a text file's one
+    images: list[PageImage]  # a PDF's page images (extract.page_images), else none
+
+    def size(self) -> int:
+        """What it holds of the conversions cache, in bytes."""
+        return sum(len(p.encode()) + 64 for p in self.pages) + sum(len(png) + 64 for _, _, png in self.images)
 
 
 class Documents:
@@ -89,46 +110,55 @@ class Documents:
     async def extract(
         self, plan: RoutePlan, body: dict[str, Any], *, max_text_chars: int, media: MediaConfig
     ) -> dict[tuple[int, int], dict[str, Any]]:
-        """The text part that replaces each file of ``plan.extract_parts``."""
+        """What replaces each file of ``plan.extract_parts``: its text part, or (a PDF with page
+        images) an expansion into its pages' text and images, with their ``sizes``."""
         contents = plan.contents(body)
         job = functools.partial(self._one, plan=plan, max_chars=max_text_chars, media=media)
 
         async def one(part: Part) -> tuple[tuple[int, int], dict[str, Any]]:
             assert part.index is not None
-            text = await job(contents[part.message].value[part.index], part)
-            return (part.message, part.index), {"type": plan.api.text_part, "text": text}
+            return (part.message, part.index), await job(contents[part.message].value[part.index], part)
 
         return dict(await gather_all(*(one(p) for p in plan.extract_parts)))
 
     async def _one(
         self, value: Mapping[str, Any], part: Part, *, plan: RoutePlan, max_chars: int, media: MediaConfig
-    ) -> str:
+    ) -> dict[str, Any]:
         model = plan.model.name
         refused = Rejection(model, "file", "media_refused")
         try:
             file = await self._file(value, part, model, media)
-            kind, pages = await self._read(file, plan, max_chars)
+            read = await self._read(file, plan, max_chars, media)
         except (InvalidFileError, MediaRefusedError) as exc:  # the file's fault (or size), said at its part
             raise exc.located_at(part.location, rejection=refused) from None
-        self._metrics.files_extracted.labels(model, kind).inc()
+        self._metrics.files_extracted.labels(model, read.kind).inc()
         title = f"{MARK} '{file.name}']" if file.name else f"{MARK}]"
-        if kind == "text":
-            return f"{title}\n{pages[0]}"
-        said = [
-            f"[Page {i} of {len(pages)}]\n{text}" if text else f"[Page {i} of {len(pages)}: no text; it may be a scan]"
-            for i, text in enumerate(pages, 1)
-        ]
-        return title + "\n" + "\n\n".join(said)
+        text_part = plan.api.text_part
+        if read.kind == "text":
+            return {"type": text_part, "text": f"{title}\n{read.pages[0]}"}
+        count = len(read.pages)
+        if not read.images:
+            said = [
+                f"[Page {i} of {count}]\n{text}" if text else f"[Page {i} of {count}: no text; it may be a scan]"
+                for i, text in enumerate(read.pages, 1)
+            ]
+            return {"type": text_part, "text": title + "\n" + "\n\n".join(said)}
+        parts: list[dict[str, Any]] = []
+        for i, (text, (_, _, png)) in enumerate(zip(read.pages, read.images, strict=True), 1):
+            page = f"[Page {i} of {count}]\n{text}" if text else f"[Page {i} of {count}: no text, only its image]"
+            parts.append({"type": text_part, "text": f"{title}\n{page}" if i == 1 else page})
+            parts.append(plan.api.image_part("image/png", png))
+        return {"type": EXPAND, "parts": parts, "sizes": [(w, h) for w, h, _ in read.images]}
 
-    async def _read(self, file: _File, plan: RoutePlan, max_chars: int) -> tuple[str, list[str]]:
+    async def _read(self, file: _File, plan: RoutePlan, max_chars: int, media: MediaConfig) -> _Read:
         """What kind of file it is (``pdf``, ``text``) and its text, a PDF's page by page (a text
-        file's is one page), within ``max_chars``."""
+        file's is one page), within ``max_chars``; a PDF's page images when the plan sends them."""
         if file.data is not None and file.data[:1024].find(b"%PDF-") >= 0:
-            return "pdf", await self._pdf(file.data, plan, max_chars)
+            return await self._pdf(file.data, plan, max_chars, media)
         text = file.text if file.text is not None else await self._text(file)
         if len(text) > max_chars:
             raise InvalidFileError(f"its text is {len(text)} characters, over server.max_text_chars ({max_chars})")
-        return "text", [text]
+        return _Read("text", [text], [])
 
     async def _text(self, file: _File) -> str:
         """A plain-text file's text, by its type or name; 400 for any other type."""
@@ -146,12 +176,13 @@ class Documents:
             return await asyncio.to_thread(_utf8, data, TEXT_TYPES[media_type])
         return _utf8(data, TEXT_TYPES[media_type])
 
-    async def _pdf(self, data: bytes, plan: RoutePlan, max_chars: int) -> list[str]:
+    async def _pdf(self, data: bytes, plan: RoutePlan, max_chars: int, media: MediaConfig) -> _Read:
         policy = plan.model.policy(Modality.FILE)
-        job = {"max_pages": policy.max_pages, "max_chars": max_chars}
+        render = _render(plan.model, media) if plan.page_images else None
+        job = {"max_pages": policy.max_pages, "max_chars": max_chars, "render": render}
         model = plan.model.name
 
-        async def make() -> list[str]:
+        async def make() -> _Read:
             started = time.perf_counter()
             read = functools.partial(self._readers.read, job, data, timeout_s=policy.timeout_s)
             try:
@@ -162,19 +193,23 @@ class Documents:
                 raise DecodersBusyError("The gateway is shutting down; retry on another", reason="queue_full") from None
             if "error" in answer:
                 raise InvalidFileError(f"the PDF is refused: {answer['error']}")
+            images = [(int(w), int(h), str(png)) for w, h, png in answer.get("images", ())]
             self._metrics.file_extract_seconds.labels(model).observe(time.perf_counter() - started)
             self._metrics.file_pages.labels(model).inc(len(answer["pages"]))
-            return list(answer["pages"])
+            if images:
+                self._metrics.file_page_images.labels(model).inc(len(images))
+            return _Read("pdf", list(answer["pages"]), images)
 
         cache = self._cache
         try:
             if not cache.enabled:
                 return await make()
-            key = ("document", policy.max_pages, policy.timeout_s, max_chars, await sha256(data))
+            shape = tuple(sorted(render.items())) if render is not None else ()
+            key = ("document", policy.max_pages, policy.timeout_s, max_chars, shape, await sha256(data))
             return await cache.get_or_make(
                 key,
                 make,
-                size_of=lambda pages: sum(len(p.encode()) for p in pages) + 64 * len(pages),
+                size_of=_Read.size,
                 shared_errors=(InvalidFileError, DecodersBusyError),
             )
         except DecodersBusyError as exc:
@@ -224,6 +259,19 @@ class Documents:
             kind = MediaRefusedError if isinstance(exc, MediaRefusedError) else InvalidFileError
             refused = Rejection(model, "file", "media_refused")
             raise kind(f"{part.location}: {exc.message}", param=part.location, rejection=refused) from None
+
+
+def _render(model: ModelConfig, media: MediaConfig) -> dict[str, int]:
+    """How a PDF's page images are made for ``model`` (gateway.media.pdf.Render): at the policy's
+    dpi, within the render cap and the pixels the model takes (its downscale target too)."""
+    oversize = model.on_oversize
+    caps = (RENDER_MAX_PIXELS, model.max_image_pixels, oversize.max_pixels if oversize.action == "downscale" else None)
+    return {
+        "dpi": model.policy(Modality.FILE).dpi,
+        "max_pixels": min(c for c in caps if c is not None),
+        "max_bytes": media.max_image_bytes,
+        "max_total_bytes": PAGE_IMAGES_MAX_BYTES,
+    }
 
 
 def _reference(part: Part, model: str) -> UnsupportedModalityError:

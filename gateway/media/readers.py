@@ -50,7 +50,7 @@ class Readers:
         A reader used before that ends before it answers is tried once more with a fresh one (it
         may have died between two jobs: not this document's fault)."""
         deadline = time.monotonic() + timeout_s
-        limit = 6 * int(job.get("max_chars", 1 << 20)) + (1 << 20)  # the longest answer: its text, escaped
+        limit = _longest(job)
         while True:
             process, done = self._lend()
             try:
@@ -70,10 +70,7 @@ class Readers:
         job, data = work
         try:
             header = orjson.dumps(job)
-            assert process.stdin is not None
-            process.stdin.write(len(header).to_bytes(4, "big") + header + len(data).to_bytes(4, "big"))
-            process.stdin.write(data)
-            process.stdin.flush()
+            _send(process, (len(header).to_bytes(4, "big") + header + len(data).to_bytes(4, "big"), data), bounds, stop)
             answer = _answer(process, bounds, stop)
         except OSError:  # it died as the document came
             _kill(process)
@@ -112,6 +109,8 @@ class Readers:
             )
         except OSError as exc:  # out of processes or descriptors: the gateway's saturation, not the file's
             raise DecodersBusyError(f"The gateway could not start a document reader ({exc}); retry shortly") from None
+        assert process.stdin is not None
+        os.set_blocking(process.stdin.fileno(), False)  # written as it drains, within the job's time (_send)
         return process, 0
 
     def _give_back(self, process: subprocess.Popen[bytes], done: int) -> None:
@@ -122,8 +121,47 @@ class Readers:
         _kill(process)
 
 
+def _longest(job: dict[str, Any]) -> int:
+    """The longest answer to ``job``: its text, escaped, and its page images in base64."""
+    render = job.get("render") or {}
+    images = render.get("max_total_bytes", 0) // 3 * 4 + 64 * int(job.get("max_pages", 0)) if render else 0
+    return 6 * int(job.get("max_chars", 1 << 20)) + images + (1 << 20)
+
+
 class _Ended(Exception):
     """The reader ended before it answered."""
+
+
+def _send(
+    process: subprocess.Popen[bytes],
+    buffers: tuple[bytes, ...],
+    bounds: tuple[float, int, float],
+    stop: threading.Event,
+) -> None:
+    """The job written to the reader as its pipe drains, within the deadline; 50 ms at most
+    between looks at ``stop`` (a reader that stopped reading does not hold the thread)."""
+    deadline, _, timeout_s = bounds
+    assert process.stdin is not None
+    fd = process.stdin.fileno()
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_WRITE)
+        for buffer in buffers:
+            view = memoryview(buffer)
+            while view:
+                _check(deadline, timeout_s, stop)
+                if not selector.select(min(deadline - time.monotonic(), 0.05)):
+                    continue
+                try:
+                    view = view[os.write(fd, view[: 1 << 20]) :]
+                except BlockingIOError:  # pragma: no cover - the selector said it had room
+                    continue
+
+
+def _check(deadline: float, timeout_s: float, stop: threading.Event) -> None:
+    if stop.is_set():
+        raise ReaderStopped
+    if deadline - time.monotonic() <= 0:
+        raise ReaderFailed(f"reading it took over {timeout_s:g}s (extract.timeout_s)")
 
 
 def _answer(process: subprocess.Popen[bytes], bounds: tuple[float, int, float], stop: threading.Event) -> Any:
@@ -137,12 +175,8 @@ def _answer(process: subprocess.Popen[bytes], bounds: tuple[float, int, float], 
     with selectors.DefaultSelector() as selector:
         selector.register(fd, selectors.EVENT_READ)
         while len(got) < want:
-            if stop.is_set():
-                raise ReaderStopped
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ReaderFailed(f"reading it took over {timeout_s:g}s (extract.timeout_s)")
-            if not selector.select(min(left, 0.05)):
+            _check(deadline, timeout_s, stop)
+            if not selector.select(min(deadline - time.monotonic(), 0.05)):
                 continue
             chunk = os.read(fd, min(want - len(got), 1 << 20))
             if not chunk:

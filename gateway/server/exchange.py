@@ -16,7 +16,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from aiohttp import web
 
 from ..admission.body import exact, read_body, read_json
 from ..admission.dimensions import Dimensions, read_dimensions
-from ..admission.plan import EXPAND, RoutePlan, Visible, with_strip
+from ..admission.plan import EXPAND, RoutePlan, Visible, hold_page_images, with_strip
 from ..admission.priority import ANONYMOUS, DEFAULT_RANK, HEADER, priority_of
 from ..admission.rewrite import upstream_body
 from ..admission.upload import Form, parse_form
@@ -155,8 +155,21 @@ def _counts_frames(plan: RoutePlan) -> bool:
 
 def _waits(plan: RoutePlan) -> bool:
     """Whether the plan's visual tokens are known only after admission: remote images fetched,
-    videos probed or sampled (counted then, by :func:`convert`)."""
-    return _counts_frames(plan) or (plan.visual is not None and plan.visual.waits)
+    videos probed or sampled, PDFs' pages rendered (counted then, by :func:`convert`)."""
+    if _counts_frames(plan) or (plan.page_images and plan.model.visual_tokens is not None):
+        return True
+    return plan.visual is not None and plan.visual.waits
+
+
+def _with_pages(plan: RoutePlan, extracted: Mapping[tuple[int, int], dict[str, Any]]) -> RoutePlan:
+    """The plan with its PDFs' page images held to the model's image limit and, where the
+    model counts visual tokens, counted with its other images and held to their limit."""
+    sizes = [(p, extracted[(p.message, p.index or 0)].get("sizes", ())) for p in plan.extract_parts]
+    hold_page_images(plan, [(part, len(pages)) for part, pages in sizes if pages])
+    if plan.model.visual_tokens is None:
+        return plan
+    made = [(part, [Dimensions(w, h, "png") for w, h in pages]) for part, pages in sizes if pages]
+    return dataclasses.replace(plan, visual=with_frames(plan.model, plan.visual, made, "pages"))
 
 
 def _frame_sizes(expanded: dict[str, Any]) -> list[Dimensions]:
@@ -277,9 +290,12 @@ async def convert(ex: Exchange) -> None:
     if plan.extract_parts:
         assert services.documents is not None
         with stage(services.tracing, "gateway.extract", {"gateway.media.file.count": len(plan.extract_parts)}):
-            ex.converted |= await services.documents.extract(
+            extracted = await services.documents.extract(
                 plan, ex.body, max_text_chars=ex.config.server.max_text_chars, media=ex.config.media
             )
+        ex.converted |= extracted
+        if plan.page_images:  # the pages are images to the model: held to its image limit, their tokens count
+            ex.plan = plan = _with_pages(plan, extracted)
     if plan.frame_parts:
         with stage(services.tracing, "gateway.decode", {"gateway.conversion": "frames"}):
             frames = await video.frames_for(plan, ex.body, sampling)
@@ -476,13 +492,26 @@ def _check_grown_size(config: GatewayConfig, raw: bytes, encoded: Encoded) -> No
         )
 
 
+def _made_image_size(part: dict[str, Any]) -> int:
+    """The size of an image part the gateway made (chat ``image_url``, Responses
+    ``input_image``, a Messages ``image`` block), by its base64; 0 for another part."""
+    url = part.get("image_url")
+    if isinstance(url, dict):
+        url = url.get("url")
+    if isinstance(url, str):
+        return len(url) + 64
+    source = part.get("source")
+    if part.get("type") == "image" and isinstance(source, dict) and isinstance(source.get("data"), str):
+        return len(source["data"]) + 128
+    return 0
+
+
 def _part_size(part: dict[str, Any]) -> int:
     """A new part's size as written, near enough: embeddings are base64 strings (their length,
     without writing megabytes again); frames are data URLs (theirs); anything else (metadata, a
     raw image's uuid, a transcript) is small, written."""
-    if part.get("type") == EXPAND:
-        return sum(_part_size(p) if p.get("type") != "image_url" else len(p["image_url"]["url"]) + 64
-                   for p in part["parts"])  # fmt: skip
+    if part.get("type") == EXPAND:  # a video's frames, a PDF's pages: image parts of the API's among text
+        return sum(_made_image_size(p) or _part_size(p) for p in part["parts"])
     video = part.get("video_url")
     if isinstance(video, dict) and isinstance(video.get("url"), str):  # a video inline: megabytes, not written again
         return len(video["url"]) + 128

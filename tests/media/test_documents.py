@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 from typing import Any
 
 import anthropic
@@ -15,6 +16,7 @@ import pytest
 from gateway.config import parse_config
 from gateway.errors import ConfigError
 from gateway.media.documents import MARK
+from gateway.modalities import Modality
 from tests.conftest import Upstream, error_body, routing
 from tools import pdfs
 
@@ -221,7 +223,8 @@ def test_explain_and_admin_config_show_extract() -> None:
 
     config = parse_config(table("http://c:1", "{extract: {max_pages: 5, timeout_s: 2}, max_files: 3}"))
     (model,) = as_dict(config)["models"]
-    assert model["on_unsupported"]["file"] == {"extract": {"max_pages": 5, "timeout_s": 2.0}, "max_files": 3}
+    extract = {"max_pages": 5, "timeout_s": 2.0, "page_images": False, "dpi": 100}
+    assert model["on_unsupported"]["file"] == {"extract": extract, "max_files": 3}
     assert parse_config(table("http://c:1", str(model["on_unsupported"]["file"]))) is not None  # parses back
     plan = admit(config, {"model": "texty", "messages": ask(file_part(b"x", "text/plain"))})
     assert plan.route == "extract" and plan.explain()["parts"][1]["action"] == "extract"
@@ -232,7 +235,10 @@ def test_explain_and_admin_config_show_extract() -> None:
     [
         ("{extract: {max_pages: 0}}", "max_pages"),
         ("{extract: {timeout_s: 900}}", "at most 300 seconds"),
-        ("{extract: {dpi: 100}}", "dpi"),
+        ("{extract: {dpi: 20}}", "extract.dpi"),
+        ("{extract: {page_images: 1}}", "must be true or false"),
+        ("{extract: {page_images: true}}", "page images are images: the model must accept image"),
+        ("{extract: {pages: 3}}", "pages"),
         ("{extract: 5}", "must be a mapping"),
     ],
 )
@@ -266,3 +272,196 @@ async def test_a_reader_that_died_while_idle_costs_the_next_pdf_nothing(gateway_
     assert "second" in sent(chat)[1]["text"]
     ((fresh, _),) = documents._readers._idle
     assert fresh.pid != killed
+
+
+def vision(chat: Upstream, extract: str = "page_images: true, dpi: 72", more: str = "") -> str:
+    """A model that takes images but not files: its PDFs as text and page images."""
+    return routing(
+        f"  - {{name: seer, upstreams: [{chat.url}], accepts: [text, image]{more}, "
+        f"on_unsupported: {{file: {{extract: {{{extract}}}}}}}}}"
+    )
+
+
+def _png() -> str:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), "white").save(out, "PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+PNG = _png()
+
+
+def png_size(data: str) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(base64.b64decode(data))) as image:
+        assert image.format == "PNG"
+        return image.size
+
+
+async def test_a_vision_model_gets_each_page_as_its_text_then_its_image(gateway_factory, upstream_factory) -> None:
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(vision(chat))
+    document = pdfs.text_pdf(["Quarterly report", "Costs fell", ""], scan_page=2)
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(model="seer", messages=ask(file_part(document)))
+    assert raw.headers["X-Gateway-Route"] == "extract"
+    ask_text, *parts = sent(chat)
+    assert ask_text == {"type": "text", "text": "summarize"}
+    assert [p["type"] for p in parts] == ["text", "image_url"] * 3
+    assert parts[0]["text"] == f"{MARK} 'report.pdf']\n[Page 1 of 3]\nQuarterly report"
+    assert parts[2]["text"] == "[Page 2 of 3]\nCosts fell"
+    assert parts[4]["text"] == "[Page 3 of 3: no text, only its image]"
+    prefix = "data:image/png;base64,"
+    urls = [p["image_url"]["url"] for p in parts[1::2]]
+    assert all(u.startswith(prefix) for u in urls)
+    assert [png_size(u[len(prefix) :]) for u in urls] == [(612, 792)] * 3  # letter at 72 dpi
+    assert gw.sample("gateway_file_page_images_total", model="seer") == 3
+    assert gw.sample("gateway_file_pages_total", model="seer") == 3
+
+
+async def test_page_images_are_held_to_the_image_pixels_and_rendered_once(gateway_factory, upstream_factory) -> None:
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(vision(chat, "page_images: true, dpi: 300", ", limits: {image_pixels: 100000}"))
+    part = file_part(pdfs.text_pdf(["one"]))
+    async with gw.client() as client:
+        for _ in range(2):  # a later turn: from the conversions cache
+            await client.chat.completions.create(model="seer", messages=ask(part))
+    url = sent(chat)[2]["image_url"]["url"]
+    width, height = png_size(url.split(",", 1)[1])
+    assert width * height <= 100_000 and abs(width / height - 612 / 792) < 0.01  # smaller, its aspect kept
+    assert gw.sample("gateway_file_extract_seconds_count", model="seer") == 1
+    assert gw.sample("gateway_file_page_images_total", model="seer") == 1
+
+
+async def test_page_images_count_against_the_image_limit_and_visual_tokens(gateway_factory, upstream_factory) -> None:
+    chat = await upstream_factory("chat")
+    three = file_part(pdfs.text_pdf(["a", "b", "c"]))
+    gw = await gateway_factory(vision(chat, more=", limits: {image: 3}"))
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG}}
+    async with gw.client() as client:
+        await client.chat.completions.create(model="seer", messages=ask(three))  # 3 of 3
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="seer", messages=ask(image, three))
+    error = error_body(caught.value)
+    assert error["code"] == "too_many_items" and error["param"] == "messages[0].content[2]"
+    assert "at most 3 image(s)" in error["message"] and "this request has 4" in error["message"]
+    assert len(chat.received) == 1
+    # Qwen2.5-VL: a letter page at 72 dpi is 616x784 after its smart_resize, 22x28 = 616 tokens
+    qwen = ", visual_tokens: {preset: qwen2.5-vl}, limits: {visual_tokens: 1500}"
+    gw = await gateway_factory(vision(chat, more=qwen))
+    async with gw.client() as client:
+        await client.chat.completions.create(model="seer", messages=ask(file_part(pdfs.text_pdf(["a", "b"]))))
+        assert gw.sample("gateway_visual_tokens_total", model="seer") == 1232
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="seer", messages=ask(three))
+    error = error_body(caught.value)
+    assert error["code"] == "too_many_visual_tokens" and "1848" in error["message"]
+    assert len(chat.received) == 2
+
+
+async def test_page_images_go_in_the_shape_of_each_api(gateway_factory, upstream_factory) -> None:
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(vision(chat))
+    document = pdfs.text_pdf(["page"])
+    data = base64.b64encode(document).decode()
+    async with gw.client() as client:
+        await client.responses.create(
+            model="seer",
+            input=[{"role": "user", "content": [{"type": "input_file", "filename": "r.pdf",
+                                                "file_data": f"data:application/pdf;base64,{data}"}]}],
+        )  # fmt: skip
+    text, image = chat.received[-1].json()["input"][0]["content"]
+    assert text == {"type": "input_text", "text": f"{MARK} 'r.pdf']\n[Page 1 of 1]\npage"}
+    assert image["type"] == "input_image" and image["image_url"].startswith("data:image/png;base64,")
+    block = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": data}}
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk", max_retries=0) as a:
+        await a.messages.create(model="seer", max_tokens=8, messages=[{"role": "user", "content": [block]}])
+    text, image = chat.received[-1].json()["messages"][0]["content"]
+    assert text == {"type": "text", "text": f"{MARK}]\n[Page 1 of 1]\npage"}
+    assert image["type"] == "image" and image["source"]["media_type"] == "image/png"
+    assert png_size(image["source"]["data"]) == (612, 792)
+
+
+async def test_a_page_image_over_max_image_bytes_is_400_invalid_file(gateway_factory, upstream_factory) -> None:
+    chat = await upstream_factory("chat")
+    table = vision(chat).replace("models:", "media: {max_image_bytes: 2000}\nmodels:", 1)
+    gw = await gateway_factory(table)
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="seer", messages=ask(file_part(pdfs.text_pdf(["wordy " * 50]))))
+    error = error_body(caught.value)
+    assert error["code"] == "invalid_file" and "over media.max_image_bytes (2000)" in error["message"]
+    assert not chat.received
+
+
+def test_a_page_renders_within_its_pixels_whatever_its_size_or_rotation() -> None:
+    from gateway.media.pdf import Render, read
+
+    render = Render(dpi=300, max_pixels=1 << 20, max_bytes=1 << 24, max_total_bytes=1 << 26)
+    letter = pdfs.text_pdf(["x"])
+    huge = letter.replace(b"/MediaBox [0 0 612 792]", b"/MediaBox [0 0 14400 14400]")
+    turned = letter.replace(b"/MediaBox [0 0 612 792]", b"/MediaBox [0 0 612 792] /Rotate 90")
+    ((w, h, _),) = read(huge, max_pages=1, max_chars=100, render=render)[1]
+    assert w * h <= 1 << 20 and w == h
+    ((w, h, _),) = read(turned, max_pages=1, max_chars=100, render=Render(72, 1 << 24, 1 << 24, 1 << 26))[1]
+    assert (w, h) == (792, 612)  # as shown: turned
+    assert read(letter, max_pages=1, max_chars=100) == (["x"], [])  # no render: no images
+
+
+def test_a_grey_page_is_one_channel_and_a_coloured_one_keeps_its_colour() -> None:
+    from PIL import Image
+
+    from gateway.media.pdf import Render, read
+
+    render = Render(dpi=72, max_pixels=1 << 24, max_bytes=1 << 24, max_total_bytes=1 << 26)
+    red = pdfs.pdf(pdfs._one_page(b"<< /Type /Catalog /Pages 2 0 R >>", pdfs.stream(b"1 0 0 rg 72 72 200 200 re f"),
+                                  page=b"/Contents 4 0 R "))  # fmt: skip
+    modes = []
+    for document in (pdfs.text_pdf(["grey text"]), red):
+        ((_, _, png),) = read(document, max_pages=1, max_chars=100, render=render)[1]
+        with Image.open(io.BytesIO(base64.b64decode(png))) as image:
+            modes.append(image.mode)
+            if image.mode == "RGB":
+                assert image.getpixel((100, 792 - 100)) == (255, 0, 0)
+    assert modes == ["L", "RGB"]
+
+
+async def test_a_reader_that_stops_reading_is_killed_at_the_timeout(gateway_factory, upstream_factory) -> None:
+    import os
+    import signal
+
+    from gateway.server.state import SERVICES_KEY
+
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(table(chat, "{extract: {timeout_s: 1.5}}"))  # a reader starts in ~0.2 s
+    async with gw.client() as client:
+        await client.chat.completions.create(model="texty", messages=ask(file_part(pdfs.text_pdf(["first"]))))
+        documents = gw.app[SERVICES_KEY].documents
+        assert documents is not None
+        ((process, _),) = documents._readers._idle
+        os.kill(process.pid, signal.SIGSTOP)  # alive, reading nothing: the pipe fills
+        large = pdfs.text_pdf(["large"]) + b"%" + b"x" * (1 << 20) + b"\n"
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask(file_part(large)))
+        assert "took over 1.5s (extract.timeout_s)" in error_body(caught.value)["message"]
+        assert process.poll() is not None  # killed
+        await client.chat.completions.create(model="texty", messages=ask(file_part(pdfs.text_pdf(["after"]))))
+    assert "after" in sent(chat)[1]["text"]
+
+
+def test_explain_says_a_pdf_goes_with_its_page_images() -> None:
+    from gateway.admission.plan import admit
+    from gateway.config import as_dict
+
+    config = parse_config(
+        routing("  - {name: seer, upstreams: ['http://c:1'], accepts: [text, image], "
+                "on_unsupported: {file: {extract: {page_images: true, dpi: 150}}}}")
+    )  # fmt: skip
+    plan = admit(config, {"model": "seer", "messages": ask(file_part(b"x", "text/plain"))})
+    assert plan.route == "extract" and plan.explain()["parts"][1]["action"] == "extract, page images"
+    extract = as_dict(config)["models"][0]["on_unsupported"]["file"]["extract"]
+    assert extract["page_images"] is True and extract["dpi"] == 150
+    assert "page images at 150 dpi" in str(config.models[0].policy(Modality.FILE))

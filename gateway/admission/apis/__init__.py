@@ -38,6 +38,11 @@ from ..parts import CHAT_PARTS, Classification, Content, PartTable, audio_in_vid
 ErrorShape = Literal["openai", "anthropic"]
 
 
+def chat_image(media_type: str, data: str) -> dict[str, Any]:
+    """A chat image part of base64 ``data``."""
+    return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+
+
 @dataclass(frozen=True, slots=True)
 class Api:
     """One API whose requests carry content parts."""
@@ -50,6 +55,7 @@ class Api:
     transcribes: bool = False  # media served as text, audio's transcript or an image's description (its text part)
     errors: ErrorShape = "openai"
     text_part: str = "text"  # the type of a text part, for a part the gateway writes
+    image_part: Callable[[str, str], dict[str, Any]] = chat_image  # an image part it writes: (media type, base64)
     # a part in the shape the engines read, where clients may send another of the same meaning; None: as sent
     normalize: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = None
     # what a request costs its key and the gateway's counts: False for one that only asks what it

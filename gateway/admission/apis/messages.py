@@ -94,10 +94,22 @@ def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
     return view
 
 
+def image(media_type: str, data: str) -> dict[str, Any]:
+    """An image block of base64 ``data``."""
+    return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
+
+
 # transcribes: an image described is a text block (Anthropic's API carries no audio)
-MESSAGES = Api("messages", "/v1/messages", PARTS, contents, errors="anthropic", transcribes=True)
+MESSAGES = Api("messages", "/v1/messages", PARTS, contents, errors="anthropic", transcribes=True, image_part=image)
 # the input tokens of a message, admitted as the message would be (Claude Code asks it first; its
 # images described then are in the conversions cache when the message itself comes)
 COUNT_TOKENS = Api(
-    "messages", "/v1/messages/count_tokens", PARTS, contents, errors="anthropic", spends=False, transcribes=True
+    "messages",
+    "/v1/messages/count_tokens",
+    PARTS,
+    contents,
+    errors="anthropic",
+    spends=False,
+    transcribes=True,
+    image_part=image,
 )

@@ -105,6 +105,18 @@ def normalize(part: Mapping[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def image(media_type: str, data: str) -> dict[str, Any]:
+    """An ``input_image`` of base64 ``data``, its URL a string as vLLM reads it."""
+    return {"type": "input_image", "image_url": f"data:{media_type};base64,{data}", "detail": "auto"}
+
+
 RESPONSES = Api(
-    "responses", "/v1/responses", PARTS, contents, transcribes=True, text_part="input_text", normalize=normalize
+    "responses",
+    "/v1/responses",
+    PARTS,
+    contents,
+    transcribes=True,
+    text_part="input_text",
+    normalize=normalize,
+    image_part=image,
 )
