@@ -231,7 +231,7 @@ class Documents:
                 return _File(name, "", await _base64(data, media.max_file_bytes))
             return _File(name, _data_type(data), await self._load(data, part, model, media))
         if isinstance(url, str) and url:
-            return _File(name, "", await self._load(url, part, model, media))
+            return _File(name or _url_name(url), "", await self._load(url, part, model, media))
         raise _reference(part, model)
 
     async def _source(self, source: Mapping[str, Any], name: str, part: Part, model: str, media: MediaConfig) -> _File:
@@ -240,7 +240,8 @@ class Documents:
         if kind == "base64":
             return _File(name, media_type, await _base64(str(source.get("data", "")), media.max_file_bytes))
         if kind == "url":
-            return _File(name, media_type, await self._load(str(source.get("url", "")), part, model, media))
+            url = str(source.get("url", ""))
+            return _File(name or _url_name(url), media_type, await self._load(url, part, model, media))
         if kind == "text":
             return _File(name, media_type or "text/plain", None, str(source.get("data", "")))
         if kind == "content":
@@ -314,6 +315,15 @@ def _name(name: Any) -> str:
     """A file name as the text says it: printable, short, no brackets or quotes."""
     text = "".join(c for c in str(name) if c.isprintable() and c not in "[]'")
     return text[:128]
+
+
+def _url_name(url: str) -> str:
+    """A fetched file's name, from the last segment of its URL's path ("" for a data URL or none):
+    what says a text file's type when its part says nothing."""
+    if url[:5].lower() == "data:":
+        return ""
+    path = url.split("?", 1)[0].split("#", 1)[0]
+    return _name(path.rsplit("/", 1)[-1]) if "://" in path and path.count("/") > 2 else ""
 
 
 def _suffix(name: str) -> str:

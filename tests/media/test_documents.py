@@ -465,3 +465,23 @@ def test_explain_says_a_pdf_goes_with_its_page_images() -> None:
     extract = as_dict(config)["models"][0]["on_unsupported"]["file"]["extract"]
     assert extract["page_images"] is True and extract["dpi"] == 150
     assert "page images at 150 dpi" in str(config.models[0].policy(Modality.FILE))
+
+
+async def test_a_fetched_file_is_named_by_its_url(gateway_factory, upstream_factory) -> None:
+    from aiohttp import web
+
+    files = {"/notes.md": b"# From a URL", "/report.pdf": pdfs.text_pdf(["fetched"])}
+
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(body=files[request.path], content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_get("/{name}", serve)
+    server = await upstream_factory("media", app=app)
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(table(chat, media="media: {allow_private_networks: true}\n"))
+    parts = [{"type": "input_file", "file_url": f"{server.url}{path}?v=1"} for path in files]
+    async with gw.client() as client:
+        await client.responses.create(model="texty", input=[{"role": "user", "content": parts}])
+    texts = [p["text"] for p in chat.received[-1].json()["input"][0]["content"]]
+    assert texts == [f"{MARK} 'notes.md']\n# From a URL", f"{MARK} 'report.pdf']\n[Page 1 of 1]\nfetched"]
