@@ -144,6 +144,12 @@ class RoutePlan:
         return bool(self.extract_parts) and self.model.policy(Modality.FILE).page_images
 
     @property
+    def encodes_pages(self) -> bool:
+        """The PDFs' page images go through the model's image encoder, as the request's images do
+        (an engine takes embeddings or pixels in one request, not both)."""
+        return self.page_images and self.encoder is not None
+
+    @property
     def transcribe_parts(self) -> tuple[Part, ...]:
         """Audio parts to replace by their transcript (``on_unsupported: {audio: {transcribe: M}}``)."""
         if not self.transcribed:
@@ -225,7 +231,7 @@ class RoutePlan:
         if part.modality in self.described:
             return "describe"
         if part.modality in self.extracted:
-            return "extract, page images" if self.page_images else "extract"
+            return "extract, page images of a PDF" if self.page_images else "extract"
         if self.frames_per_video and part.type == "video_url":
             return "frames, encoded" if self.encoder is not None else "frames"
         return "encode" if self.encoder is not None and part.type in ENCODABLE_TYPES else "accept"
@@ -444,27 +450,38 @@ def _frames_per_video(model: ModelConfig, classification: Classification, stripp
     return per_video
 
 
-def hold_page_images(plan: RoutePlan, pages: Sequence[tuple[Part, int]]) -> None:
-    """The page images of the request's PDFs (``pages``: each file part, its images), held to
-    the model's image limit with the images it is sent besides (its own, its videos' frames):
-    400 too_many_items naming the file that passes it."""
+def fit_page_images(plan: RoutePlan, pages: Sequence[tuple[Part, int]]) -> RoutePlan:
+    """The plan with the page images of its PDFs (``pages``: each file part, its images) held to
+    the model's image limit with the images it is sent besides: its own, and its videos' frames,
+    which become fewer where the pages need the room (as a request's images make them, at
+    admission); 400 too_many_items naming the file that passes it when not even one frame a
+    video is left."""
     model = plan.model
     limit = model.limits.get(Modality.IMAGE)
-    if limit is None:
-        return
+    made = sum(count for _, count in pages)
+    if limit is None or not made:
+        return plan
     gone = plan.stripped | plan.described
-    sent = sum(1 for p in plan.classification.parts_with(Modality.IMAGE) if p.modality not in gone)
-    sent += plan.frames_per_video * len(plan.frame_parts)
+    images = sum(1 for p in plan.classification.parts_with(Modality.IMAGE) if p.modality not in gone)
+    videos = len(plan.frame_parts)
+    room = limit - images - made  # for the videos' frames
+    if room >= plan.frames_per_video * videos:
+        return plan
+    if videos and room >= videos:
+        return dataclasses.replace(plan, frames_per_video=room // videos)
+    sent = images + videos  # a frame a video at least
     for part, count in pages:
         sent += count
         if sent > limit:
+            besides = f"{images} image(s)" + (f" and a frame for each of {videos} video(s)" if videos else "")
             raise TooManyItemsError(
                 f"Model '{model.name}' accepts at most {limit} image(s) per request, and a PDF's pages go to it as "
-                f"images (on_unsupported.file.extract.page_images): with {part.location}'s {count} page(s) this "
-                f"request has {sent}; send fewer pages, or lower extract.max_pages",
+                f"images (on_unsupported.file.extract.page_images): {besides} and the pages up to "
+                f"{part.location}'s {count} make {sent}; send shorter or fewer PDFs, or fewer images",
                 param=part.location,
                 rejection=Rejection(model.name, Modality.IMAGE.value, "too_many_items"),
             )
+    return plan  # pragma: no cover - the loop passes the limit: room < 0 above
 
 
 def _may_use(visible: Visible, model: str) -> bool:

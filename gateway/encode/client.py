@@ -73,18 +73,19 @@ class Encoded(NamedTuple):
 
 
 class Image(NamedTuple):
-    """An image to encode: a part of the request, or a frame of one of its videos."""
+    """An image to encode: a part of the request, a frame of one of its videos, or a page of one
+    of its PDFs."""
 
     part: Part  # the request's part (for a frame: its video), which errors name
     url: str
     original: dict[str, Any]  # the image part as it stands
-    frame: int | None = None  # a frame: its index among its video's parts
+    frame: int | None = None  # a frame (a page image): its index among its video's (PDF's) parts
     data: bytes | None = None  # a frame: its JPEG, made by the gateway (not fetched, not held to a limit)
 
 
 def _images(plan: RoutePlan, body: Mapping[str, Any], frames: Replacements) -> list[Image]:
     """The request's encodable images (those that carry bytes; a downscaled one at its new size),
-    then its videos' frames."""
+    then its videos' frames and its PDFs' page images."""
     messages = body["messages"]
     images: list[Image] = []
     for part in plan.encode_parts:
@@ -93,18 +94,17 @@ def _images(plan: RoutePlan, body: Mapping[str, Any], frames: Replacements) -> l
         url = image_url(original)
         if url is not None:
             images.append(Image(part, url, original))
-    if not plan.encodes_frames:
-        return images
-    for video in plan.frame_parts:
-        assert video.index is not None
-        expanded = frames.get((video.message, video.index))
+    made = (*(plan.frame_parts if plan.encodes_frames else ()), *(plan.extract_parts if plan.encodes_pages else ()))
+    for source in made:  # videos as their frames, PDFs as their pages' text and images
+        assert source.index is not None
+        expanded = frames.get((source.message, source.index))
         if expanded is None or expanded.get("type") != EXPAND:
-            continue
+            continue  # a text file: no images
         jpegs: Mapping[int, bytes] = expanded.get("frames", {})
         for j, frame in enumerate(expanded["parts"]):
             url = image_url(frame) if frame.get("type") == "image_url" else None
             if url is not None:
-                images.append(Image(video, url, frame, j, jpegs.get(j)))
+                images.append(Image(source, url, frame, j, jpegs.get(j)))
     return images
 
 

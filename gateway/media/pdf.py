@@ -27,6 +27,25 @@ MEMORY_BYTES = 1 << 30  # a reader's address space: a decompression bomb ends it
 _SCRIPT_NAME = re.compile(rb"/(?:J|#4[aA])(?:S|#53)(?![A-Za-z0-9#])|/(?:J|#4[aA])(?:a|#61)(?:v|#76)(?:a|#61)")
 
 
+MAX_SIDE = 4096  # a page image's side at most, in pixels
+MAX_ASPECT = 200  # a page longer than this times its width (or wider) is no image a model takes
+
+
+def _scripted(data: bytes) -> bool:
+    """Whether the document names a script action outside its streams (what a stream holds is
+    compressed or content: random bytes there spell ``/JS`` about once in 22 MB, a scanned page's
+    false alarm). A script in a compressed object stream is not seen: this PDFium runs none."""
+    at = 0
+    while True:
+        start = data.find(b"stream", at)
+        if _SCRIPT_NAME.search(data, at, len(data) if start < 0 else start):
+            return True
+        end = data.find(b"endstream", start + 6) if start >= 0 else -1
+        if end < 0:
+            return False
+        at = end + 9
+
+
 class Refused(Exception):
     """The document breaks a bound, or PDFium cannot read it: said to the client as 400."""
 
@@ -55,7 +74,7 @@ def read(
     import pypdfium2 as pdfium
     import pypdfium2.raw as raw
 
-    if _SCRIPT_NAME.search(data):
+    if _scripted(data):
         raise Refused("it carries JavaScript, which the gateway does not run; a PDF with scripts is refused")
     try:
         document = pdfium.PdfDocument(data)
@@ -105,7 +124,12 @@ def _image(page: Any, number: int, render: Render) -> PageImage:
     width, height = page.get_size()  # points (1/72 inch), its rotation applied
     if not (width >= 1 and height >= 1):
         raise Refused(f"its page {number} has no size ({width:g}x{height:g} points)")
-    scale = min(render.dpi / 72, math.sqrt(render.max_pixels / (width * height)))
+    if max(width, height) > MAX_ASPECT * min(width, height):
+        raise Refused(
+            f"its page {number} is {width:g}x{height:g} points, one side over {MAX_ASPECT} times the other: "
+            "no image a model takes"
+        )
+    scale = min(render.dpi / 72, MAX_SIDE / width, MAX_SIDE / height, math.sqrt(render.max_pixels / (width * height)))
     while math.ceil(width * scale) * math.ceil(height * scale) > render.max_pixels:  # PDFium rounds up
         scale *= 0.99
     bitmap = page.render(scale=scale, may_draw_forms=True)
@@ -172,6 +196,9 @@ def main() -> None:  # pragma: no cover - run as a process (tests/media/test_doc
         except MemoryError:
             _answer(sink, {"error": f"reading it needs more than the reader's {MEMORY_BYTES >> 20} MiB", "last": True})
             return  # a fresh process for the next document
+        except Exception as exc:  # PDFium or Pillow failing on it: said, and a fresh process for the next
+            _answer(sink, {"error": f"PDFium cannot read it ({type(exc).__name__}: {exc})", "last": True})
+            return
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from ..admission.body import exact, read_body, read_json
 from ..admission.dimensions import Dimensions, read_dimensions
-from ..admission.plan import EXPAND, RoutePlan, Visible, hold_page_images, with_strip
+from ..admission.plan import EXPAND, RoutePlan, Visible, fit_page_images, with_strip
 from ..admission.priority import ANONYMOUS, DEFAULT_RANK, HEADER, priority_of
 from ..admission.rewrite import upstream_body
 from ..admission.upload import Form, parse_form
@@ -162,10 +162,11 @@ def _waits(plan: RoutePlan) -> bool:
 
 
 def _with_pages(plan: RoutePlan, extracted: Mapping[tuple[int, int], dict[str, Any]]) -> RoutePlan:
-    """The plan with its PDFs' page images held to the model's image limit and, where the
-    model counts visual tokens, counted with its other images and held to their limit."""
+    """The plan with its PDFs' page images held to the model's image limit (its videos' frames
+    fewer to make room) and, where the model counts visual tokens, counted with its other
+    images and held to their limit."""
     sizes = [(p, extracted[(p.message, p.index or 0)].get("sizes", ())) for p in plan.extract_parts]
-    hold_page_images(plan, [(part, len(pages)) for part, pages in sizes if pages])
+    plan = fit_page_images(plan, [(part, len(pages)) for part, pages in sizes if pages])
     if plan.model.visual_tokens is None:
         return plan
     made = [(part, [Dimensions(w, h, "png") for w, h in pages]) for part, pages in sizes if pages]
@@ -321,7 +322,7 @@ async def encode(ex: Exchange) -> bytes:
     plan = ex.plan
     assert plan is not None
     encoded = Encoded(ex.converted, {})
-    if plan.encode_parts or plan.encodes_frames:
+    if plan.encode_parts or plan.encodes_frames or plan.encodes_pages:
         kind = ex.config.encoders[plan.encoder or ""].kind
         name = "gateway.prime" if kind == "vllm" else "gateway.encode"
         with stage(ex.services.tracing, name, {"gateway.encoder": plan.encoder or ""}):

@@ -449,3 +449,26 @@ async def test_an_instance_whose_reply_cannot_go_on_is_passed_over_never_a_500(g
     assert why in error_body(caught.value)["message"]
     assert bad.requests >= 1 and good.primes  # the bad one's images went to the good one
     assert cluster.log.misses == []
+
+
+async def test_pdf_page_images_are_primed_like_images(gateway_factory, cluster):
+    """A PDF's page images (on_unsupported: {file: {extract: {page_images: true}}}) go through
+    the encoder with the request's own images: the consumer, which refuses raw images mixed with
+    embeddings, gets references only."""
+    import base64
+
+    from tools import pdfs
+
+    options = ", on_unsupported: {file: {extract: {page_images: true, dpi: 36}}}"
+    gw = await gateway_factory(table(cluster, options=options))
+    document = "data:application/pdf;base64," + base64.b64encode(pdfs.text_pdf(["one", "two"])).decode()
+    messages = ask(image(1))
+    messages[0]["content"].append({"type": "file", "file": {"filename": "a.pdf", "file_data": document}})
+    async with gw.client() as client:
+        raw = await client.chat.completions.with_raw_response.create(model="kimi", messages=messages)
+    assert raw.headers["X-Gateway-Encoded"] == "3" and raw.headers["X-Gateway-Route"] == "extract"
+    parts = parts_received(cluster)
+    assert [p["type"] for p in parts] == ["text", "image_embeds"] + ["text", "image_embeds"] * 2
+    primes = [p for e in cluster.encoders for p in e.primes]
+    assert sum(p.url.startswith("data:image/png;base64,") for p in primes) == 3
+    assert cluster.log.misses == [] and len(cluster.log.hits) == 3

@@ -17,7 +17,7 @@ from gateway.config import parse_config
 from gateway.errors import ConfigError
 from gateway.media.documents import MARK
 from gateway.modalities import Modality
-from tests.conftest import Upstream, error_body, routing
+from tests.conftest import Upstream, error_body, needs_video, routing
 from tools import pdfs
 
 pytestmark = pytest.mark.timeout(60)
@@ -347,7 +347,7 @@ async def test_page_images_count_against_the_image_limit_and_visual_tokens(gatew
             await client.chat.completions.create(model="seer", messages=ask(image, three))
     error = error_body(caught.value)
     assert error["code"] == "too_many_items" and error["param"] == "messages[0].content[2]"
-    assert "at most 3 image(s)" in error["message"] and "this request has 4" in error["message"]
+    assert "at most 3 image(s)" in error["message"] and "3 make 4" in error["message"]
     assert len(chat.received) == 1
     # Qwen2.5-VL: a letter page at 72 dpi is 616x784 after its smart_resize, 22x28 = 616 tokens
     qwen = ", visual_tokens: {preset: qwen2.5-vl}, limits: {visual_tokens: 1500}"
@@ -461,7 +461,7 @@ def test_explain_says_a_pdf_goes_with_its_page_images() -> None:
                 "on_unsupported: {file: {extract: {page_images: true, dpi: 150}}}}")
     )  # fmt: skip
     plan = admit(config, {"model": "seer", "messages": ask(file_part(b"x", "text/plain"))})
-    assert plan.route == "extract" and plan.explain()["parts"][1]["action"] == "extract, page images"
+    assert plan.route == "extract" and plan.explain()["parts"][1]["action"] == "extract, page images of a PDF"
     extract = as_dict(config)["models"][0]["on_unsupported"]["file"]["extract"]
     assert extract["page_images"] is True and extract["dpi"] == 150
     assert "page images at 150 dpi" in str(config.models[0].policy(Modality.FILE))
@@ -485,3 +485,48 @@ async def test_a_fetched_file_is_named_by_its_url(gateway_factory, upstream_fact
         await client.responses.create(model="texty", input=[{"role": "user", "content": parts}])
     texts = [p["text"] for p in chat.received[-1].json()["input"][0]["content"]]
     assert texts == [f"{MARK} 'notes.md']\n# From a URL", f"{MARK} 'report.pdf']\n[Page 1 of 1]\nfetched"]
+
+
+@needs_video
+async def test_a_videos_frames_make_room_for_page_images(gateway_factory, upstream_factory) -> None:
+    from tests.videos import video, video_part
+
+    chat = await upstream_factory("chat")
+    policies = "file: {extract: {page_images: true, dpi: 36}}, video: {frames: 8, timestamps: false}"
+    gw = await gateway_factory(
+        routing(f"  - {{name: seer, upstreams: [{chat.url}], accepts: [text, image], limits: {{image: 8}}, "
+                f"on_unsupported: {{{policies}}}}}")
+    )  # fmt: skip
+    clip = video_part(video())
+    async with gw.client() as client:
+        await client.chat.completions.create(model="seer", messages=ask(clip, file_part(pdfs.text_pdf(["one", "two"]))))
+        images = [p for p in sent(chat) if p["type"] == "image_url"]
+        assert len(images) == 8  # 6 frames and 2 pages, where the video alone gets 8
+        with pytest.raises(openai.BadRequestError) as caught:  # 8 pages leave no frame for the video
+            await client.chat.completions.create(model="seer", messages=ask(clip, file_part(pdfs.text_pdf(["p"] * 8))))
+    error = error_body(caught.value)
+    assert error["code"] == "too_many_items" and error["param"] == "messages[0].content[2]"
+    assert "a frame for each of 1 video(s)" in error["message"] and "make 9" in error["message"]
+    assert len(chat.received) == 1
+
+
+def test_a_pdf_is_refused_for_scripts_it_names_not_for_bytes_in_its_streams() -> None:
+    from gateway.media.pdf import Refused, read
+
+    noise = pdfs.stream(b"\x00/JS\x01 random image bytes /JavaScript", b"/Subtype /Image ")
+    harmless = pdfs.pdf(pdfs._one_page(b"<< /Type /Catalog /Pages 2 0 R >>", noise))
+    assert read(harmless, max_pages=1, max_chars=100) == ([""], [])
+    with pytest.raises(Refused, match="JavaScript"):
+        read(pdfs.scripted(), max_pages=1, max_chars=100)
+
+
+def test_a_page_of_no_image_shape_is_refused_and_a_long_one_kept_within_its_side() -> None:
+    from gateway.media.pdf import Refused, Render, read
+
+    render = Render(dpi=300, max_pixels=1 << 24, max_bytes=1 << 24, max_total_bytes=1 << 26)
+    letter = pdfs.text_pdf(["x"])
+    with pytest.raises(Refused, match="over 200 times the other"):
+        read(letter.replace(b"[0 0 612 792]", b"[0 0 3 14400]"), max_pages=1, max_chars=100, render=render)
+    ((w, h, _),) = read(letter.replace(b"[0 0 612 792]", b"[0 0 300 14400]"), max_pages=1, max_chars=100,
+                        render=render)[1]  # fmt: skip
+    assert h == 4096 and w == 86
