@@ -70,8 +70,14 @@ async def _start(app: web.Application) -> TestServer:
 async def upstream_factory() -> AsyncIterator[Callable[..., Awaitable[Upstream]]]:
     servers: list[TestServer] = []
 
-    async def make(name: str = "standin", app: web.Application | None = None) -> Upstream:
+    async def make(
+        name: str = "standin", app: web.Application | None = None, files: dict[str, bytes] | None = None
+    ) -> Upstream:
+        """A stand-in upstream; or ``app``; or, with ``files``, a media server of these bodies by
+        path (as application/octet-stream: the gateway reads what they are from their bytes)."""
         standin = StandIn(name)
+        if files is not None:
+            app = _files_app(files)
         server = await _start(app if app is not None else standin.app())
         servers.append(server)
         return Upstream(standin, server, str(server.make_url("")).rstrip("/"))
@@ -79,6 +85,15 @@ async def upstream_factory() -> AsyncIterator[Callable[..., Awaitable[Upstream]]
     yield make
     for server in servers:
         await server.close()
+
+
+def _files_app(files: dict[str, bytes]) -> web.Application:
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(body=files[request.path], content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_get("/{name}", serve)
+    return app
 
 
 @pytest.fixture

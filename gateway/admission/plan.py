@@ -440,14 +440,21 @@ def _frames_per_video(model: ModelConfig, classification: Classification, stripp
     limit = min(model.limits.get(Modality.IMAGE, len(images) + MAX_FRAMES), len(images) + MAX_FRAMES)
     per_video = min(policy.frames, (limit - len(images)) // len(videos))
     if per_video < 1:
-        raise TooManyItemsError(
+        raise _too_many_images(
+            model,
+            videos[0],
             f"Model '{model.name}' accepts at most {limit} image(s) per request and takes video as frames: "
             f"{len(images)} image(s) and {len(videos)} video(s) leave no room for even one frame per video "
             f"({videos[0].location}).",
-            param=videos[0].location,
-            rejection=Rejection(model.name, Modality.IMAGE.value, "too_many_items"),
         )
     return per_video
+
+
+def _too_many_images(model: ModelConfig, part: Part, message: str) -> TooManyItemsError:
+    """400 too_many_items at ``part``: the images a request would send pass the model's limit."""
+    return TooManyItemsError(
+        message, param=part.location, rejection=Rejection(model.name, Modality.IMAGE.value, "too_many_items")
+    )
 
 
 def fit_page_images(plan: RoutePlan, pages: Sequence[tuple[Part, int]]) -> RoutePlan:
@@ -474,12 +481,12 @@ def fit_page_images(plan: RoutePlan, pages: Sequence[tuple[Part, int]]) -> Route
         sent += count
         if sent > limit:
             besides = f"{images} image(s)" + (f" and a frame for each of {videos} video(s)" if videos else "")
-            raise TooManyItemsError(
+            raise _too_many_images(
+                model,
+                part,
                 f"Model '{model.name}' accepts at most {limit} image(s) per request, and a PDF's pages go to it as "
                 f"images (on_unsupported.file.extract.page_images): {besides} and the pages up to "
                 f"{part.location}'s {count} make {sent}; send shorter or fewer PDFs, or fewer images",
-                param=part.location,
-                rejection=Rejection(model.name, Modality.IMAGE.value, "too_many_items"),
             )
     return plan  # pragma: no cover - the loop passes the limit: room < 0 above
 

@@ -468,16 +468,8 @@ def test_explain_says_a_pdf_goes_with_its_page_images() -> None:
 
 
 async def test_a_fetched_file_is_named_by_its_url(gateway_factory, upstream_factory) -> None:
-    from aiohttp import web
-
     files = {"/notes.md": b"# From a URL", "/report.pdf": pdfs.text_pdf(["fetched"])}
-
-    async def serve(request: web.Request) -> web.Response:
-        return web.Response(body=files[request.path], content_type="application/octet-stream")
-
-    app = web.Application()
-    app.router.add_get("/{name}", serve)
-    server = await upstream_factory("media", app=app)
+    server = await upstream_factory("media", files=files)
     chat = await upstream_factory("chat")
     gw = await gateway_factory(table(chat, media="media: {allow_private_networks: true}\n"))
     parts = [{"type": "input_file", "file_url": f"{server.url}{path}?v=1"} for path in files]

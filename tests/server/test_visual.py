@@ -142,16 +142,8 @@ def png(width: int, height: int) -> bytes:
 
 
 async def test_remote_images_are_fetched_for_their_header_with_remote_fetch(gateway_factory, upstream_factory) -> None:
-    from aiohttp import web
-
     files = {"/small.png": png(640, 480), "/photo.jpg": jpeg(3000, 2000), "/notes.txt": b"not an image at all"}
-
-    async def serve(request: web.Request) -> web.Response:
-        return web.Response(body=files[request.path], content_type="application/octet-stream")
-
-    media = web.Application()
-    media.router.add_get("/{name}", serve)
-    server = await upstream_factory("media", app=media)
+    server = await upstream_factory("media", files=files)
     upstream = await upstream_factory("up")
     models = "\n".join(
         f"  - {{name: {name}, upstreams: [{upstream.url}], accepts: [text, image], "
