@@ -9,5 +9,5 @@ The packages name the stages of a request, top to bottom; a stage imports only t
     upstream/   the hop to an engine: replicas and pools, retries, failures, the relay, HTTP/1.1
     admission/  the body read within bounds, every part classified, API keys, the plan
     config/     routing.yaml read and checked
-    errors, metrics, modalities, fanout, tracing   beneath every stage, importing none
+    errors, metrics, modalities, fanout, tracing, values   beneath every stage, importing none
 """

@@ -6,6 +6,12 @@ HTTP status codes. Never a URL from a request or a request id. The series a conf
 made at 0 by the config store when it takes the config (gateway.server.store); the replica
 pools' gauges are read at scrape time by gateway.upstream.collector.
 
+The series every request writes (requests, their durations, the upstream's, tokens, the
+in-flight gauge) are kept in one process in plain floats (:class:`LoopCounter`,
+:class:`LoopHistogram`, :class:`LoopGauge`): written only on the event loop's thread, they need
+none of the lock prometheus_client takes for each ``inc`` (a request made ~60 calls into it), and
+are read by the registry at scrape time like any collector's, in the same exposition.
+
 Under ``serve --workers N`` every worker keeps its counters, histograms and gauges in
 prometheus_client's multiprocess files, and any worker answering a scrape sums them all
 (:class:`WorkersCollector`). Each gauge says how its workers' values combine (``multiprocess_mode``,
@@ -14,14 +20,17 @@ ignored in a single process); the pools' collector reads the answering worker's 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import bisect
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import Metric
-from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 REJECTION_REASONS = ("unsupported", "too_many_items", "invalid_content", "media_refused", "too_many_visual_tokens",
                      "image_too_large")  # fmt: skip
@@ -36,18 +45,158 @@ NO_KEY = "-"  # the key label of requests without auth
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
+class _CounterSeries:
+    """One series of a :class:`LoopCounter`."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self.value += amount
+
+
+class _HistogramSeries:
+    """One series of a :class:`LoopHistogram`: the count of each bucket (not cumulative) and the sum."""
+
+    __slots__ = ("_bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        self.sum += amount
+        self.counts[bisect.bisect_left(self._bounds, amount)] += 1  # the first bound >= amount (+Inf last)
+
+
+class _LoopMetric(Collector):
+    """A labelled metric kept in this process's memory, registered as a collector: its series are
+    made by :meth:`labels` (as prometheus_client's are) and read by :meth:`collect` at scrape time.
+    Only the event loop's thread writes them (a ``+=`` is not atomic across threads)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self._series: dict[tuple[str, ...], Any] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> Any:
+        key = tuple(str(v) for v in values)
+        found = self._series.get(key)
+        if found is None:
+            if len(key) != len(self.labelnames):
+                raise ValueError(f"{self.name}: {len(self.labelnames)} label values expected, {len(key)} given")
+            found = self._series[key] = self._new()
+        return found
+
+    def _new(self) -> Any:
+        raise NotImplementedError
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # the registry checks no names of its own collectors
+
+
+class LoopCounter(_LoopMetric):
+    """prometheus_client's ``Counter``, lock-free (:class:`_LoopMetric`); the same exposition:
+    ``<name>_total`` and ``<name>_created`` a series."""
+
+    def _new(self) -> _CounterSeries:
+        return _CounterSeries()
+
+    def labels(self, *values: str) -> _CounterSeries:
+        series: _CounterSeries = super().labels(*values)
+        return series
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, series in list(self._series.items()):  # a scrape in a thread sees a copy
+            family.add_metric(values, series.value, created=series.created)
+        yield family
+
+
+class LoopHistogram(_LoopMetric):
+    """prometheus_client's ``Histogram``, lock-free (:class:`_LoopMetric`): cumulative
+    ``<name>_bucket`` series (``le`` written as prometheus_client writes it), then ``_count``,
+    ``_sum`` and ``_created``."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        registry: CollectorRegistry,
+        *,
+        buckets: Sequence[float],
+    ) -> None:
+        self._bounds = (*sorted(float(b) for b in buckets if b != float("inf")), float("inf"))
+        self._le = tuple(floatToGoString(b) for b in self._bounds)  # type: ignore[no-untyped-call]
+        super().__init__(name, documentation, labelnames, registry)
+
+    def _new(self) -> _HistogramSeries:
+        return _HistogramSeries(self._bounds)
+
+    def labels(self, *values: str) -> _HistogramSeries:
+        series: _HistogramSeries = super().labels(*values)
+        return series
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, series in list(self._series.items()):
+            counts, total, cumulative = list(series.counts), series.sum, 0
+            buckets = []
+            for le, n in zip(self._le, counts, strict=True):
+                cumulative += n
+                buckets.append((le, float(cumulative)))
+            family.add_metric(values, buckets, total)
+            family.samples.append(
+                Sample(self.name + "_created", dict(zip(self.labelnames, values, strict=True)), series.created)
+            )
+        yield family
+
+
+class LoopGauge(Collector):
+    """prometheus_client's ``Gauge`` of no labels, lock-free (:class:`_LoopMetric`)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.value = name, documentation, 0.0
+        registry.register(self)
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.name, self.documentation, value=self.value)
+
+
+Metered = Counter | Gauge | Histogram | LoopCounter | LoopHistogram
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry, *, multiprocess: bool = False) -> None:
         self.registry = registry
         self._multiprocess = multiprocess  # values live in prometheus_client's multiprocess files
         self._live_sha256: str | None = None
-        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
-        self.requests = Counter(
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}
+        self.requests = self._counter(
             "gateway_requests",
             "Requests answered, by the model the client asked for, the HTTP status sent, the API key's name "
             "(- without auth), and the API (chat, responses, messages, ...).",
             ["model", "code", "key", "api"],
-            registry=registry,
         )
         self.auth_failures = Counter(
             "gateway_auth_failures",
@@ -61,12 +210,11 @@ class GatewayMetrics:
             ["key", "reason"],
             registry=registry,
         )
-        self.tokens = Counter(
+        self.tokens = self._counter(
             "gateway_tokens",
             "Tokens the engines' replies say they cost (usage), by serving model, API key (- without auth) and "
             "kind: prompt (cached included), completion, cached (of the prompt).",
             ["model", "key", "kind"],
-            registry=registry,
         )
         self.limits_store_errors = Counter(
             "gateway_limits_store_errors",
@@ -76,16 +224,18 @@ class GatewayMetrics:
             ["op"],
             registry=registry,
         )
-        self.request_duration = Histogram(
+        self.request_duration = self._histogram(
             "gateway_request_duration_seconds",
             "Time from the request's arrival to the last byte of the response.",
             ["model"],
-            buckets=DURATION_BUCKETS,
-            registry=registry,
+            DURATION_BUCKETS,
         )
-        self.in_flight = Gauge(
-            "gateway_requests_in_flight", "Requests being handled now.", registry=registry, multiprocess_mode="livesum"
-        )
+        self.in_flight: Gauge | LoopGauge = (
+            Gauge("gateway_requests_in_flight", "Requests being handled now.", registry=registry,
+                  multiprocess_mode="livesum")
+            if multiprocess
+            else LoopGauge("gateway_requests_in_flight", "Requests being handled now.", registry)
+        )  # fmt: skip
         self.rejections = Counter(
             "gateway_modality_rejections",
             "Requests refused at admission for their content, by the API they came in on.",
@@ -98,18 +248,16 @@ class GatewayMetrics:
             ["model", "modality", "target"],
             registry=registry,
         )
-        self.visual_tokens = Counter(
+        self.visual_tokens = self._counter(
             "gateway_visual_tokens",
             "Visual tokens admitted (the model's visual_tokens: formula, after any downscale), by serving model.",
             ["model"],
-            registry=registry,
         )
-        self.request_visual_tokens = Histogram(
+        self.request_visual_tokens = self._histogram(
             "gateway_request_visual_tokens",
             "Visual tokens of each admitted request that carries images, to a model with a visual_tokens: formula.",
             ["model"],
-            buckets=VISUAL_TOKEN_BUCKETS,
-            registry=registry,
+            VISUAL_TOKEN_BUCKETS,
         )
         self.images_downscaled = Counter(
             "gateway_images_downscaled",
@@ -123,19 +271,17 @@ class GatewayMetrics:
             ["model", "modality"],
             registry=registry,
         )
-        self.upstream_requests = Counter(
+        self.upstream_requests = self._counter(
             "gateway_upstream_requests",
             "Requests sent to upstream replicas, by outcome: ok, http_4xx, http_5xx, connect_error, reset, timeout, "
             "aborted.",
             ["model", "upstream", "outcome"],
-            registry=registry,
         )
-        self.upstream_duration = Histogram(
+        self.upstream_duration = self._histogram(
             "gateway_upstream_response_seconds",
             "Time from sending a request upstream to the response headers.",
             ["model", "upstream"],
-            buckets=DURATION_BUCKETS,
-            registry=registry,
+            DURATION_BUCKETS,
         )
         self.encoder_requests = Counter(
             "gateway_encoder_requests",
@@ -333,7 +479,21 @@ class GatewayMetrics:
         self.config_reloads.labels("success")
         self.config_reloads.labels("failure")
 
-    def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+    def _counter(self, name: str, documentation: str, labels: Sequence[str]) -> Counter | LoopCounter:
+        """A metric every request writes: prometheus_client's under ``--workers`` (its values in the
+        multiprocess files every worker sums), lock-free in one process (the module's docstring)."""
+        if self._multiprocess:
+            return Counter(name, documentation, labels, registry=self.registry)
+        return LoopCounter(name, documentation, labels, self.registry)
+
+    def _histogram(
+        self, name: str, documentation: str, labels: Sequence[str], buckets: Sequence[float]
+    ) -> Histogram | LoopHistogram:
+        if self._multiprocess:
+            return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+        return LoopHistogram(name, documentation, labels, self.registry, buckets=buckets)
+
+    def child(self, metric: Metered, *labels: str) -> Any:
         """``metric.labels(*labels)``, looked up once: prometheus_client's lookup checks and locks
         on every call (~1.5 us, several a request), a dict lookup costs a tenth of that. Label
         values are bounded (module docstring), and series are never removed from these metrics,

@@ -15,7 +15,7 @@ import pytest
 GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 # top to bottom; a stage imports only those after it (and itself)
 STAGES = ("server", "encode", "media", "upstream", "admission", "config")
-ROOT = ("errors", "fanout", "metrics", "modalities", "tracing")  # beneath every stage, importing none of them
+ROOT = ("errors", "fanout", "metrics", "modalities", "tracing", "values")  # beneath every stage, importing none of them
 
 
 def _layer(module: str) -> int:

@@ -23,7 +23,7 @@ import zlib
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import StreamReader, web
 
 from ..config import ServerConfig
 from ..config.types import MAX_JSON_DEPTH
@@ -57,8 +57,8 @@ _WBITS: dict[str, tuple[int, ...]] = {
 async def read_body(request: web.Request, *, timeout_s: float, max_bytes: int) -> bytes:
     """The whole body, decoded, or RequestTimeoutError (408) when it takes longer than ``timeout_s``.
 
-    A declared length over ``max_bytes`` is refused before a byte of the body is read (aiohttp
-    itself stops reading a chunked body at the limit). The server hands bodies over as sent
+    A declared length over ``max_bytes`` is refused before a byte of the body is read, a chunked
+    body as soon as it passes the limit. The server hands bodies over as sent
     (``SERVER_OPTIONS``): ``Content-Encoding`` is decoded here, within ``max_bytes`` of output.
     """
     if request.content_length is not None and request.content_length > max_bytes:
@@ -66,10 +66,10 @@ async def read_body(request: web.Request, *, timeout_s: float, max_bytes: int) -
     codings = _codings(request.headers.get("Content-Encoding", ""))
     try:
         if request.content.is_eof():  # all of it came with the headers (most chats): no timer to set
-            raw = await request.read()
+            raw = await _read_all(request.content, max_bytes)
         else:
             async with asyncio.timeout(timeout_s):
-                raw = await request.read()
+                raw = await _read_all(request.content, max_bytes)
     except TimeoutError:
         raise RequestTimeoutError(
             f"The request body did not arrive within {timeout_s:g}s (server.client_body_timeout_s)"
@@ -85,6 +85,20 @@ async def read_body(request: web.Request, *, timeout_s: float, max_bytes: int) -
         else:
             raw = _decompress(raw, coding, max_bytes)
     return raw
+
+
+async def _read_all(content: StreamReader, max_bytes: int) -> bytes:
+    """The body's chunks as they come, joined once: one copy of a large body (``request.read()``
+    grows a bytearray, then copies it into bytes), none of a body that came in one chunk; 413
+    as soon as they pass ``max_bytes`` (a chunked body declares no length)."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await content.readany():
+        size += len(chunk)
+        if size > max_bytes:
+            raise body_too_large(max_bytes)
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _codings(header: str) -> list[str]:

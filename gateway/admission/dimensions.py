@@ -20,8 +20,9 @@ from __future__ import annotations
 import binascii
 import re
 import struct
-from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes
+
+from ..values import record
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # JPEG start-of-frame markers (the frame's size): every one but DHT (C4), JPG (C8) and DAC (CC)
@@ -32,7 +33,7 @@ MAX_SEGMENTS = 256  # before the frame header: cameras write a dozen (APPn, DQT,
 MAX_SIDE = 1 << 24  # no format here says more (WebP's VP8X, 24 bits); a BMP claiming more is refused
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Dimensions:
     width: int  # as shown: after the EXIF orientation
     height: int

@@ -30,9 +30,10 @@ from typing import Any
 from ..config.types import DEFAULT_BOUNDS, ContentBounds
 from ..errors import InvalidContentPartError, InvalidRequestError, Rejection, clip
 from ..modalities import MODALITIES, Modality
+from ..values import record
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Content:
     """One place of a request that holds content: ``holder[key]``, a list of parts or a string."""
 
@@ -46,7 +47,7 @@ class Content:
         return self.holder[self.key]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Part:
     """One content part: where it is, what it was sent as, and what it carries."""
 
@@ -67,7 +68,7 @@ class Part:
         return self.modalities[0]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Classification:
     parts: tuple[Part, ...]
     counts: Mapping[Modality, int]
@@ -318,7 +319,7 @@ def audio_in_video(body: Mapping[str, Any]) -> bool:
     return isinstance(kwargs, dict) and kwargs.get("use_audio_in_video") is True
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Walk:
     """What classifying one request's parts goes by."""
 
@@ -330,40 +331,41 @@ class _Walk:
 
 def _classify_part(walk: _Walk, i: int, j: int, where: str, part: object) -> Part:
     table = walk.table
-
-    def invalid(message: str, modality: str = "unknown") -> InvalidContentPartError:
-        location = _location(i, j, where)
-        return InvalidContentPartError(
-            f"{location}: {message}", param=location, rejection=Rejection(walk.model, modality, "invalid_content")
-        )
-
     if isinstance(part, str) and table.strings:
         if len(part) > walk.max_text:
             _check_text(part, _location(i, j, where), walk.max_text)
         return Part(i, j, "string", _TEXT, where)
     if not isinstance(part, dict):
-        raise invalid("a content part must be an object" + (" or a string" if table.strings else ""))
+        raise _invalid(
+            walk, (i, j, where), "a content part must be an object" + (" or a string" if table.strings else "")
+        )
     part_type = part.get("type")
     if part_type is None and table.combined:
-        return _combined(walk, (i, j, where), part, invalid)
+        return _combined(walk, (i, j, where), part)
     if part_type is None and table.untyped:
         keys = [k for k in table.untyped if k in part]
         if len(keys) != 1:
             found = f"it carries {', '.join(keys)}" if keys else "it carries no media key"
-            raise invalid(
-                f"a content part without 'type' must carry exactly one of {', '.join(table.untyped)} ({found})"
+            raise _invalid(
+                walk,
+                (i, j, where),
+                f"a content part without 'type' must carry exactly one of {', '.join(table.untyped)} ({found})",
             )
         part_type = keys[0]
         modality, check = table.types[part_type][0], table.untyped[part_type]
     elif not isinstance(part_type, str):
-        raise invalid("'type' must be a string")
+        raise _invalid(walk, (i, j, where), "'type' must be a string")
     elif (entry := table.types.get(part_type)) is None:
-        raise invalid(f"unknown content part type '{clip(part_type)}' (expected one of: {', '.join(table.types)})")
+        raise _invalid(
+            walk,
+            (i, j, where),
+            f"unknown content part type '{clip(part_type)}' (expected one of: {', '.join(table.types)})",
+        )
     else:
         modality, check = entry
     problem = check(part)
     if problem is not None:
-        raise invalid(f"malformed '{part_type}' part: {problem}", modality.value)
+        raise _invalid(walk, (i, j, where), f"malformed '{part_type}' part: {problem}", modality.value)
     if (text_field := table.text_fields.get(part_type)) is not None and len(part[text_field]) > walk.max_text:
         _check_text(part[text_field], _location(i, j, where), walk.max_text)
     if modality is Modality.VIDEO and walk.audio_in_video:
@@ -380,18 +382,24 @@ def _location(i: int, j: int, where: str) -> str:
     return f"{where or f'messages[{i}].content'}[{j}]"
 
 
-def _combined(
-    walk: _Walk, at: tuple[int, int, str], part: dict[str, Any], invalid: Callable[..., InvalidContentPartError]
-) -> Part:
+def _invalid(walk: _Walk, at: tuple[int, int, str], message: str, modality: str = "unknown") -> InvalidContentPartError:
+    """The 400 of a malformed part at ``at`` (its content's place, its index, where that is)."""
+    location = _location(*at)
+    return InvalidContentPartError(
+        f"{location}: {message}", param=location, rejection=Rejection(walk.model, modality, "invalid_content")
+    )
+
+
+def _combined(walk: _Walk, at: tuple[int, int, str], part: dict[str, Any]) -> Part:
     """An item that carries several keys (SGLang's ``{"text", "image"}``): every modality it has."""
     table = walk.table
     keys = [k for k in table.untyped if k in part]
     if not keys:
-        raise invalid(f"an item must carry one of {', '.join(table.untyped)}")
+        raise _invalid(walk, at, f"an item must carry one of {', '.join(table.untyped)}")
     for key in keys:
         problem = table.untyped[key](part)
         if problem is not None:
-            raise invalid(f"malformed item: {problem}", table.types[key][0].value)
+            raise _invalid(walk, at, f"malformed item: {problem}", table.types[key][0].value)
     if "text" in keys and isinstance(part.get("text"), str):
         _check_text(part["text"], f"{at[2]}[{at[1]}]", walk.max_text)
     found = {table.types[k][0] for k in keys}

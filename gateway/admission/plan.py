@@ -41,6 +41,7 @@ from ..errors import (
     clip,
 )
 from ..modalities import Modality
+from ..values import record
 from .apis import CHAT, Api
 from .parts import Classification, Content, Part
 from .visual import VisualCount, measure
@@ -61,7 +62,7 @@ class Redirect:
     target: str
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class RoutePlan:
     requested: str
     model: ModelConfig  # the model that serves the request
@@ -382,11 +383,15 @@ def _measure(
     against the model's limits (gateway.admission.visual); ``gone``: the modalities not sent as
     parts (stripped, or videos as frames: counted as images once sampled)."""
     counts = classification.counts
-    videos = model.visual_tokens is not None and model.visual_tokens.video is not None and Modality.VIDEO not in gone
-    if not (counts.get(Modality.IMAGE) and Modality.IMAGE not in gone) and not (videos and counts.get(Modality.VIDEO)):
+    images = bool(counts.get(Modality.IMAGE)) and Modality.IMAGE not in gone
+    spec = model.visual_tokens
+    videos = (
+        spec is not None and spec.video is not None and Modality.VIDEO not in gone and bool(counts.get(Modality.VIDEO))
+    )
+    if not (images or videos):
         return None
-    kinds = {m for m, on in ((Modality.IMAGE, Modality.IMAGE not in gone), (Modality.VIDEO, videos)) if on}
-    parts = [p for p in classification.parts if p.modality in kinds and p.index is not None]
+    kinds = (Modality.IMAGE,) * images + (Modality.VIDEO,) * videos
+    parts = [p for p in classification.parts if p.modalities[0] in kinds and p.index is not None]
     return measure(model, parts, contents)
 
 

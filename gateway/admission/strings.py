@@ -31,7 +31,6 @@ LONG_STRING = 8 * 1024  # shorter strings cost orjson little: not worth the cut
 _NONCE = secrets.token_hex(8)
 _MARK = f"\x00gw{_NONCE}:"
 _MARK_JSON = f"\\u0000gw{_NONCE}:".encode()
-_BREAKS = (b"\\", b"\n", b"\r", b"\t")
 
 
 def loads(raw: bytes) -> Any:
@@ -93,10 +92,23 @@ def _long_strings(raw: bytes) -> list[tuple[int, int]]:
         start, end = raw.rfind(b'"', low, at), raw.find(b'"', at + width)
         if end == -1:  # no quote after it: no string either
             break
-        if start > 0 and _is_media(raw, start) and not any(raw.find(b, start, end) != -1 for b in _BREAKS):
+        if start > 0 and _is_media(raw, start) and _unbroken(raw, start, end):
             spans.append((start, end))
         at, low = end + 1, end
     return spans
+
+
+def _unbroken(raw: bytes, start: int, end: int) -> bool:
+    """Whether ``raw[start:end]`` holds no backslash (an escape to decode) and none of the bytes a
+    base64 writer breaks lines with: a ``memchr`` each, written out (a generator over them cost a
+    third of their time)."""
+    find = raw.find
+    return (
+        find(b"\\", start, end) == -1
+        and find(b"\n", start, end) == -1
+        and find(b"\r", start, end) == -1
+        and find(b"\t", start, end) == -1
+    )
 
 
 def _is_media(raw: bytes, start: int) -> bool:

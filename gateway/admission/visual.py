@@ -41,6 +41,7 @@ from ..config import ModelConfig
 from ..config.types import VideoTokens, VisualTokens
 from ..errors import ImageTooLargeError, InvalidImageError, Rejection, TooManyVisualTokensError
 from ..modalities import Modality
+from ..values import record
 from .dimensions import BadImage, Dimensions, encoded_dimensions
 from .parts import Content, Part
 
@@ -289,7 +290,7 @@ def _scaled(width: int, height: int, scale: float) -> tuple[int, int]:
 Source = Literal["header", "fetch", "assumed", "most", "frames", "pages", "container", "sampled", "probe"]
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Sized:
     """One image as admission sized it."""
 
@@ -312,7 +313,7 @@ class Sized:
         return {**known, **frames, "size_from": self.source, "visual_tokens": self.tokens, **resized}
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class VisualCount:
     """A request's images as admission sized them, and what follows from them (worked out once:
     every stage asks)."""
@@ -335,6 +336,8 @@ class VisualCount:
                 to_fetch.append(s)
             elif s.source == "probe":
                 to_probe.append(s)
+        if not (downscaled or to_fetch or to_probe):  # the common count: every image sized, none resized
+            return cls(tuple(images), tokens, (), _NOWHERE, ())
         at = frozenset((s.part.message, s.part.index or 0) for s in downscaled)
         return cls(tuple(images), tokens, tuple(downscaled), at, tuple(to_fetch), tuple(to_probe))
 
@@ -344,6 +347,7 @@ class VisualCount:
         return bool(self.to_fetch or self.to_probe)
 
 
+_NOWHERE: frozenset[tuple[int, int]] = frozenset()
 Fetched = Mapping[tuple[int, int], Dimensions]  # (place, index) of a remote image -> its header's
 
 
@@ -359,12 +363,15 @@ def measure(
     downscaling = oversize.action == "downscale"
     limit = _least(model.max_image_pixels, oversize.max_pixels) if downscaling else model.max_image_pixels
     sized: list[Sized] = []
+    total = 0  # their tokens
     for part in parts:
         assert part.index is not None
-        value = contents[part.message].value[part.index]
-        if part.modality is Modality.VIDEO:
+        place = contents[part.message]
+        value = place.holder[place.key][part.index]
+        if part.modalities[0] is Modality.VIDEO:
             if spec is not None and spec.video is not None and (video := _video(part, value, spec)) is not None:
                 sized.append(video)
+                total += video.tokens
             continue
         header = fetched.get((part.message, part.index)) if fetched is not None else None
         if header is not None:
@@ -391,8 +398,9 @@ def measure(
                 )
             item = _downscaled(item, spec, fit(spec, width, height, max_pixels=limit, max_tokens=None))
         sized.append(item)
+        total += item.tokens
     budget = _least(model.max_visual_tokens, oversize.max_tokens) if downscaling else model.max_visual_tokens
-    if budget is not None and sum(s.tokens for s in sized) > budget:
+    if budget is not None and total > budget:
         sized = _within(model, sized, budget) if downscaling else _over(model, sized, budget)
     return VisualCount.of(sized)
 
@@ -611,7 +619,7 @@ def image_source(value: Mapping[str, Any]) -> tuple[str, int, bool] | str | None
     if kind not in ("image_url", "input_image"):
         return None
     url = value.get("image_url")
-    if isinstance(url, Mapping):
+    if type(url) is dict or isinstance(url, Mapping):  # a parsed body's is a dict: no ABC check
         url = url.get("url")
     if not isinstance(url, str):
         return None  # a file_id: the engine's

@@ -30,7 +30,7 @@ from ..admission.priority import ANONYMOUS, DEFAULT_RANK, HEADER, priority_of
 from ..admission.rewrite import upstream_body
 from ..admission.upload import Form, parse_form
 from ..admission.visual import with_frames, with_videos
-from ..config import PRIORITIES, GatewayConfig, ModelConfig
+from ..config import PRIORITIES, ApiKey, GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
 from ..media import probe, remote, video
@@ -63,6 +63,7 @@ class Exchange:
     body: dict[str, Any]
     stream: bool  # the client asked for a stream ("stream": true)
     priority: int  # its class, as a rank in PRIORITIES (x-priority, capped by its key)
+    key: ApiKey | None = None  # its API key (None: auth off); read once, as the request's other stages ask
     model: ModelConfig | None = None  # the model that serves it, once known
     plan: RoutePlan | None = None  # for an API whose parts are admitted (every one but completions)
     converted: Replacements = field(default_factory=dict)
@@ -96,8 +97,7 @@ class Exchange:
         assert plan.visual is not None
         if not plan.api.spends:  # only asked what it would cost
             return
-        tokens = plan.visual.tokens
-        key = self.request.get(API_KEY_KEY)
+        tokens, key = plan.visual.tokens, self.key
         if key is not None and tokens:
             spent = await self.services.limits.visual(key, tokens)  # held to its token budgets too
             if spent:
@@ -184,13 +184,14 @@ def visible(request: web.Request) -> Visible:
     return key.allows if key is not None else None
 
 
-def _admitted_as(request: web.Request) -> tuple[Visible, int]:
-    """The model names the request's key may use, and its class: ``x-priority`` within the key's
-    cap (400 for an unknown class)."""
-    key, header = request.get(API_KEY_KEY), request.headers.get(HEADER)
+def _admitted_as(request: web.Request, live: Live) -> tuple[ApiKey | None, int]:
+    """The request's key (the front middleware's, when ``live`` has keys), and its class:
+    ``x-priority`` within the key's cap (400 for an unknown class)."""
+    key = request.get(API_KEY_KEY) if live.keyring is not None else None  # no lookup (a KeyError) without
+    header = request.headers.get(HEADER)
     if key is None:
         return None, DEFAULT_RANK if header is None else priority_of(header, ANONYMOUS)
-    return key.allows, priority_of(header, key.priority)
+    return key, priority_of(header, key.priority)
 
 
 async def begin(request: web.Request) -> Exchange:
@@ -199,11 +200,12 @@ async def begin(request: web.Request) -> Exchange:
     services = request.app[SERVICES_KEY]
     live = services.store.live
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL  # until the body names a model: a 413 or bad JSON counts too
-    allowed, priority = _admitted_as(request)
+    key, priority = _admitted_as(request, live)
     began = time.time_ns() if services.tracing is not None else 0
     raw, body = await read_json(request, live.config.server, max_bytes=services.max_body_bytes)
     streamed = body.get("stream") is True
-    return Exchange(request, services, live, live.config, allowed, raw, body, streamed, priority, began_ns=began)
+    allowed = key.allows if key is not None else None
+    return Exchange(request, services, live, live.config, allowed, raw, body, streamed, priority, key, began_ns=began)
 
 
 async def begin_upload(request: web.Request) -> tuple[Exchange, Form]:
@@ -211,13 +213,15 @@ async def begin_upload(request: web.Request) -> tuple[Exchange, Form]:
     services = request.app[SERVICES_KEY]
     live = services.store.live
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
-    allowed, priority = _admitted_as(request)
+    key, priority = _admitted_as(request, live)
+    allowed = key.allows if key is not None else None
     began = time.time_ns() if services.tracing is not None else 0
     server = live.config.server
     raw = await read_body(request, timeout_s=server.client_body_timeout_s, max_bytes=services.max_body_bytes)
     form = parse_form(raw, request.headers.get("Content-Type", ""))
     streamed = (form.value("stream") or "").lower() == "true"
-    return Exchange(request, services, live, live.config, allowed, raw, {}, streamed, priority, began_ns=began), form
+    exchange = Exchange(request, services, live, live.config, allowed, raw, {}, streamed, priority, key, began_ns=began)
+    return exchange, form
 
 
 async def convert(ex: Exchange) -> None:
@@ -385,7 +389,7 @@ def forward(
         api=ex.plan.api.name if ex.plan is not None else "completions",
         continues=continues if isinstance(continues, str) else None,
         content_type=content_type,
-        on_usage=functools.partial(_spent, ex.services, request, model.name, _floor(ex.plan)),
+        on_usage=functools.partial(_spent, ex, model.name, _floor(ex.plan)),
     )
     upstream = ex.services.upstream
     if ex.services.tracing is not None and ex.services.tracing.recording():  # the request's span: who served it
@@ -406,13 +410,13 @@ def _floor(plan: RoutePlan | None) -> int:
     return plan.visual.tokens
 
 
-def _spent(services: Services, request: web.Request, model: str, floor: int, usage: Usage | None) -> None:
+def _spent(ex: Exchange, model: str, floor: int, usage: Usage | None) -> None:
     """A successful reply's usage: counted (gateway_tokens_total), and left to be spent of its
     key's token budgets at the request's end (with what its conversions spent already); without
     one, the tokens known before it (``floor``)."""
-    tokens, key = floor, request.get(API_KEY_KEY)
+    tokens, key, services, request = floor, ex.key, ex.services, ex.request
     if usage is not None:
-        _count_tokens(services, request, model, usage)
+        _count_tokens(services, key, model, usage)
         tokens = usage.total
         if services.tracing is not None and services.tracing.recording():  # GenAI usage, on the request's span
             services.tracing.current().set_attributes(
@@ -423,9 +427,8 @@ def _spent(services: Services, request: web.Request, model: str, floor: int, usa
         request[SPENT_KEY] = request.get(SPENT_KEY, 0) + tokens
 
 
-def _count_tokens(services: Services, request: web.Request, model: str, usage: Usage) -> None:
+def _count_tokens(services: Services, key: ApiKey | None, model: str, usage: Usage) -> None:
     """``usage`` of ``model`` for the request's key, in gateway_tokens_total."""
-    key = request.get(API_KEY_KEY)
     metrics, label = services.metrics, key.name if key is not None else NO_KEY
     metrics.child(metrics.tokens, model, label, "prompt").inc(usage.prompt)
     if usage.completion:  # pooling APIs complete nothing
@@ -438,8 +441,8 @@ def _spent_converting(ex: Exchange, model: str, usage: Usage) -> None:
     """What a conversion cost a model of the table (an image's description): counted as that
     model's tokens for the request's key, and spent of the key's budgets at the request's end
     whatever becomes of the request."""
-    _count_tokens(ex.services, ex.request, model, usage)
-    if ex.request.get(API_KEY_KEY) is not None:
+    _count_tokens(ex.services, ex.key, model, usage)
+    if ex.key is not None:
         ex.request[SPENT_KEY] = ex.request.get(SPENT_KEY, 0) + usage.total
 
 

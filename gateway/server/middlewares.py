@@ -73,7 +73,7 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
     rid = request[REQUEST_ID_KEY] = _request_id(request)
     metrics = services.metrics
     started = time.perf_counter()
-    code, failure = 500, None
+    code, failure, keyed = 500, None, False
     metrics.in_flight.inc()
     tracing, traced = services.tracing, None
     if tracing is not None and request.path in API_BY_PATH:  # a model endpoint: a trace (gateway.tracing)
@@ -85,6 +85,7 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
             if keyring is None or not is_api(request.path):
                 response = await handler(request)
             else:
+                keyed = True
                 response = await _with_key(request, handler, services, keyring)
         except GatewayError as exc:
             failure = exc.code
@@ -118,7 +119,8 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
             tracing.close(traced, code, failure, model if model != UNKNOWN_MODEL else None)
         if model is not None:
             api = api_of(request.path)
-            metrics.child(metrics.requests, model, str(code), request.get(KEY_LABEL_KEY, NO_KEY), api).inc()
+            label = request.get(KEY_LABEL_KEY, NO_KEY) if keyed else NO_KEY  # no lookup (a KeyError) without a key
+            metrics.child(metrics.requests, model, str(code), label, api).inc()
             metrics.child(metrics.request_duration, model).observe(time.perf_counter() - started)
 
 

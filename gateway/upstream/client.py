@@ -23,7 +23,7 @@ import re
 import time
 import urllib.parse
 from collections.abc import Awaitable, Coroutine, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -41,6 +41,7 @@ from ..errors import (
 )
 from ..metrics import GatewayMetrics
 from ..tracing import Span, Tracing
+from ..values import record
 from .attempts import Attempts
 from .dispatch import Dispatch, Timeouts
 from .failures import CLIENT_ERRORS, ClientFailure
@@ -333,7 +334,7 @@ class UpstreamClient:
         return self._tracing.start("gateway.relay", {"gateway.stream": streamed}, parent=attempt)
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class _Sending:
     """What every try of one request sends, and how long each may wait."""
 

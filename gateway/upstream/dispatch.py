@@ -4,14 +4,14 @@ with the server): its deadlines, and the :class:`Dispatch` the client and the re
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..values import record
 from .replicas import Pool
 from .usage import Usage
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Timeouts:
     """One request's upstream deadlines (a model's ``timeouts``, and the client's write deadline)."""
 
@@ -24,7 +24,7 @@ class Timeouts:
     total: float | None = None  # the whole exchange with upstreams, retries and relay included
 
 
-@dataclass(frozen=True, slots=True)
+@record
 class Dispatch:
     """What the upstream hop needs of one request, and all it sees of it: the model and its pool
     of this generation, the bytes to send, the deadlines, the headers that go both ways, the
