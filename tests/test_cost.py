@@ -24,7 +24,9 @@ from bench.calls import Counts, measure, run
 # 561 = 0.34. With aiohttp's client: text 1.41, stream 1.48. Before this guard: text 1.86 on uvloop.
 # 2026-12-02: text 623 / 561 = 1.11 before token accounting, 1.18 after (every reply's usage read
 # from its end and counted in gateway_tokens_total: ~40 calls); its ceiling raised from 1.16.
-CEILINGS = {"text": 1.22, "stream": 1.12, "reject": 0.38}
+# 2026-12-04: text 631 / 560 = 1.13 (metrics without locks, request values as records); a chat of one
+# image to a model that counts its visual tokens (issue 23) 771 / 560 = 1.38, its ceiling set here.
+CEILINGS = {"text": 1.22, "stream": 1.12, "reject": 0.38, "image-counted": 1.50}
 
 
 def count(scenario: str, n: int = 60) -> Counts:

@@ -108,7 +108,9 @@ class RoutePlan:
     @property
     def downscale_parts(self) -> tuple[Part, ...]:
         """Images the gateway resizes before sending (``on_oversize: downscale``)."""
-        return tuple(s.part for s in self.visual.downscaled) if self.visual is not None else ()
+        if self.visual is None or not self.visual.downscaled:
+            return ()
+        return tuple(s.part for s in self.visual.downscaled)
 
     @property
     def frame_parts(self) -> tuple[Part, ...]:

@@ -29,6 +29,9 @@ pytestmark = [
     ),
 ]
 KEY_ENV = "MODALITY_GATEWAY_TEST_SHARED_KEY"
+# Generous: a call past it fails open and pauses the store for a second, which on a loaded
+# machine can let a 6-a-minute key through more than 6 times (a killed store refuses at once).
+STORE_TIMEOUT_MS = 2000
 ASK: Any = [{"role": "user", "content": "hello"}]
 
 
@@ -41,7 +44,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 def table(upstream: Upstream, redis: RedisServer, limits: str, on_failure: str = "open") -> str:
     keys = f"auth:\n  keys:\n    - {{name: team-a, key_env: {KEY_ENV}, {limits}}}\n"
-    server = f"{{limits_store: {{url: '{redis.url}', timeout_ms: 200, on_failure: {on_failure}}}}}"
+    server = f"{{limits_store: {{url: '{redis.url}', timeout_ms: {STORE_TIMEOUT_MS}, on_failure: {on_failure}}}}}"
     model = f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text], apis: [chat, messages]}}"
     return routing(model, server=server, extra=keys)
 
@@ -251,7 +254,7 @@ async def test_a_models_max_concurrency_holds_across_two_gateways(
     """Two gateways on one store divide the model's 4 slots; one that stops leaves them all to
     the other (counted out at once)."""
     upstream.standin.hold = asyncio.Event()
-    server = f"{{limits_store: {{url: '{redis_server.url}', timeout_ms: 200}}}}"
+    server = f"{{limits_store: {{url: '{redis_server.url}', timeout_ms: {STORE_TIMEOUT_MS}}}}}"
     model = f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text], max_concurrency: 4, queue: {{size: 16}}}}"
     first, second = [await gateway_factory(routing(model, server=server)) for _ in range(2)]
     stores = [gw.app[SERVICES_KEY].shared_limits for gw in (first, second)]
