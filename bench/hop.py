@@ -2,7 +2,7 @@
 and through the gateway, for each kind of request the gateway sees (``make bench``).
 
     .venv/bin/python -m bench.hop [--quick] [--rounds 3] [--duration 3] [--scenarios text reject ...]
-        [--gateway-workers N] [--plot docs/bench-hop.png] [--json out.json] [--profile]
+        [--gateway-workers N] [--plot docs/bench-hop.png] [--json out.json] [--profile] [--profile-raw F]
         [--baseline /tmp/wt-before]
 
 It starts, as separate processes on free loopback ports, the stand-in upstream (``tools.standin``),
@@ -33,6 +33,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import socket
 import struct
 import subprocess
@@ -677,10 +678,11 @@ PROFILED: dict[str, tuple[str, Callable[[], list[bytes]]]] = {
 
 
 def profile_gateway(
-    stack: Stack, scripts: Scripts, seconds: int, workers: int, kind: str = "text"
+    stack: Stack, scripts: Scripts, seconds: int, workers: int, kind: str = "text", raw: Path | None = None
 ) -> tuple[dict[str, object], str]:
     """py-spy on the gateway (its workers too) during a run of ``kind`` (text, image-100k) at c=32:
-    where its CPU goes. Returns the numbers and their tables."""
+    where its CPU goes. Returns the numbers and their tables; ``raw``: py-spy's own output kept
+    there (one line a stack, for a comparison of two profiles line by line)."""
     gw = stack.get(GATEWAY)
     out = stack.tmp / "profile.txt"
     spy = [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(gw.process.pid), "--rate", "200",
@@ -697,9 +699,8 @@ def profile_gateway(
     if not out.exists():
         return {"error": err.decode(errors="replace")[-2000:]}, "Profile failed: " + err.decode(errors="replace")
     profile = report.summarize_profile(out.read_text())
-    import shutil
-
-    shutil.copy(out, "/tmp/profile_raw.txt")
+    if raw is not None:
+        shutil.copy(out, raw)
     data = {"command": " ".join(spy), **asdict(profile)}
     text = (
         f"Profile of the gateway, {label} at c={CONNECTIONS} ({profile.samples} samples at 200 Hz, idle time "
@@ -767,7 +768,7 @@ def run_all(args: argparse.Namespace) -> Results:
                 (results.sweep if name == "sweep" else results.rows).extend(summaries)
         if args.profile:
             results.profile, results.profile_text = profile_gateway(
-                stack, scripts, max(5, duration), args.gateway_workers, args.profile
+                stack, scripts, max(5, duration), args.gateway_workers, args.profile, args.profile_raw
             )
     results.machine["load_average_at_end"] = os.getloadavg()[0]
     results.machine["seconds"] = round(time.monotonic() - started)
@@ -787,6 +788,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--profile", nargs="?", const="text", choices=sorted(PROFILED), help="py-spy the gateway (default: text)"
     )
+    parser.add_argument("--profile-raw", type=Path, help="with --profile: keep py-spy's raw stacks in this file")
     parser.add_argument(
         "--baseline", type=Path, help="another checkout (a worktree of the commit before): its gateway runs beside"
     )

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import prometheus_client.metrics
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -99,7 +100,12 @@ class _LoopMetric(Collector):
         raise NotImplementedError
 
     def describe(self) -> Iterator[Metric]:
-        return iter(())  # the registry checks no names of its own collectors
+        """Its family, empty: the names the registry knows it by (a duplicate refused, a scrape's
+        ``name[]`` filter finds it)."""
+        yield self._family()
+
+    def _family(self) -> Metric:
+        raise NotImplementedError
 
 
 class LoopCounter(_LoopMetric):
@@ -113,10 +119,13 @@ class LoopCounter(_LoopMetric):
         series: _CounterSeries = super().labels(*values)
         return series
 
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        family, created = self._family(), _created_series()
         for values, series in list(self._series.items()):  # a scrape in a thread sees a copy
-            family.add_metric(values, series.value, created=series.created)
+            family.add_metric(values, series.value, created=series.created if created else None)
         yield family
 
 
@@ -145,8 +154,11 @@ class LoopHistogram(_LoopMetric):
         series: _HistogramSeries = super().labels(*values)
         return series
 
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
     def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        family, created = self._family(), _created_series()
         for values, series in list(self._series.items()):
             counts, total, cumulative = list(series.counts), series.sum, 0
             buckets = []
@@ -154,9 +166,10 @@ class LoopHistogram(_LoopMetric):
                 cumulative += n
                 buckets.append((le, float(cumulative)))
             family.add_metric(values, buckets, total)
-            family.samples.append(
-                Sample(self.name + "_created", dict(zip(self.labelnames, values, strict=True)), series.created)
-            )
+            if created:
+                family.samples.append(
+                    Sample(self.name + "_created", dict(zip(self.labelnames, values, strict=True)), series.created)
+                )
         yield family
 
 
@@ -177,10 +190,16 @@ class LoopGauge(Collector):
         self.value = float(value)
 
     def describe(self) -> Iterator[Metric]:
-        return iter(())
+        yield GaugeMetricFamily(self.name, self.documentation)
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(self.name, self.documentation, value=self.value)
+
+
+def _created_series() -> bool:
+    """Whether ``_created`` series are written: not with ``PROMETHEUS_DISABLE_CREATED_SERIES`` set
+    (or ``disable_created_metrics()`` called), as prometheus_client's own metrics have it."""
+    return bool(getattr(prometheus_client.metrics, "_use_created", True))
 
 
 Metered = Counter | Gauge | Histogram | LoopCounter | LoopHistogram

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import prometheus_client.metrics
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
@@ -48,6 +49,32 @@ def test_loop_metrics_expose_what_prometheus_clients_do(exposition: object) -> N
     theirs, ours = _pairs()
     assert callable(exposition)
     assert _without_created(exposition(ours)) == _without_created(exposition(theirs))
+
+
+def test_a_scrapes_name_filter_finds_them_as_it_finds_prometheus_clients() -> None:
+    """``/metrics?name[]=...`` (the registry's restricted_registry) finds a collector by the
+    names its ``describe()`` gives: each of the Loop* gives its family's."""
+    theirs, ours = _pairs()
+    names = ["t_requests_total", "t_seconds_bucket", "t_in_flight"]
+    picked = _without_created(generate_latest(ours.restricted_registry(names))).splitlines()
+    expected = _without_created(generate_latest(theirs.restricted_registry(names))).splitlines()
+    assert sorted(picked) == sorted(expected)  # in the order of a set
+    assert all(any(line.startswith(name) for line in picked) for name in names)
+
+
+def test_a_name_registered_twice_is_refused() -> None:
+    registry = CollectorRegistry()
+    LoopCounter("t_twice", "Once.", ["model"], registry)
+    with pytest.raises(ValueError, match="Duplicated"):
+        LoopCounter("t_twice", "Twice.", ["model"], registry)
+
+
+def test_created_series_are_left_out_as_prometheus_clients_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PROMETHEUS_DISABLE_CREATED_SERIES`` (prometheus_client's ``disable_created_metrics()``)."""
+    monkeypatch.setattr(prometheus_client.metrics, "_use_created", False)
+    theirs, ours = _pairs()
+    text = generate_latest(ours).decode()
+    assert "_created" not in text and text == generate_latest(theirs).decode()
 
 
 def test_sample_values_read_alike() -> None:

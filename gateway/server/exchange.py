@@ -184,10 +184,11 @@ def visible(request: web.Request) -> Visible:
     return key.allows if key is not None else None
 
 
-def _admitted_as(request: web.Request, live: Live) -> tuple[ApiKey | None, int]:
-    """The request's key (the front middleware's, when ``live`` has keys), and its class:
-    ``x-priority`` within the key's cap (400 for an unknown class)."""
-    key = request.get(API_KEY_KEY) if live.keyring is not None else None  # no lookup (a KeyError) without
+def _admitted_as(request: web.Request) -> tuple[ApiKey | None, int]:
+    """The request's key (the one the front middleware found: a reload since, auth taken off,
+    does not unkey a request it let in), and its class: ``x-priority`` within the key's cap (400
+    for an unknown class)."""
+    key = request.get(API_KEY_KEY)
     header = request.headers.get(HEADER)
     if key is None:
         return None, DEFAULT_RANK if header is None else priority_of(header, ANONYMOUS)
@@ -200,7 +201,7 @@ async def begin(request: web.Request) -> Exchange:
     services = request.app[SERVICES_KEY]
     live = services.store.live
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL  # until the body names a model: a 413 or bad JSON counts too
-    key, priority = _admitted_as(request, live)
+    key, priority = _admitted_as(request)
     began = time.time_ns() if services.tracing is not None else 0
     raw, body = await read_json(request, live.config.server, max_bytes=services.max_body_bytes)
     streamed = body.get("stream") is True
@@ -213,7 +214,7 @@ async def begin_upload(request: web.Request) -> tuple[Exchange, Form]:
     services = request.app[SERVICES_KEY]
     live = services.store.live
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
-    key, priority = _admitted_as(request, live)
+    key, priority = _admitted_as(request)
     allowed = key.allows if key is not None else None
     began = time.time_ns() if services.tracing is not None else 0
     server = live.config.server

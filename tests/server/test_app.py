@@ -384,6 +384,22 @@ async def test_health_ready_and_metrics_endpoints(gw: Gateway, two, monkeypatch)
     assert declared in text
 
 
+async def test_a_scrape_asks_for_some_series_by_name(gw: Gateway, two) -> None:
+    """``/metrics?name[]=...``: the series every request writes (kept in plain floats) are found
+    by name too, and only those asked for are sent."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{gw.url}/v1/chat/completions", json={"model": "texty", "messages": [{"role": "user", "content": "hi"}]}
+        ) as resp:
+            assert resp.status == 200
+        names = [("name[]", "gateway_requests_total"), ("name[]", "gateway_requests_in_flight")]
+        async with session.get(f"{gw.url}/metrics", params=names) as resp:
+            text = await resp.text()
+    assert 'gateway_requests_total{api="chat",code="200",key="-",model="texty"} 1.0' in text
+    assert "\ngateway_requests_in_flight 1.0\n" in text  # the scrape itself
+    assert "gateway_modality_rejections_total" not in text and "gateway_request_duration" not in text
+
+
 async def test_a_compressed_request_body_reaches_the_upstream_decoded(gw: Gateway, two) -> None:
     import gzip
 
