@@ -205,12 +205,16 @@ def data_url_dimensions(url: str) -> Dimensions:
     return encoded_dimensions(url, comma + 1, base64=url[5:comma].rstrip().lower().endswith(";base64"))
 
 
-def encoded_dimensions(text: str, start: int = 0, *, base64: bool = True) -> Dimensions:
+def encoded_dimensions(text: str, start: int = 0, *, base64: bool = True, whole: bool = True) -> Dimensions:
     """The dimensions of the image whose bytes ``text`` holds from ``start`` on, base64 (or
-    percent-encoded), decoding only what its header needs."""
+    percent-encoded), decoding only what its header needs. ``whole=False``: ``text`` is the
+    first part of the data only (gateway.admission.strings' Deferred), and a read that reaches
+    its end raises :class:`NeedMore`, whatever it found: the whole might read otherwise."""
     want = FIRST_READ
     while True:
         head = _head(text, start, want, base64)
+        if not whole and len(head) < want:
+            raise NeedMore(want)
         try:
             return read_dimensions(head)
         except NeedMore as more:

@@ -44,6 +44,7 @@ from ..modalities import Modality
 from ..values import record
 from .apis import CHAT, Api
 from .parts import Classification, Content, Part
+from .strings import Deferred
 from .visual import VisualCount, measure
 
 # What X-Gateway-Route names, in this order, comma-separated; "direct" when none (docs/openapi.yaml)
@@ -301,10 +302,12 @@ def admit(
     *,
     requested: ModelConfig | None = None,
     api: Api = CHAT,
+    deferred: Deferred | None = None,
 ) -> RoutePlan:
     """The routing decision for a body of ``api`` (chat by default); ``visible``: which model
     names the caller may use; ``requested``: the model :func:`lookup` found for it already (else
-    looked up here)."""
+    looked up here); ``deferred``: the rest of the body's images' data URLs, where it holds their
+    first characters only (gateway.admission.strings): put back if a header goes on past them."""
     if requested is None:
         requested = lookup(config, body, visible, api.name)
     bounds = config.server.content_bounds
@@ -316,7 +319,7 @@ def admit(
     normalized = classification.normalized
     if all(m in model.accepts for m in present):  # the common case: nothing to redirect, reject or strip
         _enforce_limits(model, classification, frozenset())
-        visual = _measure(model, classification, contents) if model.counts_images else None
+        visual = _measure(model, classification, contents, deferred=deferred) if model.counts_images else None
         return RoutePlan(requested.name, model, classification, api=api, normalized=normalized, visual=visual)
     while True:
         redirect = _choose_redirect(config, model, present, _Caller(visible, api.name))
@@ -354,7 +357,7 @@ def admit(
     _enforce_limits(model, classification, handled)
     per_video = _frames_per_video(model, classification, stripped) if framed else 0
     gone = stripped | framed | described  # not sent as images
-    visual = _measure(model, classification, contents, gone) if model.counts_images else None
+    visual = _measure(model, classification, contents, gone, deferred) if model.counts_images else None
     plan = RoutePlan(
         requested.name,
         model,
@@ -380,6 +383,7 @@ def _measure(
     classification: Classification,
     contents: list[Content],
     gone: frozenset[Modality] = frozenset(),
+    deferred: Deferred | None = None,
 ) -> VisualCount | None:
     """The request's images (and videos, with ``visual_tokens: {video: ...}``) sized and counted
     against the model's limits (gateway.admission.visual); ``gone``: the modalities not sent as
@@ -394,7 +398,7 @@ def _measure(
         return None
     kinds = (Modality.IMAGE,) * images + (Modality.VIDEO,) * videos
     parts = [p for p in classification.parts if p.modalities[0] in kinds and p.index is not None]
-    return measure(model, parts, contents)
+    return measure(model, parts, contents, deferred=deferred)
 
 
 def _hold_conversions(model: ModelConfig, classification: Classification, modality: Modality) -> None:

@@ -42,8 +42,9 @@ from ..config.types import VideoTokens, VisualTokens
 from ..errors import ImageTooLargeError, InvalidImageError, Rejection, TooManyVisualTokensError
 from ..modalities import Modality
 from ..values import record
-from .dimensions import BadImage, Dimensions, encoded_dimensions
+from .dimensions import BadImage, Dimensions, NeedMore, encoded_dimensions
 from .parts import Content, Part
+from .strings import Deferred
 
 MAX_ASPECT_RATIO = 200  # Qwen's processors refuse a longer side over 200 times the shorter
 
@@ -352,13 +353,20 @@ Fetched = Mapping[tuple[int, int], Dimensions]  # (place, index) of a remote ima
 
 
 def measure(
-    model: ModelConfig, parts: Sequence[Part], contents: Sequence[Content], fetched: Fetched | None = None
+    model: ModelConfig,
+    parts: Sequence[Part],
+    contents: Sequence[Content],
+    fetched: Fetched | None = None,
+    *,
+    deferred: Deferred | None = None,
 ) -> VisualCount:
     """Every image of ``parts`` sized (from its header, its model's assumption, or at its most),
     counted, and held to the model's limits: 400 ``image_too_large``, ``too_many_visual_tokens``,
     ``invalid_image``; or, with ``on_oversize: downscale``, what each is resized to. A remote
     image of a model with ``remote: fetch`` is left to fetch, and held to nothing, until
-    ``fetched`` has its header: the plan is then measured again (gateway.media.remote)."""
+    ``fetched`` has its header: the plan is then measured again (gateway.media.remote). An
+    image whose data URL ``deferred`` holds the rest of is read from its first characters; one
+    whose header goes on past them has every deferred string put back, and is read again."""
     spec, oversize = model.visual_tokens, model.on_oversize
     downscaling = oversize.action == "downscale"
     limit = _least(model.max_image_pixels, oversize.max_pixels) if downscaling else model.max_image_pixels
@@ -379,7 +387,7 @@ def measure(
                 check_servable(spec, header, model=model.name, part=part)
             found: tuple[int, int, Source, str] | None = (header.width, header.height, "header", header.format)
         else:
-            found = _size(value, spec, model=model.name, part=part)
+            found = _size(value, spec, model=model.name, part=part, deferred=deferred)
         if found is None:  # an embedding, or a file the gateway cannot read: the engine's to count
             continue
         width, height, source, fmt = found
@@ -581,9 +589,11 @@ def _most(spec: VisualTokens | None) -> int:
 
 
 def _size(
-    value: Mapping[str, Any], spec: VisualTokens | None, *, model: str, part: Part
+    value: Mapping[str, Any], spec: VisualTokens | None, *, model: str, part: Part, deferred: Deferred | None = None
 ) -> tuple[int, int, Source, str] | None:
-    """(width, height, how it is known, format) of an image part; None: not the gateway's to count."""
+    """(width, height, how it is known, format) of an image part; None: not the gateway's to count.
+    A data URL of which ``deferred`` holds the rest is read from what it holds when its header
+    lies there, else again once the strings are whole (in their places: ``value`` holds it then)."""
     encoded = image_source(value)
     if encoded is None:
         return None
@@ -594,9 +604,14 @@ def _size(
             return spec.remote[0], spec.remote[1], "assumed", ""
         return 0, 0, "most", ""
     text, start, base64 = encoded
+    partial = deferred is not None and deferred.holds(text)
     try:
-        image = encoded_dimensions(text, start, base64=base64)
-    except BadImage as exc:
+        image = encoded_dimensions(text, start, base64=base64, whole=not partial)
+    except (BadImage, NeedMore) as exc:
+        if partial:
+            assert deferred is not None
+            deferred.restore()
+            return _size(value, spec, model=model, part=part)
         raise InvalidImageError(
             f"Image at {part.location} cannot be read: {exc}", param=part.location,
             rejection=Rejection(model, Modality.IMAGE.value, "invalid_content"),

@@ -27,9 +27,9 @@ def door(api: Api, key: Key) -> Callable[[web.Request], Awaitable[web.StreamResp
 
     async def handler(request: web.Request) -> web.StreamResponse:
         ex = await exchange.begin(request)
-        requested = lookup(ex.config, ex.body, ex.visible, api.name)
+        requested = lookup(ex.config, ex.parsed, ex.visible, api.name)
         ex.serve_with(requested)
-        plan = admit(ex.config, ex.body, ex.visible, requested=requested, api=api)
+        plan = admit(ex.config, ex.parsed, ex.visible, requested=requested, api=api, deferred=ex.deferred)
         ex.admitted(plan)  # served by plan.model; the model label stays the one requested
         await exchange.convert(ex)
         data = await exchange.encode(ex)

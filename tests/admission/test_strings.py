@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission.strings import LONG_STRING, loads
+from gateway.admission.strings import LONG_STRING, PREFIX, Deferred, cut, loads, parse
+from gateway.errors import InvalidRequestError
 
 B64 = base64.b64encode(random.Random(0).randbytes(3 * LONG_STRING)).decode()  # longer than LONG_STRING
 
@@ -133,3 +134,101 @@ def test_any_bytes_parse_or_fail_as_orjson_does(parts: list[str]) -> None:
 def test_any_json_document_round_trips(document: Any) -> None:
     raw = orjson.dumps(document)
     assert loads(raw) == orjson.loads(raw)
+
+
+def deferred(raw: bytes) -> tuple[Any, Deferred]:
+    skeleton, spans = cut(raw)
+    parsed = parse(skeleton, raw, spans, defer=True)
+    assert parsed is not None
+    return parsed
+
+
+def test_an_images_data_url_is_held_back_past_its_header_and_put_back_whole() -> None:
+    """Where an image's data lies (a chat image_url, a Responses input_image, an Anthropic base64
+    image) its first PREFIX characters are read; every other long string is read whole."""
+    image = "data:image/png;base64," + B64
+    audio = {"type": "input_audio", "input_audio": {"data": B64, "format": "wav"}}
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}}
+    document = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": B64}}
+    body = chat(image, text="data:" + B64)  # a text that looks like a data URL stays a text
+    body["messages"][0]["content"].append({"type": "text", "text": "data:" + B64})
+    body["messages"].append({"role": "user", "content": [audio, block, document]})
+    body["input"] = [{"role": "user", "content": [{"type": "input_image", "image_url": image}]}]
+    body["untyped"] = {"image_url": {"url": image}}  # not a part's: read whole
+    raw = orjson.dumps(body)
+    found, rest = deferred(raw)
+    held = [
+        found["messages"][0]["content"][1]["image_url"]["url"],
+        found["messages"][1]["content"][1]["source"]["data"],
+        found["input"][0]["content"][0]["image_url"],
+    ]
+    assert [len(s) for s in held] == [PREFIX] * 3 and all(rest.holds(s) for s in held)
+    assert held[0] == image[:PREFIX] and held[1] == B64[:PREFIX]
+    assert found["untyped"]["image_url"]["url"] == image and found["messages"][0]["content"][2]["text"] == "data:" + B64
+    assert found["messages"][1]["content"][0]["input_audio"]["data"] == B64
+    assert found["messages"][1]["content"][2]["source"]["data"] == B64
+    rest.restore()
+    assert found == body and not rest and not any(rest.holds(s) for s in held)
+    rest.restore()  # once: nothing more to do
+    assert found == body
+
+
+@pytest.mark.parametrize(
+    "tail",
+    ["\\/" + B64[:100], "\\n" + B64[:100], "é" + B64[:100], "\\u00e9\\ud83d\\ude00"],
+    ids=["escaped-slash", "escaped-newline", "not-ascii", "unicode-escapes"],
+)
+def test_a_held_back_string_is_put_back_as_orjson_reads_it(tail: str) -> None:
+    """What lies past the first PREFIX characters is read as it is put back: escapes decoded, not
+    ASCII read as UTF-8, as orjson reads them."""
+    image = "data:image/png;base64," + B64
+    raw = orjson.dumps(chat(image)).replace(B64[-10:].encode(), B64[-10:].encode() + tail.encode())
+    found, rest = deferred(raw)
+    assert rest and len(found["messages"][0]["content"][1]["image_url"]["url"]) == PREFIX
+    rest.restore()
+    assert found == orjson.loads(raw)
+
+
+@pytest.mark.parametrize("tail", [b"\n", b"\t", b"\xff\xfe"], ids=["line-break", "tab", "not-utf8"])
+def test_a_held_back_string_orjson_refuses_is_a_400_when_it_is_put_back(tail: bytes) -> None:
+    """Past its first PREFIX characters a string is not looked at until it is put back: then
+    what orjson refuses is refused (a request sent on as it came is the engine's to refuse). The
+    other control bytes are taken, as they are in a string read whole (see the module)."""
+    raw = orjson.dumps(chat("data:image/png;base64," + B64)).replace(B64[-10:].encode(), tail + B64[-10:].encode())
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(raw)
+    _, rest = deferred(raw)
+    with pytest.raises(InvalidRequestError, match="not valid JSON") as caught:
+        rest.restore()
+    assert caught.value.status == 400
+
+
+def test_an_escape_in_the_first_characters_or_before_the_closing_quote_reads_it_whole() -> None:
+    for url in ("data:image/png;base64,\\/" + B64, "data:image/png;base64," + B64 + "\\\\"):
+        raw = orjson.dumps(chat(url)).replace(b"\\\\", b"\\")  # a JSON escape in the client's bytes
+        found, rest = deferred(raw)
+        assert not rest and found == orjson.loads(raw)
+
+
+images = st.sampled_from(
+    [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + B64}},
+        {"type": "input_image", "image_url": "data:image/png;base64," + B64},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}},
+    ]
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.recursive(
+        st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=8), st.just("data:x," + B64), images),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(["data", "url", "x"]), inner),
+        max_leaves=10,
+    )
+)
+def test_any_document_held_back_and_put_back_is_orjsons(document: Any) -> None:
+    raw = orjson.dumps({"model": "m", "d": document})
+    found, rest = deferred(raw)
+    rest.restore()
+    assert found == orjson.loads(raw)

@@ -9,13 +9,16 @@ import dataclasses
 import importlib.util
 import inspect
 import io
+import random
 import sys
 import types
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway.admission.plan import admit
+from gateway.admission.strings import cut, parse
 from gateway.admission.visual import count, fit, resized
 from gateway.config import parse_config
 from gateway.config.types import VISUAL_PRESETS
@@ -485,3 +488,34 @@ def test_a_video_at_its_most_costs_no_less_than_any_video(preset: str) -> None:
         _most_video(spec, (1920, 1080))
         >= video_tokens(dataclasses.replace(spec, frames=768, fps=None), VideoInfo(13, 25.0, 1920, 1080))[0]
     )
+
+
+def _noise(width: int, height: int, fmt: str, **save: Any) -> str:
+    """A data URL of an image of noise (its bytes do not compress: longer than strings.PREFIX)."""
+    image = Image.frombytes("RGB", (width, height), random.Random(width).randbytes(width * height * 3))
+    out = io.BytesIO()
+    image.save(out, fmt, **save)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def test_an_image_held_back_past_its_header_is_counted_from_its_first_characters() -> None:
+    """A body read with its images' data URLs held back (gateway.admission.strings.Deferred):
+    a PNG's header lies in the first characters, which are counted as the whole would be; a
+    JPEG whose EXIF puts its header further in has the strings put back, and is counted whole."""
+    png_url = _noise(640, 480, "PNG")
+    exif = Image.Exif()
+    exif[0x0112], exif[0x927C] = 6, b"\x00" * 40_000  # turned; a maker note before the frame header
+    jpeg_url = _noise(300, 100, "JPEG", exif=exif.tobytes())
+    expected = admit(CONFIG, chat("q", png_url, jpeg_url)).visual
+    raw = orjson.dumps(chat("q", png_url))
+    skeleton, spans = cut(raw)
+    body, deferred = parse(skeleton, raw, spans, defer=True) or pytest.fail("not parsed")
+    plan = admit(CONFIG, body, deferred=deferred)
+    assert plan.visual is not None and plan.visual.tokens == 391 and deferred  # read from the first characters
+    raw = orjson.dumps(chat("q", png_url, jpeg_url))
+    skeleton, spans = cut(raw)
+    body, deferred = parse(skeleton, raw, spans, defer=True) or pytest.fail("not parsed")
+    plan = admit(CONFIG, body, deferred=deferred)
+    assert plan.visual is not None and plan.visual == expected
+    assert [(s.width, s.height) for s in plan.visual.images] == [(640, 480), (100, 300)]
+    assert not deferred and body == orjson.loads(raw)  # put back whole, in their places
