@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 import tracemalloc
 
@@ -154,3 +155,17 @@ def test_a_large_whole_float_is_read_again_but_stays_a_float() -> None:
     body = exact(raw, parse_body(raw, SERVER))
     assert body["x"] == 1e19
     assert isinstance(body["x"], float)
+
+
+@pytest.mark.parametrize("size", [0, 200, 2048, 2049, 40_000, (1 << 20) + 4096])
+def test_structure_bytes_are_counted_alike_at_every_size(size: int) -> None:
+    """Counted whole (a small body), found one by one (few), or kept by translate (many): the
+    same count of ',' '[' '{' and of '[' '{' among them."""
+    from gateway.admission.body import _structure
+
+    rng = random.Random(size)
+    for few in (True, False):
+        alphabet = b"a" * 200 + b",[{" if few else b"a,[{}]"
+        raw = bytes(rng.choices(alphabet, k=size))
+        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+        assert _structure(raw, 10**9) == (values, values - raw.count(b","))
