@@ -208,13 +208,14 @@ def data_url_dimensions(url: str) -> Dimensions:
 def encoded_dimensions(text: str, start: int = 0, *, base64: bool = True, whole: bool = True) -> Dimensions:
     """The dimensions of the image whose bytes ``text`` holds from ``start`` on, base64 (or
     percent-encoded), decoding only what its header needs. ``whole=False``: ``text`` is the
-    first part of the data only (gateway.admission.strings' Deferred), and a read that reaches
-    its end raises :class:`NeedMore`, whatever it found: the whole might read otherwise."""
+    first part of the data only (gateway.admission.strings' Deferred), and a read that would
+    reach its end raises :class:`NeedMore` before it is made: the whole might read otherwise
+    (a percent escape cut in two decodes as two other bytes)."""
     want = FIRST_READ
     while True:
-        head = _head(text, start, want, base64)
-        if not whole and len(head) < want:
+        if not whole and start + _reach(want, base64) > len(text):  # a read would run into its end
             raise NeedMore(want)
+        head = _head(text, start, want, base64)
         try:
             return read_dimensions(head)
         except NeedMore as more:
@@ -223,6 +224,11 @@ def encoded_dimensions(text: str, start: int = 0, *, base64: bool = True, whole:
             if want >= MAX_HEADER_BYTES:
                 raise BadImage(f"the image's header goes on past its first {MAX_HEADER_BYTES} bytes") from None
             want = min(MAX_HEADER_BYTES, max(more.at_least, 4 * want))
+
+
+def _reach(size: int, is_base64: bool) -> int:
+    """The most characters :func:`_head` reads for ``size`` bytes (base64 in lines: twice)."""
+    return 2 * ((size + 2) // 3 * 4) if is_base64 else 3 * size
 
 
 def _head(url: str, start: int, size: int, is_base64: bool) -> bytes:

@@ -99,21 +99,30 @@ class Deferred:
         return id(text) in self._prefixes and bool(self._places)
 
     def restore(self) -> None:
-        places, self._places = self._places, []
-        self._prefixes.clear()
-        raw = self._raw
+        """Each string whole, in its place; a string orjson refuses raises its 400 and leaves it
+        and those after it held back (asked again, the same 400: never a prefix taken for whole)."""
+        raw, places = self._raw, self._places
         view = memoryview(raw)
-        for holder, key, start, end in places:
-            if _unbroken(raw, start + PREFIX, end):  # its first PREFIX bytes were looked at as it was cut
-                try:
-                    holder[key] = str(view[start:end], "ascii")
-                    continue
-                except UnicodeDecodeError:
-                    pass
-            try:  # an escape, a line break, or not ASCII: the string as orjson reads it, or its refusal
-                holder[key] = orjson.loads(raw[start - 1 : end + 1])
-            except orjson.JSONDecodeError as exc:
-                raise InvalidRequestError(f"Request body is not valid JSON: {exc}") from None
+        while places:
+            holder, key, start, end = places[-1]
+            holder[key] = _whole(raw, view, start, end)
+            places.pop()
+        self._prefixes.clear()
+
+
+def _whole(raw: bytes, view: memoryview, start: int, end: int) -> Any:
+    """The string of ``raw[start:end]`` (its first PREFIX bytes looked at as it was cut): ASCII
+    without an escape or a line break, decoded; else as orjson reads the literal, or its 400 (the
+    place said in the body's bytes: the string's opening quote, or the escape it refuses)."""
+    if _unbroken(raw, start + PREFIX, end):
+        try:
+            return str(view[start:end], "ascii")
+        except UnicodeDecodeError:
+            pass
+    try:
+        return orjson.loads(raw[start - 1 : end + 1])
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequestError(f"Request body is not valid JSON: {exc.msg} at char {start - 1 + exc.pos}") from None
 
 
 def parse(
@@ -150,7 +159,8 @@ def _long_strings(raw: bytes) -> list[tuple[int, int]]:
             break
         # its first PREFIX bytes unbroken, and its closing quote not escaped; the rest is looked at
         # as it is put back (or, for an image's data URL held back, if it ever is)
-        if start > 0 and raw[end - 1] != 0x5C and _is_media(raw, start) and _unbroken(raw, start, start + 1 + PREFIX):
+        head = min(end, start + 1 + PREFIX)
+        if start > 0 and raw[end - 1] != 0x5C and _is_media(raw, start) and _unbroken(raw, start, head):
             spans.append((start, end))
         at, low = end + 1, end
     return spans

@@ -82,13 +82,26 @@ class Exchange:
     def body(self) -> dict[str, Any]:
         """The body whole, every deferred string in its place (400 for bytes orjson refuses)."""
         if self.deferred is not None:
-            deferred, self.deferred = self.deferred, None
-            deferred.restore()
+            self.deferred.restore()
+            self.deferred = None
         return self.parsed
 
     @body.setter
     def body(self, body: dict[str, Any]) -> None:
         self.parsed, self.deferred = body, None
+
+    def _sent_as_it_came(self, plan: RoutePlan) -> bool:
+        """Whether the plan sends the client's bytes upstream and no stage reads its images whole
+        (converted, encoded, fetched, rewritten, hashed for affinity or a trace)."""
+        tracing = self.services.tracing
+        return (
+            plan.route == "direct"
+            and not plan.needs_rewrite(self.parsed)
+            and not (plan.encode_parts or plan.encodes_frames or plan.encodes_pages or plan.page_images)
+            and not (plan.visual is not None and plan.visual.waits)
+            and plan.model.balance != "affinity"
+            and not (tracing is not None and tracing.recording())
+        )
 
     def serve_with(self, model: ModelConfig) -> None:
         """The model the request names: its label in gateway_requests_total from now on."""
@@ -97,7 +110,12 @@ class Exchange:
 
     def admitted(self, plan: RoutePlan) -> None:
         """The plan: the model that serves the request, and what happens to its parts (counted).
-        Its visual tokens are spent of its key's budgets by :func:`convert`, once known."""
+        Its visual tokens are spent of its key's budgets by :func:`convert`, once known; a body
+        some stage will read whole is made whole first, so that bytes orjson refuses in its
+        images' data URLs are refused (400) before anything of the request is spent."""
+        if self.deferred is not None and not self._sent_as_it_came(plan):
+            self.deferred.restore()
+            self.deferred = None
         self.plan, self.model = plan, plan.model
         metrics = self.services.metrics
         if plan.model.encode and (decision := plan.encode_decision) is not None:

@@ -232,3 +232,23 @@ def test_any_document_held_back_and_put_back_is_orjsons(document: Any) -> None:
     found, rest = deferred(raw)
     rest.restore()
     assert found == orjson.loads(raw)
+
+
+def test_a_string_refused_as_it_is_put_back_stays_held_back() -> None:
+    """Asked again, the same 400: a prefix is never taken for the whole string."""
+    raw = orjson.dumps(chat("data:image/png;base64," + B64, "data:image/png;base64," + B64[::-1]))
+    raw = raw.replace(B64[-10:].encode(), b"\xff" + B64[-10:].encode())
+    found, rest = deferred(raw)
+    held = found["messages"][0]["content"][1]["image_url"]["url"]
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError):
+            rest.restore()
+        assert rest and rest.holds(held) and found["messages"][0]["content"][1]["image_url"]["url"] is held
+
+
+def test_a_data_url_just_past_the_long_mark_is_read_aside_in_an_indented_body() -> None:
+    """A string of fewer than PREFIX bytes is looked at whole, not past its closing quote: the
+    line breaks of an indented body after it do not keep it in the skeleton."""
+    url = "data:image/png;base64," + B64[: LONG_STRING + 100]
+    raw = json.dumps(chat(url), indent=2).encode()
+    assert cut(raw)[1] and same(raw)

@@ -519,3 +519,28 @@ def test_an_image_held_back_past_its_header_is_counted_from_its_first_characters
     assert plan.visual is not None and plan.visual == expected
     assert [(s.width, s.height) for s in plan.visual.images] == [(640, 480), (100, 300)]
     assert not deferred and body == orjson.loads(raw)  # put back whole, in their places
+
+
+def test_a_percent_encoded_header_cut_by_the_held_back_end_is_read_whole() -> None:
+    """A data URL that is not base64, whose first characters end inside a percent escape of its
+    header: read from them it would decode two other bytes; it is read whole instead."""
+    import struct
+
+    sof = 183  # the frame header's place: its width at bytes 190-191, 0x4000 = 16384
+    jpeg = b"\xff\xd8\xff\xfe" + struct.pack(">H", sof - 4) + b"x" * (sof - 6)
+    jpeg += b"\xff\xc0" + struct.pack(">HBHH", 17, 8, 100, 0x4000) + b"\x03" + bytes(20000)
+    head = "data:image/jpeg;p="
+    url = head + "a" * (strings_prefix() - (190 * 3 + 2) - len(head) - 1) + "," + "".join(f"%{b:02X}" for b in jpeg)
+    raw = orjson.dumps(chat("pixels-only", url))
+    skeleton, spans = cut(raw)
+    body, deferred = parse(skeleton, raw, spans, defer=True) or pytest.fail("not parsed")
+    assert deferred  # held back
+    with pytest.raises(GatewayError) as caught:  # 16384x100 is over the model's 1,000,000 pixels
+        admit(CONFIG, body, deferred=deferred)
+    assert caught.value.to_dict()["error"]["code"] == "image_too_large" and "16384x100" in str(caught.value)
+
+
+def strings_prefix() -> int:
+    from gateway.admission.strings import PREFIX
+
+    return PREFIX

@@ -116,7 +116,11 @@ async def test_an_image_held_back_that_orjson_refuses_is_a_400_once_it_is_read(
             assert resp.status == 400
             error = (await resp.json())["error"]
     assert error["code"] == "invalid_request" and "not valid JSON" in error["message"]
+    at = int(error["message"].rsplit("at char ", 1)[1])
+    assert body[at : at + 1] == b'"' and body.index(b"\xff") > at  # the string's place in the body's bytes
     assert not upstream.received
+    # refused before anything of it was spent: its visual tokens not counted as admitted
+    assert not gw.sample("gateway_visual_tokens_total", model="renamed")
 
 
 def chat_body(model: str, url: str) -> dict[str, Any]:
