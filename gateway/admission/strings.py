@@ -127,7 +127,7 @@ def _whole(raw: bytes, view: memoryview, start: int, end: int) -> Any:
 
 def parse(
     skeleton: bytes, raw: bytes, spans: list[tuple[int, int]], *, defer: bool = False
-) -> tuple[Any, Deferred] | None:
+) -> tuple[Any, Deferred | None] | None:
     """The body whose :func:`cut` gave these: the skeleton parsed, each string put back where its
     placeholder is (with ``defer``, an image's data URL as its first :data:`PREFIX` characters,
     the rest in the :class:`Deferred`); None when that is not the body (the skeleton is not JSON,
@@ -137,8 +137,8 @@ def parse(
         body = orjson.loads(skeleton)
     except orjson.JSONDecodeError:
         return None
-    deferred = Deferred(raw)
-    return (body, deferred) if _put_back(body, raw, spans, deferred if defer else None) else None
+    deferred = Deferred(raw) if defer else None
+    return (body, deferred) if _put_back(body, raw, spans, deferred) else None
 
 
 def _long_strings(raw: bytes) -> list[tuple[int, int]]:

@@ -82,13 +82,17 @@ class Exchange:
     def body(self) -> dict[str, Any]:
         """The body whole, every deferred string in its place (400 for bytes orjson refuses)."""
         if self.deferred is not None:
-            self.deferred.restore()
-            self.deferred = None
+            self._restore()
         return self.parsed
 
     @body.setter
     def body(self, body: dict[str, Any]) -> None:
         self.parsed, self.deferred = body, None
+
+    def _restore(self) -> None:
+        assert self.deferred is not None
+        self.deferred.restore()  # a 400 leaves it held back: asked again, the same 400
+        self.deferred = None
 
     def _sent_as_it_came(self, plan: RoutePlan) -> bool:
         """Whether the plan sends the client's bytes upstream and no stage reads its images whole
@@ -114,8 +118,7 @@ class Exchange:
         some stage will read whole is made whole first, so that bytes orjson refuses in its
         images' data URLs are refused (400) before anything of the request is spent."""
         if self.deferred is not None and not self._sent_as_it_came(plan):
-            self.deferred.restore()
-            self.deferred = None
+            self._restore()
         self.plan, self.model = plan, plan.model
         metrics = self.services.metrics
         if plan.model.encode and (decision := plan.encode_decision) is not None:

@@ -123,6 +123,21 @@ async def test_an_image_held_back_that_orjson_refuses_is_a_400_once_it_is_read(
     assert not gw.sample("gateway_visual_tokens_total", model="renamed")
 
 
+async def test_on_the_messages_door_the_400_is_in_anthropics_shape(gateway_factory, upstream: Upstream) -> None:
+    """The same refusal on /v1/messages (bytes no SDK would write: an escape JSON has not)."""
+    gw = await gateway_factory(table(upstream))
+    data = noise()
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+    body = orjson.dumps({"model": "renamed", "max_tokens": 8, "messages": [{"role": "user", "content": [block]}]})
+    body = body.replace(data[-40:].encode(), b"\\x" + data[-40:].encode())
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{gw.url}/v1/messages", data=body, headers=JSON) as resp:
+            assert resp.status == 400
+            error = await resp.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert "not valid JSON" in error["error"]["message"] and not upstream.received
+
+
 def chat_body(model: str, url: str) -> dict[str, Any]:
     return {
         "model": model,
