@@ -76,7 +76,10 @@ def to_reply(sha: str, encoded: Encoded) -> Reply:
     if encoded.grid_thw is None:
         value = serialize_tensor(embeds)
     else:
-        grid = torch.tensor([encoded.grid_thw], dtype=torch.int64)  # (1, 3), as vLLM's dict form expects
+        # (3,): one image's (t, h, w). vLLM's dict form is one item a part, and its Qwen2-VL field
+        # factory (model_executor/models/qwen2_vl.py) stacks the parts' grids itself; a (1, 3) grid
+        # is refused there ("size_per_item should be a 1-D tensor")
+        grid = torch.tensor(encoded.grid_thw, dtype=torch.int64)
         value = {"image_embeds": serialize_tensor(embeds), "image_grid_thw": serialize_tensor(grid)}
     return Reply(sha, embeds.shape[0], embeds.shape[1], encoded.grid_thw, value)
 

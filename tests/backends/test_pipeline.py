@@ -206,7 +206,7 @@ async def test_a_qwen2_5_vl_backend_replies_with_vllms_dict_form(tmp_path: Path)
     embeds = torch.load(io.BytesIO(base64.b64decode(value["image_embeds"])), weights_only=True)
     grid = torch.load(io.BytesIO(base64.b64decode(value["image_grid_thw"])), weights_only=True)
     t, h, w = reply["image_grid_thw"]
-    assert grid.tolist() == [[t, h, w]] and grid.dtype == torch.int64
+    assert grid.tolist() == [t, h, w] and grid.dtype == torch.int64
     assert embeds.dim() == 2 and embeds.shape[0] == t * h * w // 4 == reply["tokens"]
 
 

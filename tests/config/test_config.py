@@ -966,6 +966,8 @@ def test_shipped_routing_yaml_loads() -> None:
     assert epd.policy(Modality.VIDEO) == Policy("frames", frames=8)
     assert epd.policy(Modality.AUDIO).action == "transcribe" and epd.policy(Modality.AUDIO).target == "whisper"
     assert config.encoders["vision"].kind == "local" and config.encoders["vision"].model == "builtin:vit-small"
+    whisper = config.model("whisper")  # a speech model serves the audio APIs, not chat (issue 38)
+    assert whisper is not None and whisper.apis == ("transcriptions", "translations")
 
 
 def test_defaults_are_applied() -> None:
