@@ -2,9 +2,11 @@
 
 :class:`EncoderInstance` is what an encoder-only vLLM instance (``ec_role: ec_producer``) answers
 to a text-free chat request of media parts with ``uuid``s: no generation, and the top-level
-``ec_transfer_params`` field, one entry per item keyed by its cache key (the uuid), holding the
-``metadata`` the model's processor produced (``image_grid_thw``, derived here from the uuid so
-that it is deterministic) and, for a request of several items, their ``item_indices``. It stores
+``ec_transfer_params`` field, one entry per item keyed by its cache key (the uuid), as vLLM's
+``collect_ec_item_metadata`` (vllm/distributed/ec_transfer/ec_connector/utils.py) builds it: the
+item's ``modality``, its ``item_indices`` (its positions in the request) and the ``metadata`` the
+model's processor produced, each tensor flattened to a list (one image's ``image_grid_thw`` is
+``[t, h, w]``, derived here from the uuid so that it is deterministic). It stores
 each item in an encoder cache shared with the consumers (vLLM's ``ECExampleConnector`` shares a
 storage path), records every prime, and can fail, be slow, reset connections or report no
 metadata (an older vLLM; ``--mm-processor-cache-type shm``).
@@ -30,10 +32,11 @@ from tools.standin import StandIn
 MEDIA_TYPES = ("image_url", "input_image", "audio_url", "input_audio", "video_url")
 
 
-def grid(uuid: str) -> list[list[int]]:
-    """The image_grid_thw the stand-in reports for an image: derived from its uuid."""
+def grid(uuid: str) -> list[int]:
+    """The image_grid_thw the stand-in reports for an image, ``[t, h, w]`` as vLLM reports one
+    image's (``torch.atleast_1d(grid).tolist()``): derived from its uuid."""
     n = int(uuid[:8], 16) if len(uuid) >= 8 else 0
-    return [[1, 2 * (n % 7 + 1), 2 * (n % 5 + 1)]]
+    return [1, 2 * (n % 7 + 1), 2 * (n % 5 + 1)]
 
 
 @dataclass
@@ -101,10 +104,9 @@ class EncoderInstance:
             self.primes.append(Prime(uuid, url, body["model"], carried))
             self.cache.add(uuid)
             metadata = {"image_grid_thw": grid(uuid), **self.extra_metadata} if self.metadata else {}
-            entry: dict[str, Any] = {"metadata": metadata}
-            if len(items) > 1:
-                entry["item_indices"] = [i]
-            params[uuid] = entry
+            entry = params.setdefault(uuid, {"modality": "image", "item_indices": []})
+            entry["metadata"] = metadata
+            entry["item_indices"].append(i)
         reply = {
             "id": f"chatcmpl-{self.name}-{self.requests}",
             "object": "chat.completion",

@@ -240,15 +240,20 @@ def chat_contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
 def messages_of(body: Mapping[str, Any], bounds: ContentBounds) -> list[dict[str, Any]]:
     """The body's ``messages``, checked: a non-empty array, within server.max_messages, of objects
     each with a string ``role`` (the chat and Anthropic Messages APIs keep them alike)."""
-    messages = body.get("messages")
+    return check_conversation(body.get("messages"), bounds, "messages")
+
+
+def check_conversation(messages: Any, bounds: ContentBounds, name: str) -> list[dict[str, Any]]:
+    """``messages`` (found at ``name``) checked as a conversation: a non-empty array, within
+    server.max_messages, of objects each with a string ``role``."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequestError("'messages' must be a non-empty array of message objects", param="messages")
-    check_messages(messages, bounds)
+        raise InvalidRequestError(f"'{name}' must be a non-empty array of message objects", param=name)
+    check_messages(messages, bounds, name)
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise InvalidRequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
+            raise InvalidRequestError(f"{name}[{i}] must be an object", param=f"{name}[{i}]")
         if not isinstance(message.get("role"), str):
-            raise InvalidRequestError(f"messages[{i}].role must be a string", param=f"messages[{i}].role")
+            raise InvalidRequestError(f"{name}[{i}].role must be a string", param=f"{name}[{i}].role")
     return messages
 
 

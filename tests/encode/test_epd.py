@@ -91,7 +91,7 @@ async def test_images_are_primed_on_the_encoders_and_reach_the_consumer_as_metad
     parts = parts_received(cluster)
     assert parts[0] == {"type": "text", "text": "what is this?"}
     assert parts[1:] == [
-        {"type": "image_embeds", "image_embeds": {"image_grid_thw": grid(sha(i))[0]}, "uuid": sha(i)} for i in images
+        {"type": "image_embeds", "image_embeds": {"image_grid_thw": grid(sha(i))}, "uuid": sha(i)} for i in images
     ]  # metadata-only references, one level of nesting flattened, in the client's order
     assert cluster.log.misses == [] and len(cluster.log.hits) == 6  # every one primed before the consumer
     body = cluster.standin.received[-1].json()
@@ -172,7 +172,7 @@ async def test_numeric_metadata_goes_through(gateway_factory, cluster):
     async with gw.client() as client:
         await client.chat.completions.create(model="kimi", messages=ask(image(1)))
     (_, part) = parts_received(cluster)
-    assert part["image_embeds"] == {"image_grid_thw": grid(sha(image(1)))[0], "num_tokens": 256}
+    assert part["image_embeds"] == {"image_grid_thw": grid(sha(image(1))), "num_tokens": 256}
 
 
 async def test_an_instance_that_is_not_listening_is_passed_over(gateway_factory, cluster):

@@ -98,3 +98,74 @@ async def test_the_routes_outside_v1_need_a_key_too(gateway_factory, both, monke
         async with session.post(gw.url + path, json=body, headers={"Authorization": "Bearer sk-right"}) as resp:
             assert resp.status == 200
     assert len(text.received) == 1 and "Authorization" not in text.received[0].headers
+
+
+# Every shape vLLM 0.33's pooling request models accept that carries content (issue 38): each one
+# classified, its image refused for a text model at the part, admitted for a vision one.
+SCORE_PAIRS = [("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2")]
+
+
+@pytest.mark.parametrize(("first", "second"), SCORE_PAIRS)
+async def test_every_pair_of_score_names_is_classified(gateway_factory, both, first: str, second: str) -> None:
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    body = {"model": "bge", first: "a cat", second: [{"content": [{"type": "text", "text": "x"}, IMAGE]}]}
+    status, answer = await post(f"{gw.url}/v1/score", body)
+    assert status == 400 and answer["error"]["code"] == "unsupported_modality"
+    assert answer["error"]["param"] == f"{second}[0].content[1]"
+    body = {"model": "bge", first: {"content": [IMAGE]}, second: "a document"}
+    status, answer = await post(f"{gw.url}/v1/score", body)
+    assert status == 400 and answer["error"]["param"] == f"{first}.content[0]"
+    status, answer = await post(f"{gw.url}/v1/score", {**body, "model": "vlm2vec"})
+    assert status == 200 and vision.received[-1].json()[first] == body[first]
+    assert text.received == []
+
+
+CONVERSATION = [{"role": "user", "content": [{"type": "text", "text": "a cat"}, IMAGE]}]
+TEXT_TURN = [{"role": "user", "content": "a dog"}]
+EMBEDDING_SHAPES = {
+    "one conversation in input": ({"input": CONVERSATION}, "input[0].content[1]"),
+    "conversations in input": ({"input": [TEXT_TURN, CONVERSATION]}, "input[1][0].content[1]"),
+    "conversations in messages": ({"messages": [TEXT_TURN, CONVERSATION]}, "messages[1][0].content[1]"),
+    "one conversation in messages": ({"messages": CONVERSATION}, "messages[0].content[1]"),
+}
+
+
+@pytest.mark.parametrize("shape", list(EMBEDDING_SHAPES))
+async def test_every_conversation_shape_of_embeddings_is_classified(gateway_factory, both, shape: str) -> None:
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    fields, param = EMBEDDING_SHAPES[shape]
+    status, answer = await post(f"{gw.url}/v1/embeddings", {"model": "bge", **fields})
+    assert status == 400 and answer["error"]["code"] == "unsupported_modality", answer
+    assert answer["error"]["param"] == param
+    status, answer = await post(f"{gw.url}/v1/embeddings", {"model": "vlm2vec", **fields})
+    assert status == 200, answer
+    assert {k: vision.received[-1].json()[k] for k in fields} == fields  # sent as it came
+    assert text.received == []
+
+
+@pytest.mark.parametrize(
+    ("value", "param"),
+    [
+        ([TEXT_TURN[0], {"text": "t"}], "input"),  # a message beside an SGLang item
+        (["text", {"role": "user", "content": "x"}], "input"),  # a string beside a message
+        ([TEXT_TURN, [{"content": "no role"}]], "input[1][0].role"),
+        ([TEXT_TURN, []], "input[1]"),
+    ],
+)
+async def test_an_input_of_mixed_kinds_is_refused_naming_it(gateway_factory, both, value: Any, param: str) -> None:
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    status, answer = await post(f"{gw.url}/v1/embeddings", {"model": "vlm2vec", "input": value})
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert vision.received == []
+
+
+async def test_text_and_token_inputs_still_carry_no_parts(gateway_factory, both) -> None:
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    for value in ["a", ["a", "b"], [1, 2, 3], [[1, 2], [3]], [[]]]:
+        status, answer = await post(f"{gw.url}/v1/embeddings", {"model": "bge", "input": value})
+        assert status == 200, (value, answer)
+    assert len(text.received) == 5
