@@ -35,6 +35,27 @@ cluster-demo: $(STAMP) test-deps ## 2 gateways x 2 encoders on loopback: spread,
 test: $(STAMP) test-deps ## run every test
 	$(PY) -m pytest
 
+# The conformance run: the gateway's bodies checked by the engines' own code (tests/conformance/).
+# vLLM and SGLang, pinned in tests/conformance/engines.txt, are installed without their
+# dependencies (no CUDA), beside the pure-Python packages their protocol modules import
+# (tests/conformance/requirements.txt), in a virtualenv kept outside the repo under a key of the
+# pins: a second run installs nothing. How to bump a pin: tests/conformance/README.md.
+CONF_KEY := $(shell cat tests/conformance/engines.txt tests/conformance/requirements.txt pyproject.toml 2>/dev/null | sha256sum | cut -c1-12)
+CONF_VENV ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/modality-gateway/conformance-$(CONF_KEY)
+CONF_STAMP := $(CONF_VENV)/.installed
+
+$(CONF_STAMP): tests/conformance/engines.txt tests/conformance/requirements.txt pyproject.toml
+	rm -rf $(CONF_VENV)
+	$(PYTHON) -m venv $(CONF_VENV)
+	$(CONF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CONF_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(CONF_VENV)/bin/python -m pip install -q --no-deps -r tests/conformance/engines.txt
+	$(CONF_VENV)/bin/python -m pip install -q -r tests/conformance/requirements.txt
+	touch $@
+
+conformance: $(CONF_STAMP) test-deps ## the bodies the gateway sends, checked by vLLM's and SGLang's own code (pinned, in a cached venv)
+	$(CONF_VENV)/bin/python -m pytest -q tests/conformance
+
 MIN_VENV := .venv-min
 MIN_STAMP := $(MIN_VENV)/.installed
 
@@ -71,4 +92,4 @@ fmt: $(STAMP) ## format and fix what ruff can
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-.PHONY: help install serve demo cluster-demo test test-minimal test-deps bench bench-deps check fmt
+.PHONY: help install serve demo cluster-demo test test-minimal conformance test-deps bench bench-deps check fmt

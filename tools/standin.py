@@ -23,6 +23,11 @@ answers every request with that status, ``reset`` drops each connection once the
 ``delay_ms`` makes every answer that much slower, ``healthy = False`` turns ``GET /health`` to 503.
 ``record = False`` (``--no-record``) keeps no copy of the requests, for benchmarks that send millions.
 
+``check``, where set, is the engine's own check of a JSON body (the conformance suite sets vLLM's
+or SGLang's request models and parsers, tests/conformance/engines/): each body is held to it
+after it is recorded, and one it refuses is answered 400 with the engine's message, as the engine
+answers it, so that a stand-in never accepts what the engine it stands for refuses.
+
 Run one: ``python -m tools.standin --port 8000 --name vllm``.
 """
 
@@ -32,6 +37,7 @@ import argparse
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +71,8 @@ class StandIn:
     record: bool = True  # False: keep nothing in ``received`` (a benchmark's millions of requests)
     stored: set[str] = field(default_factory=set)  # ids of the responses it stores, as vLLM's store keeps them
     hold: asyncio.Event | None = None  # each request, once recorded, waits for it (a test's saturated engine)
+    # the engine's own check of a JSON body, (path, body) -> its refusal's message or None (see above)
+    check: Callable[[str, Any], str | None] | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
@@ -115,6 +123,13 @@ class StandIn:
             return {}, web.json_response(
                 {"error": {"message": "bad json", "type": "BadRequestError", "param": None, "code": 400}}, status=400
             )
+        refused = self.check(request.path, payload) if self.check is not None else None
+        if refused is not None:
+            if request.path.startswith("/v1/messages"):
+                error = {"type": "error", "error": {"type": "invalid_request_error", "message": refused}}
+                return {}, web.json_response(error, status=400)
+            error = {"error": {"message": refused, "type": "BadRequestError", "param": None, "code": 400}}
+            return {}, web.json_response(error, status=400)
         return payload, None
 
     async def _transcribe(self, request: web.Request) -> web.StreamResponse:

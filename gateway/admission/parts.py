@@ -11,11 +11,15 @@ The chat table accepts every part shape that OpenAI, vLLM and SGLang clients sen
 
 * text-like: ``text``, ``input_text``, ``output_text``, ``refusal``, ``thinking``,
   ``tool_reference``, ``prompt_embeds`` (embeddings of text), and plain strings in a content array;
-* image: ``image_url``, ``input_image`` (Responses-API style), ``image_embeds``;
-* video: ``video_url`` (also audio when ``mm_processor_kwargs.use_audio_in_video`` is true);
+* image: ``image_url``, ``input_image`` (Responses-API style), ``image_embeds``, ``image_pil``;
+* video: ``video_url`` (also audio when ``mm_processor_kwargs.use_audio_in_video`` is true),
+  ``video_embeds`` (also audio when it carries ``audio_embeds``);
 * audio: ``input_audio``, ``audio_url``, ``audio_embeds``;
 * file: ``file`` (a document: ``file_data`` or ``file_id``);
-* parts without ``type`` that carry exactly one media key (``{"image_url": ...}``), as vLLM allows.
+* parts without ``type`` that carry exactly one media key (``{"image_url": ...}``), as vLLM allows;
+  and, as vLLM reads them (``_parse_chat_message_content_mm_part``), **every part with a**
+  ``uuid`` **is read by its media key, whatever its ``type`` says**: ``{"type": "text", "text": "",
+  "image_url": ..., "uuid": "x"}`` is an image to vLLM, and so to the gateway.
 
 Media may be ``null`` when the part carries a ``uuid`` (vLLM's reference to cached media).
 Anything else is an :class:`~gateway.errors.InvalidContentPartError` naming the part.
@@ -35,16 +39,23 @@ from ..values import record
 
 @record
 class Content:
-    """One place of a request that holds content: ``holder[key]``, a list of parts or a string."""
+    """One place of a request that holds content: ``holder[key]``, a list of parts or a string.
+    The holder is an object (its key a field's name), or an array (its key an index: SGLang's
+    rerank documents, each a list of parts)."""
 
-    holder: dict[str, Any]
-    key: str
+    holder: Any  # dict[str, Any] with a str key, or list[Any] with an int key
+    key: str | int
     where: str = ""  # its location as errors say it; "" for a chat message (messages[i].content)
     table: PartTable | None = None  # its own part types, where they are not its API's (SGLang's items)
 
     @property
     def value(self) -> Any:
         return self.holder[self.key]
+
+    @property
+    def found(self) -> Any:
+        """The value, or None where an object's field is absent."""
+        return self.holder.get(self.key) if isinstance(self.holder, dict) else self.holder[self.key]
 
 
 @record
@@ -141,6 +152,13 @@ def _embeds_field(key: str) -> Callable[[Mapping[str, Any]], str | None]:
     return check
 
 
+def _present(key: str) -> Callable[[Mapping[str, Any]], str | None]:
+    def check(part: Mapping[str, Any]) -> str | None:
+        return None if part.get(key) is not None or _cached(part.get(key), part) else f"'{key}' must be given"
+
+    return check
+
+
 def _input_image(part: Mapping[str, Any]) -> str | None:
     if isinstance(part.get("file_id"), str) and "image_url" not in part:
         return None
@@ -181,6 +199,7 @@ class PartTable:
     untyped: Mapping[str, _Check] = field(default_factory=dict)
     strings: bool = True  # a plain string may stand among the parts (text)
     combined: bool = False  # an untyped part may carry several keys, and is every modality it carries
+    by_uuid: bool = False  # a part with a uuid is read by its media key, as an untyped one (vLLM's chat parser)
 
 
 # part type -> (modality, validator)
@@ -195,7 +214,9 @@ PART_TYPES: Mapping[str, tuple[Modality, _Check]] = {
     "image_url": (Modality.IMAGE, _url_field("image_url", bare=False)),
     "input_image": (Modality.IMAGE, _input_image),
     "image_embeds": (Modality.IMAGE, _embeds_field("image_embeds")),
+    "image_pil": (Modality.IMAGE, _present("image_pil")),  # vLLM's offline API; counted where sent
     "video_url": (Modality.VIDEO, _url_field("video_url", bare=False)),
+    "video_embeds": (Modality.VIDEO, _embeds_field("video_embeds")),
     "input_audio": (Modality.AUDIO, _input_audio),
     "audio_url": (Modality.AUDIO, _url_field("audio_url", bare=False)),
     "audio_embeds": (Modality.AUDIO, _embeds_field("audio_embeds")),
@@ -211,12 +232,23 @@ TEXT_FIELDS: Mapping[str, str] = {
     "thinking": "thinking",
 }
 
-# Keys that identify a part sent without "type" (vLLM accepts these, its URLs also as bare strings).
-UNTYPED_MEDIA_KEYS = ("image_url", "image_embeds", "video_url", "input_audio", "audio_url", "audio_embeds")
+# Keys that identify a part sent without "type", or with a "uuid" (vLLM reads such a part by these,
+# its URLs also as bare strings).
+UNTYPED_MEDIA_KEYS = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+)
 CHAT_PARTS = PartTable(
     PART_TYPES,
     TEXT_FIELDS,
     {**{key: check for key, (_, check) in PART_TYPES.items() if key in UNTYPED_MEDIA_KEYS}, **_BARE_URL},
+    by_uuid=True,
 )
 
 
@@ -265,7 +297,7 @@ def classify_contents(
     walk = _Walk(table, model, bounds.text_chars, audio_in_video)
     parts: list[Part] = []
     for i, content in enumerate(contents):
-        value = content.holder.get(content.key)
+        value = content.found
         where = content.where
         if value is None:
             continue
@@ -301,7 +333,7 @@ def check_messages(messages: list[Any], bounds: ContentBounds, name: str = "mess
 def _check_parts(contents: Sequence[Content], bounds: ContentBounds) -> None:
     total = 0
     for i, content in enumerate(contents):
-        value = content.holder.get(content.key)
+        value = content.found
         total += len(value) if isinstance(value, list) else 1
         if total > bounds.parts:
             raise InvalidRequestError(
@@ -347,14 +379,18 @@ def _classify_part(walk: _Walk, i: int, j: int, where: str, part: object) -> Par
     part_type = part.get("type")
     if part_type is None and table.combined:
         return _combined(walk, (i, j, where), part)
-    if part_type is None and table.untyped:
+    by_key = part_type is None or (table.by_uuid and part.get("uuid") is not None)
+    if by_key and table.untyped:
         keys = [k for k in table.untyped if k in part]
+        if part_type == "video_embeds" and set(keys) == {"audio_embeds", "video_embeds"}:
+            keys = ["video_embeds"]  # its audio, read with it (below)
         if len(keys) != 1:
             found = f"it carries {', '.join(keys)}" if keys else "it carries no media key"
+            which = "without 'type'" if part_type is None else "with a 'uuid' (read by its media key, as vLLM reads it)"
             raise _invalid(
                 walk,
                 (i, j, where),
-                f"a content part without 'type' must carry exactly one of {', '.join(table.untyped)} ({found})",
+                f"a content part {which} must carry exactly one of {', '.join(table.untyped)} ({found})",
             )
         part_type = keys[0]
         modality, check = table.types[part_type][0], table.untyped[part_type]
@@ -373,7 +409,7 @@ def _classify_part(walk: _Walk, i: int, j: int, where: str, part: object) -> Par
         raise _invalid(walk, (i, j, where), f"malformed '{part_type}' part: {problem}", modality.value)
     if (text_field := table.text_fields.get(part_type)) is not None and len(part[text_field]) > walk.max_text:
         _check_text(part[text_field], _location(i, j, where), walk.max_text)
-    if modality is Modality.VIDEO and walk.audio_in_video:
+    if modality is Modality.VIDEO and (walk.audio_in_video or (part_type == "video_embeds" and "audio_embeds" in part)):
         return Part(i, j, part_type, (Modality.VIDEO, Modality.AUDIO), where)
     return Part(i, j, part_type, _ALONE[modality], where)
 

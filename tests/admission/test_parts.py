@@ -49,7 +49,9 @@ WELL_FORMED: list[tuple[str, dict[str, Any], Modality]] = [
     ("input_image", {"type": "input_image", "file_id": "file-123"}, IMAGE),
     ("image_embeds", {"type": "image_embeds", "image_embeds": B64}, IMAGE),
     ("image_embeds", {"type": "image_embeds", "image_embeds": {"image_embeds": B64, "image_grid_thw": B64}}, IMAGE),
+    ("image_pil", {"type": "image_pil", "image_pil": "<a PIL image, offline>"}, IMAGE),
     ("video_url", {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, VIDEO),
+    ("video_embeds", {"type": "video_embeds", "video_embeds": B64}, VIDEO),
     ("input_audio", {"type": "input_audio", "input_audio": {"data": B64, "format": "wav"}}, AUDIO),
     ("input_audio", {"type": "input_audio", "input_audio": {"data": B64}}, AUDIO),
     ("audio_url", {"type": "audio_url", "audio_url": {"url": "https://example.com/a.wav"}}, AUDIO),
@@ -74,6 +76,29 @@ def test_table_covers_every_part_type() -> None:
 
 
 @pytest.mark.parametrize(
+    ("part", "part_type", "modalities"),
+    [
+        # vLLM's chat parser reads a part with a uuid by its media key, not its type (issue 38)
+        ({"type": "text", "text": "", "image_url": {"url": URL}, "uuid": "u"}, "image_url", (IMAGE,)),
+        ({"type": "image_url", "image_url": None, "video_url": {"url": URL}, "uuid": "u"}, None, None),
+        ({"type": "input_audio", "input_audio": {"data": B64}, "uuid": "u"}, "input_audio", (AUDIO,)),
+        ({"type": "image_url", "image_url": None, "uuid": "u"}, "image_url", (IMAGE,)),  # a cached image
+        ({"type": "text", "text": "hi", "uuid": "u"}, None, None),  # vLLM: "Missing 'type' field"
+        ({"type": "video_embeds", "video_embeds": B64, "audio_embeds": B64, "uuid": "u"}, "video_embeds", (VIDEO, AUDIO)),
+        ({"type": "video_embeds", "video_embeds": B64, "audio_embeds": B64}, "video_embeds", (VIDEO, AUDIO)),
+    ],
+)
+def test_a_part_with_a_uuid_is_read_by_its_media_key_as_vllm_reads_it(
+    part: dict[str, Any], part_type: str | None, modalities: tuple[Modality, ...] | None
+) -> None:
+    if part_type is None:
+        with pytest.raises(InvalidContentPartError, match="with a 'uuid'"):
+            one(part)
+    else:
+        assert one(part) == Part(0, 0, part_type, modalities)
+
+
+@pytest.mark.parametrize(
     ("part", "part_type", "modality"),
     [
         ({"image_url": {"url": URL}}, "image_url", IMAGE),
@@ -83,6 +108,8 @@ def test_table_covers_every_part_type() -> None:
         ({"input_audio": {"data": B64, "format": "mp3"}}, "input_audio", AUDIO),
         ({"audio_url": {"url": URL}}, "audio_url", AUDIO),
         ({"audio_embeds": B64}, "audio_embeds", AUDIO),
+        ({"video_embeds": B64}, "video_embeds", VIDEO),
+        ({"image_pil": "<offline>"}, "image_pil", IMAGE),
         ({"type": None, "image_url": URL}, "image_url", IMAGE),
     ],
 )
@@ -93,7 +120,9 @@ def test_part_without_type_is_named_by_its_media_key(part: dict[str, Any], part_
 def test_untyped_table_covers_every_media_key() -> None:
     assert set(UNTYPED_MEDIA_KEYS) == {
         "image_url",
+        "image_pil",
         "image_embeds",
+        "video_embeds",
         "video_url",
         "input_audio",
         "audio_url",
@@ -345,7 +374,7 @@ def test_content_of_a_wrong_type(content: Any) -> None:
 # --- errors: one content part ----------------------------------------------------------------
 
 ALL_TYPES = ", ".join(PART_TYPES)
-KEYS = "image_url, image_embeds, video_url, input_audio, audio_url, audio_embeds"
+KEYS = "image_url, image_embeds, image_pil, video_url, video_embeds, input_audio, audio_url, audio_embeds"
 
 
 @pytest.mark.parametrize(
@@ -423,7 +452,8 @@ AUDIO_SHAPE = "'input_audio' must be an object with a base64 string 'data' and a
         ({"type": "image_url", "image_url": 5}, "image_url", "image", _url("image_url")),
         ({"type": "image_url", "image_url": {}}, "image_url", "image", _url("image_url")),
         ({"type": "image_url", "image_url": {"url": ""}}, "image_url", "image", _url("image_url")),
-        ({"type": "image_url", "image_url": {"url": None}, "uuid": "u"}, "image_url", "image", _url("image_url")),
+        # with a uuid, read by its key as vLLM reads it (a bare string allowed there too)
+        ({"type": "image_url", "image_url": {"url": None}, "uuid": "u"}, "image_url", "image", _bare_url("image_url")),
         ({"type": "image_url", "image_url": [URL]}, "image_url", "image", _url("image_url")),
         # a typed part with a bare string: OpenAI and SGLang refuse it (the untyped form is vLLM's)
         ({"type": "image_url", "image_url": URL}, "image_url", "image", _url("image_url")),

@@ -169,3 +169,60 @@ async def test_text_and_token_inputs_still_carry_no_parts(gateway_factory, both)
         status, answer = await post(f"{gw.url}/v1/embeddings", {"model": "bge", "input": value})
         assert status == 200, (value, answer)
     assert len(text.received) == 5
+
+
+# SGLang 0.5.23's shapes (V1RerankReqInput, ScoringRequest, EmbeddingRequest): parts in lists
+SGLANG_SIDES = {
+    "a query of parts": ({"query": [{"type": "text", "text": "q"}, IMAGE], "documents": ["a"]}, "query[1]"),
+    "documents of parts": (
+        {"query": "q", "documents": ["a", [{"type": "text", "text": "d"}, IMAGE]]},
+        "documents[1][1]",
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", list(SGLANG_SIDES))
+async def test_sglangs_rerank_parts_are_classified(gateway_factory, both, shape: str) -> None:
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    fields, param = SGLANG_SIDES[shape]
+    status, answer = await post(f"{gw.url}/v1/rerank", {"model": "bge", **fields})
+    assert status == 400 and answer["error"]["code"] == "unsupported_modality" and answer["error"]["param"] == param
+    status, answer = await post(f"{gw.url}/v1/rerank", {"model": "vlm2vec", **fields})
+    assert status == 200 and text.received == []
+
+
+async def test_a_stripped_document_of_parts_leaves_the_body_without_its_image(
+    gateway_factory, upstream_factory
+) -> None:
+    engine = await upstream_factory("sglang")
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: r, upstreams: [{engine.url}], accepts: [text], apis: [rerank], on_unsupported: {{image: strip}}}}"
+        )
+    )
+    body = {"model": "r", "query": "q", "documents": ["a", [{"type": "text", "text": "d"}, IMAGE]]}
+    status, _ = await post(f"{gw.url}/v1/rerank", body)
+    assert status == 200
+    assert engine.received[-1].json()["documents"] == ["a", [{"type": "text", "text": "d"}]]
+
+
+async def test_score_token_ids_carry_no_parts_and_an_object_without_content_is_refused(gateway_factory, both) -> None:
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    status, _ = await post(f"{gw.url}/v1/score", {"model": "bge", "query": [1, 2], "items": [[3, 4], [5]]})
+    assert status == 200
+    status, answer = await post(f"{gw.url}/v1/score", {"model": "vlm2vec", "queries": IMAGE, "documents": "d"})
+    assert status == 400 and answer["error"]["param"] == "queries"
+    status, answer = await post(
+        f"{gw.url}/v1/score", {"model": "vlm2vec", "queries": "q", "documents": [{"content": []}, IMAGE]}
+    )
+    assert status == 400 and answer["error"]["param"] == "documents[1]"
+
+
+async def test_embeddings_with_both_messages_and_items_read_both(gateway_factory, both) -> None:
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    body = {"model": "bge", "messages": TEXT_TURN, "input": [{"text": "t", "image": PNG}]}  # SGLang reads input
+    status, answer = await post(f"{gw.url}/v1/embeddings", body)
+    assert status == 400 and answer["error"]["param"] == "input[0]" and text.received == []

@@ -14,7 +14,8 @@ shape that is none of them is a 400 naming it, never forwarded unread:
   ``{"content": [parts]}`` (images of documents), under any of vLLM's names for them:
   ``queries``/``documents``, ``queries``/``items``, ``data_1``/``data_2`` and ``text_1``/``text_2``;
   **rerank** (``/v1/rerank``, ``/rerank``, ``/v2/rerank``): ``query`` and ``documents`` alike.
-  Parts are the chat API's.
+  SGLang's sides are lists of parts instead: a query as one list, documents each one (beside
+  strings), and its score ``items`` may be token ids. Parts are the chat API's.
 """
 
 from __future__ import annotations
@@ -51,24 +52,25 @@ ITEMS = PartTable(
 
 
 def embedding_contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
-    """An embeddings request's view: its conversations' contents, or SGLang's items (text: none)."""
+    """An embeddings request's view: its conversations' contents, and SGLang's items (text: none).
+    Both ``messages`` and ``input`` are read where both are sent: vLLM reads the one, SGLang the
+    other."""
     messages = body.get("messages")
-    if messages is not None:  # vLLM: one conversation, or a batch of them
-        return _conversations(messages, "messages", bounds)
+    view = [] if messages is None else _conversations(messages, "messages", bounds)  # vLLM
     items = body.get("input")
     if not isinstance(items, list) or not items:
-        return []  # a string (or what the engine refuses as it would anyway: no parts to read)
+        return view  # a string (or what the engine refuses as it would anyway: no parts to read)
     if all(isinstance(item, str | int) for item in items):
-        return []  # strings, or token ids
+        return view  # strings, or token ids
     if all(isinstance(item, list) for item in items):
         if all(all(type(token) is int for token in item) for item in items):
-            return []  # lists of token ids
-        return _conversations(items, "input", bounds)  # vLLM: a batch of conversations in input
+            return view  # lists of token ids
+        return view + _conversations(items, "input", bounds)  # vLLM: a batch of conversations in input
     if all(isinstance(item, dict) and "role" in item for item in items):
-        return _conversations(items, "input", bounds)  # vLLM: one conversation in input
+        return view + _conversations(items, "input", bounds)  # vLLM: one conversation in input
     if all(isinstance(item, dict) and "role" not in item for item in items):
         check_messages(items, bounds, "input")
-        return [Content(body, "input", "input", ITEMS)]  # SGLang's items
+        return [*view, Content(body, "input", "input", ITEMS)]  # SGLang's items
     raise InvalidRequestError(
         "'input' must be a string, strings, token ids, chat messages (each with a 'role'), lists of chat "
         "messages, or multimodal items ({'text', 'image', 'video'}), one kind throughout",
@@ -94,34 +96,54 @@ def _conversations(value: Any, key: str, bounds: ContentBounds) -> list[Content]
     return view
 
 
-def _places(keys: tuple[str, ...]) -> Any:
+def _sides(keys: tuple[str, ...]) -> Any:
+    """The view of a score or rerank request: each of ``keys`` that is sent (:func:`_side`)."""
+
     def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
-        view = []
-        for key in keys:
-            value = body.get(key)
-            if value is None or isinstance(value, str):
-                continue
-            if isinstance(value, dict):
-                view.append(Content(value, "content", f"{key}.content"))
-            elif isinstance(value, list):
-                check_messages(value, bounds, key)
-                for i, item in enumerate(value):
-                    if isinstance(item, dict):
-                        view.append(Content(item, "content", f"{key}[{i}].content"))
-                    elif not isinstance(item, str):
-                        raise InvalidRequestError(
-                            f"{key}[{i}] must be a string or an object with 'content'", param=f"{key}[{i}]"
-                        )
-            else:
-                raise InvalidRequestError(f"'{key}' must be a string, an array, or an object with 'content'", param=key)
-        return view
+        return [content for key in keys for content in _side(body, key, bounds)]
 
     return contents
+
+
+def _side(body: dict[str, Any], key: str, bounds: ContentBounds) -> list[Content]:
+    """One side of a score or rerank request: a string or token ids (text); vLLM's
+    ``{"content": [parts]}`` or a list of them and of strings; SGLang's list of parts (one input),
+    or a list of such lists and of strings (documents)."""
+    value = body.get(key)
+    if value is None or isinstance(value, str):
+        return []
+    if isinstance(value, dict):
+        if "content" not in value:
+            raise InvalidRequestError(f"'{key}' must be a string, an array, or an object with 'content'", param=key)
+        return [Content(value, "content", f"{key}.content")]
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"'{key}' must be a string, an array, or an object with 'content'", param=key)
+    check_messages(value, bounds, key)
+    if all(type(item) is int for item in value):
+        return []  # token ids
+    if all(isinstance(item, dict) and "content" not in item for item in value):
+        return [Content(body, key, key)]  # SGLang: one input as a list of parts
+    view = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            continue
+        if isinstance(item, dict) and "content" in item:
+            view.append(Content(item, "content", f"{key}[{i}].content"))
+        elif isinstance(item, list) and all(type(token) is int for token in item):
+            continue  # token ids
+        elif isinstance(item, list):
+            view.append(Content(value, i, f"{key}[{i}]"))  # SGLang: a document as a list of parts
+        else:
+            raise InvalidRequestError(
+                f"{key}[{i}] must be a string, token ids, an object with 'content', or an array of content parts",
+                param=f"{key}[{i}]",
+            )
+    return view
 
 
 EMBEDDINGS = Api("embeddings", "/v1/embeddings", CHAT_PARTS, embedding_contents)
 # vLLM's four pairs of names for a score request's two sides, read whichever are sent
 SCORE = Api(
-    "score", "/v1/score", CHAT_PARTS, _places(("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2"))
+    "score", "/v1/score", CHAT_PARTS, _sides(("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2"))
 )
-RERANK = Api("rerank", "/v1/rerank", CHAT_PARTS, _places(("query", "documents")))
+RERANK = Api("rerank", "/v1/rerank", CHAT_PARTS, _sides(("query", "documents")))
