@@ -23,8 +23,9 @@ answers every request with that status, ``reset`` drops each connection once the
 ``delay_ms`` makes every answer that much slower, ``healthy = False`` turns ``GET /health`` to 503.
 ``record = False`` (``--no-record``) keeps no copy of the requests, for benchmarks that send millions.
 
-``check``, where set, is the engine's own check of a JSON body (the conformance suite sets vLLM's
-or SGLang's request models and parsers, tests/conformance/engines/): each body is held to it
+``check``, where set, is the engine's own check of a JSON body or of a transcription's form fields
+(the conformance suite sets vLLM's or SGLang's request models and parsers,
+tests/conformance/engines/): each body is held to it
 after it is recorded, and one it refuses is answered 400 with the engine's message, as the engine
 answers it, so that a stand-in never accepts what the engine it stands for refuses.
 
@@ -157,6 +158,12 @@ class StandIn:
         if "file" not in fields or "model" not in fields:
             error = {"message": "file and model are required", "type": "BadRequestError", "param": None, "code": 400}
             return web.json_response({"error": error}, status=400)
+        if self.check is not None:  # the form as the engine's check takes it: a file (name, bytes, type), text
+            form = {k: (v[0], v[2], v[1]) if v[0] is not None else v[2].decode() for k, v in fields.items()}
+            refused = self.check(request.path, form)
+            if refused is not None:
+                error = {"message": refused, "type": "BadRequestError", "param": None, "code": 400}
+                return web.json_response({"error": error}, status=400)
         filename, _, audio = fields["file"]
         model = fields["model"][2].decode()
         text = f"[{self.name}] {model} heard {filename} ({len(audio)} bytes)"

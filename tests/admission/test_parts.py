@@ -84,7 +84,11 @@ def test_table_covers_every_part_type() -> None:
         ({"type": "input_audio", "input_audio": {"data": B64}, "uuid": "u"}, "input_audio", (AUDIO,)),
         ({"type": "image_url", "image_url": None, "uuid": "u"}, "image_url", (IMAGE,)),  # a cached image
         ({"type": "text", "text": "hi", "uuid": "u"}, None, None),  # vLLM: "Missing 'type' field"
-        ({"type": "video_embeds", "video_embeds": B64, "audio_embeds": B64, "uuid": "u"}, "video_embeds", (VIDEO, AUDIO)),
+        (
+            {"type": "video_embeds", "video_embeds": B64, "audio_embeds": B64, "uuid": "u"},
+            "video_embeds",
+            (VIDEO, AUDIO),
+        ),
         ({"type": "video_embeds", "video_embeds": B64, "audio_embeds": B64}, "video_embeds", (VIDEO, AUDIO)),
     ],
 )

@@ -109,7 +109,11 @@ SCORE_PAIRS = [("queries", "documents"), ("queries", "items"), ("data_1", "data_
 async def test_every_pair_of_score_names_is_classified(gateway_factory, both, first: str, second: str) -> None:
     text, vision = both
     gw = await gateway_factory(table(text, vision))
-    body = {"model": "bge", first: "a cat", second: [{"content": [{"type": "text", "text": "x"}, IMAGE]}]}
+    body: dict[str, Any] = {
+        "model": "bge",
+        first: "a cat",
+        second: [{"content": [{"type": "text", "text": "x"}, IMAGE]}],
+    }
     status, answer = await post(f"{gw.url}/v1/score", body)
     assert status == 400 and answer["error"]["code"] == "unsupported_modality"
     assert answer["error"]["param"] == f"{second}[0].content[1]"
@@ -123,7 +127,7 @@ async def test_every_pair_of_score_names_is_classified(gateway_factory, both, fi
 
 CONVERSATION = [{"role": "user", "content": [{"type": "text", "text": "a cat"}, IMAGE]}]
 TEXT_TURN = [{"role": "user", "content": "a dog"}]
-EMBEDDING_SHAPES = {
+EMBEDDING_SHAPES: dict[str, tuple[dict[str, Any], str]] = {
     "one conversation in input": ({"input": CONVERSATION}, "input[0].content[1]"),
     "conversations in input": ({"input": [TEXT_TURN, CONVERSATION]}, "input[1][0].content[1]"),
     "conversations in messages": ({"messages": [TEXT_TURN, CONVERSATION]}, "messages[1][0].content[1]"),
@@ -172,7 +176,7 @@ async def test_text_and_token_inputs_still_carry_no_parts(gateway_factory, both)
 
 
 # SGLang 0.5.23's shapes (V1RerankReqInput, ScoringRequest, EmbeddingRequest): parts in lists
-SGLANG_SIDES = {
+SGLANG_SIDES: dict[str, tuple[dict[str, Any], str]] = {
     "a query of parts": ({"query": [{"type": "text", "text": "q"}, IMAGE], "documents": ["a"]}, "query[1]"),
     "documents of parts": (
         {"query": "q", "documents": ["a", [{"type": "text", "text": "d"}, IMAGE]]},
@@ -198,7 +202,8 @@ async def test_a_stripped_document_of_parts_leaves_the_body_without_its_image(
     engine = await upstream_factory("sglang")
     gw = await gateway_factory(
         routing(
-            f"  - {{name: r, upstreams: [{engine.url}], accepts: [text], apis: [rerank], on_unsupported: {{image: strip}}}}"
+            f"  - {{name: r, upstreams: [{engine.url}], accepts: [text], apis: [rerank], "
+            "on_unsupported: {image: strip}}"
         )
     )
     body = {"model": "r", "query": "q", "documents": ["a", [{"type": "text", "text": "d"}, IMAGE]]}

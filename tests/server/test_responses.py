@@ -27,7 +27,7 @@ def user(*parts: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [{"type": "input_text", "text": "what is this?"}, *parts]}]
 
 
-IMAGE = {"type": "input_image", "image_url": PNG}
+IMAGE = {"type": "input_image", "image_url": PNG, "detail": "auto"}  # as the SDK types it (vLLM requires detail)
 
 
 @pytest.fixture
@@ -225,3 +225,8 @@ async def test_parts_of_the_same_meaning_go_in_the_shape_the_engine_reads(gatewa
     sent = vision.received[0].json()["input"][0]["content"]
     assert sent[1] == {"type": "input_image", "image_url": PNG, "detail": "low"} and sent[2] == IMAGE
     assert vision.received[1].json()["input"] == user(IMAGE)
+    without_detail = {"type": "input_image", "image_url": PNG}  # vLLM refuses it: OpenAI's default, auto, is said
+    async with gw.client() as client:
+        raw = await client.responses.with_raw_response.create(model="vision", input=user(without_detail))
+    assert raw.headers["X-Gateway-Route"] == "normalize"
+    assert vision.received[2].json()["input"] == user(IMAGE)

@@ -60,10 +60,10 @@ def embedding_contents(body: dict[str, Any], bounds: ContentBounds) -> list[Cont
     items = body.get("input")
     if not isinstance(items, list) or not items:
         return view  # a string (or what the engine refuses as it would anyway: no parts to read)
-    if all(isinstance(item, str | int) for item in items):
+    if all(isinstance(item, str) or _token(item) for item in items):
         return view  # strings, or token ids
     if all(isinstance(item, list) for item in items):
-        if all(all(type(token) is int for token in item) for item in items):
+        if all(all(_token(token) for token in item) for item in items):
             return view  # lists of token ids
         return view + _conversations(items, "input", bounds)  # vLLM: a batch of conversations in input
     if all(isinstance(item, dict) and "role" in item for item in items):
@@ -76,6 +76,11 @@ def embedding_contents(body: dict[str, Any], bounds: ContentBounds) -> list[Cont
         "messages, or multimodal items ({'text', 'image', 'video'}), one kind throughout",
         param="input",
     )
+
+
+def _token(value: Any) -> bool:
+    """A token id: an integer (JSON's ``2.0`` too, which the engines' models take as 2)."""
+    return (type(value) is int) or (type(value) is float and value.is_integer())
 
 
 def _conversations(value: Any, key: str, bounds: ContentBounds) -> list[Content]:
@@ -119,7 +124,7 @@ def _side(body: dict[str, Any], key: str, bounds: ContentBounds) -> list[Content
     if not isinstance(value, list):
         raise InvalidRequestError(f"'{key}' must be a string, an array, or an object with 'content'", param=key)
     check_messages(value, bounds, key)
-    if all(type(item) is int for item in value):
+    if all(_token(item) for item in value):
         return []  # token ids
     if all(isinstance(item, dict) and "content" not in item for item in value):
         return [Content(body, key, key)]  # SGLang: one input as a list of parts
@@ -129,7 +134,7 @@ def _side(body: dict[str, Any], key: str, bounds: ContentBounds) -> list[Content
             continue
         if isinstance(item, dict) and "content" in item:
             view.append(Content(item, "content", f"{key}[{i}].content"))
-        elif isinstance(item, list) and all(type(token) is int for token in item):
+        elif isinstance(item, list) and all(_token(token) for token in item):
             continue  # token ids
         elif isinstance(item, list):
             view.append(Content(value, i, f"{key}[{i}]"))  # SGLang: a document as a list of parts

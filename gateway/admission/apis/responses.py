@@ -94,11 +94,16 @@ def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
 def normalize(part: Mapping[str, Any]) -> dict[str, Any] | None:
     """The part as vLLM's Responses serving reads it, where the client sent the same meaning in
     another shape: an ``input_image`` whose ``image_url`` is the chat API's ``{"url": ...}`` (vLLM
-    reads a string), a flat ``input_audio`` (``{"data", "format"}``, older SDKs: vLLM reads the
+    reads a string) or without ``detail`` (vLLM requires it; OpenAI's default is ``auto``), a flat
+    ``input_audio`` (``{"data", "format"}``, older SDKs: vLLM reads the
     nested form). None: the part goes as sent."""
     kind = part.get("type")
-    if kind == "input_image" and isinstance(part.get("image_url"), dict):
-        return {**part, "image_url": part["image_url"]["url"]}  # classification checked the url
+    if kind == "input_image" and (isinstance(part.get("image_url"), dict) or "detail" not in part):
+        # vLLM's ResponseInputImageParam requires ``detail`` (OpenAI's default: auto)
+        image = {**part, "detail": part.get("detail", "auto")}
+        if isinstance(part.get("image_url"), dict):
+            image["image_url"] = part["image_url"]["url"]  # classification checked the url
+        return image
     if kind == "input_audio" and "input_audio" not in part and isinstance(part.get("data"), str):
         audio = {k: part[k] for k in ("data", "format") if k in part}
         return {**{k: v for k, v in part.items() if k not in audio}, "input_audio": audio}

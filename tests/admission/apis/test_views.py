@@ -20,7 +20,7 @@ from gateway.modalities import Modality
 from tests.conftest import routing
 
 PNG = "data:image/png;base64,iVBORw0KGgo="
-IMAGE = {"type": "input_image", "image_url": PNG}
+IMAGE = {"type": "input_image", "image_url": PNG, "detail": "auto"}
 BLOCK = {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
 
 
@@ -170,7 +170,8 @@ def test_check_refuses_a_redirect_to_a_model_that_does_not_serve_its_apis() -> N
 def test_responses_parts_are_normalized_only_where_the_meaning_is_the_same() -> None:
     from gateway.admission.apis.responses import normalize
 
-    assert normalize({"type": "input_image", "image_url": {"url": PNG}}) == {"type": "input_image", "image_url": PNG}
+    assert normalize({"type": "input_image", "image_url": {"url": PNG}}) == IMAGE  # detail: OpenAI's default
+    assert normalize({"type": "input_image", "image_url": PNG}) == IMAGE  # vLLM requires detail
     assert normalize({"type": "input_audio", "data": "UklGRg==", "format": "wav", "id": "a"}) == {
         "type": "input_audio", "id": "a", "input_audio": {"data": "UklGRg==", "format": "wav"}
     }  # fmt: skip

@@ -45,33 +45,33 @@ import sys
 import tempfile
 import threading
 import types
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # vLLM, FastAPI and starlette are not in the gateway's own venv: Any stands in there
     import numpy as np
     import torch
     from PIL.Image import Image
     from pydantic import BaseModel
 
-    from vllm.config import ModelConfig
-    from vllm.multimodal.processing import BaseMultiModalProcessor
-
 __all__ = [
-    "Engine",
-    "Found",
-    "Heard",
     "OMNI",
     "QWEN2_5_VL",
     "QWEN2_VL",
+    "Engine",
+    "Found",
+    "Heard",
     "Refused",
+    "SetupError",
     "chat",
     "chat_chunk",
     "chat_response",
     "embeddings",
     "error_response",
     "messages",
+    "messages_count_tokens",
     "messages_error",
     "messages_event",
     "messages_response",
@@ -82,6 +82,7 @@ __all__ = [
     "responses_response",
     "score",
     "transcription",
+    "translation",
 ]
 
 _T = TypeVar("_T")
@@ -96,9 +97,12 @@ class Refused(Exception):
     """vLLM's code refused what it was given.
 
     ``str(refused)`` is the message vLLM's server would answer with (``error.message``);
-    ``status``, ``error_type`` and ``param`` are that answer's (``create_error_response``): 400 for
-    vLLM's validation errors and any ``ValueError``/``TypeError`` (pydantic's included), 500 for a
-    crash inside vLLM's code (an ``AttributeError``, say), which is a refusal all the same.
+    ``status``, ``error_type`` and ``param`` are that answer's: for a body the request model
+    refuses, what vLLM's ``validation_exception_handler`` makes of FastAPI's
+    ``RequestValidationError`` (400, ``param`` such as ``body.messages``); otherwise
+    ``create_error_response``'s: 400 for vLLM's validation errors and any ``ValueError`` or
+    ``TypeError``, 500 for a crash inside vLLM's code (an ``AttributeError``, say), which is a
+    refusal all the same. ``warnings`` are vLLM's log records of the check.
     ``stage`` says which check refused: ``request`` (the pydantic request model), ``convert`` (an
     API's conversion to chat messages), ``parse`` (the chat parser and its media decoding),
     ``processor`` (the model's data parser), ``audio`` (the transcription's audio decoding) or
@@ -129,14 +133,19 @@ class Refused(Exception):
         return f"Refused({self.message!r}, stage={self.stage!r}, status={self.status})"
 
 
+class SetupError(RuntimeError):
+    """This module could not import vLLM or build an :class:`Engine`'s model config: a fault of
+    the environment, never a verdict on a body."""
+
+
 @dataclass(frozen=True)
 class Found:
     """What vLLM's code found in an accepted request.
 
     ``counts`` are per modality (``image``, ``video``, ``audio``) as the model's vLLM data parser
     counts the items (``MultiModalDataItems.get_all_counts``): ``image_embeds`` parts count as
-    images, one per part (vLLM merges a request's parts into one batch and splits it again by the
-    Qwen grid), uuid-only parts (media ``null`` and a ``uuid``) count too. ``embeds`` is how many of
+    images, one per part in Qwen's dict form (vLLM merges a request's parts into one batch and
+    splits it again by the grids), uuid-only parts (media ``null`` and a ``uuid``) count too. ``embeds`` is how many of
     those came as ``*_embeds``, ``uuid_only`` how many carried no media.
 
     The decoded media, in vLLM's order (per modality, in the order of the parts): ``images`` as
@@ -255,9 +264,10 @@ def responses(body: Mapping[str, Any], engine: Engine = OMNI) -> Found:
     (``instructions`` and ``input``; a ``previous_response_id`` cannot be resolved here and is
     left out), which is what ``OnlineRenderer.render_responses`` does; then parsed as in
     :func:`chat`. A message's content parts are the OpenAI SDK's ``input_text``, ``input_image``
-    and ``input_file``: there is no audio part in a Responses message (an ``input_audio`` part is
-    refused by the request model), and an ``input_file`` passes the request model but is refused
-    by the chat parser as an unsupported part type.
+    and ``input_file`` (``ResponseInputContentParam``): there is no audio part in a Responses
+    message, so an ``input_audio`` part is refused by the request model, as are the chat API's
+    ``image_url``, ``video_url`` and ``image_embeds``; an ``input_file`` passes the request model
+    and is refused by the chat parser ("Unsupported chat content part type: 'input_file'").
     """
     with _checking() as log:
         request = _validated("ResponsesRequest", body)
@@ -280,9 +290,9 @@ def messages(body: Mapping[str, Any], engine: Engine = OMNI) -> Found:
     ``vllm.entrypoints.anthropic.serving``; ``merge_inline_system=False``,
     ``disabled_thinking_effort="none"``, the server's choices for a template that takes inline
     system messages), which yields a ``ChatCompletionRequest``; its messages then parsed as in
-    :func:`chat`, so an ``image`` block's base64 or URL source is decoded as vLLM decodes it.
-    (The conversion keeps ``text``, ``image``, ``thinking``, ``tool_use`` and ``tool_result``
-    blocks; a ``document`` block is dropped without a word.)
+    :func:`chat`, so an ``image`` block's base64 or URL source is decoded as vLLM decodes it
+    (and a ``tool_result``'s images, which the conversion moves to a user message of their own).
+    The request model knows no ``document`` block: a PDF is refused there.
     """
     with _checking() as log:
         request = _validated("AnthropicMessagesRequest", body)
@@ -291,6 +301,24 @@ def messages(body: Mapping[str, Any], engine: Engine = OMNI) -> Found:
             chat_request = serving.AnthropicServingMessages.to_chat_completion_request(
                 request, merge_inline_system=False, disabled_thinking_effort="none"
             )
+        _request_kwargs(chat_request, engine)
+        found = _parse([chat_request.messages], engine, request, log)
+    return found
+
+
+def messages_count_tokens(body: Mapping[str, Any], engine: Engine = OMNI) -> Found:
+    """A ``/v1/messages/count_tokens`` body: validated with
+    ``vllm.entrypoints.anthropic.protocol.AnthropicCountTokensRequest`` (no ``max_tokens``), then
+    converted and parsed as :func:`messages` (``AnthropicServingMessages.count_tokens`` renders it
+    as the chat request it converts to)."""
+    with _checking() as log:
+        request = _validated("AnthropicCountTokensRequest", body)
+        serving = _vllm("vllm.entrypoints.anthropic.serving")
+        with _stage("convert"):
+            chat_request = serving.AnthropicServingMessages.to_chat_completion_request(
+                request, merge_inline_system=False, disabled_thinking_effort="none"
+            )
+        _request_kwargs(chat_request, engine)
         found = _parse([chat_request.messages], engine, request, log)
     return found
 
@@ -307,6 +335,7 @@ def embeddings(body: Mapping[str, Any], engine: Engine = OMNI) -> Found:
     """
     with _checking() as log:
         request = _validated("EmbeddingRequest", body)
+        _request_kwargs(request, engine)
         protocol = _vllm("vllm.entrypoints.pooling.embed.protocol")
         batched = (protocol.EmbeddingBatchChatRequest, protocol.EmbeddingBatchChatInputRequest)
         if isinstance(request, batched):
@@ -333,6 +362,7 @@ def score(body: Mapping[str, Any], engine: Engine = OMNI) -> Found:
     """
     with _checking() as log:
         request = _validated("ScoreRequest", body)
+        _request_kwargs(request, engine)
         found = _score(request.data_1, request.data_2, engine, request, log)
     return found
 
@@ -343,11 +373,12 @@ def rerank(body: Mapping[str, Any], engine: Engine = OMNI) -> Found:
     then checked as :func:`score` checks its two sides."""
     with _checking() as log:
         request = _validated("RerankRequest", body)
+        _request_kwargs(request, engine)
         found = _score(request.query, request.documents, engine, request, log)
     return found
 
 
-def transcription(fields: Mapping[str, Any]) -> Heard:
+def transcription(fields: Mapping[str, Any], engine: Engine | None = None) -> Heard:
     """A ``/v1/audio/transcriptions`` multipart form, as vLLM's transcription server takes it.
 
     ``fields`` are the form's fields: ``file`` as the file's bytes, a ``(filename, bytes)`` or
@@ -355,37 +386,20 @@ def transcription(fields: Mapping[str, Any]) -> Heard:
     form carries them (strings; a list for ``timestamp_granularities[]``). Validated with
     ``vllm.entrypoints.speech_to_text.transcription.protocol.TranscriptionRequest``; the file read
     with ``vllm.entrypoints.speech_to_text.base.utils.read_upload_with_limit``
-    (``VLLM_MAX_AUDIO_CLIP_FILESIZE_MB``); the language checked by Whisper's
-    ``validate_language`` (``vllm.model_executor.models.whisper``); the audio decoded with
-    ``vllm.multimodal.media.audio.load_audio`` as ``OpenAISpeechToText._decode_and_chunk_speech``
-    calls it (16 kHz mono, Whisper's rate, within ``VLLM_MAX_AUDIO_DECODE_*``).
+    (``VLLM_MAX_AUDIO_CLIP_FILESIZE_MB``); ``language`` checked by Whisper's ``validate_language``
+    (``vllm.model_executor.models.whisper``), as ``_preprocess_speech_to_text`` does; the audio
+    decoded with ``vllm.multimodal.media.audio.load_audio`` as ``_decode_and_chunk_speech`` calls
+    it (16 kHz mono, Whisper's rate, within ``VLLM_MAX_AUDIO_DECODE_*``). ``engine`` is accepted
+    for a uniform call and not used: the model is Whisper.
     """
-    with _checking() as log:
-        form = dict(fields)
-        form["file"] = _upload(form.get("file"))
-        request = _validated("TranscriptionRequest", form)
-        utils = _vllm("vllm.entrypoints.speech_to_text.base.utils")
-        whisper = _vllm("vllm.model_executor.models.whisper")
-        audio = _vllm("vllm.multimodal.media.audio")
-        envs = _vllm("vllm.envs")
-        with _stage("audio"):
-            data = _run_coroutine(utils.read_upload_with_limit(request.file))
-            request.language = whisper.WhisperForConditionalGeneration.validate_language(request.language)
-            try:
-                with io.BytesIO(data) as buffer:
-                    samples, rate = audio.load_audio(
-                        buffer,
-                        sr=_WHISPER_SAMPLE_RATE,
-                        mono=True,
-                        max_duration_s=envs.VLLM_MAX_AUDIO_DECODE_DURATION_S,
-                        max_decode_bytes=envs.VLLM_MAX_AUDIO_DECODE_BYTES,
-                    )
-            except ValueError:
-                raise
-            except Exception as exc:  # as _decode_and_chunk_speech words it
-                raise ValueError("Invalid or unsupported audio file.") from exc
-        heard = Heard(request, samples, float(rate), len(samples) / float(rate), log.records())
-    return heard
+    return _speech("TranscriptionRequest", fields)
+
+
+def translation(fields: Mapping[str, Any], engine: Engine | None = None) -> Heard:
+    """A ``/v1/audio/translations`` multipart form: as :func:`transcription`, validated with
+    ``vllm.entrypoints.speech_to_text.translation.protocol.TranslationRequest`` (whose
+    ``to_language`` Whisper's ``validate_language`` checks too)."""
+    return _speech("TranslationRequest", fields)
 
 
 def qwen2_vl_embeds(
@@ -408,8 +422,13 @@ def qwen2_vl_embeds(
     ``_create_qwen2vl_field_factory(spatial_merge_size)``: ``image_embeds`` flat from the sizes
     ``grid.prod(-1) // merge**2``, ``image_grid_thw`` batched, which makes the
     ``MultiModalKwargsItems`` and splits them back into one item per image. A grid of shape
-    ``(1, 3)`` is refused there ("size_per_item should be a 1-D tensor"); ``(3,)`` is one image's.
-    The embeddings' hidden size is checked against ``engine`` (``hidden_size``).
+    ``(1, 3)`` is refused there ("size_per_item should be a 1-D tensor"; the tracker first logs
+    the same error and falls back, see ``Refused.warnings``); ``(3,)`` is one image's.
+
+    What vLLM does not check here, and so neither does this: that the tokens equal
+    ``t*h*w / merge**2`` (more are cut off by the flat slice, fewer pass as they are),
+    and the dict form's hidden size (only a bare tensor's is checked against ``engine``'s). A bare
+    tensor has no grid: Qwen2-VL's field config makes each of its rows an item.
     """
     with _checking():
         engine_ = engine if engine.enable_mm_embeds else _replace(engine, enable_mm_embeds=True)
@@ -508,11 +527,13 @@ _ENVIRONMENT_NOTES = ("Failed to import from vllm._C", "torchcodec unavailable")
 
 
 class _Log(logging.Handler):
-    """Keeps vLLM's log records of WARNING and above during one check."""
+    """Keeps vLLM's log records of WARNING and above during one check, and the Python warnings
+    raised meanwhile (but deprecations: the libraries' hygiene, not the body's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, caught: list[warnings.WarningMessage]) -> None:
         super().__init__(logging.WARNING)
         self.kept: list[str] = []
+        self.caught = caught  # filled by warnings.catch_warnings(record=True) as they come
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
@@ -523,17 +544,20 @@ class _Log(logging.Handler):
         self.kept.append(f"{record.levelname} {record.name}: {message}")
 
     def records(self) -> tuple[str, ...]:
-        return tuple(self.kept)
+        hygiene = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+        python = [f"{w.category.__name__}: {w.message}" for w in self.caught if not issubclass(w.category, hygiene)]
+        return (*self.kept, *python)
 
 
 @contextlib.contextmanager
 def _checking() -> Iterator[_Log]:
     """One check: under the lock, vLLM's records kept instead of printed, and anything raised that
     is not already a :class:`Refused` made one (stage ``request`` unless :func:`_stage` says)."""
-    with _LOCK:
+    with _LOCK, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         _vllm("vllm.logger")  # vLLM configures its logger when this imports: kept from here on
         vllm_logger = logging.getLogger("vllm")
-        log = _Log()
+        log = _Log(caught)
         saved = vllm_logger.handlers[:], vllm_logger.level, vllm_logger.propagate
         vllm_logger.handlers[:] = [log]
         vllm_logger.setLevel(logging.WARNING)
@@ -542,6 +566,8 @@ def _checking() -> Iterator[_Log]:
             yield log
         except Refused as refused:
             refused.warnings = log.records()
+            raise
+        except SetupError:
             raise
         except Exception as exc:
             raise _refusal(exc, "request", log.records()) from exc
@@ -561,22 +587,51 @@ def _stage(stage: Stage) -> Iterator[None]:
         raise _refusal(exc, stage, ()) from exc
 
 
-def _refusal(exc: Exception, stage: Stage, warnings: tuple[str, ...]) -> Refused:
-    """``exc`` answered as vLLM's server answers it (``create_error_response``)."""
+def _refusal(exc: Exception, stage: Stage, kept: tuple[str, ...]) -> Refused:
+    """``exc`` answered as vLLM's server answers it: a request model's ``ValidationError`` as
+    FastAPI's ``RequestValidationError`` through vLLM's ``validation_exception_handler``, an
+    ``HTTPException`` (raised by ``TranscriptionRequest``'s validator) with its own status, any
+    other exception through ``create_error_response``."""
     status, error_type, param = 400, "BadRequestError", None
     message = str(exc)
-    with contextlib.suppress(Exception):  # the HTTPException of TranscriptionRequest's validator
-        from fastapi import HTTPException
+    from pydantic import ValidationError
 
-        if isinstance(exc, HTTPException):
-            return Refused(str(exc.detail), stage=stage, status=exc.status_code, cause=exc, warnings=warnings)
+    if isinstance(exc, _module("fastapi").HTTPException):
+        return Refused(str(exc.detail), stage=stage, status=exc.status_code, cause=exc, warnings=kept)
+    if isinstance(exc, ValidationError) and stage == "request":
+        with contextlib.suppress(Exception):
+            answer = _validation_answer(exc)
+            return Refused(
+                answer["message"],
+                stage=stage,
+                status=answer["code"],
+                error_type=answer["type"],
+                param=answer.get("param"),
+                cause=exc,
+                warnings=kept,
+            )
     with contextlib.suppress(Exception):
         create = _vllm("vllm.entrypoints.serve.exception_handling.error_response").create_error_response
         answer = create(exc).error
         message, status, error_type, param = answer.message, answer.code, answer.type, answer.param
-    return Refused(
-        message, stage=stage, status=status, error_type=error_type, param=param, cause=exc, warnings=warnings
+    return Refused(message, stage=stage, status=status, error_type=error_type, param=param, cause=exc, warnings=kept)
+
+
+def _validation_answer(exc: Any) -> dict[str, Any]:
+    """vLLM's error body for a request body its route's model refused: FastAPI raises
+    ``RequestValidationError`` with the errors' locations under ``body``, which
+    ``vllm.entrypoints.serve.exception_handling.handlers.validation.validation_exception_handler``
+    answers (400, the first errors summarized, ``param`` the first error's location)."""
+    request_validation_error = _module("fastapi.exceptions").RequestValidationError
+    handlers = _vllm("vllm.entrypoints.serve.exception_handling.handlers.validation")
+    errors = [{**error, "loc": ("body", *error["loc"])} for error in exc.errors(include_url=False)]
+    # the handler reads of its request only whether to log the stack
+    request = types.SimpleNamespace(
+        app=types.SimpleNamespace(state=types.SimpleNamespace(args=types.SimpleNamespace(log_error_stack=False))),
+        state=types.SimpleNamespace(),
     )
+    response = _run_coroutine(handlers.validation_exception_handler(request, request_validation_error(errors)))
+    return dict(json.loads(response.body)["error"])
 
 
 # --- request models, kwargs, parsing ------------------------------------------------------------
@@ -588,7 +643,9 @@ _REQUEST_MODELS: dict[str, tuple[str, bool]] = {  # name: (module, is a TypeAdap
     "EmbeddingRequest": ("vllm.entrypoints.pooling.embed.protocol", True),
     "ScoreRequest": ("vllm.entrypoints.pooling.scoring.protocol", True),
     "RerankRequest": ("vllm.entrypoints.pooling.scoring.protocol", False),
+    "AnthropicCountTokensRequest": ("vllm.entrypoints.anthropic.protocol", False),
     "TranscriptionRequest": ("vllm.entrypoints.speech_to_text.transcription.protocol", False),
+    "TranslationRequest": ("vllm.entrypoints.speech_to_text.translation.protocol", False),
 }
 
 
@@ -611,7 +668,10 @@ def _type_adapter(model: Any) -> Any:
 
 
 def _request_kwargs(request: Any, engine: Engine) -> None:
-    """The request-level checks of ``OnlineRenderer.preprocess_chat`` / ``render_responses``."""
+    """The request-level checks every route makes before rendering (``OnlineRenderer
+    .preprocess_chat`` and ``render_responses``, ``PoolingServing._init_ctx`` and the pooling IO
+    processors' ``_validate_chat_template``): no per-request multimodal kwargs and no chat
+    template from the request, unless the engine trusts them."""
     protocol = _vllm("vllm.entrypoints.generate.base.protocol")
     online = _vllm("vllm.renderers.online_renderer")
     create = _vllm("vllm.entrypoints.serve.exception_handling.error_response").create_error_response
@@ -652,6 +712,37 @@ def _parse(conversations: Sequence[Sequence[Any]], engine: Engine, request: Any,
         found = _found(mm_data, mm_uuids, engine)
         parts.append(_replace(found, messages=tuple(chat_messages), conversation=tuple(parsed)))
     return _replace(_added(parts), request=request, warnings=log.records())
+
+
+def _speech(model: str, fields: Mapping[str, Any]) -> Heard:
+    with _checking() as log:
+        form = dict(fields)
+        form["file"] = _upload(form.get("file"))
+        request = _validated(model, form)
+        utils = _vllm("vllm.entrypoints.speech_to_text.base.utils")
+        whisper = _vllm("vllm.model_executor.models.whisper").WhisperForConditionalGeneration
+        audio = _vllm("vllm.multimodal.media.audio")
+        envs = _vllm("vllm.envs")
+        with _stage("audio"):
+            data = _run_coroutine(utils.read_upload_with_limit(request.file))
+            request.language = whisper.validate_language(request.language)
+            if getattr(request, "to_language", None):
+                request.to_language = whisper.validate_language(request.to_language)
+            try:
+                with io.BytesIO(data) as buffer:
+                    samples, rate = audio.load_audio(
+                        buffer,
+                        sr=_WHISPER_SAMPLE_RATE,
+                        mono=True,
+                        max_duration_s=envs.VLLM_MAX_AUDIO_DECODE_DURATION_S,
+                        max_decode_bytes=envs.VLLM_MAX_AUDIO_DECODE_BYTES,
+                    )
+            except ValueError:
+                raise
+            except Exception as exc:  # as _decode_and_chunk_speech words it
+                raise ValueError("Invalid or unsupported audio file.") from exc
+        heard = Heard(request, samples, float(rate), len(samples) / float(rate), log.records())
+    return heard
 
 
 def _score(data_1: Any, data_2: Any, engine: Engine, request: Any, log: _Log) -> Found:
@@ -784,20 +875,20 @@ def _responses_event_classes() -> dict[str, Any]:
 
 def _upload(file: Any) -> Any:
     """A form's ``file`` as the ``UploadFile`` FastAPI makes of it."""
-    from starlette.datastructures import Headers, UploadFile
-
-    if file is None or isinstance(file, (str, UploadFile)):
+    datastructures = _module("starlette.datastructures")
+    upload_file, headers = datastructures.UploadFile, datastructures.Headers
+    if file is None or isinstance(file, (str, upload_file)):
         return file
     filename, content_type = "audio", "application/octet-stream"
     if isinstance(file, tuple):
         filename, file, *rest = file
         content_type = rest[0] if rest else content_type
     data = bytes(file)
-    return UploadFile(
+    return upload_file(
         io.BytesIO(data),
         size=len(data),
         filename=filename,
-        headers=Headers({"content-type": content_type}),
+        headers=headers({"content-type": content_type}),
     )
 
 
@@ -838,9 +929,16 @@ def _boot() -> None:
     if _BOOTED:
         return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("OPENCV_LOG_LEVEL", "ERROR")  # OpenCV's own notes on an unreadable video
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.getLogger("torch._library.triton").setLevel(logging.ERROR)  # "Triton not available"
     _BOOTED = True
+
+
+def _module(name: str) -> Any:
+    """A module vLLM depends on (FastAPI, starlette), imported by name: they are vLLM's
+    dependencies, in the conformance venv only."""
+    return importlib.import_module(name)
 
 
 def _vllm(module: str) -> Any:
@@ -850,8 +948,12 @@ def _vllm(module: str) -> Any:
         return loaded
     with _LOCK:
         _boot()
-        with _stand_ins(), _quiet_transformers():
-            return importlib.import_module(module)
+        try:
+            with _stand_ins(), _quiet_transformers(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the deprecations of torch, pydantic, transformers
+                return importlib.import_module(module)
+        except Exception as exc:
+            raise SetupError(f"could not import {module}: {exc}") from exc
 
 
 # Packages vLLM imports that this environment lacks, and the submodules imported of them.
@@ -929,7 +1031,6 @@ class _Checkpoint:
 _TEXT_7B = {
     "hidden_size": 3584,
     "intermediate_size": 18944,
-    "num_hidden_layers": 28,
     "num_attention_heads": 28,
     "num_key_value_heads": 4,
     "vocab_size": 152064,
@@ -961,9 +1062,19 @@ _CHECKPOINTS: dict[str, _Checkpoint] = {
 _ARCHITECTURE_PREFIX = "ConformanceLocal"  # registered beside vLLM's own names, never over them
 
 
+def _model_config(engine: Engine) -> Any:
+    """:func:`_build_model_config`, its failure a :class:`SetupError`."""
+    try:
+        return _build_model_config(engine)
+    except SetupError:
+        raise
+    except Exception as exc:
+        raise SetupError(f"could not build vLLM's ModelConfig for {engine}: {exc}") from exc
+
+
 @functools.cache
-def _model_config(engine: Engine) -> ModelConfig:
-    """vLLM's ``ModelConfig`` for ``engine``, from a local directory (config.json and a tiny
+def _build_model_config(engine: Engine) -> Any:
+    """vLLM's ``vllm.config.ModelConfig`` for ``engine``, from a local directory (config.json and a tiny
     tokenizer), with the model class registered in-process under a private architecture name
     (``ModelRegistry.register_model``), so that vLLM neither inspects it in a subprocess (where
     the stand-ins are not) nor reaches the Hub."""
@@ -982,6 +1093,9 @@ def _model_config(engine: Engine) -> ModelConfig:
             tokenizer=directory,
             enable_mm_embeds=engine.enable_mm_embeds,
             limit_mm_per_prompt=dict(engine.limits) or None,
+            # --allowed-media-domains: loopback only, so a check never reaches another address
+            # (vLLM refuses a URL elsewhere before it connects)
+            allowed_media_domains=list(ALLOWED_MEDIA_DOMAINS),
         )
     mm_config = model_config.multimodal_config
     if engine.ec_consumer and mm_config is not None:
@@ -991,10 +1105,21 @@ def _model_config(engine: Engine) -> ModelConfig:
     return model_config
 
 
-def _processor(engine: Engine) -> BaseMultiModalProcessor[Any]:
-    """The model's vLLM multimodal processor, as the renderer creates it."""
-    registry = _vllm("vllm.multimodal").MULTIMODAL_REGISTRY
-    return registry.create_processor(_model_config(engine))
+ALLOWED_MEDIA_DOMAINS = ("127.0.0.1", "localhost", "::1")
+_PROCESSORS: dict[Engine, Any] = {}
+
+
+def _processor(engine: Engine) -> Any:
+    """The model's vLLM multimodal processor (a ``BaseMultiModalProcessor``), as the renderer
+    creates it (once, and keeps)."""
+    if engine not in _PROCESSORS:
+        registry = _vllm("vllm.multimodal").MULTIMODAL_REGISTRY
+        model_config = _model_config(engine)
+        try:
+            _PROCESSORS[engine] = registry.create_processor(model_config)
+        except Exception as exc:
+            raise SetupError(f"could not create vLLM's multimodal processor for {engine}: {exc}") from exc
+    return _PROCESSORS[engine]
 
 
 def _model_directory(checkpoint: _Checkpoint, architecture: str, hidden_size: int | None) -> str:
@@ -1044,8 +1169,7 @@ def _write_tokenizer(directory: str) -> None:
 def _quiet_transformers() -> Iterator[None]:
     """transformers' warnings about the local stand-in files (token ids outside the tiny
     vocabulary and the like), silenced while they are written and read."""
-    from transformers.utils import logging as transformers_logging
-
+    transformers_logging: Any = importlib.import_module("transformers.utils.logging")
     level = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()
     try:
@@ -1056,9 +1180,8 @@ def _quiet_transformers() -> Iterator[None]:
 
 def _whisper_feature_extractor() -> Any:
     """Qwen2.5-Omni-7B's feature extractor, as its ``preprocessor_config.json`` describes it."""
-    from transformers import WhisperFeatureExtractor
-
-    return WhisperFeatureExtractor(
+    transformers: Any = importlib.import_module("transformers")
+    return transformers.WhisperFeatureExtractor(
         feature_size=128,
         sampling_rate=_WHISPER_SAMPLE_RATE,
         hop_length=160,
@@ -1077,7 +1200,7 @@ def _omni_thinker(model_class: type[_T]) -> type[_T]:
     registry = _vllm("vllm.multimodal").MULTIMODAL_REGISTRY
     extractor = _whisper_feature_extractor()
 
-    class ProcessingInfo(thinker.Qwen2_5OmniThinkerProcessingInfo):  # type: ignore[name-defined,misc]
+    class ProcessingInfo(thinker.Qwen2_5OmniThinkerProcessingInfo):  # type: ignore[name-defined]
         def get_feature_extractor(self, **kwargs: object) -> Any:
             return extractor
 
@@ -1087,5 +1210,4 @@ def _omni_thinker(model_class: type[_T]) -> type[_T]:
         dummy_inputs=thinker.Qwen2_5OmniThinkerDummyInputsBuilder,
     )
     local = type(model_class.__name__, (model_class,), {"__module__": __name__})
-    return decorate(local)  # type: ignore[no-any-return]
-
+    return decorate(local)
