@@ -317,10 +317,14 @@ def admit(
     model = requested
     redirects: list[Redirect] = []
     normalized = classification.normalized
-    if all(m in model.accepts for m in present):  # the common case: nothing to redirect, reject or strip
+    lacking = model.dialect.lacking(api.name)
+    if all(
+        m in model.accepts and m not in lacking for m in present
+    ):  # the common case: nothing to redirect, reject or strip
         _enforce_limits(model, classification, frozenset())
         visual = _measure(model, classification, contents, deferred=deferred) if model.counts_images else None
         return RoutePlan(requested.name, model, classification, api=api, normalized=normalized, visual=visual)
+    model = _on_api(model, api.name)
     while True:
         redirect = _choose_redirect(config, model, present, _Caller(visible, api.name))
         if redirect is None:
@@ -332,12 +336,12 @@ def admit(
         target = config.model(redirect.target)
         if target is None:  # validation forbids this too
             raise GatewayError(f"model '{model.name}' redirects to '{redirect.target}', which does not exist")
-        model = target
+        model = _on_api(target, api.name)
     unsupported = [m for m in present if m not in model.accepts]
     # each unsupported modality by what its policy does (one the key may not use its model for: rejected)
     policies = [(m, model.policy(m)) for m in unsupported]
     if all(policy.action == "reject" for _, policy in policies):  # the common refusal: nothing else to weigh
-        _reject_unsupported(model, classification, unsupported, frozenset(), redirects)
+        _reject_unsupported(model, classification, unsupported, frozenset(), redirects, api.name)
     doing: dict[str, set[Modality]] = {}
     for m, policy in policies:
         if policy.action not in ("transcribe", "describe") or _may_use(visible, policy.target or ""):
@@ -353,7 +357,7 @@ def admit(
         for m in converted:
             _hold_conversions(model, classification, m)
     handled = stripped | as_text | framed
-    _reject_unsupported(model, classification, unsupported, handled, redirects)
+    _reject_unsupported(model, classification, unsupported, handled, redirects, api.name)
     _enforce_limits(model, classification, handled)
     per_video = _frames_per_video(model, classification, stripped) if framed else 0
     gone = stripped | framed | described  # not sent as images
@@ -376,6 +380,13 @@ def admit(
     parts = (*plan.stripped_parts, *plan.transcribe_parts, *plan.describe_parts, *plan.extract_parts)
     gone_at = {(p.message, p.index) for p in parts}  # not sent as parts
     return dataclasses.replace(plan, normalized=normalized - gone_at)
+
+
+def _on_api(model: ModelConfig, api: str) -> ModelConfig:
+    """The model as it is on ``api``: without the modalities it accepts that its engine has no
+    part for there (gateway/config/engines.py), which its ``on_unsupported`` then decides."""
+    takes = model.takes_on(api)
+    return model if takes == model.accepts else dataclasses.replace(model, accepts=takes)
 
 
 def _measure(
@@ -534,7 +545,7 @@ def _choose_redirect(
     ]
     for candidate in candidates:
         target = config.model(candidate.target)
-        if target is not None and all(m in target.accepts for m in present):
+        if target is not None and all(m in target.takes_on(caller.api) for m in present):
             return candidate
     return candidates[0] if candidates else None
 
@@ -545,6 +556,7 @@ def _reject_unsupported(
     unsupported: list[Modality],
     stripped: frozenset[Modality],
     redirects: list[Redirect],
+    api: str,
 ) -> None:
     # reject, and a redirect or a conversion to a model outside the caller's key
     rejected = [m for m in unsupported if m not in stripped]
@@ -560,8 +572,10 @@ def _reject_unsupported(
     if redirects:
         via = " (redirected " + ", then ".join(f"from '{r.source}' for {r.modality} input" for r in redirects) + ")"
     carried = "" if part.modality is modality else f" ({part.type} with use_audio_in_video)"
+    dialect = model.dialect
+    why = f" on the {api} API: {dialect.why(api, modality)}" if modality in dialect.lacking(api) else ""
     raise UnsupportedModalityError(
-        f"Model '{model.name}'{via} does not accept {modality} input: {part.location} is "
+        f"Model '{model.name}'{via} does not accept {modality} input{why}: {part.location} is "
         f"'{part.type}'{carried}. It accepts: {model.accepts_text()}.",
         param=part.location,
         rejection=Rejection(model.name, modality.value, "unsupported"),

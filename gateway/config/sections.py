@@ -9,6 +9,7 @@ from typing import Any
 
 from ..modalities import MODALITY_NAMES, Modality
 from .auth import AuthReaders
+from .engines import DEFAULT_ENGINE, ENGINES
 from .loader import MISSING, join_path
 from .pools import PoolReaders
 from .readers import describe, fields, show, unknown_message
@@ -281,6 +282,10 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
             self.problem(
                 f"{path}.video", "video.sample is for a model that accepts video (see on_unsupported for others)"
             )
+        engine = raw.get("engine", DEFAULT_ENGINE)
+        if engine not in ENGINES:
+            self.problem(f"{path}.engine", unknown_message(engine, ENGINES, "engine"))
+            engine = DEFAULT_ENGINE
         on_encoder_error = raw.get("on_encoder_error", "fail")
         if on_encoder_error not in ENCODER_ERROR_ACTIONS:
             self.problem(f"{path}.on_encoder_error", unknown_message(on_encoder_error, ENCODER_ERROR_ACTIONS, "action"))
@@ -293,6 +298,7 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
             accepts=accepts,
             apis=apis,
             upstream_model=upstream_model,
+            engine=engine,
             limits=MappingProxyType(limits),
             encode=MappingProxyType(encode),
             on_unsupported=MappingProxyType(policies),

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from ..modalities import Modality
+from .engines import DEFAULT_ENGINE, DIALECTS, Dialect
 
 SUPPORTED_VERSION = 1
 ENCODABLE = (Modality.IMAGE,)
@@ -79,6 +80,7 @@ MODEL_KEYS = (
     "name",
     "upstreams",
     "upstream_model",
+    "engine",
     "accepts",
     "apis",
     "limits",
@@ -477,6 +479,7 @@ class ModelConfig:
     upstreams: tuple[str, ...]
     accepts: tuple[Modality, ...]  # in Modality order
     upstream_model: str | None = None
+    engine: str = DEFAULT_ENGINE  # its upstreams' dialect (gateway/config/engines.py): vllm, sglang or openai
     apis: tuple[str, ...] = DEFAULT_APIS  # the APIs its upstreams serve, in API_NAMES order
     limits: Mapping[Modality, int] = field(default_factory=lambda: MappingProxyType({}))
     encode: Mapping[Modality, str] = field(default_factory=lambda: MappingProxyType({}))
@@ -511,6 +514,15 @@ class ModelConfig:
     @property
     def upstream_name(self) -> str:
         return self.upstream_model or self.name
+
+    @property
+    def dialect(self) -> Dialect:
+        return DIALECTS[self.engine]
+
+    def takes_on(self, api: str) -> tuple[Modality, ...]:
+        """The modalities it takes on ``api``: those it accepts that its engine has a part for there."""
+        lacking = self.dialect.lacking(api)
+        return self.accepts if not lacking else tuple(m for m in self.accepts if m not in lacking)
 
     def policy(self, modality: Modality) -> Policy:
         return self.on_unsupported.get(modality, REJECT)

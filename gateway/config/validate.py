@@ -39,9 +39,10 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                 p.problem(where, f"unknown encoder '{encoder}' (encoders: {known})")
         if model.on_encoder_error != "fail" and not model.encode:
             p.problem(f"{path}.on_encoder_error", "applies only to a model with 'encode'", at_key=True)
+        _check_engine(model, path, p)
         for m, policy in model.on_unsupported.items():
             where = f"{path}.on_unsupported.{m}"
-            if m in model.accepts:
+            if m in model.accepts and not _lacked(model, m):
                 p.problem(where, f"'{m}' is accepted by this model, so this policy would never apply", at_key=True)
                 continue
             if policy.action == "frames":
@@ -102,6 +103,36 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
         _check_keys(config, p)
     if not p.problems:
         _check_redirect_loops(config, p)
+
+
+# the APIs whose requests carry content parts (the others: text, or an upload of the model's own modality)
+CONTENT_APIS = ("chat", "responses", "messages", "embeddings", "score", "rerank")
+
+
+def _lacked(model: ModelConfig, modality: Modality) -> list[str]:
+    """The content APIs the model serves where its engine has no part for ``modality``."""
+    return [a for a in model.apis if a in CONTENT_APIS and modality in model.dialect.lacking(a)]
+
+
+def _check_engine(model: ModelConfig, path: str, p: MarkedDocument) -> None:
+    """What the model's table asks of its engine that the engine cannot take (its dialect,
+    gateway/config/engines.py)."""
+    dialect = model.dialect
+    if model.encode and not dialect.embeds:
+        p.problem(
+            f"{path}.encode",
+            f"encoded images reach the engine as image_embeds parts (or primed in vLLM's encoder cache), which "
+            f"only vLLM takes; this model's engine is {dialect.name} (engine: vllm, or no encode)",
+            at_key=True,
+        )
+    served = [a for a in model.apis if a in CONTENT_APIS]
+    for m in model.accepts:
+        if served and len(_lacked(model, m)) == len(served):
+            hint = " (take files as their text: on_unsupported.file: {extract: ...})" if m is Modality.FILE else ""
+            p.problem(
+                f"{path}.accepts",
+                f"'{m}' is taken on none of this model's APIs ({', '.join(served)}): {dialect.why(served[0], m)}{hint}",
+            )
 
 
 def _check_keys(config: GatewayConfig, p: MarkedDocument) -> None:

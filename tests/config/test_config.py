@@ -28,7 +28,7 @@ SERVER_KEYS = (
     "admin_listen, access_log, upstream_client, limits_store, tracing)"
 )
 MODEL_KEYS = (
-    "(expected one of: name, upstreams, upstream_model, accepts, apis, limits, encode, on_encoder_error, "
+    "(expected one of: name, upstreams, upstream_model, engine, accepts, apis, limits, encode, on_encoder_error, "
     "on_unsupported, api_key_env, balance, retries, breaker, timeouts, max_concurrency, queue, health_check, video, "
     "visual_tokens, on_oversize)"
 )
@@ -1340,3 +1340,58 @@ def test_a_password_in_the_limits_stores_url_is_never_shown() -> None:
     assert config.server.limits_store is not None and "s3cret" in config.server.limits_store.url  # used as given
     shown = as_dict(config)["server"]["limits_store"]
     assert shown["url"] == "redis://:***@redis:6379/0" and "s3cret" not in str(as_dict(config))
+
+
+# --- engines (issue 38) ----------------------------------------------------------------------
+
+
+def test_a_model_runs_on_vllm_unless_its_engine_says_otherwise() -> None:
+    config = parse_config(doc("version: 1", "models:", "  - {name: a, upstreams: ['http://e:1'], accepts: [text]}",
+                              "  - {name: b, upstreams: ['http://e:1'], accepts: [text], engine: sglang}"))  # fmt: skip
+    assert [m.engine for m in config.models] == ["vllm", "sglang"]
+    assert config.models[0].takes_on("responses") == (Modality.TEXT,)
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("{name: a, upstreams: ['http://e:1'], accepts: [text], engine: tgi}", "unknown engine 'tgi'"),
+        (
+            "{name: a, upstreams: ['http://e:1'], accepts: [text, image], engine: sglang, encode: {image: v}}",
+            "models[0].encode: encoded images reach the engine as image_embeds parts",
+        ),
+        (
+            "{name: a, upstreams: ['http://e:1'], accepts: [text, file]}",
+            "models[0].accepts: 'file' is taken on none of this model's APIs (chat, responses, messages): "
+            "vLLM's chat API has no file part (engine: vllm) (take files as their text",
+        ),
+        (
+            "{name: a, upstreams: ['http://e:1'], accepts: [text, image], apis: [score], engine: sglang}",
+            "'image' is taken on none of this model's APIs (score): SGLang's score API has no image part",
+        ),
+        (
+            "{name: a, upstreams: ['http://e:1'], accepts: [text, image], on_unsupported: {image: strip}}",
+            "'image' is accepted by this model, so this policy would never apply",
+        ),
+    ],
+)
+def test_check_refuses_what_a_models_engine_cannot_take(model: str, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(
+            doc("version: 1", "encoders:", "  v: {kind: http, urls: ['http://enc:1']}", "models:", f"  - {model}")
+        )
+    assert message in str(caught.value)
+
+
+def test_a_policy_for_a_modality_the_engine_lacks_on_one_api_is_taken() -> None:
+    config = parse_config(
+        doc(
+            "version: 1",
+            "models:",
+            "  - {name: a, upstreams: ['http://e:1'], accepts: [text, audio], on_unsupported: {audio: strip}}",
+            "  - {name: f, upstreams: ['http://e:1'], accepts: [text, file], engine: openai}",
+        )  # fmt: skip
+    )
+    a = config.models[0]
+    assert a.policy(Modality.AUDIO) == Policy("strip") and a.takes_on("chat") == (Modality.TEXT, Modality.AUDIO)
+    assert a.takes_on("responses") == (Modality.TEXT,) and config.models[1].takes_on("chat")[-1] is Modality.FILE

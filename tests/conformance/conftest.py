@@ -14,6 +14,7 @@ as the engine answers it. A test sends through the gateway, then reads what the 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.util import find_spec
@@ -22,6 +23,10 @@ from typing import Any
 import pytest
 
 from tests.conftest import Upstream
+
+# nothing of the engines' own may reach a hub: their configs and tokenizers are written here
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 ENGINES_INSTALLED = find_spec("vllm") is not None and find_spec("sglang") is not None
 collect_ignore_glob = [] if ENGINES_INSTALLED else ["test_*.py"]
@@ -40,7 +45,7 @@ VLLM_ROUTES = {
     "/v1/chat/completions": "chat",
     "/v1/responses": "responses",
     "/v1/messages": "messages",
-    "/v1/messages/count_tokens": "messages",
+    "/v1/messages/count_tokens": "messages_count_tokens",
     "/v1/embeddings": "embeddings",
     "/v1/score": "score",
     "/score": "score",
@@ -48,7 +53,7 @@ VLLM_ROUTES = {
     "/rerank": "rerank",
     "/v2/rerank": "rerank",
     "/v1/audio/transcriptions": "transcription",
-    "/v1/audio/translations": "transcription",
+    "/v1/audio/translations": "translation",
 }
 SGLANG_ROUTES = {
     "/v1/chat/completions": "chat",

@@ -210,7 +210,9 @@ async def test_responses_input_file_and_messages_documents_become_their_apis_tex
 
 async def test_a_model_that_accepts_files_gets_them_as_sent(gateway_factory, upstream_factory) -> None:
     chat = await upstream_factory("chat")
-    gw = await gateway_factory(routing(f"  - {{name: filer, upstreams: [{chat.url}], accepts: [text, file]}}"))
+    gw = await gateway_factory(
+        routing(f"  - {{name: filer, upstreams: [{chat.url}], accepts: [text, file], engine: openai}}")
+    )
     part = file_part(pdfs.text_pdf(["kept"]))
     async with gw.client() as client:
         raw = await client.chat.completions.with_raw_response.create(model="filer", messages=ask(part))

@@ -230,3 +230,35 @@ async def test_parts_of_the_same_meaning_go_in_the_shape_the_engine_reads(gatewa
         raw = await client.responses.with_raw_response.create(model="vision", input=user(without_detail))
     assert raw.headers["X-Gateway-Route"] == "normalize"
     assert vision.received[2].json()["input"] == user(IMAGE)
+
+
+async def test_audio_on_a_vllm_models_responses_api_goes_as_its_policy_says(gateway_factory, upstream_factory) -> None:
+    """vLLM's Responses API has no audio part (issue 38): a model that takes audio on chat takes
+    it there as its on_unsupported policy says, by default a 400 that says why; SGLang's has one."""
+    omni, whisper, sglang = [await upstream_factory(n) for n in ("omni", "whisper", "sglang")]
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: omni, upstreams: [{omni.url}], accepts: [text, audio]}}",
+            f"  - {{name: heard, upstreams: [{omni.url}], accepts: [text, audio], "
+            "on_unsupported: {audio: {transcribe: whisper}}}",
+            f"  - {{name: sg, upstreams: [{sglang.url}], engine: sglang, accepts: [text, audio]}}",
+            f"  - {{name: whisper, upstreams: [{whisper.url}], apis: [transcriptions], accepts: [text, audio]}}",
+        )
+    )
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(model="omni", input=user(audio))
+        error = error_body(caught.value)
+        assert error["code"] == "unsupported_modality" and error["param"] == "input[0].content[1]"
+        assert "on the responses API: vLLM's responses API has no audio part (engine: vllm)" in error["message"]
+        assert omni.received == []
+        raw = await client.responses.with_raw_response.create(model="heard", input=user(audio))
+        assert raw.headers["X-Gateway-Route"] == "transcribe"
+        assert [p["type"] for p in omni.received[-1].json()["input"][0]["content"]] == ["input_text", "input_text"]
+        await client.chat.completions.create(  # on chat, as it came
+            model="omni", messages=[{"role": "user", "content": [audio]}]
+        )
+        assert omni.received[-1].json()["messages"][0]["content"] == [audio]
+        raw = await client.responses.with_raw_response.create(model="sg", input=user(audio))
+        assert raw.headers["X-Gateway-Route"] == "direct" and sglang.received[-1].json()["input"] == user(audio)

@@ -489,8 +489,8 @@ def transcription(fields: Mapping[str, Any]) -> Found:
     ``openai_v1_audio_transcriptions`` (http_server.py:1942) takes them, then its
     ``TranscriptionRequest`` (protocol.py:2487).
 
-    ``fields`` maps a form field's name to its value: ``bytes`` for an uploaded file, ``str``
-    for a plain field, a list for a repeated one (``timestamp_granularities[]``). ``file`` is
+    ``fields`` maps a form field's name to its value: ``bytes`` for an uploaded file (or a
+    ``(filename, bytes[, content_type])`` tuple), ``str`` for a plain field, a list for a repeated one (``timestamp_granularities[]``). ``file`` is
     the only media (required, a file upload); ``model``, ``language``, ``response_format``
     (json, text or verbose_json), ``temperature``, ``stream`` and ``timestamp_granularities[]``
     are plain fields, read as FastAPI reads them. Other fields are ignored (no audio URL field).
@@ -499,6 +499,8 @@ def transcription(fields: Mapping[str, Any]) -> Found:
 
     proto = _openai()
     upload = fields.get("file")
+    if isinstance(upload, tuple):
+        upload = upload[1]
     if not isinstance(upload, bytes | bytearray):
         what = "Field required" if upload is None else "Expected UploadFile, received: str"
         raise Refused(f"1 validation error:\n  body.file\n    {what}", ({"loc": ("body", "file"), "msg": what},))
