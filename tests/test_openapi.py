@@ -210,7 +210,8 @@ auth:
       rate_limit: {{requests_per_minute: 6000000, burst: 1000000}}  # never spent: its headers are checked
     - {{name: limited, key_sha256: {limited}, rate_limit: {{requests_per_minute: 1}}}}
 models:
-  - {{name: qwen-omni, upstreams: ['{upstream}'], accepts: [text, image, video, audio, file], engine: openai, apis: {APIS}}}
+  - {{name: qwen-omni, upstreams: ['{upstream}'], engine: openai, accepts: [text, image, video, audio, file],
+     apis: {APIS}}}
   - name: kimi-k3
     upstreams: ['{upstream}']
     upstream_model: moonshotai/Kimi-K3

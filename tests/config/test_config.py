@@ -1390,7 +1390,7 @@ def test_a_policy_for_a_modality_the_engine_lacks_on_one_api_is_taken() -> None:
             "models:",
             "  - {name: a, upstreams: ['http://e:1'], accepts: [text, audio], on_unsupported: {audio: strip}}",
             "  - {name: f, upstreams: ['http://e:1'], accepts: [text, file], engine: openai}",
-        )  # fmt: skip
+        )
     )
     a = config.models[0]
     assert a.policy(Modality.AUDIO) == Policy("strip") and a.takes_on("chat") == (Modality.TEXT, Modality.AUDIO)

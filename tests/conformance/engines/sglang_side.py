@@ -490,10 +490,10 @@ def transcription(fields: Mapping[str, Any]) -> Found:
     ``TranscriptionRequest`` (protocol.py:2487).
 
     ``fields`` maps a form field's name to its value: ``bytes`` for an uploaded file (or a
-    ``(filename, bytes[, content_type])`` tuple), ``str`` for a plain field, a list for a repeated one (``timestamp_granularities[]``). ``file`` is
-    the only media (required, a file upload); ``model``, ``language``, ``response_format``
-    (json, text or verbose_json), ``temperature``, ``stream`` and ``timestamp_granularities[]``
-    are plain fields, read as FastAPI reads them. Other fields are ignored (no audio URL field).
+    ``(filename, bytes[, content_type])`` tuple), ``str`` for a plain field, a list for a repeated
+    one (``timestamp_granularities[]``). ``file`` is the only media (required, a file upload);
+    ``model``, ``language``, ``response_format`` (json, text or verbose_json), ``temperature``,
+    ``stream`` and ``timestamp_granularities[]`` are plain fields, read as FastAPI reads them. Other fields are ignored (no audio URL field).
     """
     import pydantic
 
