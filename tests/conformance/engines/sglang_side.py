@@ -493,7 +493,8 @@ def transcription(fields: Mapping[str, Any]) -> Found:
     ``(filename, bytes[, content_type])`` tuple), ``str`` for a plain field, a list for a repeated
     one (``timestamp_granularities[]``). ``file`` is the only media (required, a file upload);
     ``model``, ``language``, ``response_format`` (json, text or verbose_json), ``temperature``,
-    ``stream`` and ``timestamp_granularities[]`` are plain fields, read as FastAPI reads them. Other fields are ignored (no audio URL field).
+    ``stream`` and ``timestamp_granularities[]`` are plain fields, read as FastAPI reads them.
+    Other fields are ignored (no audio URL field).
     """
     import pydantic
 
