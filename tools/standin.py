@@ -213,8 +213,9 @@ class StandIn:
         if payload.get("store", True) is not False:
             self.stored.add(rid)
         words = len(text.split())
-        usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": words,
-                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 10 + words}  # fmt: skip
+        usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                 "output_tokens": words, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": 10 + words}  # fmt: skip
         part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         item: dict[str, Any] = {
             "id": mid,
@@ -225,9 +226,13 @@ class StandIn:
         }
 
         def response(status: str, output: list[Any], usage: Any) -> dict[str, Any]:
+            # every field vLLM's ResponsesResponse requires, as vLLM fills them from the request
             return {"id": rid, "object": "response", "created_at": CREATED, "status": status,
                     "model": payload.get("model"), "output": output, "usage": usage, "parallel_tool_calls": True,
-                    "tool_choice": "auto", "tools": []}  # fmt: skip
+                    "tool_choice": "auto", "tools": [], "temperature": payload.get("temperature", 1.0),
+                    "top_p": payload.get("top_p", 1.0), "background": False,
+                    "max_output_tokens": payload.get("max_output_tokens") or 4096, "service_tier": "auto",
+                    "truncation": "disabled"}  # fmt: skip
 
         if not payload.get("stream"):
             return web.Response(

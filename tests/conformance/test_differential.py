@@ -1,0 +1,195 @@
+"""What the engine reads is what the gateway classified: bodies generated with hypothesis are
+admitted by the gateway (its plan, and the body it would send upstream) and parsed by vLLM 0.33's
+own code; wherever both take a body, the media each counts agree, modality by modality. A body the
+gateway refuses is never sent (stricter is allowed); one vLLM refuses carries nothing past the
+table (the engine answers it). What must never happen is a body both take in which vLLM finds
+media the gateway did not count: media carried past the table.
+
+The parts are drawn from every shape vLLM's chat parser reads: typed parts, untyped ones read by
+their media key, parts with a ``uuid`` (read by their key whatever their type), cached references
+(null media with a uuid), several media keys in one part, the Responses API's parts, and the
+pooling APIs' conversations and score sides, with real media (a PNG, a WAV, an MP4) so that vLLM
+decodes what it finds."""
+
+from __future__ import annotations
+
+import base64
+import functools
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.admission.apis import CHAT, Api
+from gateway.admission.apis.pooling import EMBEDDINGS, SCORE
+from gateway.admission.apis.responses import RESPONSES
+from gateway.admission.plan import admit
+from gateway.admission.rewrite import upstream_body
+from gateway.config import parse_config
+from gateway.errors import GatewayError
+from gateway.modalities import Modality
+from tests.conftest import routing
+from tests.images import data_url, png
+from tests.media.test_transcribe import wav
+
+pytestmark = pytest.mark.timeout(600)
+SETTINGS = settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,  # the same bodies every run: CI is repeatable
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+CONFIG = parse_config(
+    routing(
+        "  - {name: omni, upstreams: ['http://127.0.0.1:1'], accepts: [text, image, video, audio], "
+        "apis: [chat, responses, embeddings, score, rerank]}"
+    )
+)
+
+
+@functools.cache
+def media() -> dict[str, str]:
+    from tests.videos import video
+
+    return {
+        "image": data_url(png(size=(32, 32))),
+        "audio": "data:audio/wav;base64," + base64.b64encode(wav(0.1)).decode(),
+        "video": "data:video/mp4;base64," + base64.b64encode(video(seconds=1, fps=4)).decode(),
+    }
+
+
+def _url(kind: str) -> st.SearchStrategy[Any]:
+    """A media URL as a part carries it: an object with ``url``, a bare string, or null."""
+    return st.sampled_from([{"url": media()[kind]}, media()[kind], None])
+
+
+TEXT = st.builds(lambda t: {"type": "text", "text": t}, st.sampled_from(["hi", ""]))
+MEDIA_KEYS = {
+    "image_url": _url("image"),
+    "video_url": _url("video"),
+    "audio_url": _url("audio"),
+    "input_audio": st.sampled_from([{"data": media()["audio"].split(",")[1], "format": "wav"}, None]),
+}
+TYPES = st.sampled_from(["text", "image_url", "video_url", "audio_url", "input_audio", "input_image", None])
+
+
+@st.composite
+def chat_part(draw: st.DrawFn) -> Any:
+    """A part of any shape vLLM's chat parser reads: a type or none, one or two media keys, a
+    uuid or none, a string among the parts."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(st.sampled_from(["plain", ""]))
+    part: dict[str, Any] = {}
+    kind = draw(TYPES)
+    if kind is not None:
+        part["type"] = kind
+    if kind in ("text", None) and draw(st.booleans()):
+        part["text"] = "t"
+    for key in draw(st.lists(st.sampled_from(list(MEDIA_KEYS)), max_size=2, unique=True)):
+        part[key] = draw(MEDIA_KEYS[key])
+    if kind in MEDIA_KEYS and kind not in part:
+        part[kind] = draw(MEDIA_KEYS[kind])
+    if kind == "input_image":
+        part["image_url"] = media()["image"]
+    if draw(st.booleans()):
+        part["uuid"] = draw(st.sampled_from(["u1", "u2", None]))
+    return part
+
+
+def chat_body(parts: list[Any]) -> dict[str, Any]:
+    return {"model": "omni", "messages": [{"role": "user", "content": parts}]}
+
+
+@st.composite
+def responses_part(draw: st.DrawFn) -> Any:
+    kind = draw(st.sampled_from(["input_text", "input_image", "input_audio", "image_url", "input_file"]))
+    if kind == "input_text":
+        return {"type": kind, "text": "t"}
+    if kind == "input_image":
+        image = draw(st.sampled_from([media()["image"], {"url": media()["image"]}]))
+        return {"type": kind, "image_url": image, **draw(st.sampled_from([{}, {"detail": "auto"}]))}
+    if kind == "input_audio":
+        return {"type": kind, "input_audio": {"data": media()["audio"].split(",")[1], "format": "wav"}}
+    if kind == "image_url":
+        return {"type": kind, "image_url": {"url": media()["image"]}}
+    return {"type": kind, "file_data": "data:application/pdf;base64,JVBERi0=", "filename": "a.pdf"}
+
+
+def responses_body(parts: list[Any]) -> dict[str, Any]:
+    return {"model": "omni", "input": [{"role": "user", "content": parts}]}
+
+
+def embeddings_body(conversations: list[list[Any]]) -> dict[str, Any]:
+    batch = [[{"role": "user", "content": parts}] for parts in conversations]
+    return {"model": "omni", "messages": batch if len(batch) > 1 else batch[0]}
+
+
+def score_body(sides: tuple[Any, Any]) -> dict[str, Any]:
+    return {"model": "omni", "queries": sides[0], "documents": sides[1]}
+
+
+SCORE_SIDE = st.one_of(
+    st.just("text"),
+    st.builds(lambda parts: {"content": parts}, st.lists(chat_part(), max_size=3)),
+    st.lists(
+        st.one_of(st.just("t"), st.builds(lambda parts: {"content": parts}, st.lists(chat_part(), max_size=2))),
+        min_size=1,
+        max_size=3,
+    ),
+)
+
+CASES = {
+    "chat": (CHAT, "chat", st.lists(chat_part(), min_size=1, max_size=4).map(chat_body)),
+    "responses": (RESPONSES, "responses", st.lists(responses_part(), min_size=1, max_size=3).map(responses_body)),
+    "embeddings": (
+        EMBEDDINGS,
+        "embeddings",
+        st.lists(st.lists(chat_part(), min_size=1, max_size=3), min_size=1, max_size=2).map(embeddings_body),
+    ),
+    "score": (SCORE, "score", st.tuples(SCORE_SIDE, SCORE_SIDE).map(score_body)),
+}
+
+
+def gateway_counts(api: Api, body: dict[str, Any]) -> tuple[dict[str, int], dict[str, Any]] | None:
+    """What the gateway counted in ``body`` and the body it would send, or None when it refuses."""
+    import orjson
+
+    raw = orjson.dumps(body)
+    try:
+        plan = admit(CONFIG, orjson.loads(raw), api=api)
+    except GatewayError:
+        return None
+    sent = orjson.loads(upstream_body(plan, raw, orjson.loads(raw)))
+    counts = plan.classification.counts
+    return {m.value: n for m in (Modality.IMAGE, Modality.VIDEO, Modality.AUDIO) if (n := counts.get(m, 0))}, sent
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_what_vllm_finds_in_a_body_the_gateway_admits_is_what_the_gateway_counted(case: str) -> None:
+    from tests.conformance.engines import vllm_side
+
+    api, check, bodies = CASES[case]
+    seen = {"both": 0, "gateway refused": 0, "vllm refused": 0}
+
+    @SETTINGS
+    @given(bodies)
+    def agree(body: dict[str, Any]) -> None:
+        admitted = gateway_counts(api, body)
+        if admitted is None:
+            seen["gateway refused"] += 1
+            return
+        counted, sent = admitted
+        try:
+            found = getattr(vllm_side, check)(sent)
+        except vllm_side.Refused:
+            seen["vllm refused"] += 1
+            return
+        seen["both"] += 1
+        if case == "score":  # vLLM pairs a query with each document: it sees the query's media once a pair
+            assert set(found.counts) <= set(counted), (body, counted, found.counts)
+            return
+        assert found.counts == counted, (body, counted, found.counts)
+
+    agree()
+    assert seen["both"] >= 10, seen  # the generator reaches bodies both take
