@@ -120,13 +120,17 @@ def responses_body(parts: list[Any]) -> dict[str, Any]:
     return {"model": "omni", "input": [{"role": "user", "content": parts}]}
 
 
-def embeddings_body(conversations: list[list[Any]]) -> dict[str, Any]:
+def embeddings_body(drawn: tuple[list[list[Any]], str]) -> dict[str, Any]:
+    """One conversation, or a batch of them, in ``messages`` or in ``input`` (vLLM reads all four)."""
+    conversations, key = drawn
     batch = [[{"role": "user", "content": parts}] for parts in conversations]
-    return {"model": "omni", "messages": batch if len(batch) > 1 else batch[0]}
+    return {"model": "omni", key: batch if len(batch) > 1 else batch[0]}
 
 
-def score_body(sides: tuple[Any, Any]) -> dict[str, Any]:
-    return {"model": "omni", "queries": sides[0], "documents": sides[1]}
+def score_body(drawn: tuple[Any, Any, tuple[str, str]]) -> dict[str, Any]:
+    """Two sides under one of vLLM's four pairs of names."""
+    first, second, (one, two) = drawn
+    return {"model": "omni", one: first, two: second}
 
 
 SCORE_SIDE = st.one_of(
@@ -145,9 +149,22 @@ CASES = {
     "embeddings": (
         EMBEDDINGS,
         "embeddings",
-        st.lists(st.lists(chat_part(), min_size=1, max_size=3), min_size=1, max_size=2).map(embeddings_body),
+        st.tuples(
+            st.lists(st.lists(chat_part(), min_size=1, max_size=3), min_size=1, max_size=2),
+            st.sampled_from(["messages", "input"]),
+        ).map(embeddings_body),
     ),
-    "score": (SCORE, "score", st.tuples(SCORE_SIDE, SCORE_SIDE).map(score_body)),
+    "score": (
+        SCORE,
+        "score",
+        st.tuples(
+            SCORE_SIDE,
+            SCORE_SIDE,
+            st.sampled_from(
+                [("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2")]
+            ),
+        ).map(score_body),
+    ),
 }
 
 
