@@ -393,7 +393,7 @@ def _classify_part(walk: _Walk, i: int, j: int, where: str, part: object) -> Par
                 f"a content part {which} must carry exactly one of {', '.join(table.untyped)} ({found})",
             )
         part_type = keys[0]
-        modality, check = table.types[part_type][0], table.untyped[part_type]
+        modality, check = (table.types.get(part_type) or PART_TYPES[part_type])[0], table.untyped[part_type]
     elif not isinstance(part_type, str):
         raise _invalid(walk, (i, j, where), "'type' must be a string")
     elif (entry := table.types.get(part_type)) is None:

@@ -324,6 +324,7 @@ def admit(
         _enforce_limits(model, classification, frozenset())
         visual = _measure(model, classification, contents, deferred=deferred) if model.counts_images else None
         return RoutePlan(requested.name, model, classification, api=api, normalized=normalized, visual=visual)
+    configured = model.accepts  # the model's own, before its engine narrows them on this API
     model = _on_api(model, api.name)
     while True:
         redirect = _choose_redirect(config, model, present, _Caller(visible, api.name))
@@ -336,12 +337,13 @@ def admit(
         target = config.model(redirect.target)
         if target is None:  # validation forbids this too
             raise GatewayError(f"model '{model.name}' redirects to '{redirect.target}', which does not exist")
+        configured = target.accepts
         model = _on_api(target, api.name)
     unsupported = [m for m in present if m not in model.accepts]
     # each unsupported modality by what its policy does (one the key may not use its model for: rejected)
     policies = [(m, model.policy(m)) for m in unsupported]
     if all(policy.action == "reject" for _, policy in policies):  # the common refusal: nothing else to weigh
-        _reject_unsupported(model, classification, unsupported, frozenset(), redirects, api.name)
+        _reject_unsupported(model, classification, unsupported, frozenset(), redirects, (api.name, configured))
     doing: dict[str, set[Modality]] = {}
     for m, policy in policies:
         if policy.action not in ("transcribe", "describe") or _may_use(visible, policy.target or ""):
@@ -357,7 +359,7 @@ def admit(
         for m in converted:
             _hold_conversions(model, classification, m)
     handled = stripped | as_text | framed
-    _reject_unsupported(model, classification, unsupported, handled, redirects, api.name)
+    _reject_unsupported(model, classification, unsupported, handled, redirects, (api.name, configured))
     _enforce_limits(model, classification, handled)
     per_video = _frames_per_video(model, classification, stripped) if framed else 0
     gone = stripped | framed | described  # not sent as images
@@ -556,7 +558,7 @@ def _reject_unsupported(
     unsupported: list[Modality],
     stripped: frozenset[Modality],
     redirects: list[Redirect],
-    api: str,
+    on: tuple[str, tuple[Modality, ...]],  # the API, and the modalities the model itself accepts
 ) -> None:
     # reject, and a redirect or a conversion to a model outside the caller's key
     rejected = [m for m in unsupported if m not in stripped]
@@ -572,8 +574,8 @@ def _reject_unsupported(
     if redirects:
         via = " (redirected " + ", then ".join(f"from '{r.source}' for {r.modality} input" for r in redirects) + ")"
     carried = "" if part.modality is modality else f" ({part.type} with use_audio_in_video)"
-    dialect = model.dialect
-    why = f" on the {api} API: {dialect.why(api, modality)}" if modality in dialect.lacking(api) else ""
+    api, configured = on
+    why = f" on the {api} API: {model.dialect.why(api, modality)}" if modality in configured else ""
     raise UnsupportedModalityError(
         f"Model '{model.name}'{via} does not accept {modality} input{why}: {part.location} is "
         f"'{part.type}'{carried}. It accepts: {model.accepts_text()}.",

@@ -462,7 +462,7 @@ def _video(part: Part, value: Mapping[str, Any], spec: VisualTokens) -> Sized | 
     """A video part as admission can size it: to probe (its bytes inline, or fetched with
     ``remote: fetch``), of the assumed size (``remote: [W, H]``: its most frames), or at its most."""
     assert spec.video is not None
-    url = video_source(value)
+    url = video_source(value, part.type)
     if url is None:
         return None  # a cached video (a uuid), or one the gateway cannot read: the engine's to count
     if url[:5].lower() == "data:" or spec.remote == "fetch":
@@ -474,9 +474,11 @@ def _video(part: Part, value: Mapping[str, Any], spec: VisualTokens) -> Sized | 
     return Sized(part, 0, 0, _most_video(spec.video), "most", frames=frames)
 
 
-def video_source(value: Mapping[str, Any]) -> str | None:
-    """A ``video_url`` part's URL (a data URL, or a remote one), or None (a cached video's uuid)."""
-    url = value.get("video_url") if value.get("type", "video_url") == "video_url" else None
+def video_source(value: Mapping[str, Any], kind: str | None = None) -> str | None:
+    """A ``video_url`` part's URL (a data URL, or a remote one), or None (a cached video's uuid).
+    ``kind``: the part's type as classification read it (see :func:`image_source`)."""
+    kind = value.get("type", "video_url") if kind is None else kind
+    url = value.get("video_url") if kind == "video_url" else None
     if isinstance(url, Mapping):
         url = url.get("url")
     return url if isinstance(url, str) and url else None
@@ -594,7 +596,7 @@ def _size(
     """(width, height, how it is known, format) of an image part; None: not the gateway's to count.
     A data URL of which ``deferred`` holds the rest is read from what it holds when its header
     lies there, else again once the strings are whole (in their places: ``value`` holds it then)."""
-    encoded = image_source(value)
+    encoded = image_source(value, part.type)
     if encoded is None:
         return None
     if isinstance(encoded, str):  # a remote URL
@@ -621,9 +623,11 @@ def _size(
     return image.width, image.height, "header", image.format
 
 
-def image_source(value: Mapping[str, Any]) -> tuple[str, int, bool] | str | None:
-    """Where an image part's bytes are: (text, start, base64) inline, a remote URL, or None."""
-    kind = value.get("type")
+def image_source(value: Mapping[str, Any], kind: str | None = None) -> tuple[str, int, bool] | str | None:
+    """Where an image part's bytes are: (text, start, base64) inline, a remote URL, or None.
+    ``kind``: the part's type as classification read it (a part with a uuid, or none, is read by
+    its media key, whatever its ``type`` field says); by default its ``type`` field."""
+    kind = value.get("type") if kind is None else kind
     if kind == "image":  # Anthropic's: a source of base64 data, a URL, or a file
         source = value.get("source")
         if not isinstance(source, Mapping):

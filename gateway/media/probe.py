@@ -101,7 +101,7 @@ async def probed(
         part = item.part
         assert part.index is not None
         original = contents[part.message].value[part.index]
-        url = video_source(original)
+        url = video_source(original, part.type)
         assert url is not None  # admission left it to probe: it has one
         data = await load_bytes(sampling, url, part.location, refused)
         fetched = url[:5].lower() != "data:"

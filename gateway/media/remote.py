@@ -38,7 +38,7 @@ async def sized(
     for image in plan.visual.to_fetch:
         part = image.part
         assert part.index is not None
-        url = image_source(contents[part.message].value[part.index])
+        url = image_source(contents[part.message].value[part.index], image.part.type)
         assert isinstance(url, str)  # measured as a remote image: a URL
         try:
             data = await fetcher.load(url, "image", media)

@@ -544,3 +544,16 @@ def strings_prefix() -> int:
     from gateway.admission.strings import PREFIX
 
     return PREFIX
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"image_url": {"url": data(3000, 2000)}},  # untyped: read by its key, as vLLM reads it
+        {"image_url": data(3000, 2000)},
+        {"type": "text", "text": "", "image_url": {"url": data(3000, 2000)}, "uuid": "x"},  # a uuid: by its key
+    ],
+)
+def test_an_image_read_by_its_media_key_is_held_to_the_pixel_limit_too(part: dict[str, Any]) -> None:
+    body = {"model": "pixels-only", "messages": [{"role": "user", "content": [part]}]}
+    assert refused(body)["code"] == "image_too_large"

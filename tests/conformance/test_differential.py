@@ -103,9 +103,12 @@ def chat_body(parts: list[Any]) -> dict[str, Any]:
 
 @st.composite
 def responses_part(draw: st.DrawFn) -> Any:
-    kind = draw(st.sampled_from(["input_text", "input_image", "input_audio", "image_url", "input_file"]))
+    kind = draw(st.sampled_from(["input_text", "input_image", "input_audio", "image_url", "input_file", "keyed"]))
     if kind == "input_text":
         return {"type": kind, "text": "t"}
+    if kind == "keyed":  # a text part carrying media and a uuid: vLLM's chat parser reads it by its key
+        key = draw(st.sampled_from(["image_url", "video_url", "audio_url"]))
+        return {"type": "input_text", "text": "t", key: draw(_url(key.split("_")[0])), "uuid": "u"}
     if kind == "input_image":
         image = draw(st.sampled_from([media()["image"], {"url": media()["image"]}]))
         return {"type": kind, "image_url": image, **draw(st.sampled_from([{}, {"detail": "auto"}]))}

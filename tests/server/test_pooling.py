@@ -231,3 +231,23 @@ async def test_embeddings_with_both_messages_and_items_read_both(gateway_factory
     body = {"model": "bge", "messages": TEXT_TURN, "input": [{"text": "t", "image": PNG}]}  # SGLang reads input
     status, answer = await post(f"{gw.url}/v1/embeddings", body)
     assert status == 400 and answer["error"]["param"] == "input[0]" and text.received == []
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/embeddings", {"input": [{"role": "user", "text": "a", "image": PNG}]}, "input[0]"),
+        ("/v1/embeddings", {"input": [{"role": "user", "content": "hi", "video": PNG}]}, "input[0]"),
+        ("/v1/rerank", {"query": [{**IMAGE, "content": "x"}], "documents": ["a"]}, "query[0]"),
+        ("/v1/rerank", {"query": "q", "documents": [{**IMAGE, "content": [IMAGE]}]}, "documents[0]"),
+        ("/v1/score", {"queries": {"type": "text", "text": "q", "content": []}, "documents": "d"}, "queries"),
+    ],
+)
+async def test_an_object_two_engines_read_two_ways_is_refused(gateway_factory, both, path, fields, param) -> None:
+    """An item SGLang reads as media and vLLM as a message (or the other way round) is a 400:
+    the gateway could count it only one way (issue 38's review)."""
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    status, answer = await post(gw.url + path, {"model": "vlm2vec", **fields})
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert vision.received == []

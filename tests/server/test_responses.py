@@ -262,3 +262,13 @@ async def test_audio_on_a_vllm_models_responses_api_goes_as_its_policy_says(gate
         assert omni.received[-1].json()["messages"][0]["content"] == [audio]
         raw = await client.responses.with_raw_response.create(model="sg", input=user(audio))
         assert raw.headers["X-Gateway-Route"] == "direct" and sglang.received[-1].json()["input"] == user(audio)
+
+
+async def test_a_responses_part_with_a_uuid_is_read_by_its_media_key_as_vllm_reads_it(gateway_factory, both) -> None:
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    smuggled = {"type": "input_text", "text": "hi", "image_url": PNG, "uuid": "x"}
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(model="texty", input=user(smuggled))
+    assert error_body(caught.value)["code"] == "unsupported_modality" and texty.received == []

@@ -1,8 +1,9 @@
 """The pooling APIs of vLLM and SGLang (embedding, scoring and reranking models) as admission sees them.
 
-Every shape the engines' own request models accept is read (vLLM 0.33's
-``entrypoints/pooling/{embed,scoring}/protocol.py``, SGLang 0.5.23's ``EmbeddingRequest``); a
-shape that is none of them is a 400 naming it, never forwarded unread:
+Every shape the engines' own request models accept that can carry media is read (vLLM 0.33's
+``entrypoints/pooling/{embed,scoring}/protocol.py``, SGLang 0.5.23's ``EmbeddingRequest`` and
+``V1RerankReqInput``); a list of mixed kinds, or an object two engines would read two ways, is a
+400 naming it:
 
 - **embeddings** (``POST /v1/embeddings``): text ``input`` (a string, strings, token ids, lists of
   token ids) carries no parts. vLLM's multimodal embedding models take conversations: one in
@@ -67,6 +68,13 @@ def embedding_contents(body: dict[str, Any], bounds: ContentBounds) -> list[Cont
             return view  # lists of token ids
         return view + _conversations(items, "input", bounds)  # vLLM: a batch of conversations in input
     if all(isinstance(item, dict) and "role" in item for item in items):
+        for i, item in enumerate(items):
+            if any(key in item for key in ITEMS.untyped):  # SGLang reads it as an item, vLLM as a message
+                raise InvalidRequestError(
+                    f"input[{i}] is both a chat message (it has a 'role') and an SGLang item (it has "
+                    f"{', '.join(k for k in ITEMS.untyped if k in item)}): send one or the other",
+                    param=f"input[{i}]",
+                )
         return view + _conversations(items, "input", bounds)  # vLLM: one conversation in input
     if all(isinstance(item, dict) and "role" not in item for item in items):
         check_messages(items, bounds, "input")
@@ -76,6 +84,16 @@ def embedding_contents(body: dict[str, Any], bounds: ContentBounds) -> list[Cont
         "messages, or multimodal items ({'text', 'image', 'video'}), one kind throughout",
         param="input",
     )
+
+
+def _one_reading(item: dict[str, Any], where: str) -> None:
+    """400 for an object that is both vLLM's ``{"content": [parts]}`` and a part (a ``type``, or
+    a media key): vLLM would read its content, SGLang the part."""
+    if "content" in item and ("type" in item or any(key in item for key in CHAT_PARTS.untyped)):
+        raise InvalidRequestError(
+            f"{where} is both an object with 'content' (vLLM's) and a content part (SGLang's): send one or the other",
+            param=where,
+        )
 
 
 def _token(value: Any) -> bool:
@@ -118,6 +136,7 @@ def _side(body: dict[str, Any], key: str, bounds: ContentBounds) -> list[Content
     if value is None or isinstance(value, str):
         return []
     if isinstance(value, dict):
+        _one_reading(value, key)
         if "content" not in value:
             raise InvalidRequestError(f"'{key}' must be a string, an array, or an object with 'content'", param=key)
         return [Content(value, "content", f"{key}.content")]
@@ -132,6 +151,8 @@ def _side(body: dict[str, Any], key: str, bounds: ContentBounds) -> list[Content
     for i, item in enumerate(value):
         if isinstance(item, str):
             continue
+        if isinstance(item, dict):
+            _one_reading(item, f"{key}[{i}]")
         if isinstance(item, dict) and "content" in item:
             view.append(Content(item, "content", f"{key}[{i}].content"))
         elif isinstance(item, list) and all(_token(token) for token in item):

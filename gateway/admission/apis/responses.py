@@ -21,7 +21,7 @@ from typing import Any
 from ...config.types import ContentBounds
 from ...errors import InvalidRequestError
 from ...modalities import Modality
-from ..parts import TEXT_FIELDS, Content, PartTable, check_messages, str_field
+from ..parts import CHAT_PARTS, TEXT_FIELDS, Content, PartTable, check_messages, str_field
 from . import Api
 
 
@@ -61,7 +61,11 @@ PARTS = PartTable(
         "input_audio": (Modality.AUDIO, _audio),
     },
     TEXT_FIELDS,
+    # vLLM hands a Responses message's parts to its chat parser, which reads a part with a uuid by
+    # its media key whatever its type: so does the gateway (gateway.admission.parts)
+    CHAT_PARTS.untyped,
     strings=False,
+    by_uuid=True,
 )
 
 
