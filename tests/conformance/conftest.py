@@ -127,14 +127,7 @@ async def vllm(upstream_factory: Callable[..., Awaitable[Upstream]]) -> Callable
     from tests.conformance.engines import vllm_side
 
     _warm(vllm_side)  # vLLM's first check imports it (seconds): not while a gateway waits on the engine
-
-    async def make(name: str = "vllm", **options: Any) -> Engine:
-        upstream = await upstream_factory(name)
-        engine = Engine(upstream)
-        upstream.standin.check = _checker(vllm_side, VLLM_ROUTES, engine, options)
-        return engine
-
-    return make
+    return _factory(upstream_factory, vllm_side, VLLM_ROUTES, "vllm")
 
 
 @pytest.fixture
@@ -142,10 +135,18 @@ async def sglang(upstream_factory: Callable[..., Awaitable[Upstream]]) -> Callab
     """A factory of SGLang engines."""
     from tests.conformance.engines import sglang_side
 
-    async def make(name: str = "sglang", **options: Any) -> Engine:
+    return _factory(upstream_factory, sglang_side, SGLANG_ROUTES, "sglang")
+
+
+def _factory(
+    upstream_factory: Callable[..., Awaitable[Upstream]], module: Any, routes: Mapping[str, str], default: str
+) -> Callable[..., Awaitable[Engine]]:
+    """Engines whose stand-in holds every body to ``module``'s checks (``options``: the checks')."""
+
+    async def make(name: str = default, **options: Any) -> Engine:
         upstream = await upstream_factory(name)
         engine = Engine(upstream)
-        upstream.standin.check = _checker(sglang_side, SGLANG_ROUTES, engine, options)
+        upstream.standin.check = _checker(module, routes, engine, options)
         return engine
 
     return make

@@ -294,16 +294,7 @@ def messages(body: Mapping[str, Any], engine: Engine = OMNI) -> Found:
     (and a ``tool_result``'s images, which the conversion moves to a user message of their own).
     The request model knows no ``document`` block: a PDF is refused there.
     """
-    with _checking() as log:
-        request = _validated("AnthropicMessagesRequest", body)
-        serving = _vllm("vllm.entrypoints.anthropic.serving")
-        with _stage("convert"):
-            chat_request = serving.AnthropicServingMessages.to_chat_completion_request(
-                request, merge_inline_system=False, disabled_thinking_effort="none"
-            )
-        _request_kwargs(chat_request, engine)
-        found = _parse([chat_request.messages], engine, request, log)
-    return found
+    return _anthropic("AnthropicMessagesRequest", body, engine)
 
 
 def messages_count_tokens(body: Mapping[str, Any], engine: Engine = OMNI) -> Found:
@@ -311,8 +302,13 @@ def messages_count_tokens(body: Mapping[str, Any], engine: Engine = OMNI) -> Fou
     ``vllm.entrypoints.anthropic.protocol.AnthropicCountTokensRequest`` (no ``max_tokens``), then
     converted and parsed as :func:`messages` (``AnthropicServingMessages.count_tokens`` renders it
     as the chat request it converts to)."""
+    return _anthropic("AnthropicCountTokensRequest", body, engine)
+
+
+def _anthropic(model: str, body: Mapping[str, Any], engine: Engine) -> Found:
+    """An Anthropic body validated with ``model``, converted to chat by vLLM's own conversion, parsed."""
     with _checking() as log:
-        request = _validated("AnthropicCountTokensRequest", body)
+        request = _validated(model, body)
         serving = _vllm("vllm.entrypoints.anthropic.serving")
         with _stage("convert"):
             chat_request = serving.AnthropicServingMessages.to_chat_completion_request(
