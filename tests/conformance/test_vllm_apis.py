@@ -168,3 +168,49 @@ async def test_a_transcription_upload_is_what_vllm_decodes(gateway_factory, vllm
     async with aiohttp.ClientSession() as session, session.post(f"{gw.url}/v1/audio/transcriptions", data=form) as resp:
         assert resp.status == 200, await resp.text()
     assert engine.last().found.duration_s == pytest.approx(0.5, abs=0.01)
+
+
+async def test_responses_audio_to_a_vllm_model_is_refused_at_the_door_or_its_transcript(
+    gateway_factory, vllm, upstream_factory
+) -> None:
+    """vLLM's Responses API has no audio part: what the gateway sends instead is what vLLM takes."""
+    engine: Engine = await vllm()
+    whisper = await upstream_factory("whisper")
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: omni, upstreams: [{engine.url}], accepts: [text, audio]}}",
+            f"  - {{name: heard, upstreams: [{engine.url}], accepts: [text, audio], "
+            "on_unsupported: {audio: {transcribe: whisper}}}",
+            f"  - {{name: whisper, upstreams: [{whisper.url}], apis: [transcriptions], accepts: [text, audio]}}",
+        )
+    )
+    audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(0.25)).decode(), "format": "wav"}}
+    body = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "what was said?"}, audio]}]}
+    status, answer = await post(f"{gw.url}/v1/responses", {"model": "omni", **body})
+    assert status == 400 and "vLLM's responses API has no audio part" in answer["error"]["message"]
+    assert engine.checked == []
+    status, answer = await post(f"{gw.url}/v1/responses", {"model": "heard", **body})
+    assert status == 200, answer
+    assert engine.last().found.counts == {}
+
+
+async def test_a_translation_and_a_count_tokens_body_are_what_vllm_takes(gateway_factory, vllm) -> None:
+    engine: Engine = await vllm()
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: whisper, upstreams: [{engine.url}], apis: [transcriptions, translations], "
+            "accepts: [text, audio]}",
+            f"  - {{name: omni, upstreams: [{engine.url}], accepts: [text, image], apis: [messages]}}",
+        )
+    )
+    form = aiohttp.FormData()
+    form.add_field("model", "whisper")
+    form.add_field("file", wav(0.5), filename="a.wav", content_type="audio/wav")
+    async with aiohttp.ClientSession() as session, session.post(f"{gw.url}/v1/audio/translations", data=form) as resp:
+        assert resp.status == 200, await resp.text()
+    assert engine.last("/v1/audio/translations").found.duration_s == pytest.approx(0.5, abs=0.01)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}}
+    body = {"model": "omni", "messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, image]}]}
+    status, answer = await post(f"{gw.url}/v1/messages/count_tokens", body)
+    assert status == 200, answer
+    assert engine.last("/v1/messages/count_tokens").found.counts == {"image": 1}
