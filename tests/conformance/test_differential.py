@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.admission.apis import CHAT, Api
-from gateway.admission.apis.pooling import EMBEDDINGS, SCORE
+from gateway.admission.apis.pooling import EMBEDDINGS, RERANK, SCORE
 from gateway.admission.apis.responses import RESPONSES
 from gateway.admission.plan import admit
 from gateway.admission.rewrite import upstream_body
@@ -43,7 +43,9 @@ SETTINGS = settings(
 CONFIG = parse_config(
     routing(
         "  - {name: omni, upstreams: ['http://127.0.0.1:1'], accepts: [text, image, video, audio], "
-        "apis: [chat, responses, embeddings, score, rerank]}"
+        "apis: [chat, responses, embeddings, score, rerank]}",
+        "  - {name: sg, upstreams: ['http://127.0.0.1:1'], engine: sglang, accepts: [text, image, video], "
+        "apis: [embeddings, rerank]}",
     )
 )
 
@@ -171,6 +173,61 @@ CASES = {
 }
 
 
+@st.composite
+def sglang_item(draw: st.DrawFn) -> dict[str, Any]:
+    """An SGLang embedding item, now and then with keys a chat message has (``role``, ``content``)."""
+    item: dict[str, Any] = {}
+    for key in draw(st.lists(st.sampled_from(["text", "image", "video", "role", "content"]), min_size=1, unique=True)):
+        item[key] = {"text": "t", "image": media()["image"], "video": media()["video"], "role": "user"}.get(key, "c")
+    return item
+
+
+def sglang_embeddings_body(items: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"model": "sg", "input": items}
+
+
+@st.composite
+def sglang_rerank_part(draw: st.DrawFn) -> Any:
+    """A rerank part as SGLang takes it, now and then with vLLM's ``content`` beside it."""
+    part = draw(
+        st.sampled_from(
+            [
+                {"type": "text", "text": "t"},
+                {"type": "image_url", "image_url": {"url": media()["image"]}},
+                {"type": "video_url", "video_url": {"url": media()["video"]}},
+            ]
+        )
+    )
+    return {**part, "content": "x"} if draw(st.integers(0, 4)) == 0 else part
+
+
+SGLANG_SIDE = st.one_of(st.just("q"), st.lists(sglang_rerank_part(), min_size=1, max_size=3))
+
+
+def sglang_rerank_body(drawn: tuple[Any, list[Any]]) -> dict[str, Any]:
+    query, documents = drawn
+    return {"model": "sg", "query": query, "documents": documents}
+
+
+SGLANG_CASES = {
+    "embeddings": (
+        EMBEDDINGS,
+        "embeddings",
+        st.lists(sglang_item(), min_size=1, max_size=3).map(sglang_embeddings_body),
+    ),
+    "rerank": (
+        RERANK,
+        "rerank",
+        st.tuples(
+            SGLANG_SIDE,
+            st.lists(
+                st.one_of(st.just("d"), st.lists(sglang_rerank_part(), min_size=1, max_size=2)), min_size=1, max_size=3
+            ),
+        ).map(sglang_rerank_body),
+    ),
+}
+
+
 def gateway_counts(api: Api, body: dict[str, Any]) -> tuple[dict[str, int], dict[str, Any]] | None:
     """What the gateway counted in ``body`` and the body it would send, or None when it refuses."""
     import orjson
@@ -213,3 +270,32 @@ def test_what_vllm_finds_in_a_body_the_gateway_admits_is_what_the_gateway_counte
 
     agree()
     assert seen["both"] >= 10, seen  # the generator reaches bodies both take
+
+
+@pytest.mark.parametrize("case", list(SGLANG_CASES))
+def test_what_sglang_finds_in_a_body_the_gateway_admits_is_what_the_gateway_counted(case: str) -> None:
+    """The same for SGLang's own shapes (its embedding items, its rerank parts), with keys that
+    another engine's reading would give them."""
+    from tests.conformance.engines import sglang_side
+
+    api, check, bodies = SGLANG_CASES[case]
+    seen = {"both": 0, "gateway refused": 0, "sglang refused": 0}
+
+    @SETTINGS
+    @given(bodies)
+    def agree(body: dict[str, Any]) -> None:
+        admitted = gateway_counts(api, body)
+        if admitted is None:
+            seen["gateway refused"] += 1
+            return
+        counted, sent = admitted
+        try:
+            found = getattr(sglang_side, check)(sent)
+        except sglang_side.Refused:
+            seen["sglang refused"] += 1
+            return
+        seen["both"] += 1
+        assert found.counts() == counted, (body, counted, found.counts())
+
+    agree()
+    assert seen["both"] >= 10, seen
