@@ -189,7 +189,7 @@ def sglang_embeddings_body(items: list[dict[str, Any]]) -> dict[str, Any]:
 @st.composite
 def sglang_rerank_part(draw: st.DrawFn) -> Any:
     """A rerank part as SGLang takes it, now and then with vLLM's ``content`` beside it."""
-    part = draw(
+    part: dict[str, Any] = draw(
         st.sampled_from(
             [
                 {"type": "text", "text": "t"},
