@@ -47,6 +47,7 @@ class Content:
     key: str | int
     where: str = ""  # its location as errors say it; "" for a chat message (messages[i].content)
     table: PartTable | None = None  # its own part types, where they are not its API's (SGLang's items)
+    engine: str | None = None  # the one engine whose shape it is (routing.yaml's engine:); None: every one's
 
     @property
     def value(self) -> Any:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 from ..config import GatewayConfig, ModelConfig
+from ..config.engines import DIALECTS
 from ..config.types import ContentBounds
 from ..errors import (
     GatewayError,
@@ -321,6 +322,8 @@ def admit(
     if all(
         m in model.accepts and m not in lacking for m in present
     ):  # the common case: nothing to redirect, reject or strip
+        if api.engine_shapes:
+            _check_shapes(model, contents)
         _enforce_limits(model, classification, frozenset())
         visual = _measure(model, classification, contents, deferred=deferred) if model.counts_images else None
         return RoutePlan(requested.name, model, classification, api=api, normalized=normalized, visual=visual)
@@ -339,6 +342,8 @@ def admit(
             raise GatewayError(f"model '{model.name}' redirects to '{redirect.target}', which does not exist")
         configured = target.accepts
         model = _on_api(target, api.name)
+    if api.engine_shapes:
+        _check_shapes(model, contents)
     unsupported = [m for m in present if m not in model.accepts]
     # each unsupported modality by what its policy does (one the key may not use its model for: rejected)
     policies = [(m, model.policy(m)) for m in unsupported]
@@ -382,6 +387,21 @@ def admit(
     parts = (*plan.stripped_parts, *plan.transcribe_parts, *plan.describe_parts, *plan.extract_parts)
     gone_at = {(p.message, p.index) for p in parts}  # not sent as parts
     return dataclasses.replace(plan, normalized=normalized - gone_at)
+
+
+def _check_shapes(model: ModelConfig, contents: list[Content]) -> None:
+    """400 for a place of the request that is one engine's shape alone (vLLM's conversations,
+    SGLang's items) when the model runs on another, which would refuse it or drop its media."""
+    engine = model.engine
+    if engine == "openai":  # an engine of its own: what it reads is its to say
+        return
+    for content in contents:
+        if content.engine is not None and content.engine != engine:
+            raise InvalidRequestError(
+                f"{content.where} is {DIALECTS[content.engine].title}'s shape, which model '{model.name}' does not "
+                f"take: its engine is {model.dialect.title} (engine: {engine}; docs/engines.md)",
+                param=content.where,
+            )
 
 
 def _on_api(model: ModelConfig, api: str) -> ModelConfig:

@@ -21,6 +21,9 @@ def table(text: Upstream, vision: Upstream) -> str:
         f"  - {{name: bge, upstreams: [{text.url}], accepts: [text], apis: [embeddings, score, rerank]}}",
         f"  - {{name: vlm2vec, upstreams: [{vision.url}], accepts: [text, image], apis: [embeddings, score, rerank]}}",
         f"  - {{name: chatty, upstreams: [{text.url}], accepts: [text]}}",
+        f"  - {{name: sg-text, upstreams: [{text.url}], engine: sglang, accepts: [text], apis: [embeddings, rerank]}}",
+        f"  - {{name: sg-vision, upstreams: [{vision.url}], engine: sglang, accepts: [text, image], "
+        "apis: [embeddings, rerank]}",
     )
 
 
@@ -50,7 +53,7 @@ async def test_embeddings_of_text_and_of_images_are_admitted_by_the_table(gatewa
         await client.embeddings.create(model="vlm2vec", input="", extra_body={"messages": messages})
     assert vision.received[-1].json()["messages"] == messages
     # SGLang's items: each carries every modality it has
-    status, body = await post(f"{gw.url}/v1/embeddings", {"model": "bge", "input": [{"text": "t", "image": PNG}]})
+    status, body = await post(f"{gw.url}/v1/embeddings", {"model": "sg-text", "input": [{"text": "t", "image": PNG}]})
     assert status == 400 and body["error"]["param"] == "input[0]" and "'text+image'" in body["error"]["message"]
     assert [r.path for r in text.received] == ["/v1/embeddings"]  # the refused ones reached no engine
 
@@ -190,9 +193,9 @@ async def test_sglangs_rerank_parts_are_classified(gateway_factory, both, shape:
     text, vision = both
     gw = await gateway_factory(table(text, vision))
     fields, param = SGLANG_SIDES[shape]
-    status, answer = await post(f"{gw.url}/v1/rerank", {"model": "bge", **fields})
+    status, answer = await post(f"{gw.url}/v1/rerank", {"model": "sg-text", **fields})
     assert status == 400 and answer["error"]["code"] == "unsupported_modality" and answer["error"]["param"] == param
-    status, answer = await post(f"{gw.url}/v1/rerank", {"model": "vlm2vec", **fields})
+    status, answer = await post(f"{gw.url}/v1/rerank", {"model": "sg-vision", **fields})
     assert status == 200 and text.received == []
 
 
@@ -202,7 +205,7 @@ async def test_a_stripped_document_of_parts_leaves_the_body_without_its_image(
     engine = await upstream_factory("sglang")
     gw = await gateway_factory(
         routing(
-            f"  - {{name: r, upstreams: [{engine.url}], accepts: [text], apis: [rerank], "
+            f"  - {{name: r, upstreams: [{engine.url}], engine: sglang, accepts: [text], apis: [rerank], "
             "on_unsupported: {image: strip}}"
         )
     )
@@ -228,9 +231,33 @@ async def test_score_token_ids_carry_no_parts_and_an_object_without_content_is_r
 async def test_embeddings_with_both_messages_and_items_read_both(gateway_factory, both) -> None:
     text, vision = both
     gw = await gateway_factory(table(text, vision))
-    body = {"model": "bge", "messages": TEXT_TURN, "input": [{"text": "t", "image": PNG}]}  # SGLang reads input
-    status, answer = await post(f"{gw.url}/v1/embeddings", body)
-    assert status == 400 and answer["error"]["param"] == "input[0]" and text.received == []
+    body = {"model": "sg-text", "messages": TEXT_TURN, "input": [{"text": "t", "image": PNG}]}  # SGLang reads input
+    status, answer = await post(f"{gw.url}/v1/embeddings", body)  # (and refuses nothing for the messages: 400 here)
+    assert status == 400 and answer["error"]["param"] in ("messages[0].content", "input[0]") and text.received == []
+
+
+@pytest.mark.parametrize(
+    ("model", "fields", "param", "engine"),
+    [
+        ("sg-vision", {"messages": CONVERSATION}, "messages[0].content", "vLLM"),  # SGLang has no messages
+        ("sg-vision", {"input": CONVERSATION}, "input[0].content", "vLLM"),
+        ("vlm2vec", {"input": [{"text": "t", "image": PNG}]}, "input", "SGLang"),  # vLLM has no items
+        ("vlm2vec", {"query": "q", "documents": [[IMAGE]]}, "documents[0]", "SGLang"),
+        ("sg-vision", {"query": "q", "documents": [{"content": [IMAGE]}]}, "documents[0].content", "vLLM"),
+    ],
+)
+async def test_a_shape_only_another_engine_reads_is_a_400_naming_it(
+    gateway_factory, both, model: str, fields: dict[str, Any], param: str, engine: str
+) -> None:
+    """An engine silently drops (SGLang: a conversation) or refuses (vLLM: SGLang's items) what it
+    does not read: the gateway says so first (issue 38, engine dialects)."""
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    path = "/v1/embeddings" if "query" not in fields else "/v1/rerank"
+    status, answer = await post(gw.url + path, {"model": model, **fields})
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert f"is {engine}'s shape, which model '{model}' does not take" in answer["error"]["message"]
+    assert vision.received == []
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,9 @@ class Api:
     # what a request costs its key and the gateway's counts: False for one that only asks what it
     # would cost (Anthropic's count_tokens): its visual tokens neither spent nor counted as admitted
     spends: bool = True
+    # its places may be one engine's shape alone (Content.engine: vLLM's conversations, SGLang's
+    # items): a place the model's engine does not read is a 400, never media it silently drops
+    engine_shapes: bool = False
 
     def classify(
         self, body: dict[str, Any], *, model: str, bounds: ContentBounds, contents: list[Content] | None = None

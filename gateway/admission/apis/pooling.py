@@ -78,7 +78,7 @@ def embedding_contents(body: dict[str, Any], bounds: ContentBounds) -> list[Cont
         return view + _conversations(items, "input", bounds)  # vLLM: one conversation in input
     if all(isinstance(item, dict) and "role" not in item for item in items):
         check_messages(items, bounds, "input")
-        return [*view, Content(body, "input", "input", ITEMS)]  # SGLang's items
+        return [*view, Content(body, "input", "input", ITEMS, "sglang")]  # SGLang's items
     raise InvalidRequestError(
         "'input' must be a string, strings, token ids, chat messages (each with a 'role'), lists of chat "
         "messages, or multimodal items ({'text', 'image', 'video'}), one kind throughout",
@@ -110,12 +110,12 @@ def _conversations(value: Any, key: str, bounds: ContentBounds) -> list[Content]
         )
     if not all(isinstance(item, list) for item in value):
         messages = check_conversation(value, bounds, key)
-        return [Content(m, "content", f"{key}[{i}].content") for i, m in enumerate(messages)]
+        return [Content(m, "content", f"{key}[{i}].content", engine="vllm") for i, m in enumerate(messages)]
     check_messages([m for conversation in value for m in conversation], bounds, key)
     view = []
     for i, conversation in enumerate(value):
         for j, message in enumerate(check_conversation(conversation, bounds, f"{key}[{i}]")):
-            view.append(Content(message, "content", f"{key}[{i}][{j}].content"))
+            view.append(Content(message, "content", f"{key}[{i}][{j}].content", engine="vllm"))
     return view
 
 
@@ -139,14 +139,14 @@ def _side(body: dict[str, Any], key: str, bounds: ContentBounds) -> list[Content
         _one_reading(value, key)
         if "content" not in value:
             raise InvalidRequestError(f"'{key}' must be a string, an array, or an object with 'content'", param=key)
-        return [Content(value, "content", f"{key}.content")]
+        return [Content(value, "content", f"{key}.content", engine="vllm")]
     if not isinstance(value, list):
         raise InvalidRequestError(f"'{key}' must be a string, an array, or an object with 'content'", param=key)
     check_messages(value, bounds, key)
     if all(_token(item) for item in value):
         return []  # token ids
     if all(isinstance(item, dict) and "content" not in item for item in value):
-        return [Content(body, key, key)]  # SGLang: one input as a list of parts
+        return [Content(body, key, key, engine="sglang")]  # SGLang: one input as a list of parts
     view = []
     for i, item in enumerate(value):
         if isinstance(item, str):
@@ -154,11 +154,11 @@ def _side(body: dict[str, Any], key: str, bounds: ContentBounds) -> list[Content
         if isinstance(item, dict):
             _one_reading(item, f"{key}[{i}]")
         if isinstance(item, dict) and "content" in item:
-            view.append(Content(item, "content", f"{key}[{i}].content"))
+            view.append(Content(item, "content", f"{key}[{i}].content", engine="vllm"))
         elif isinstance(item, list) and all(_token(token) for token in item):
             continue  # token ids
         elif isinstance(item, list):
-            view.append(Content(value, i, f"{key}[{i}]"))  # SGLang: a document as a list of parts
+            view.append(Content(value, i, f"{key}[{i}]", engine="sglang"))  # SGLang: a document of parts
         else:
             raise InvalidRequestError(
                 f"{key}[{i}] must be a string, token ids, an object with 'content', or an array of content parts",
@@ -167,9 +167,13 @@ def _side(body: dict[str, Any], key: str, bounds: ContentBounds) -> list[Content
     return view
 
 
-EMBEDDINGS = Api("embeddings", "/v1/embeddings", CHAT_PARTS, embedding_contents)
+EMBEDDINGS = Api("embeddings", "/v1/embeddings", CHAT_PARTS, embedding_contents, engine_shapes=True)
 # vLLM's four pairs of names for a score request's two sides, read whichever are sent
 SCORE = Api(
-    "score", "/v1/score", CHAT_PARTS, _sides(("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2"))
+    "score",
+    "/v1/score",
+    CHAT_PARTS,
+    _sides(("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2")),
+    engine_shapes=True,
 )
-RERANK = Api("rerank", "/v1/rerank", CHAT_PARTS, _sides(("query", "documents")))
+RERANK = Api("rerank", "/v1/rerank", CHAT_PARTS, _sides(("query", "documents")), engine_shapes=True)
