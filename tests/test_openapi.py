@@ -194,8 +194,10 @@ def test_every_documented_error_code_exists_and_the_error_code_table_lists_it() 
 
 # --- a live gateway against the description -----------------------------------------------------
 #
-# The routing table refuses no modality (each is accepted, redirected or stripped), so that every
-# request the description allows is accepted: a refusal is a 400 a description cannot foresee.
+# The routing table refuses no modality (each is accepted, redirected or stripped), and no shape:
+# its engines are `openai`, which is sent every shape the description allows (vLLM and SGLang each
+# read some pooling shapes alone: docs/engines.md), so that every request the description allows
+# is accepted: a refusal is a 400 a description cannot foresee.
 
 
 def _config(upstream: str) -> str:
@@ -215,12 +217,14 @@ models:
   - name: kimi-k3
     upstreams: ['{upstream}']
     upstream_model: moonshotai/Kimi-K3
+    engine: openai
     accepts: [text, image]
     apis: {APIS}
     on_unsupported: {{video: {{redirect: qwen-omni}}, audio: {{redirect: qwen-omni}}, file: {{redirect: qwen-omni}}}}
   - name: kimi-k3-text
     upstreams: ['{upstream}']
     upstream_model: moonshotai/Kimi-K3
+    engine: openai
     accepts: [text]
     apis: {APIS}
     on_unsupported: {{image: strip, video: strip, audio: {{redirect: qwen-omni}}, file: strip}}
