@@ -318,10 +318,8 @@ def admit(
     model = requested
     redirects: list[Redirect] = []
     normalized = classification.normalized
-    lacking = model.dialect.lacking(api.name)
-    if all(
-        m in model.accepts and m not in lacking for m in present
-    ):  # the common case: nothing to redirect, reject or strip
+    lacking = model.dialect.lacking(api.name)  # model.takes_on(api.name), without building it
+    if all(m in model.accepts and m not in lacking for m in present):  # nothing to redirect, reject or strip
         if api.engine_shapes:
             _check_shapes(model, contents)
         _enforce_limits(model, classification, frozenset())
@@ -392,14 +390,14 @@ def admit(
 def _check_shapes(model: ModelConfig, contents: list[Content]) -> None:
     """400 for a place of the request that is one engine's shape alone (vLLM's conversations,
     SGLang's items) when the model runs on another, which would refuse it or drop its media."""
-    engine = model.engine
-    if engine == "openai":  # an engine of its own: what it reads is its to say
+    dialect = model.dialect
+    if not dialect.own_shapes:  # an engine of its own: what it reads is its to say
         return
     for content in contents:
-        if content.engine is not None and content.engine != engine:
+        if content.engine is not None and content.engine != dialect.name:
             raise InvalidRequestError(
                 f"{content.where} is {DIALECTS[content.engine].title}'s shape, which model '{model.name}' does not "
-                f"take: its engine is {model.dialect.title} (engine: {engine}; docs/engines.md)",
+                f"take: its engine is {dialect.title} (engine: {dialect.name}; docs/engines.md)",
                 param=content.where,
             )
 

@@ -44,6 +44,8 @@ class Dialect:
     title: str  # as messages name it
     embeds: bool  # takes image_embeds parts and EC priming (encode:)
     lacks: Mapping[str, frozenset[Modality]]  # per API: the modalities it has no part for
+    # it reads its own pooling shapes alone (vLLM's conversations, SGLang's items): another's is a 400
+    own_shapes: bool = True
 
     def lacking(self, api: str) -> frozenset[Modality]:
         """The modalities this engine has no part for on ``api``."""
@@ -86,6 +88,8 @@ DIALECTS: Mapping[str, Dialect] = MappingProxyType(
                 }
             ),
         ),
-        "openai": Dialect("openai", "The OpenAI-compatible engine", embeds=False, lacks=MappingProxyType({})),
+        "openai": Dialect(
+            "openai", "The OpenAI-compatible engine", embeds=False, lacks=MappingProxyType({}), own_shapes=False
+        ),
     }
 )

@@ -278,3 +278,26 @@ async def test_an_object_two_engines_read_two_ways_is_refused(gateway_factory, b
     status, answer = await post(gw.url + path, {"model": "vlm2vec", **fields})
     assert status == 400 and answer["error"]["param"] == param, answer
     assert vision.received == []
+
+
+async def test_the_openai_sdk_gets_a_shape_refusal_and_a_video_embeds_refusal_in_openais_error_shape(
+    gateway_factory, both
+) -> None:
+    """The real client: a shape the model's engine does not read, and vLLM's video_embeds part (a
+    video) to a model that takes none, each a 400 in OpenAI's error shape (issue 38)."""
+    text, vision = both
+    gw = await gateway_factory(table(text, vision))
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.embeddings.create(model="vlm2vec", input=[{"text": "t", "image": PNG}])
+        error = error_body(caught.value)
+        assert error["param"] == "input" and error["type"] == "invalid_request_error"
+        assert "is SGLang's shape, which model 'vlm2vec' does not take" in error["message"]
+        embeds = {"type": "video_embeds", "video_embeds": "AAAA"}
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.embeddings.create(
+                model="vlm2vec", input="", extra_body={"messages": [{"role": "user", "content": [embeds]}]}
+            )
+        error = error_body(caught.value)
+        assert error["code"] == "unsupported_modality" and error["param"] == "messages[0].content[0]"
+    assert vision.received == []
