@@ -137,6 +137,54 @@ def save_qwen(path: Path) -> Any:
     return model
 
 
+LLAVA_TEXT: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 64,
+}
+LLAVA_CLIP_PROCESSOR = {"size": {"shortest_edge": 32}, "crop_size": {"height": 32, "width": 32}}
+
+
+def save_llava(path: Path, *, vision: str = "clip", processor: dict[str, Any] | None = None, **options: Any) -> Any:
+    """A LLaVA checkpoint (a 3-layer vision tower, so that LLaVA-1.5's penultimate layer is not
+    the last) as transformers 5 saves it; ``options`` go to ``LlavaConfig`` (vision_feature_layer,
+    vision_feature_select_strategy)."""
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration, LlavaImageProcessorPil
+
+    torch.manual_seed(0)
+    vision_config = {**VISION, "num_hidden_layers": 3, "image_size": 32, "patch_size": 8}
+    vision_config["model_type"] = "clip_vision_model" if vision == "clip" else "siglip_vision_model"
+    config = LlavaConfig(vision_config=vision_config, text_config=LLAVA_TEXT, image_token_index=60, **options)
+    model: Any = LlavaForConditionalGeneration(config)
+    model.eval().save_pretrained(path, safe_serialization=True)
+    if vision == "clip":
+        settings = {**LLAVA_CLIP_PROCESSOR, **(processor or {})}
+        (LlavaImageProcessorPil if "do_pad" in settings else CLIPImageProcessorPil)(**settings).save_pretrained(path)
+    else:
+        from transformers import SiglipImageProcessorPil
+
+        SiglipImageProcessorPil(size={"height": 32, "width": 32}, **(processor or {})).save_pretrained(path)
+    return model
+
+
+def llava_features(model: Any, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+    """What transformers' LLaVA puts in place of the image tokens (LlavaModel.get_image_features)."""
+    config = model.config
+    with torch.inference_mode():
+        return list(
+            model.model.get_image_features(
+                pixel_values=pixel_values,
+                vision_feature_layer=config.vision_feature_layer,
+                vision_feature_select_strategy=config.vision_feature_select_strategy,
+                output_hidden_states=True,
+            ).pooler_output
+        )
+
+
 def qwen_visual(model: Any) -> Any:
     return model.visual if hasattr(model, "visual") else model.model.visual
 
@@ -279,6 +327,93 @@ def test_clip_preprocessing_that_cannot_fit_the_model_is_refused(tmp_path: Path)
     save_clip(tmp_path, {"size": {"shortest_edge": 32}, "crop_size": {"height": 24, "width": 24}})
     with pytest.raises(TowerError, match=r"preprocessing makes 24x24, the model takes 32x32"):
         load(tmp_path)
+
+
+# --- LLaVA ---------------------------------------------------------------------------------------------
+
+LLAVA_CASES: dict[str, dict[str, Any]] = {
+    "LLaVA-1.5: CLIP, penultimate layer, CLS dropped": {},
+    "padded to a square with the mean colour": {"processor": {"do_pad": True}},
+    "several layers, CLS kept": {"vision_feature_layer": [-3, 1], "vision_feature_select_strategy": "full"},
+    "SigLIP, last layer, every patch": {
+        "vision": "siglip",
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "full",
+    },
+}
+
+
+@pytest.mark.parametrize("case", LLAVA_CASES.values(), ids=LLAVA_CASES.keys())
+def test_llava_is_the_vision_tower_and_projector_as_transformers_runs_them(
+    tmp_path: Path, case: dict[str, Any]
+) -> None:
+    """The embeddings are at the language model's width (48, not the vision tower's 32): what a
+    LLaVA in vLLM takes as image_embeds and puts in place of the image's placeholder tokens."""
+    from transformers import AutoImageProcessor
+
+    model = save_llava(tmp_path, **case)
+    tower = load(tmp_path)
+    assert (tower.info.name, tower.info.hidden_size) == ("llava", 48)
+    pictures = images()
+    inputs = AutoImageProcessor.from_pretrained(tmp_path, backend="pil")(images=pictures, return_tensors="pt")
+    prepared = [tower.prepare(p) for p in pictures]
+    assert_close(tower.pixel_values(prepared), inputs["pixel_values"])  # type: ignore[attr-defined]
+    encoded = encode(tower, pictures)
+    for out, expected in zip(encoded, llava_features(model, inputs["pixel_values"]), strict=True):
+        assert out.embeds.shape == expected.shape == (prepared[0].tokens, 48)
+        assert out.grid_thw is None
+        assert_close(out.embeds, expected)
+    for picture, out in zip(pictures, encoded, strict=True):  # batches like single images
+        assert_close(encode(tower, [picture])[0].embeds, out.embeds)
+
+
+def test_llava_reads_the_hubs_layout_and_only_the_layers_it_uses(tmp_path: Path) -> None:
+    """The Hub's llava-hf checkpoints (transformers 4) nest the vision model under vision_model.;
+    the last vision layer (LLaVA-1.5 reads the penultimate), the post-layernorm and the language
+    model are never read, so changing them keeps the fingerprint."""
+    model = save_llava(tmp_path / "t5")
+    path = copy(tmp_path / "t5", tmp_path)
+    hub = {"vision_tower.": "vision_tower.vision_model."}
+
+    def to_hub(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            next((new + k[len(old) :] for old, new in hub.items() if k.startswith(old)), k): v
+            for k, v in tensors.items()
+        }
+
+    rewrite_weights(path, to_hub)
+    tower = load(path)
+    assert tower.info.fingerprint == load(tmp_path / "t5").info.fingerprint
+    assert tower.info.extra["vision_layers"] == "2 of 3"
+    picture = image(50, 30)
+    from transformers import CLIPImageProcessorPil
+
+    pixel_values = CLIPImageProcessorPil.from_pretrained(path)(images=[picture], return_tensors="pt")["pixel_values"]
+    assert_close(encode(tower, [picture])[0].embeds, llava_features(model, pixel_values)[0])
+    unused = (
+        "vision_tower.vision_model.encoder.layers.2.mlp.fc1.bias",
+        "vision_tower.vision_model.post_layernorm.bias",
+        "language_model.model.norm.weight",
+    )
+    rewrite_weights(path, lambda t: {**t, **{k: t[k] + 1 for k in unused}})
+    assert load(path).info.fingerprint == tower.info.fingerprint
+    rewrite_weights(
+        path, lambda t: {**t, "multi_modal_projector.linear_2.bias": t["multi_modal_projector.linear_2.bias"] + 1}
+    )
+    assert load(path).info.fingerprint != tower.info.fingerprint
+
+
+def test_llava_configs_it_cannot_serve_are_refused(tmp_path: Path) -> None:
+    save_llava(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for change, message in (
+        ({"vision_feature_layer": 7}, r"vision_feature_layer 7: each must be an index into the 4 hidden states"),
+        ({"vision_feature_select_strategy": "class"}, r"not a LLaVA config: .*vision_feature_select_strategy"),
+        ({"vision_config": {"model_type": "pixtral"}}, r"a LLaVA with a pixtral vision tower is not supported"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(TowerError, match=message):
+            load(tmp_path)
 
 
 # --- Qwen2.5-VL -------------------------------------------------------------------------------------
@@ -480,8 +615,10 @@ def test_a_missing_preprocessor_config_is_refused(clip_dir, tmp_path: Path) -> N
 
 
 def test_unknown_model_types_and_specs_are_refused(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
-    with pytest.raises(TowerError, match=r"model_type 'llava' is not supported \(siglip, clip, qwen2_5_vl\)"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava_next"}))
+    with pytest.raises(
+        TowerError, match=r"model_type 'llava_next' is not supported \(siglip, clip, qwen2_5_vl, llava\)"
+    ):
         load(tmp_path)
     with pytest.raises(TowerError, match=r"neither builtin:NAME nor a directory with a config\.json"):
         load(tmp_path / "nowhere")

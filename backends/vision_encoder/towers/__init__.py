@@ -6,6 +6,10 @@ A directory is read offline and safetensors-only (no pickles, no remote code). I
 * ``siglip``, ``siglip_vision_model``  -> :mod:`.siglip`
 * ``clip``, ``clip_vision_model``      -> :mod:`.clip`
 * ``qwen2_5_vl`` (the full VL checkpoint; only the ``visual.`` weights are read) -> :mod:`.qwen2_5_vl`
+* ``llava`` (the full checkpoint; the vision tower and the projector are read) -> :mod:`.llava`
+
+Only the last two give what a vLLM language model takes as ``image_embeds`` (its hidden width);
+SigLIP's and CLIP's features are before a model's projector (docs/encoder.md).
 """
 
 from __future__ import annotations
@@ -55,4 +59,8 @@ def load_tower(spec: str, *, device: torch.device, dtype: torch.dtype) -> Vision
         from .qwen2_5_vl import load_qwen2_5_vl
 
         return load_qwen2_5_vl(path, config, device=device, dtype=dtype)
-    raise TowerError(f"{spec}: model_type {model_type!r} is not supported (siglip, clip, qwen2_5_vl)")
+    if model_type == "llava":
+        from .llava import load_llava
+
+        return load_llava(path, config, device=device, dtype=dtype)
+    raise TowerError(f"{spec}: model_type {model_type!r} is not supported (siglip, clip, qwen2_5_vl, llava)")

@@ -66,7 +66,7 @@ def load_clip(path: Path, config: dict[str, Any], *, device: torch.device, dtype
     vision = hf.vision_config(path, config, CLIPConfig, CLIPVisionConfig, "clip", "CLIP")
     processor_file = path / hf.PROCESSOR_FILE
     processor = hf.read_json(processor_file)
-    resize = _resize(processor, processor_file, vision.image_size)
+    resize = resize_of(processor, processor_file, vision.image_size)
     norm = hf.PixelNorm.from_processor(processor, processor_file, mean=OPENAI_CLIP_MEAN, std=OPENAI_CLIP_STD)
 
     prefixes = ("vision_model.",) if full else ("vision_model.", "")
@@ -76,7 +76,7 @@ def load_clip(path: Path, config: dict[str, Any], *, device: torch.device, dtype
     return ClipTower(model=model, resize=resize, tokens=tokens, norm=norm, info=info, device=device, dtype=dtype)
 
 
-def _resize(processor: dict[str, Any], where: Path, image_size: int) -> ClipResize:
+def resize_of(processor: dict[str, Any], where: Path, image_size: int) -> ClipResize:
     """CLIPImageProcessor's size rules; the result must be the model's square ``image_size``."""
     if processor.get("do_resize", True) is not True:
         raise TowerError(f"{where}: do_resize must be true (the model takes one fixed size)")

@@ -50,7 +50,7 @@ def load_siglip(path: Path, config: dict[str, Any], *, device: torch.device, dty
     vision.vision_use_head = False  # see the module docstring
     processor_file = path / hf.PROCESSOR_FILE
     processor = hf.read_json(processor_file)
-    size = _size(processor, processor_file, vision.image_size)
+    size = size_of(processor, processor_file, vision.image_size)
     norm = hf.PixelNorm.from_processor(processor, processor_file, mean=HALF, std=HALF)
     resample = hf.resample_of(processor, processor_file)
 
@@ -65,7 +65,7 @@ def load_siglip(path: Path, config: dict[str, Any], *, device: torch.device, dty
     )
 
 
-def _size(processor: dict[str, Any], where: Path, image_size: int) -> tuple[int, int]:
+def size_of(processor: dict[str, Any], where: Path, image_size: int) -> tuple[int, int]:
     if processor.get("do_resize", True) is not True:
         raise TowerError(f"{where}: do_resize must be true (the model takes one fixed size)")
     size = processor.get("size", {"height": 224, "width": 224})

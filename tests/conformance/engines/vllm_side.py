@@ -13,7 +13,8 @@ What is not run: the chat template, tokenization and the HF processor itself (th
 checkpoint's files), and whatever needs an engine (the processor cache behind a uuid-only item).
 
 The model a request is checked against is an :class:`Engine`: Qwen2.5-Omni (image, video and audio;
-the default), Qwen2.5-VL or Qwen2-VL, the models ``routing.yaml`` sends vLLM. Its ``ModelConfig`` is
+the default), Qwen2.5-VL or Qwen2-VL, the models ``routing.yaml`` sends vLLM, or LLaVA-1.5 (image),
+whose ``image_embeds`` the LLaVA tower makes. Its ``ModelConfig`` is
 vLLM's own, built from a local directory written here (the ``transformers`` config class's
 defaults with the 7B checkpoints' sizes, and a tiny local tokenizer, which vLLM's multimodal
 processors require to exist): nothing is downloaded. One thing is not the checkpoint's: the HF
@@ -35,6 +36,7 @@ import atexit
 import contextlib
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import io
 import json
@@ -57,6 +59,7 @@ if TYPE_CHECKING:  # vLLM, FastAPI and starlette are not in the gateway's own ve
     from pydantic import BaseModel
 
 __all__ = [
+    "LLAVA_1_5",
     "OMNI",
     "QWEN2_5_VL",
     "QWEN2_VL",
@@ -70,12 +73,12 @@ __all__ = [
     "chat_response",
     "embeddings",
     "error_response",
+    "image_embeds",
     "messages",
     "messages_count_tokens",
     "messages_error",
     "messages_event",
     "messages_response",
-    "qwen2_vl_embeds",
     "rerank",
     "responses",
     "responses_event",
@@ -86,7 +89,7 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-ModelName = Literal["qwen2.5-omni", "qwen2.5-vl", "qwen2-vl"]
+ModelName = Literal["qwen2.5-omni", "qwen2.5-vl", "qwen2-vl", "llava-1.5"]
 Stage = Literal["request", "convert", "parse", "processor", "audio", "reply"]
 
 
@@ -202,9 +205,10 @@ class Engine:
     """The vLLM deployment a body is checked against (what its ``vllm serve`` flags would say).
 
     ``model``: ``qwen2.5-omni`` (image, video, audio), ``qwen2.5-vl`` or ``qwen2-vl`` (image,
-    video). ``limits``: ``--limit-mm-per-prompt`` as ``(("image", 8), ("video", 2))`` (vLLM's
+    video), ``llava-1.5`` (image: LLaVA-1.5-7B's config, a CLIP ViT-L/14-336 and a 4096-wide
+    language model). ``limits``: ``--limit-mm-per-prompt`` as ``(("image", 8), ("video", 2))`` (vLLM's
     default is 999 each). ``hidden_size``: the LLM's hidden size, which an embedding's last
-    dimension must equal (default: the 7B checkpoint's, 3584). ``enable_mm_embeds``:
+    dimension must equal (default: the 7B checkpoint's, 3584 for Qwen, 4096 for LLaVA). ``enable_mm_embeds``:
     ``--enable-mm-embeds``. ``ec_consumer``: the instance is an EC-connector consumer
     (``--ec-transfer-config`` with ``ec_role: ec_consumer``), where vLLM derives
     ``allow_missing_mm_embeddings`` and takes metadata-only embedding parts.
@@ -231,6 +235,7 @@ class Engine:
 OMNI = Engine()
 QWEN2_5_VL = Engine(model="qwen2.5-vl")
 QWEN2_VL = Engine(model="qwen2-vl")
+LLAVA_1_5 = Engine(model="llava-1.5")
 
 
 # --- requests ----------------------------------------------------------------------------------
@@ -398,14 +403,24 @@ def translation(fields: Mapping[str, Any], engine: Engine | None = None) -> Hear
     return _speech("TranslationRequest", fields)
 
 
-def qwen2_vl_embeds(
+def image_embeds(
     value: str | Mapping[str, Any],
     *more: str | Mapping[str, Any],
     engine: Engine = QWEN2_VL,
 ) -> tuple[Mapping[str, torch.Tensor] | torch.Tensor, ...]:
     """``image_embeds`` values (each as it appears in one chat part: base64 of ``torch.save``, or
-    the dict of them with ``image_grid_thw``) through vLLM's Qwen2-VL embedding path; one item per
+    the dict of them with ``image_grid_thw``) through the model's vLLM embedding path; one item per
     value, as the model will get them.
+
+    For LLaVA (``engine`` ``llava-1.5``): the values go through vLLM's default data parser, which
+    holds each tensor's last dimension to the language model's hidden size
+    (``MultiModalDataParser(expected_hidden_size=...)``), and the items, stacked as the
+    ``batched("image")`` field makes them, through the model's own input schema
+    (``vllm.model_executor.models.llava.LlavaImageEmbeddingInputs``: ``(images, feature size,
+    hidden)``); each item's rows are its placeholder tokens
+    (``BaseLlavaMultiModalProcessor._get_prompt_updates``: ``get_feature_size``).
+
+    For the Qwen2-VL family (the rest of this docstring):
 
     Each value is decoded as the chat parser decodes it
     (``vllm.renderers.chat_utils.content_parser.MultiModalContentParser.parse_image_embeds``, the
@@ -430,7 +445,6 @@ def qwen2_vl_embeds(
         engine_ = engine if engine.enable_mm_embeds else _replace(engine, enable_mm_embeds=True)
         model_config = _model_config(engine_)
         chat_utils = _vllm("vllm.renderers.chat_utils")
-        qwen2_vl = _vllm("vllm.model_executor.models.qwen2_vl")
         with _stage("parse"):
             tracker = chat_utils.MultiModalItemTracker(model_config)
             parser = tracker.create_parser()
@@ -439,14 +453,24 @@ def qwen2_vl_embeds(
             mm_data, _ = tracker.resolve_items()
         info = _processor(engine_).info
         with _stage("processor"):
-            data_parser = qwen2_vl.Qwen2VLMultiModalDataParser(
-                info.get_hf_config().vision_config.spatial_merge_size,
-                expected_hidden_size=info._get_expected_hidden_size(),
-                allow_missing_mm_embeddings=info.allow_missing_mm_embeddings,
-            )
-            items = data_parser.parse_mm_data({"image": mm_data["image"]})["image"]
+            # the model's own data parser: Qwen2VLMultiModalDataParser for the Qwen2-VL family,
+            # vLLM's default (hidden size checked) for LLaVA
+            items = info.get_data_parser().parse_mm_data({"image": mm_data["image"]})["image"]
             split = tuple(items.get(i) for i in range(items.get_count()))
+            if engine.model == "llava-1.5":
+                llava = _vllm("vllm.model_executor.models.llava")
+                # the model's embed_multimodal: its schema of the stacked items
+                llava.LlavaImageEmbeddingInputs(type="image_embeds", data=_stacked(split))
     return split
+
+
+def _stacked(tensors: Sequence[Any]) -> Any:
+    """The items as vLLM's ``batched`` field stacks them (the same shape each, else a list)."""
+    import torch
+
+    if len({tuple(t.shape) for t in tensors}) == 1:
+        return torch.stack(list(tensors))
+    return list(tensors)
 
 
 # --- replies -----------------------------------------------------------------------------------
@@ -974,6 +998,9 @@ class _StandIn:
 def _stand_in_module(name: str) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__path__ = []  # a package, so that its submodules import
+    # importlib.util.find_spec of a module in sys.modules reads its spec (mistral_common asks
+    # whether llguidance is installed as vLLM's LLaVA module imports it)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
     handed_out: dict[str, type[_StandIn]] = {}
 
     def __getattr__(attribute: str) -> type[_StandIn]:
@@ -1054,6 +1081,21 @@ _CHECKPOINTS: dict[str, _Checkpoint] = {
         "Qwen2VLForConditionalGeneration",
         _TEXT_7B,
     ),
+    # llava-hf/llava-1.5-7b-hf: LlavaConfig's defaults are its vision tower (CLIP ViT-L/14 at 336)
+    # and feature selection (penultimate layer, CLS dropped); the text sizes are Vicuna-7B's
+    "llava-1.5": _Checkpoint(
+        "LlavaConfig",
+        "LlavaForConditionalGeneration",
+        "vllm.model_executor.models.llava",
+        "LlavaForConditionalGeneration",
+        {
+            "hidden_size": 4096,
+            "intermediate_size": 11008,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 32,
+            "vocab_size": 32064,
+        },
+    ),
 }
 _ARCHITECTURE_PREFIX = "ConformanceLocal"  # registered beside vLLM's own names, never over them
 
@@ -1133,7 +1175,8 @@ def _model_directory(checkpoint: _Checkpoint, architecture: str, hidden_size: in
         language = config.thinker_config if checkpoint.omni else config
         for key, value in text.items():
             setattr(language.text_config, key, value)
-        language.vision_config.out_hidden_size = text["hidden_size"]
+        if checkpoint.config_class != "LlavaConfig":  # Qwen's merger makes the LLM's width itself
+            language.vision_config.out_hidden_size = text["hidden_size"]
         if not checkpoint.omni and checkpoint.config_class == "Qwen2VLConfig":
             language.vision_config.hidden_size = text["hidden_size"]
         config.save_pretrained(directory)
