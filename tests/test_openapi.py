@@ -290,6 +290,16 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     assert "Traceback" not in gateway_log and "unhandled error" not in gateway_log, gateway_log
 
 
+RICH_BODIES = (
+    "createChatCompletion",
+    "createResponse",
+    "createEmbedding",
+    "createScore",
+    "createScoreUnversioned",
+    "createRerank",
+    "createRerankUnversioned",
+    "createRerankV2",
+)
 CONFIG = schemathesis.Config.from_dict(
     {
         # the credentials each security scheme of the description names
@@ -297,13 +307,16 @@ CONFIG = schemathesis.Config.from_dict(
         "phases": {"stateful": {"enabled": False}},  # no operation creates a resource to follow
         "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
         "request-timeout": 10,
-        # Building the invalid boundary cases of the chat body (its content parts) takes seconds, at
-        # collection; its invalid drawn cases still run, and so does tests/test_fuzz.py.
+        # Building the invalid boundary cases of the bodies with content parts and pooling shapes
+        # takes 15 s an operation at collection (schemathesis 4's negative anyOf cases): these go
+        # with the valid boundary cases only; their invalid drawn cases still run, and so does
+        # tests/test_fuzz.py.
         "operations": [
             {
-                "include-operation-id": "createChatCompletion",
+                "include-operation-id": operation,
                 "phases": {"coverage": {"generation": {"mode": "positive"}}},
             }
+            for operation in RICH_BODIES
         ],
     }
 )
