@@ -351,9 +351,17 @@ ANTHROPIC_TYPES: Mapping[int, str] = {
 Shape = Literal["openai", "anthropic"]
 
 
+# The statuses a client's retry would get again: the openai and anthropic SDKs (and Claude Code,
+# which retries a 401 ten times otherwise) honour ``x-should-retry: false``. A 408, 409 or 429 may
+# pass, and a 5xx is the engine's or the gateway's, not the request's.
+FINAL_STATUSES = frozenset(range(400, 500)) - {408, 409, 429}
+
+
 def render(error: GatewayError, shape: Shape = "openai") -> web.Response:
     """The only place a GatewayError becomes a response, in the shape of the API it answers."""
     headers = {"Content-Type": "application/json", **error.headers}  # as a header: content_type= parses it
+    if error.status in FINAL_STATUSES:
+        headers.setdefault("x-should-retry", "false")
     body = error.to_anthropic() if shape == "anthropic" else error.to_dict()
     response = web.Response(status=error.status, body=orjson.dumps(body), headers=headers)
     if error.closes_connection:
@@ -361,15 +369,35 @@ def render(error: GatewayError, shape: Shape = "openai") -> web.Response:
     return response
 
 
-def stream_event(error: GatewayError, api: str) -> bytes:
-    """The event that ends a stream broken after its first byte, as each API's clients read it:
-    chat's ``data: {"error": ...}`` (the openai SDK raises it), the Responses API's ``error``
-    event, Anthropic's ``event: error`` (the anthropic SDK raises it)."""
+def stream_event(error: GatewayError, api: str, *, response_id: str | None = None, model: str | None = None) -> bytes:
+    """The events that end a stream broken after its first byte, as each API's clients read them:
+    chat's ``data: {"error": ...}`` (the openai SDK raises it); on the Responses API an ``error``
+    event (the openai SDK's) and then ``response.failed`` with the error in ``response.error``
+    (``response_id``: the stream's response, from its ``response.created``), the event Codex reads
+    (it ignores ``error``, reports a stream closed before ``response.completed`` and reconnects);
+    Anthropic's ``event: error`` (the anthropic SDK and Claude Code raise it)."""
     if api == "messages":
         return b"event: error\ndata: " + orjson.dumps(error.to_anthropic()) + b"\n\n"
     if api == "responses":
         event = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
-        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+        failed = {
+            "type": "response.failed",
+            "response": {
+                "id": response_id,
+                "object": "response",
+                "status": "failed",
+                "model": model,
+                "output": [],
+                "error": {"code": error.code, "message": error.message},
+            },
+        }
+        return (
+            b"event: error\ndata: "
+            + orjson.dumps(event)
+            + b"\n\nevent: response.failed\ndata: "
+            + orjson.dumps(failed)
+            + b"\n\n"
+        )
     return b"data: " + orjson.dumps(error.to_dict()) + b"\n\n"
 
 

@@ -76,6 +76,9 @@ def test_each_error_renders_in_the_openai_shape(cls: type[GatewayError]) -> None
     body = orjson.loads(response.body)
     assert body == {"error": {"message": "it went wrong", "type": cls.type, "param": "messages[0]", "code": cls.code}}
     assert response.keep_alive is (False if cls.closes_connection else None)
+    # a retry would get the same answer: the SDKs and Claude Code stop at once
+    final = cls.status < 500 and cls.status not in (408, 409, 429)
+    assert response.headers.get("x-should-retry") == ("false" if final else None)
 
 
 def test_codes_name_one_meaning_each() -> None:

@@ -609,12 +609,12 @@ async def test_a_stream_may_take_longer_than_the_idle_timeout_before_its_first_c
     gw = await gateway_factory(
         routing(
             f"  - {{name: chat, upstreams: [{engine.url}], accepts: [text]}}",
-            server="{upstream_stream_idle_timeout_s: 0.4}",
+            server="{upstream_stream_idle_timeout_s: 1.0}",
         )
     )
-    # two and a half idle timeouts; the head itself must come within one (0.2 s was missed once
-    # on a loaded CI machine: the engine, the gateway and the client share this one loop)
-    asyncio.get_running_loop().call_later(1.0, prefill.set)
+    # two and a half idle timeouts; the head itself must come within one (0.2 s, then 0.4 s were
+    # missed on loaded machines: the engine, the gateway and the client share this one loop)
+    asyncio.get_running_loop().call_later(2.5, prefill.set)
     status, text, _ = await stream_text(gw)
     assert status == 200
     assert text == 'data: {"n":1}\n\ndata: [DONE]\n\n'

@@ -620,3 +620,19 @@ MAX_FRAMES = 64  # frames of all a request's videos (on_unsupported: {video: {fr
 # A replacement that stands for several parts, {"type": EXPAND, "parts": [...]}, spliced in place
 # once every replacement and strip is done (so that the indices of the others hold).
 EXPAND = "__gateway_parts__"
+
+
+def removed_note(modality: Modality, why: str) -> str:
+    """The text a part leaves where the gateway removed it (``strip``, a conversion that failed
+    under ``on_error: strip``), so that the model, and through it the user, knows something was
+    there and why it is not: without it a stripped image in a tool result reads as an empty file."""
+    return f"[{_WHAT[modality]} was removed here by the gateway: {why}]"
+
+
+_WHAT = {
+    Modality.IMAGE: "An image",
+    Modality.VIDEO: "A video",
+    Modality.AUDIO: "An audio clip",
+    Modality.FILE: "A file",
+    Modality.TEXT: "Text",
+}

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .body import dump_body, exact
-from .plan import EXPAND, RoutePlan
+from .plan import EXPAND, RoutePlan, removed_note
 
 
 def upstream_body(
@@ -46,10 +46,16 @@ def rewrite(
             assert plan.api.normalize is not None
             new_part = plan.api.normalize(new_part) or new_part
         contents[i].value[j] = new_part
+    # A generative API's stripped part leaves a note saying so (a text part of its own); a pooling
+    # API's is deleted: a note would change the vectors and scores.
+    noted = plan.api.transcribes
     for part in reversed(plan.stripped_parts):  # reversed keeps earlier indices valid
         content = contents[part.message]
         if part.index is None:
             content.holder[content.key] = ""
+        elif noted:
+            why = f"model '{plan.model.name}' does not take {part.modality.value} input"
+            content.value[part.index] = {"type": plan.api.text_part, "text": removed_note(part.modality, why)}
         else:
             del content.value[part.index]
             if not content.value:

@@ -106,6 +106,7 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
             drain_timeout_s=self.number(*get("drain_timeout_s"), positive=False),
             admin_listen=self.listen_address(*get("admin_listen")),
             access_log=self.boolean(*get("access_log")),
+            forward_client_credentials=self.boolean(*get("forward_client_credentials")),
             upstream_client=self.upstream_client(*get("upstream_client")),
             limits_store=self.limits_store(*get("limits_store")),
             tracing=self.tracing(*get("tracing")),

@@ -45,6 +45,7 @@ SERVER_KEYS = (
     "drain_timeout_s",
     "admin_listen",
     "access_log",
+    "forward_client_credentials",
     "upstream_client",
     "limits_store",
     "tracing",
@@ -198,6 +199,9 @@ class ServerConfig:
     # health alone; None: everything on the main port
     admin_listen: str | None = None
     access_log: bool = True  # a line per request (id, model, route), written in batches (gateway/server/access_log.py)
+    # without auth:, whether a client's Authorization and x-api-key go on to the engines (a developer's
+    # real vendor key, sent by an SDK or agent pointed here, would). With auth: never
+    forward_client_credentials: bool = True
     # how requests reach upstreams: the gateway's own HTTP/1.1 client (gateway/upstream/http1/), or aiohttp's
     upstream_client: Literal["http1", "aiohttp"] = "http1"
     # key limits shared by every gateway process pointing at it; None: per process. Read at start

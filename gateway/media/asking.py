@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 
 from ..admission.parts import Part
-from ..admission.plan import EXPAND, RoutePlan
+from ..admission.plan import EXPAND, RoutePlan, removed_note
 from ..config import ModelConfig
 from ..errors import GatewayError, Rejection, UnsupportedModalityError, UpstreamError, UpstreamTimeoutError
 from ..fanout import gather_all
@@ -40,6 +40,7 @@ T = TypeVar("T")
 CONCURRENCY = 4  # parts of one request converted at once
 Replacements = dict[tuple[int, int], dict[str, Any]]
 CONVERSIONS = {"transcribe": "transcription", "describe": "description"}  # what a failure names
+DROPPED = "__gateway_dropped__"  # marks the replacement of a part dropped under on_error: strip
 MEDIA_FAULTS = (400, 413, 415, 422)  # statuses that say the medium is at fault: not retried
 Post = Callable[[str, float | None], Awaitable[tuple[int, bytes]]]  # (replica URL, seconds left) -> status, body
 
@@ -107,7 +108,14 @@ class Asker:
                 except (UpstreamError, UpstreamTimeoutError) as exc:
                     if policy.on_error == "strip":
                         log.warning("model %s: %s not converted, dropped (%s)", model, part.location, exc.message)
-                        return at, {"type": EXPAND, "parts": []}
+                        note = removed_note(
+                            modality, f"model '{model}' does not take {modality.value} input, and its {doing} failed"
+                        )
+                        return at, {
+                            "type": EXPAND,
+                            "parts": [{"type": plan.api.text_part, "text": note}],
+                            DROPPED: True,
+                        }
                     if policy.on_error != "reject":
                         raise
                     raise UnsupportedModalityError(
@@ -159,7 +167,7 @@ def json_object(data: bytes) -> dict[str, Any] | None:
 
 def dropped(replacements: Mapping[tuple[int, int], Mapping[str, Any]]) -> int:
     """The parts :meth:`Asker.each_part` dropped (``on_error: strip``)."""
-    return sum(1 for part in replacements.values() if part.get("type") == EXPAND and not part.get("parts"))
+    return sum(1 for part in replacements.values() if part.get(DROPPED))
 
 
 def gave_up_error(gave_up: GaveUp, location: str, *, late: str, failed: str) -> UpstreamError:

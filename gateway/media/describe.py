@@ -47,7 +47,7 @@ from .asking import MEDIA_FAULTS, Asker, Failed, GaveUp, ask, gave_up_error, jso
 from .fetch import sha256
 
 log = logging.getLogger(__name__)
-DESCRIPTION = "[Description of the user's image] "  # marks the text part that replaced an image
+DESCRIPTION = "[Description of an image] "  # marks the text part that replaced an image (a tool's too)
 MAX_REPLY_BYTES = 1 << 20  # a description: a paragraph
 MAX_TOKENS = 512  # the longest description asked for
 # the image formats a data URL is made for, by their first bytes (an image fetched by URL)

@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from ..admission.apis.messages import MESSAGES
 from ..admission.body import exact, read_body, read_json
 from ..admission.dimensions import Dimensions, read_dimensions
 from ..admission.plan import EXPAND, RoutePlan, Visible, fit_page_images, with_strip
@@ -417,6 +418,8 @@ def forward(
         _let_go(ex)
     headers = {
         "X-Request-Id": request[REQUEST_ID_KEY],
+        # Anthropic's name for it, which the anthropic SDK reads (request_id)
+        **({"request-id": request[REQUEST_ID_KEY]} if request.path.startswith(MESSAGES.path) else {}),
         "X-Gateway-Model": model.name,
         "X-Gateway-Route": ex.plan.route if ex.plan is not None else "direct",
         "X-Gateway-Priority": PRIORITIES[ex.priority],
@@ -431,7 +434,8 @@ def forward(
         Timeouts(t.connect_s, t.first_byte_s, live.config.server.client_write_timeout_s, stream_idle, t.total_s),
         headers,
         auth=live.upstream_auth.get(model.name),
-        forward_client_auth=live.keyring is None,  # with auth on, the client's key stays here
+        # with auth on, the client's key stays here; without, as server.forward_client_credentials says
+        forward_client_auth=live.keyring is None and live.config.server.forward_client_credentials,
         affinity_key=affinity_key,
         reprime=reprime,
         api=ex.plan.api.name if ex.plan is not None else "completions",

@@ -50,6 +50,8 @@ from .state import (
 log = logging.getLogger(__name__)
 
 REQUEST_ID = "X-Request-Id"
+ANTHROPIC_REQUEST_ID = "request-id"  # Anthropic's name for it (the anthropic SDK's request_id)
+GATEWAY_MODEL = "X-Gateway-Model"
 # Request ids: 128 random bits, as uuid4 has, from a generator seeded once per process from the
 # OS (os.urandom is a system call per id: 2% of the gateway's CPU under load). An id names a
 # request in logs; it guards nothing, so it needs to be unique, not unpredictable.
@@ -102,7 +104,7 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
             failure = "internal_error"
             response = render(GatewayError(f"Internal error in the gateway (request id {rid})"), shape_of(request.path))
         if not response.prepared:
-            response.headers[REQUEST_ID] = rid
+            _answer_headers(request, response, rid)
         gone = isinstance(response, RelayResponse) and response.client_gone
         code = CLIENT_CLOSED if gone else response.status
         if gone:
@@ -122,6 +124,17 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
             label = request.get(KEY_LABEL_KEY, NO_KEY) if keyed else NO_KEY  # no lookup (a KeyError) without a key
             metrics.child(metrics.requests, model, str(code), label, api).inc()
             metrics.child(metrics.request_duration, model).observe(time.perf_counter() - started)
+
+
+def _answer_headers(request: web.Request, response: web.StreamResponse, rid: str) -> None:
+    """The request id (also as ``request-id`` on the Messages API, where the anthropic SDK reads
+    it), and on an answer the gateway wrote itself about a model (a rejection), that model."""
+    response.headers[REQUEST_ID] = rid
+    if shape_of(request.path) == "anthropic":
+        response.headers[ANTHROPIC_REQUEST_ID] = rid
+    model = request.get(MODEL_LABEL_KEY)
+    if model is not None and model != UNKNOWN_MODEL and GATEWAY_MODEL not in response.headers:
+        response.headers[GATEWAY_MODEL] = model
 
 
 async def _render_error(request: web.Request, services: Services, exc: GatewayError) -> web.Response:
@@ -231,7 +244,7 @@ async def _send_and_close(request: web.Request, response: web.Response) -> None:
     trickles in (408), or one whose sender waits for a 100 Continue that was refused. aiohttp would
     linger up to 10 s for it; that stays right for a plain 413, whose client may still be sending
     and must get to read the answer."""
-    response.headers[REQUEST_ID] = request[REQUEST_ID_KEY]
+    _answer_headers(request, response, request[REQUEST_ID_KEY])
     try:
         await response.prepare(request)
         await response.write_eof()

@@ -199,7 +199,10 @@ async def _relay_stream(
         is_sse = upstream.content_type == "text/event-stream"
         if is_sse and "Content-Encoding" not in upstream.headers:  # an event can't go into a compressed stream
             deadlines.writing_since = loop.time()
-            event = stream_event(_broken(model, deadlines, timeouts), dispatch.api)
+            if dispatch.api == "responses" and response_id is None:
+                response_id = id_of_stream(seen)
+            error = _broken(model, deadlines, timeouts)
+            event = stream_event(error, dispatch.api, response_id=response_id, model=dispatch.model.upstream_name)
             await _write_quietly(response, event)
         elif request.transport is not None:
             request.transport.close()  # a truncated body must not look complete

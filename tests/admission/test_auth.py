@@ -78,6 +78,22 @@ async def test_no_key_and_a_wrong_key_are_the_same_401(gateway_factory, upstream
             assert resp.status == 200  # health needs no key
     assert gw.sample("gateway_auth_failures_total", reason="missing") == 2
     assert gw.sample("gateway_auth_failures_total", reason="invalid") == 3  # a Basic header is a wrong one
+
+
+async def test_a_401_and_a_400_are_final_for_the_openai_sdk_a_429_is_not(gateway_factory, upstream) -> None:
+    """``x-should-retry: false`` on what a retry would get again: the openai SDK, retries on,
+    sends a wrong key once; a 429 keeps the SDK's own choice (no header)."""
+    gw = await gateway_factory(with_auth(upstream.url, key_a()))
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-wrong", max_retries=3) as c:
+        with pytest.raises(openai.AuthenticationError) as caught:
+            await c.chat.completions.create(model="m", messages=HI)
+    assert caught.value.response.headers["x-should-retry"] == "false"
+    assert gw.sample("gateway_auth_failures_total", reason="invalid") == 1
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            f"{gw.url}/v1/chat/completions", data=b"{", headers={"Authorization": f"Bearer {TEAM_A}"}
+        ) as resp:
+            assert resp.status == 400 and resp.headers["x-should-retry"] == "false"
     assert not upstream.received
 
 
@@ -277,7 +293,7 @@ async def test_a_key_is_never_served_by_a_model_outside_its_list(gateway_factory
                 f"'{part['type']}'. It accepts: text, image."
             )
             assert "omni" not in caught.value.response.text and "whisper" not in caught.value.response.text
-            assert "X-Gateway-Model" not in caught.value.response.headers
+            assert caught.value.response.headers["X-Gateway-Model"] == "kimi"  # the model named, refusing
     assert all(u.received == [] for u in ups.values())
     assert gw.sample("gateway_modality_rejections_total", model="kimi", reason="unsupported") == 2
     async with client(gw, TEAM_B) as c:  # every model: redirected, and transcribed

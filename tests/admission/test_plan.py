@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.admission.plan import Redirect, admit
+from gateway.admission.plan import Redirect, admit, removed_note
 from gateway.admission.rewrite import rewrite
 from gateway.config import GatewayConfig, ModelConfig, Policy, parse_config
 from gateway.errors import (
@@ -266,7 +266,7 @@ def test_redirect_target_applies_its_own_strip_policy() -> None:
     assert plan.model.name == "b"
     assert plan.route == "redirect, strip"
     assert [p.location for p in plan.stripped_parts] == ["messages[0].content[2]"]
-    assert orjson.loads(rewrite(plan, body)) == request("b", user(txt(), VID))
+    assert orjson.loads(rewrite(plan, body)) == request("b", user(txt(), VID, gone(AUDIO, "b")))
 
 
 def test_redirect_prefers_a_target_that_accepts_every_modality() -> None:
@@ -304,6 +304,11 @@ def test_no_redirect_when_the_modality_is_absent() -> None:
 STRIPPER = routing(model("s", "text", "on_unsupported: {image: strip, audio: strip}"))
 
 
+def gone(modality: Modality, model: str) -> dict[str, str]:
+    """The text part a stripped part leaves."""
+    return {"type": "text", "text": removed_note(modality, f"model '{model}' does not take {modality.value} input")}
+
+
 def test_strip_removes_parts_across_messages() -> None:
     body = request(
         "s",
@@ -326,13 +331,14 @@ def test_strip_removes_parts_across_messages() -> None:
     assert plan.needs_rewrite(body)
     data = rewrite(plan, body)
     assert orjson.loads(data) == body  # rewritten in place
+    image, audio = gone(IMAGE, "s"), gone(AUDIO, "s")  # each part leaves a note saying so
     assert body == request(
         "s",
         {"role": "system", "content": "be brief"},
-        user(txt("a"), txt("b")),
+        user(txt("a"), image, txt("b"), audio),
         {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": ""},
-        user(txt("c")),
+        user(image),
+        user(image, txt("c"), image),
     )
 
 
@@ -341,7 +347,7 @@ def test_strip_keeps_other_fields() -> None:
     plan = admit(STRIPPER, body)
     assert orjson.loads(rewrite(plan, body)) == {
         "model": "s",
-        "messages": [user(txt())],
+        "messages": [user(gone(IMAGE, "s"), txt())],
         "temperature": 0.5,
         "stream": True,
     }
@@ -359,7 +365,10 @@ def test_strip_of_audio_keeps_video_and_mutes_its_audio() -> None:
     assert plan.needs_rewrite(body)
     assert plan.route == "strip"
     assert orjson.loads(rewrite(plan, body)) == request(
-        "v", user(txt(), VID), mm_processor_kwargs={"use_audio_in_video": False, "fps": 2}, temperature=0
+        "v",
+        user(txt(), VID, gone(AUDIO, "v")),
+        mm_processor_kwargs={"use_audio_in_video": False, "fps": 2},
+        temperature=0,
     )
 
 
@@ -385,7 +394,7 @@ def test_stripped_video_does_not_count_against_the_audio_limit() -> None:
     body = request("l", user(VID, AUD), mm_processor_kwargs={"use_audio_in_video": True})
     plan = admit(config, body)
     assert [p.location for p in plan.stripped_parts] == ["messages[0].content[0]"]
-    assert orjson.loads(rewrite(plan, body))["messages"] == [user(AUD)]
+    assert orjson.loads(rewrite(plan, body))["messages"] == [user(gone(VIDEO, "l"), AUD)]
 
 
 # --- limits ----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ SERVER_KEYS = (
     "upstream_connect_timeout_s, upstream_read_timeout_s, upstream_cooldown_s, upstream_stream_idle_timeout_s, "
     "client_body_timeout_s, client_write_timeout_s, client_idle_timeout_s, max_json_values, max_json_depth, "
     "max_messages, max_content_parts, max_text_chars, max_upstream_body_bytes, drain_grace_s, drain_timeout_s, "
-    "admin_listen, access_log, upstream_client, limits_store, tracing)"
+    "admin_listen, access_log, forward_client_credentials, upstream_client, limits_store, tracing)"
 )
 MODEL_KEYS = (
     "(expected one of: name, upstreams, upstream_model, engine, accepts, apis, limits, encode, on_encoder_error, "

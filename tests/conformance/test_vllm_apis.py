@@ -46,11 +46,13 @@ async def test_responses_images_are_what_vllm_decodes(gateway_factory, vllm, ima
             {"role": "user", "content": [{"type": "input_text", "text": "what is it?"}, image]},
             {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c1", "output": [image]},
+            {"type": "custom_tool_call", "call_id": "c2", "name": "patch", "input": "x"},
+            {"type": "custom_tool_call_output", "call_id": "c2", "output": [image]},
         ],
     }
     status, answer = await post(f"{gw.url}/v1/responses", body)
     assert status == 200, answer
-    assert engine.last().found.counts == {"image": 2}
+    assert engine.last().found.counts == {"image": 3}  # the custom tool's output is read for images too
 
 
 async def test_a_responses_pdf_as_its_text_and_page_images_is_what_vllm_decodes(gateway_factory, vllm) -> None:
@@ -108,6 +110,42 @@ async def test_a_messages_document_as_its_text_passes_vllms_own_conversion(gatew
     assert status == 200, answer
     checked = engine.last("/v1/messages")
     assert checked.found.counts == {}
+
+
+async def test_plain_text_documents_and_a_stripped_image_are_text_vllms_conversion_takes(gateway_factory, vllm) -> None:
+    """vLLM's Messages API has no document block: a plain-text document (as a conversation begun
+    on Anthropic's API carries one) goes as a text block; a stripped image leaves a text note."""
+    engine: Engine = await vllm()
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: texty, upstreams: [{engine.url}], accepts: [text], apis: [messages], "
+            "on_unsupported: {image: strip}}"
+        )
+    )
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}}
+    text = {
+        "type": "document",
+        "source": {"type": "text", "media_type": "text/plain", "data": "the notes"},
+        "title": "n",
+    }
+    blocks = {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "one"}]}}
+    content = [{"type": "text", "text": "read these"}, text, blocks]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": content}]
+    messages += [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [image]}]},
+    ]
+    status, answer = await post(f"{gw.url}/v1/messages", {"model": "texty", "max_tokens": 16, "messages": messages})
+    assert status == 200, answer
+    checked = engine.last("/v1/messages")
+    assert checked.found.counts == {}
+    sent = checked.body["messages"]
+    assert sent[0]["content"][1:] == [{"type": "text", "text": "n\n\nthe notes"}, {"type": "text", "text": "one"}]
+    note = sent[2]["content"][0]["content"][0]
+    assert note == {
+        "type": "text",
+        "text": "[An image was removed here by the gateway: model 'texty' does not take image input]",
+    }
 
 
 # --- pooling ------------------------------------------------------------------------------------

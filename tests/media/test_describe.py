@@ -40,6 +40,12 @@ def sent_parts(chat: Upstream) -> list[dict[str, Any]]:
     return parts
 
 
+# what an image no describer could read leaves
+FAILED = (
+    "[An image was removed here by the gateway: model 'texty' does not take image input, and its description failed]"
+)
+
+
 async def test_an_image_becomes_the_vision_models_description(gateway_factory, upstream_factory) -> None:
     chat, vision = await upstream_factory("chat"), await upstream_factory("vision")
     gw = await gateway_factory(table(chat, vision, f"{{describe: vision, prompt: '{PROMPT}'}}"))
@@ -118,7 +124,8 @@ async def test_an_image_that_cannot_be_described_is_dropped_with_on_error_strip(
     async with gw.client() as client:
         raw = await client.chat.completions.with_raw_response.create(model="texty", messages=ask(image_part(png())))
     assert raw.headers["X-Gateway-Route"] == "strip, describe"  # said as strip says it
-    assert sent_parts(chat) == [{"type": "text", "text": "what is it?"}]  # the image dropped
+    note = {"type": "text", "text": FAILED}  # the image dropped, and a note in its place says so
+    assert sent_parts(chat) == [{"type": "text", "text": "what is it?"}, note]
 
 
 @pytest.mark.parametrize(("on_error", "status", "code"), [("fail", 502, "upstream_error"),
@@ -183,9 +190,7 @@ def test_explain_says_which_images_are_described() -> None:
     assert plan.route == "describe" and [p["action"] for p in plan.explain()["parts"]] == ["accept", "describe"]
 
 
-async def test_an_image_only_message_whose_image_is_dropped_keeps_an_empty_text(
-    gateway_factory, upstream_factory
-) -> None:
+async def test_an_image_only_message_whose_image_is_dropped_keeps_its_note(gateway_factory, upstream_factory) -> None:
     chat, vision = await upstream_factory("chat"), await upstream_factory("vision")
     vision.standin.fail_status = 503
     gw = await gateway_factory(table(chat, vision, "{describe: vision, on_error: strip}"))
@@ -194,7 +199,7 @@ async def test_an_image_only_message_whose_image_is_dropped_keeps_an_empty_text(
             model="texty", messages=[{"role": "user", "content": [image_part(png())]}]
         )
     assert raw.headers["X-Gateway-Route"] == "strip, describe"
-    assert chat.received[-1].json()["messages"] == [{"role": "user", "content": ""}]  # as strip leaves it
+    assert chat.received[-1].json()["messages"] == [{"role": "user", "content": [{"type": "text", "text": FAILED}]}]
     assert gw.sample("gateway_modality_stripped_parts_total", model="texty", modality="image") == 1
 
 

@@ -198,7 +198,7 @@ async def test_responses_input_file_and_messages_documents_become_their_apis_tex
         parts = chat.received[-1].json()["messages"][0]["content"]
         assert parts == [
             {"type": "text", "text": f"{MARK} 'm.pdf']\n[Page 1 of 1]\nfrom messages"},
-            {"type": "text", "text": f"{MARK}]\nplain doc"},
+            {"type": "text", "text": "plain doc"},  # plain text is text: sent as a text block, not extracted
         ]
         bad = pdf_document(pdfs.encrypted())
         with pytest.raises(anthropic.BadRequestError) as caught:

@@ -123,7 +123,14 @@ async def test_strips_parts_and_says_so(gw: Gateway, two) -> None:
         )
     assert raw.headers["x-gateway-route"] == "strip"
     sent = vision.received[0].json()["messages"]
-    assert sent == [{"role": "user", "content": [{"type": "text", "text": "look"}]}, {"role": "user", "content": ""}]
+    note = {
+        "type": "text",
+        "text": "[An image was removed here by the gateway: model 'texty' does not take image input]",
+    }
+    assert sent == [
+        {"role": "user", "content": [{"type": "text", "text": "look"}, note]},
+        {"role": "user", "content": [note]},
+    ]
     assert gw.sample("gateway_modality_stripped_parts_total", model="texty", modality="image") == 2
 
 

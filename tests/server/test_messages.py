@@ -162,3 +162,95 @@ async def test_count_tokens_is_admitted_as_the_message_it_counts(gateway_factory
     assert counted.input_tokens == 12  # the stand-in's count: 10 and one a block
     assert [r.path for r in vision.received] == ["/v1/messages/count_tokens"]
     assert vision.received[0].json()["messages"] == ask(IMAGE)
+
+
+async def test_a_wrong_key_is_final_for_the_sdks_and_every_answer_names_its_request(
+    gateway_factory, both, monkeypatch
+) -> None:
+    """``x-should-retry: false`` on a 401 and a 400: the anthropic SDK (and Claude Code, which
+    retries a 401 ten times otherwise) gives up at once, with retries on; the request id comes as
+    Anthropic's ``request-id`` too (the SDK's ``request_id``), and a rejection names its model."""
+    texty, vision = both
+    monkeypatch.setenv(KEY_ENV, "sk-right")
+    gw = await gateway_factory(
+        table(texty, vision, extra=f"auth:\n  keys:\n    - {{name: team, key_env: {KEY_ENV}}}\n")
+    )
+    sent: list[str] = []
+
+    async def count(request: Any) -> None:
+        sent.append(request.url.path)
+
+    import httpx2
+
+    hooks = httpx2.AsyncClient(event_hooks={"request": [count]})
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-wrong", max_retries=3, http_client=hooks) as c:
+        with pytest.raises(anthropic.AuthenticationError) as wrong:
+            await c.messages.create(model="texty", max_tokens=16, messages=ask())
+    assert sent == ["/v1/messages"]  # one request: no retry
+    assert wrong.value.response.headers["x-should-retry"] == "false"
+    assert wrong.value.request_id == wrong.value.response.headers["X-Request-Id"]
+    hooks = httpx2.AsyncClient(event_hooks={"request": [count]})
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key="sk-right", max_retries=3, http_client=hooks) as c:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await c.messages.create(model="texty", max_tokens=16, messages=ask(IMAGE))
+        reply = await c.messages.with_raw_response.create(model="texty", max_tokens=16, messages=ask())
+    assert sent == ["/v1/messages"] * 3
+    assert refused.value.response.headers["X-Gateway-Model"] == "texty"
+    assert refused.value.request_id == refused.value.response.headers["X-Request-Id"]
+    assert reply.request_id == reply.headers["X-Request-Id"] and "x-should-retry" not in reply.headers
+
+
+async def test_a_conversation_begun_on_anthropics_api_continues_here(gateway_factory, both) -> None:
+    """Plain-text documents are text (sent as text blocks, which vLLM reads); the server tools'
+    result blocks and a container upload pass as their web-search siblings do."""
+    texty, vision = both
+    gw = await gateway_factory(table(texty, vision))
+    notes = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "the notes"}}
+    server_blocks = [
+        {"type": "server_tool_use", "id": "s1", "name": "code_execution", "input": {"code": "1+1"}},
+        {"type": "code_execution_tool_result", "tool_use_id": "s1", "content": {"type": "code_execution_result",
+         "stdout": "2", "stderr": "", "return_code": 0, "content": []}},
+        {"type": "bash_code_execution_tool_result", "tool_use_id": "s2", "content": {}},
+        {"type": "text_editor_code_execution_tool_result", "tool_use_id": "s3", "content": {}},
+        {"type": "tool_search_tool_result", "tool_use_id": "s4", "content": {}},
+        {"type": "text", "text": "done"},
+    ]  # fmt: skip
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "read"}, notes, {"type": "container_upload", "file_id": "f"}],
+        },
+        {"role": "assistant", "content": server_blocks},
+        {"role": "user", "content": "and now?"},
+    ]
+    async with client(gw) as c:
+        reply = await c.messages.create(model="texty", max_tokens=16, messages=messages)
+    assert text_of(reply).startswith("[texty] model=texty messages=3")
+    sent = texty.received[-1].json()["messages"]
+    assert sent[0]["content"][1] == {"type": "text", "text": "the notes"}
+    assert sent[1]["content"] == server_blocks
+
+
+@pytest.mark.parametrize("forward", [True, False])
+async def test_without_auth_a_clients_key_goes_upstream_only_if_the_table_says_so(
+    gateway_factory, both, forward: bool
+) -> None:
+    """A developer's real vendor key, sent by an SDK pointed here: with
+    server.forward_client_credentials: false (the shipped routing.yaml) it stays at the gateway."""
+    texty, vision = both
+    gw = await gateway_factory(
+        "version: 1\n"
+        f"server: {{forward_client_credentials: {str(forward).lower()}}}\n"
+        + table(texty, vision).removeprefix("version: 1\n")
+    )
+    async with client(gw, "sk-ant-real") as c:  # as Authorization: Bearer (anthropic 2.x)
+        await c.messages.create(model="texty", max_tokens=16, messages=ask())
+    async with aiohttp.ClientSession() as session:  # as x-api-key, as Claude Code sends it
+        body = {"model": "texty", "max_tokens": 16, "messages": ask()}
+        async with session.post(f"{gw.url}/v1/messages", json=body, headers={"x-api-key": "sk-ant-key"}) as resp:
+            assert resp.status == 200
+    bearer, key = (r.headers for r in texty.received[-2:])
+    assert (bearer.get("Authorization") == "Bearer sk-ant-real") is forward
+    assert (key.get("x-api-key") == "sk-ant-key") is forward
+    if not forward:
+        assert not {"x-api-key", "Authorization"} & {*bearer.keys(), *key.keys()}

@@ -84,7 +84,10 @@ async def test_a_redirect_and_a_strip_work_on_responses_as_on_chat(gateway_facto
     gw = await gateway_factory(table(texty, vision, texty_extra=", on_unsupported: {image: strip}"))
     async with gw.client() as client:
         await client.responses.create(model="texty", input=user(IMAGE))
-    assert texty.received[-1].json()["input"] == [{"role": "user", "content": [user()[0]["content"][0]]}]
+    note = "[An image was removed here by the gateway: model 'texty' does not take image input]"
+    assert texty.received[-1].json()["input"] == [
+        {"role": "user", "content": [user()[0]["content"][0], {"type": "input_text", "text": note}]}
+    ]
 
 
 async def test_parts_in_a_tool_output_and_documents_are_classified(gateway_factory, both) -> None:
@@ -100,6 +103,11 @@ async def test_parts_in_a_tool_output_and_documents_are_classified(gateway_facto
         with pytest.raises(openai.BadRequestError) as caught:
             await client.responses.create(model="texty", input=screenshot)
         assert error_body(caught.value)["param"] == "input[2].output[0]"
+        # a custom tool's output too (vLLM and SGLang make it a tool message, its images read)
+        custom = [*user(), {"type": "custom_tool_call_output", "call_id": "c1", "output": [IMAGE]}]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.responses.create(model="texty", input=custom)
+        assert error_body(caught.value)["param"] == "input[1].output[0]"
         with pytest.raises(openai.BadRequestError) as caught:
             await client.responses.create(model="vision", input=document)
         assert error_body(caught.value)["param"] == "input[0].content[1]"
@@ -149,8 +157,22 @@ async def test_a_stream_that_breaks_ends_with_the_responses_error_event(gateway_
         async with session.post(f"{gw.url}/v1/responses", json=body, headers={"X-Standin-Break-After": "2"}) as resp:
             text = await resp.text()
     assert text.count("event: response.output_text.delta\n") == 2
-    last = text.strip().split("\n\n")[-1]
-    assert last.startswith("event: error\ndata: ") and '"type":"error","code":"upstream_error"' in last
+    error, failed = text.strip().split("\n\n")[-2:]
+    assert error.startswith("event: error\ndata: ") and '"type":"error","code":"upstream_error"' in error
+    assert failed.startswith("event: response.failed\ndata: ")
+    # as the openai SDK reads them (and Codex, which reads response.failed alone): the error, and
+    # the response that failed, the stream's own, with the gateway's message
+    async with gw.client() as client:
+        stream = await client.responses.create(
+            model="texty", input="hi", stream=True, extra_headers={"X-Standin-Break-After": "2"}
+        )
+        events = [event async for event in stream]
+    created, *_, error_event, failed_event = events
+    assert created.type == "response.created" and error_event.type == "error"
+    assert failed_event.type == "response.failed" and failed_event.response.id == created.response.id
+    assert failed_event.response.status == "failed" and failed_event.response.error is not None
+    assert str(failed_event.response.error.code) == "upstream_error"  # the gateway's code, outside the SDK's Literal
+    assert failed_event.response.error.message == error_event.message and "broke off" in error_event.message
 
 
 async def test_a_follow_up_goes_to_the_replica_that_holds_its_stored_response(

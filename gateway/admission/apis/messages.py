@@ -3,10 +3,13 @@
 Content lives in ``system`` (a string, or text blocks), in each message's ``content`` (a
 string, or blocks) and in the ``content`` of every ``tool_result`` block (a string, or blocks:
 an agent's screenshot tool returns its image there). Blocks: ``text``, ``image`` (``source``:
-``base64`` with ``media_type`` and ``data``, ``url``, or ``file``), ``document`` (a PDF or text:
-the ``file`` modality, which vLLM and SGLang do not take), ``tool_use``, ``tool_result``,
-``tool_reference``, ``thinking``, ``redacted_thinking``, ``search_result`` and the server tools'
-blocks (text to the model).
+``base64`` with ``media_type`` and ``data``, ``url``, or ``file``), ``document`` (a PDF, a file or
+a URL: the ``file`` modality, which vLLM and SGLang do not take; plain text, ``source.type``
+``text`` or ``content`` of text: text, sent as a text block), ``tool_use``, ``tool_result``,
+``tool_reference``, ``thinking``, ``redacted_thinking``, ``search_result``, ``container_upload``
+and the server tools' blocks (text to the model, as a conversation begun on Anthropic's API
+carries them: web search and fetch, code execution, bash and text editor code execution, tool
+search, MCP).
 """
 
 from __future__ import annotations
@@ -53,6 +56,36 @@ def _any(part: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _document_text(part: Mapping[str, Any]) -> str | None:
+    """A document's text, where it is plain text: ``source.type`` ``text`` (its ``data``), or
+    ``content`` that is a string or text blocks only; None for a PDF, a file, a URL or images."""
+    source = part["source"]  # checked
+    if source["type"] == "text":
+        text: str = source["data"]
+        return text
+    if source["type"] != "content":
+        return None
+    content = source["content"]
+    if isinstance(content, str):
+        return content
+    if all(isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str) for b in content):
+        return "\n".join(b["text"] for b in content)
+    return None
+
+
+def _document(part: Mapping[str, Any]) -> Modality:
+    return Modality.FILE if _document_text(part) is None else Modality.TEXT
+
+
+def normalize(part: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A plain-text document as a text block (its title first): vLLM's and SGLang's Messages APIs
+    have no document block, and text is what it is. None: the block goes as sent."""
+    if part.get("type") != "document" or (text := _document_text(part)) is None:
+        return None
+    title = part.get("title")
+    return {"type": "text", "text": f"{title}\n\n{text}" if isinstance(title, str) and title else text}
+
+
 TEXT = Modality.TEXT
 PARTS = PartTable(
     {
@@ -68,11 +101,17 @@ PARTS = PartTable(
         "server_tool_use": (TEXT, _any),
         "web_search_tool_result": (TEXT, _any),
         "web_fetch_tool_result": (TEXT, _any),
+        "code_execution_tool_result": (TEXT, _any),
+        "bash_code_execution_tool_result": (TEXT, _any),
+        "text_editor_code_execution_tool_result": (TEXT, _any),
+        "tool_search_tool_result": (TEXT, _any),
+        "container_upload": (TEXT, _any),
         "mcp_tool_use": (TEXT, _any),
         "mcp_tool_result": (TEXT, _any),
     },
     {"text": "text", "thinking": "thinking"},
     strings=False,
+    refine={"document": _document},
 )
 
 
@@ -100,7 +139,16 @@ def image(media_type: str, data: str) -> dict[str, Any]:
 
 
 # transcribes: an image described is a text block (Anthropic's API carries no audio)
-MESSAGES = Api("messages", "/v1/messages", PARTS, contents, errors="anthropic", transcribes=True, image_part=image)
+MESSAGES = Api(
+    "messages",
+    "/v1/messages",
+    PARTS,
+    contents,
+    errors="anthropic",
+    transcribes=True,
+    image_part=image,
+    normalize=normalize,
+)
 # the input tokens of a message, admitted as the message would be (Claude Code asks it first; its
 # images described then are in the conversions cache when the message itself comes)
 COUNT_TOKENS = Api(
@@ -112,4 +160,5 @@ COUNT_TOKENS = Api(
     spends=False,
     transcribes=True,
     image_part=image,
+    normalize=normalize,
 )

@@ -2,9 +2,10 @@
 
 Content lives in ``input``: a string (text), or a list of items. A message item
 (``{"type": "message", "role", "content"}``, ``type`` optional) keeps its parts in ``content``; a
-``function_call_output`` in ``output`` (a string, or parts: a tool that returns a screenshot).
-Other items (function calls, reasoning, references to stored items) carry no media and are not
-looked into, nor are computer-use items, which vLLM and SGLang do not take. ``instructions`` is
+``function_call_output`` or ``custom_tool_call_output`` in ``output`` (a string, or parts: a tool
+that returns a screenshot). Other items (function calls, reasoning, shell and patch calls and
+their string outputs, references to stored items) carry no media and are not looked into, nor are
+computer-use items, which vLLM and SGLang do not take. ``instructions`` is
 text.
 
 Parts: ``input_text``, ``output_text`` and ``refusal`` (text); ``input_image`` (``image_url``: a
@@ -69,6 +70,11 @@ PARTS = PartTable(
 )
 
 
+# the items whose ``output`` may be parts: a function's, or a custom tool's (Codex's apply_patch
+# and the like), a string or input_text, input_image and input_file parts
+TOOL_OUTPUTS = ("function_call_output", "custom_tool_call_output")
+
+
 def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
     """A Responses request's view: ``instructions``, then ``input`` (a string, or its items' parts)."""
     view = []
@@ -90,7 +96,7 @@ def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
             if not isinstance(item.get("role"), str):
                 raise InvalidRequestError(f"input[{i}].role must be a string", param=f"input[{i}].role")
             view.append(Content(item, "content", f"input[{i}].content"))
-        elif kind == "function_call_output" and item.get("output") is not None:
+        elif kind in TOOL_OUTPUTS and item.get("output") is not None:
             view.append(Content(item, "output", f"input[{i}].output"))
     return view
 

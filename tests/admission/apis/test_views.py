@@ -72,9 +72,14 @@ def test_a_messages_body_is_read_in_system_messages_and_tool_results() -> None:
         ("messages[0].content", "string", ("text",)),
         ("messages[1].content[0]", "tool_use", ("text",)),
         ("messages[2].content[0]", "tool_result", ("text",)),
-        ("messages[2].content[1]", "document", ("file",)),
+        ("messages[2].content[1]", "document", ("text",)),  # plain text is text (a PDF is a file)
         ("messages[2].content[0].content[0]", "image", ("image",)),
     ]
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}
+    mixed = {"type": "document", "source": {"type": "content", "content": [{"type": "text", "text": "a"}, BLOCK]}}
+    texts = {"type": "document", "source": {"type": "content", "content": "a text"}}
+    body = {"model": "m", "messages": [{"role": "user", "content": [pdf, mixed, texts]}]}
+    assert [m for _, _, m in where(MESSAGES, body)] == [("file",), ("file",), ("text",)]
 
 
 @pytest.mark.parametrize(
@@ -123,16 +128,19 @@ def test_a_strip_is_written_into_each_apis_own_body() -> None:
                  "call_id": "c", "output": [{"type": "input_text", "text": "ok"}, IMAGE]}]}  # fmt: skip
     plan = admit(TABLE, responses, api=RESPONSES)
     assert plan.route == "strip"
+    # each stripped part leaves a note in the API's own text part, inside a tool's output too
+    note = "[An image was removed here by the gateway: model 'texty' does not take image input]"
     assert orjson.loads(rewrite(plan, responses))["input"] == [
-        {"role": "user", "content": ""},
-        {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text", "text": "ok"}]},
-    ]
+        {"role": "user", "content": [{"type": "input_text", "text": note}]},
+        {"type": "function_call_output", "call_id": "c", "output": [
+            {"type": "input_text", "text": "ok"}, {"type": "input_text", "text": note}]},
+    ]  # fmt: skip
     messages = {"model": "texty", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {
         "type": "tool_result", "tool_use_id": "t", "content": [BLOCK]}]}]}  # fmt: skip
     plan = admit(TABLE, messages, api=MESSAGES)
     assert orjson.loads(rewrite(plan, messages))["messages"][0]["content"] == [
         {"type": "text", "text": "a"},
-        {"type": "tool_result", "tool_use_id": "t", "content": ""},
+        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": note}]},
     ]
 
 
