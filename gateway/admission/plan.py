@@ -30,7 +30,7 @@ from typing import Any, TypeAlias
 
 from ..config import GatewayConfig, ModelConfig
 from ..config.engines import DIALECTS
-from ..config.types import ContentBounds
+from ..config.types import ContentBounds, Policy
 from ..errors import (
     GatewayError,
     InvalidRequestError,
@@ -78,6 +78,8 @@ class RoutePlan:
     visual: VisualCount | None = None  # its images sized and counted (the model's visual_tokens, image_pixels)
     described: frozenset[Modality] = frozenset()  # images sent to a vision model, as its description
     extracted: frozenset[Modality] = frozenset()  # files read, sent as their text
+    # (place, index) of the parts of earlier turns stripped under {history: strip} (their modality rejected)
+    history_stripped: frozenset[tuple[int, int]] = frozenset()
 
     @property
     def route(self) -> str:
@@ -85,6 +87,7 @@ class RoutePlan:
         if not (
             self.redirects
             or self.stripped
+            or self.history_stripped
             or self.transcribed
             or self.described
             or self.extracted
@@ -163,7 +166,10 @@ class RoutePlan:
 
     @property
     def stripped_parts(self) -> tuple[Part, ...]:
-        return tuple(p for p in self.classification.parts if p.modality in self.stripped)
+        history = self.history_stripped
+        return tuple(
+            p for p in self.classification.parts if p.modality in self.stripped or (p.message, p.index) in history
+        )
 
     @property
     def mutes_audio_in_video(self) -> bool:
@@ -186,6 +192,8 @@ class RoutePlan:
         if body.get("model") != self.model.upstream_name or self.normalized:
             return True
         if self.transcribe_parts or self.frame_parts or self.describe_parts or self.extract_parts:
+            return True
+        if self.history_stripped:
             return True
         return bool(self.stripped or self.transcribed) and (bool(self.stripped_parts) or self.mutes_audio_in_video)
 
@@ -345,8 +353,12 @@ def admit(
     unsupported = [m for m in present if m not in model.accepts]
     # each unsupported modality by what its policy does (one the key may not use its model for: rejected)
     policies = [(m, model.policy(m)) for m in unsupported]
+    history = _history(api, body, contents, classification, policies)
+    on = (api.name, configured)
+    # the parts {history: strip} strips are not the rejection's
+    judged = classification if not history else _without(classification, history)
     if all(policy.action == "reject" for _, policy in policies):  # the common refusal: nothing else to weigh
-        _reject_unsupported(model, classification, unsupported, frozenset(), redirects, (api.name, configured))
+        _reject_unsupported(model, judged, unsupported, frozenset(), redirects, on)
     doing: dict[str, set[Modality]] = {}
     for m, policy in policies:
         if policy.action not in ("transcribe", "describe") or _may_use(visible, policy.target or ""):
@@ -362,7 +374,7 @@ def admit(
         for m in converted:
             _hold_conversions(model, classification, m)
     handled = stripped | as_text | framed
-    _reject_unsupported(model, classification, unsupported, handled, redirects, (api.name, configured))
+    _reject_unsupported(model, judged, unsupported, handled, redirects, on)
     _enforce_limits(model, classification, handled)
     per_video = _frames_per_video(model, classification, stripped) if framed else 0
     gone = stripped | framed | described  # not sent as images
@@ -379,12 +391,44 @@ def admit(
         visual=visual,
         described=described,
         extracted=extracted,
+        history_stripped=history,
     )
     if not normalized:
         return plan
     parts = (*plan.stripped_parts, *plan.transcribe_parts, *plan.describe_parts, *plan.extract_parts)
     gone_at = {(p.message, p.index) for p in parts}  # not sent as parts
     return dataclasses.replace(plan, normalized=normalized - gone_at)
+
+
+def _history(
+    api: Api,
+    body: Mapping[str, Any],
+    contents: list[Content],
+    classification: Classification,
+    policies: list[tuple[Modality, Policy]],
+) -> frozenset[tuple[int, int]]:
+    """The parts that ``{history: strip}`` strips, of a modality the model rejects: every one but
+    those the user attached in the newest turn (after the model's last turn, outside tool results:
+    :attr:`Api.newest`). An agent's tools' results and the earlier turns, which agents and chat
+    apps resend every turn, are stripped with a note; what the user sent now is refused, so that
+    they know. Computed only for a model with such a policy."""
+    modalities = {m for m, policy in policies if policy.action == "reject" and policy.history == "strip"}
+    if not modalities or api.newest is None:
+        return frozenset()
+    newest = api.newest(body)
+    return frozenset(
+        (p.message, p.index)
+        for p in classification.parts
+        if p.index is not None
+        and p.modality in modalities
+        and (holder := contents[p.message].holder) is not body
+        and id(holder) not in newest
+    )
+
+
+def _without(classification: Classification, gone: frozenset[tuple[int, int]]) -> Classification:
+    parts = tuple(p for p in classification.parts if (p.message, p.index) not in gone)
+    return dataclasses.replace(classification, parts=parts)
 
 
 def _check_shapes(model: ModelConfig, contents: list[Content]) -> None:

@@ -74,6 +74,8 @@ def _visual(model: ModelConfig, raw: dict[str, Any]) -> None:
 
 def _policy(policy: Policy) -> str | dict[str, Any]:
     """A policy as routing.yaml spells it (what /admin/config shows parses back)."""
+    if policy.history != "reject":
+        return {"history": policy.history}
     if policy.action == "redirect":
         return {"redirect": policy.target}
     if policy.action == "transcribe":

@@ -25,6 +25,7 @@ from .types import (
     EXTRACT_KEYS,
     EXTRACT_OPTIONS,
     FRAMES_KEYS,
+    HISTORY_ACTIONS,
     LIMITS_STORE_KEYS,
     LIMITS_STORE_SCHEMES,
     MAX_JSON_DEPTH,
@@ -386,6 +387,10 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
     def policy(self, value: Any, path: str) -> Policy | None:
         if isinstance(value, str) and value in POLICY_ACTIONS:
             return Policy(value)  # type: ignore[arg-type]
+        if isinstance(value, dict) and set(value) == {"history"}:
+            # reject in the newest turn; the earlier turns' parts as history says (an agent's session)
+            history = self.choice(value["history"], f"{path}.history", HISTORY_ACTIONS, "action", "strip")
+            return Policy("reject", history=history)  # type: ignore[arg-type]
         if isinstance(value, dict) and set(value) == {"redirect"}:
             target = self.string(value["redirect"], f"{path}.redirect")
             return Policy("redirect", target) if target else None
@@ -434,8 +439,8 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
             return None
         self.problem(
             path,
-            f"unknown policy {show(value)} (expected reject, strip, {{redirect: MODEL}}, {{transcribe: MODEL}}, "
-            "{describe: MODEL}, {frames: N} or {extract: {max_pages: N}})",
+            f"unknown policy {show(value)} (expected reject, strip, {{history: strip}}, {{redirect: MODEL}}, "
+            "{transcribe: MODEL}, {describe: MODEL}, {frames: N} or {extract: {max_pages: N}})",
         )
         return None
 

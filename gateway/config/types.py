@@ -127,6 +127,7 @@ MAX_JSON_DEPTH = 254  # the deepest body orjson can write back
 # image becomes an image_embeds payload upstream, often 1000x the size of the part it replaces.
 DEFAULT_ENCODE_IMAGE_LIMIT = 32
 POLICY_ACTIONS = ("reject", "strip")
+HISTORY_ACTIONS = ("strip",)  # {history: strip}: what an earlier turn's part gets, where the newest turn's is refused
 VISUAL_LIMITS = ("visual_tokens", "image_pixels")  # limits: beside the modalities, not items
 VISUAL_KEYS = ("preset", "patch", "merge", "min_pixels", "max_pixels", "longest_edge", "fixed", "remote", "video")
 VIDEO_KEYS = ("frames", "fps", "min_frames", "max_frames", "min_pixels", "max_pixels", "temporal_patch")
@@ -370,6 +371,9 @@ class Policy:
     fps: float | None = None
     max_side: int = 768
     timestamps: bool = True
+    # reject: what happens to the modality's parts in the conversation's earlier turns (those before
+    # the model's last turn), which a coding agent resends every turn: refused too, or stripped with a note
+    history: Literal["reject", "strip"] = "reject"
 
     def __str__(self) -> str:
         if self.action == "redirect":
@@ -382,6 +386,8 @@ class Policy:
             return f"{self.frames} frames"
         if self.action == "extract":
             return f"extract its text and page images at {self.dpi} dpi" if self.page_images else "extract its text"
+        if self.history == "strip":
+            return "reject in the newest turn, strip in earlier ones"
         return self.action
 
 

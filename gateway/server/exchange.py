@@ -126,7 +126,7 @@ class Exchange:
             metrics.encode_decisions.labels(plan.model.name, decision).inc()
         for r in plan.redirects:
             metrics.redirects.labels(r.source, r.modality.value, r.target).inc()
-        if plan.stripped:
+        if plan.stripped or plan.history_stripped:
             for part in plan.stripped_parts:
                 metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
         if self.services.tracing is not None and self.services.tracing.recording():

@@ -713,7 +713,7 @@ MODEL_CHECKS = [
         "    on_unsupported: {image: drop}",
         [
             "r.yaml:6:29: models[0].on_unsupported.image: "
-            "unknown policy 'drop' (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL}, "
+            "unknown policy 'drop' (expected reject, strip, {history: strip}, {redirect: MODEL}, {transcribe: MODEL}, "
             "{describe: MODEL}, {frames: N} or {extract: {max_pages: N}})"
         ],
         id="policy-unknown",
@@ -722,7 +722,7 @@ MODEL_CHECKS = [
         "    on_unsupported: {image: null}",
         [
             "r.yaml:6:29: models[0].on_unsupported.image: "
-            "unknown policy null (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL}, "
+            "unknown policy null (expected reject, strip, {history: strip}, {redirect: MODEL}, {transcribe: MODEL}, "
             "{describe: MODEL}, {frames: N} or {extract: {max_pages: N}})"
         ],
         id="policy-null",
@@ -1132,7 +1132,7 @@ ODD_VALUES = [
         model_doc("    on_unsupported: {video: {}}"),
         [
             "r.yaml:6:29: models[0].on_unsupported.video: "
-            "unknown policy {} (expected reject, strip, {redirect: MODEL}, {transcribe: MODEL}, "
+            "unknown policy {} (expected reject, strip, {history: strip}, {redirect: MODEL}, {transcribe: MODEL}, "
             "{describe: MODEL}, {frames: N} or {extract: {max_pages: N}})"
         ],
         id="empty-policy-mapping",

@@ -27,6 +27,7 @@ from gateway.config.types import (
     BREAKER_KEYS,
     ENCODER_KEYS,
     HEALTH_CHECK_KEYS,
+    HISTORY_ACTIONS,
     MEDIA_KEYS,
     MODEL_KEYS,
     POLICY_ACTIONS,
@@ -119,7 +120,9 @@ def test_required_keys_match_the_parser() -> None:
     assert DEFS["model"]["required"] == ["name", "upstreams", "accepts"]
     assert DEFS["encoder"]["required"] == ["kind"]
     assert DEFS["httpEncoder"]["required"] == ["urls"]
-    assert DEFS["policy"]["oneOf"][1]["required"] == ["redirect"]
+    assert DEFS["policy"]["oneOf"][1]["required"] == ["history"]
+    assert DEFS["policy"]["oneOf"][1]["properties"]["history"]["enum"] == list(HISTORY_ACTIONS)
+    assert DEFS["policy"]["oneOf"][2]["required"] == ["redirect"]
 
 
 def test_every_key_has_a_description() -> None:

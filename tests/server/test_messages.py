@@ -254,3 +254,32 @@ async def test_without_auth_a_clients_key_goes_upstream_only_if_the_table_says_s
     assert (key.get("x-api-key") == "sk-ant-key") is forward
     if not forward:
         assert not {"x-api-key", "Authorization"} & {*bearer.keys(), *key.keys()}
+
+
+async def test_an_agent_session_that_read_an_image_goes_on_under_history_strip(gateway_factory, both) -> None:
+    """Claude Code's flow with a text-only model: its Read of an image comes back in a
+    tool_result (stripped, a note in its place: 200), the next prompt merged into that message
+    (200 again); an image the user sends now is refused, naming it."""
+    texty, _ = both
+    policy = "on_unsupported: {image: {history: strip}}"
+    gw = await gateway_factory(routing(f"  - {{name: texty, upstreams: [{texty.url}], accepts: [text], {policy}}}"))
+    read: list[dict[str, Any]] = [
+        {"role": "user", "content": "look at x.png"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [IMAGE]}]},
+    ]
+    merged = [*read[:2], {"role": "user", "content": [*read[2]["content"], {"type": "text", "text": "and now?"}]}]
+    async with client(gw) as c:
+        first = await c.messages.with_raw_response.create(model="texty", max_tokens=16, messages=read)
+        second = await c.messages.create(model="texty", max_tokens=16, messages=merged)
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            await c.messages.create(
+                model="texty", max_tokens=16, messages=[*merged[:2], {"role": "user", "content": [IMAGE]}]
+            )
+    assert first.headers["X-Gateway-Route"] == "strip" and text_of(second).startswith("[texty]")
+    note = "[An image was removed here by the gateway: model 'texty' does not take image input]"
+    assert [r.json()["messages"][2]["content"][0]["content"] for r in texty.received] == [
+        [{"type": "text", "text": note}]
+    ] * 2
+    assert "messages[2].content[0] is 'image'" in str(refused.value)
+    assert gw.sample("gateway_modality_stripped_parts_total", model="texty", modality="image") == 2

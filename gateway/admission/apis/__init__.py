@@ -64,6 +64,11 @@ class Api:
     # its places may be one engine's shape alone (Content.engine: vLLM's conversations, SGLang's
     # items): a place the model's engine does not read is a 400, never media it silently drops
     engine_shapes: bool = False
+    # what the user attached in the conversation's newest turn: the ids of the holders of the places
+    # after the model's last turn, but tool results (what an agent's tools read, not what the user
+    # sent); None: an API without turns (pooling, transcriptions). {history: strip} refuses these
+    # parts alone and strips the rest (gateway.admission.plan)
+    newest: Callable[[Mapping[str, Any]], frozenset[int]] | None = None
 
     def classify(
         self, body: dict[str, Any], *, model: str, bounds: ContentBounds, contents: list[Content] | None = None
@@ -85,4 +90,28 @@ class Api:
         return dataclasses.replace(found, normalized=normalized) if normalized else found
 
 
-CHAT = Api("chat", "/v1/chat/completions", CHAT_PARTS, chat_contents, converts=True, transcribes=True)
+def after_last(items: Any, is_models: Callable[[Any], bool]) -> list[Any]:
+    """The items after the last one ``is_models`` says is the model's own (all, when none is)."""
+    if not isinstance(items, list):
+        return []
+    last = -1
+    for i, item in enumerate(items):
+        if isinstance(item, dict) and is_models(item):
+            last = i
+    return items[last + 1 :]
+
+
+def _assistants(message: Mapping[str, Any]) -> bool:
+    return message.get("role") == "assistant"
+
+
+def chat_newest(body: Mapping[str, Any]) -> frozenset[int]:
+    """The messages after the last assistant message, but tool messages (its calls' results)."""
+    return frozenset(
+        id(m) for m in after_last(body.get("messages"), _assistants) if isinstance(m, dict) and m.get("role") != "tool"
+    )
+
+
+CHAT = Api(
+    "chat", "/v1/chat/completions", CHAT_PARTS, chat_contents, converts=True, transcribes=True, newest=chat_newest
+)

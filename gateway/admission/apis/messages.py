@@ -20,7 +20,7 @@ from typing import Any
 from ...config.types import ContentBounds
 from ...modalities import Modality
 from ..parts import Content, PartTable, messages_of, str_field
-from . import Api
+from . import Api, after_last
 
 SOURCES = {"base64": "data", "url": "url", "file": "file_id", "text": "data", "content": "content"}
 
@@ -133,6 +133,12 @@ def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
     return view
 
 
+def newest(body: Mapping[str, Any]) -> frozenset[int]:
+    """The messages after the last assistant one; not their tool_result blocks (an agent's tool
+    results: Claude Code's Read of an image), whose contents are places of their own."""
+    return frozenset(id(m) for m in after_last(body.get("messages"), lambda m: m.get("role") == "assistant"))
+
+
 def image(media_type: str, data: str) -> dict[str, Any]:
     """An image block of base64 ``data``."""
     return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
@@ -148,6 +154,7 @@ MESSAGES = Api(
     transcribes=True,
     image_part=image,
     normalize=normalize,
+    newest=newest,
 )
 # the input tokens of a message, admitted as the message would be (Claude Code asks it first; its
 # images described then are in the conversions cache when the message itself comes)
@@ -161,4 +168,5 @@ COUNT_TOKENS = Api(
     transcribes=True,
     image_part=image,
     normalize=normalize,
+    newest=newest,
 )

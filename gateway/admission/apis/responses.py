@@ -23,7 +23,7 @@ from ...config.types import ContentBounds
 from ...errors import InvalidRequestError
 from ...modalities import Modality
 from ..parts import CHAT_PARTS, TEXT_FIELDS, Content, PartTable, check_messages, str_field
-from . import Api
+from . import Api, after_last
 
 
 def _image(part: Mapping[str, Any]) -> str | None:
@@ -101,6 +101,21 @@ def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
     return view
 
 
+def _models(item: Mapping[str, Any]) -> bool:
+    """An item the model wrote: an assistant message, a reasoning item, any tool call (``*_call``)."""
+    kind = item.get("type")
+    return item.get("role") == "assistant" or kind == "reasoning" or (isinstance(kind, str) and kind.endswith("_call"))
+
+
+def newest(body: Mapping[str, Any]) -> frozenset[int]:
+    """The messages after the model's last item (not the tool outputs it asked for)."""
+    return frozenset(
+        id(item)
+        for item in after_last(body.get("input"), _models)
+        if isinstance(item, dict) and item.get("type", "message") == "message"
+    )
+
+
 def normalize(part: Mapping[str, Any]) -> dict[str, Any] | None:
     """The part as vLLM's Responses serving reads it, where the client sent the same meaning in
     another shape: an ``input_image`` whose ``image_url`` is the chat API's ``{"url": ...}`` (vLLM
@@ -134,4 +149,5 @@ RESPONSES = Api(
     text_part="input_text",
     normalize=normalize,
     image_part=image,
+    newest=newest,
 )

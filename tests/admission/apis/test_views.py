@@ -3,6 +3,7 @@ written back into the API's own body (a strip, a rename)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import orjson
@@ -15,7 +16,13 @@ from gateway.admission.plan import admit
 from gateway.admission.rewrite import rewrite
 from gateway.config import parse_config
 from gateway.config.types import DEFAULT_BOUNDS, ContentBounds
-from gateway.errors import ConfigError, InvalidContentPartError, InvalidRequestError, UnsupportedApiError
+from gateway.errors import (
+    ConfigError,
+    InvalidContentPartError,
+    InvalidRequestError,
+    UnsupportedApiError,
+    UnsupportedModalityError,
+)
 from gateway.modalities import Modality
 from tests.conftest import routing
 
@@ -185,3 +192,81 @@ def test_responses_parts_are_normalized_only_where_the_meaning_is_the_same() -> 
     }  # fmt: skip
     for same in (IMAGE, {"type": "input_audio", "input_audio": {"data": "x"}}, {"type": "input_text", "text": "t"}):
         assert normalize(same) is None
+
+
+# --- {history: strip}: an agent's session goes on -------------------------------------------------
+
+AGENT = parse_config(
+    routing(
+        "  - {name: agent, upstreams: ['http://127.0.0.1:9'], accepts: [text], "
+        "on_unsupported: {image: {history: strip}}}"
+    )
+)
+NOTE = "[An image was removed here by the gateway: model 'agent' does not take image input]"
+
+
+def test_history_strip_on_messages_strips_tool_results_and_earlier_turns_and_refuses_what_the_user_sent() -> None:
+    """Claude Code's Read of an image comes back in a tool_result, and every later turn resends it
+    (merged with the next prompt into one user message): stripped with a note, the session goes
+    on. An image the user sent in the newest turn is refused, so that they know."""
+    read: list[dict[str, Any]] = [
+        {"role": "user", "content": "look at x.png"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "Read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [BLOCK]}]},
+    ]
+    body = {"model": "agent", "messages": copy.deepcopy(read)}  # rewritten in place below
+    plan = admit(AGENT, body, api=MESSAGES)
+    assert plan.route == "strip" and [p.location for p in plan.stripped_parts] == ["messages[2].content[0].content[0]"]
+    sent = orjson.loads(rewrite(plan, body))["messages"]
+    assert sent[2]["content"][0]["content"] == [{"type": "text", "text": NOTE}]
+    # the next turn, as Claude Code sends it after any answer: merged with the new prompt
+    merged = [*read[:2], {"role": "user", "content": [*read[2]["content"], {"type": "text", "text": "and now?"}]}]
+    assert admit(AGENT, {"model": "agent", "messages": merged}, api=MESSAGES).route == "strip"
+    # an earlier turn's image the user sent, to a model switched to mid-conversation: stripped
+    earlier = [{"role": "user", "content": [BLOCK]}, {"role": "assistant", "content": "a cat"},
+               {"role": "user", "content": "thanks"}]  # fmt: skip
+    assert admit(AGENT, {"model": "agent", "messages": earlier}, api=MESSAGES).route == "strip"
+    with pytest.raises(UnsupportedModalityError) as caught:  # the newest turn's own image: refused
+        admit(AGENT, {"model": "agent", "messages": [*earlier, {"role": "user", "content": [BLOCK]}]}, api=MESSAGES)
+    assert caught.value.param == "messages[3].content[0]"
+
+
+def test_history_strip_on_responses_and_chat() -> None:
+    """Codex's view_image returns its image in a function_call_output: stripped; a user message
+    after the model's last item is the newest turn's."""
+    body: dict[str, Any] = {"model": "agent", "input": [
+        {"role": "user", "content": "look at x.png"},
+        {"type": "function_call", "call_id": "c", "name": "view_image", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": [IMAGE]},
+        {"role": "user", "content": "and now?"},
+    ]}  # fmt: skip
+    plan = admit(AGENT, body, api=RESPONSES)
+    assert [p.location for p in plan.stripped_parts] == ["input[2].output[0]"]
+    assert orjson.loads(rewrite(plan, body))["input"][2]["output"] == [{"type": "input_text", "text": NOTE}]
+    body["input"][3]["content"] = [IMAGE]
+    with pytest.raises(UnsupportedModalityError, match=r"input\[3\]\.content\[0\] is 'input_image'"):
+        admit(AGENT, body, api=RESPONSES)
+    image = {"type": "image_url", "image_url": {"url": PNG}}
+    chat: dict[str, Any] = {"model": "agent", "messages": [
+        {"role": "user", "content": [image]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                              "function": {"name": "shot", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": [image]},
+    ]}  # fmt: skip
+    plan = admit(AGENT, chat, api=CHAT)
+    assert [p.location for p in plan.stripped_parts] == ["messages[0].content[0]", "messages[2].content[0]"]
+    chat["messages"].append({"role": "user", "content": [image]})
+    with pytest.raises(UnsupportedModalityError) as caught:
+        admit(AGENT, chat, api=CHAT)
+    assert caught.value.param == "messages[3].content[0]"
+
+
+def test_history_is_a_policy_of_its_own_in_the_table() -> None:
+    from gateway.config import Policy, as_dict
+
+    model = AGENT.model("agent")
+    assert model is not None and model.policy(Modality.IMAGE) == Policy("reject", history="strip")
+    assert as_dict(AGENT)["models"][0]["on_unsupported"] == {"image": {"history": "strip"}}
+    with pytest.raises(ConfigError, match=r"on_unsupported\.image\.history: unknown action 'describe'"):
+        parse_config(routing("  - {name: a, upstreams: ['http://h:1'], accepts: [text], "
+                             "on_unsupported: {image: {history: describe}}}"))  # fmt: skip
