@@ -55,8 +55,20 @@ $(CONF_STAMP):
 	$(CONF_VENV)/bin/python -m pip install -q -r tests/conformance/requirements.txt
 	touch $@
 
-conformance: $(CONF_STAMP) test-deps ## the bodies the gateway sends, checked by vLLM's and SGLang's own code (pinned, in a cached venv)
-	$(CONF_VENV)/bin/python -m pytest -q tests/conformance
+# The real coding agents (Claude Code, Codex CLI), pinned in tests/conformance/clients.txt, from npm
+# into a cache directory keyed by the pins (Node and npm from Debian): a second run installs nothing.
+CLIENTS_KEY := $(shell grep -v '^\#' tests/conformance/clients.txt 2>/dev/null | sha256sum | cut -c1-12)
+CLIENTS_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/modality-gateway/clients-$(CLIENTS_KEY)
+CLIENTS_STAMP := $(CLIENTS_DIR)/.installed
+
+$(CLIENTS_STAMP):
+	rm -rf $(CLIENTS_DIR)
+	mkdir -p $(CLIENTS_DIR)
+	npm install --prefix $(CLIENTS_DIR) --no-audit --no-fund --loglevel=error $$(grep -v '^#' tests/conformance/clients.txt)
+	touch $@
+
+conformance: $(CONF_STAMP) $(CLIENTS_STAMP) test-deps ## the bodies the gateway sends, checked by vLLM's and SGLang's own code, and the real coding agents through it (pinned, cached)
+	MODALITY_GATEWAY_CLIENTS=$(CLIENTS_DIR) $(CONF_VENV)/bin/python -m pytest -q tests/conformance
 
 MIN_VENV := .venv-min
 MIN_STAMP := $(MIN_VENV)/.installed

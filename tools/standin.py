@@ -13,6 +13,13 @@ headers (the gateway forwards them):
     X-Standin-Chunk-Delay-Ms: 5  wait between streamed chunks
     X-Standin-Break-After: 2     stream this many content chunks, then drop the connection
 
+An agent's tool call, in the conversation: a user message whose text says ``@read /abs/path`` is
+answered, on the Messages API, with a ``tool_use`` of Claude Code's ``Read`` tool
+(``{"file_path": path}``) and, on the Responses API, with a ``function_call`` of Codex's
+``view_image`` (``{"path": path}``), where the request offers that tool; once the tool's result
+follows the message, the usual reply (which counts the parts it got, the result's included). So
+the real coding agents read an image with their own tools in the conformance suite.
+
 A length, in the body as vLLM takes it: ``"ignore_eos": true`` with ``"max_tokens": N`` makes the
 reply exactly N words, streamed as exactly N content chunks (the words of the usual reply, repeated
 as needed), as vLLM generates exactly ``max_tokens`` tokens when told to ignore EOS. Being in the
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -207,6 +215,9 @@ class StandIn:
             return web.json_response({"error": missing}, status=404)
         items = payload.get("input")
         items = [{"role": "user", "content": items}] if isinstance(items, str) else items or []
+        path = _asked_to_read(items, payload, "view_image")
+        if path is not None:
+            return await self._function_call(request, payload, path)
         text = _fixed_length(f"[{self.name}] model={payload.get('model')} " + describe(items), payload)
         self.served += 1
         rid, mid = f"resp_{self.name}_{self.served}", f"msg_{self.name}_{self.served}"
@@ -261,6 +272,9 @@ class StandIn:
         payload, error = await self._record(request)
         if error is not None:
             return error
+        path = _asked_to_read(payload.get("messages", []), payload, "Read")
+        if path is not None:
+            return await self._tool_use(request, payload, path)
         text = _fixed_length(f"[{self.name}] model={payload.get('model')} " + describe(payload.get("messages", [])),
                              payload)  # fmt: skip
         self.served += 1
@@ -287,6 +301,64 @@ class StandIn:
             {"type": "message_stop"},
         ]  # fmt: skip
         return await self._events(request, [*opening, *deltas, *closing], first_delta=len(opening))
+
+    async def _tool_use(self, request: web.Request, payload: dict[str, Any], path: str) -> web.StreamResponse:
+        """Claude Code's ``Read`` of ``path``, as vLLM streams a tool call on the Messages API."""
+        self.served += 1
+        call = {"type": "tool_use", "id": f"toolu_{self.name}_{self.served}", "name": "Read", "input": {}}
+        usage = {"input_tokens": 10, "output_tokens": 5}
+        message = {"id": f"msg_{self.name}_{self.served}", "type": "message", "role": "assistant",
+                   "content": [{**call, "input": {"file_path": path}}], "model": payload.get("model"),
+                   "stop_reason": "tool_use", "stop_sequence": None, "usage": usage}  # fmt: skip
+        if not payload.get("stream"):
+            return web.Response(body=orjson.dumps(message), content_type="application/json")
+        events: list[dict[str, Any]] = [
+            {"type": "message_start", "message": {**message, "content": [], "stop_reason": None}},
+            {"type": "content_block_start", "index": 0, "content_block": call},
+            {"type": "content_block_delta", "index": 0,
+             "delta": {"type": "input_json_delta", "partial_json": orjson.dumps({"file_path": path}).decode()}},
+            {"type": "content_block_stop", "index": 0},
+            {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None}, "usage": usage},
+            {"type": "message_stop"},
+        ]  # fmt: skip
+        return await self._events(request, events, first_delta=2)
+
+    async def _function_call(self, request: web.Request, payload: dict[str, Any], path: str) -> web.StreamResponse:
+        """Codex's ``view_image`` of ``path``, as vLLM streams a function call on the Responses API."""
+        self.served += 1
+        rid = f"resp_{self.name}_{self.served}"
+        arguments = orjson.dumps({"path": path}).decode()
+        item = {
+            "id": f"fc_{self.name}_{self.served}",
+            "type": "function_call",
+            "status": "completed",
+            "call_id": f"call_{self.name}_{self.served}",
+            "name": "view_image",
+            "arguments": arguments,
+        }
+        usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 5,
+                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}  # fmt: skip
+
+        def response(status: str, output: list[Any]) -> dict[str, Any]:
+            return {"id": rid, "object": "response", "created_at": CREATED, "status": status,
+                    "model": payload.get("model"), "output": output, "usage": usage if output else None,
+                    "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "background": False}  # fmt: skip
+
+        if not payload.get("stream"):
+            return web.Response(body=orjson.dumps(response("completed", [item])), content_type="application/json")
+        events: list[dict[str, Any]] = [
+            {"type": "response.created", "response": response("in_progress", [])},
+            {"type": "response.output_item.added", "output_index": 0,
+             "item": {**item, "status": "in_progress", "arguments": ""}},
+            {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": 0,
+             "delta": arguments},
+            {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": 0,
+             "arguments": arguments},
+            {"type": "response.output_item.done", "output_index": 0, "item": item},
+            {"type": "response.completed", "response": response("completed", [item])},
+        ]  # fmt: skip
+        numbered = [{**e, "sequence_number": n} for n, e in enumerate(events)]
+        return await self._events(request, numbered, first_delta=2)
 
     async def _count_tokens(self, request: web.Request) -> web.StreamResponse:
         """``/v1/messages/count_tokens``, as vLLM answers it: ``{"input_tokens": N}`` (here 10, and
@@ -433,6 +505,30 @@ def _fixed_length(text: str, payload: dict[str, Any]) -> str:
 def _pieces(text: str) -> list[str]:
     """A reply's words as its stream's deltas (the first without its space)."""
     return [word if i == 0 else " " + word for i, word in enumerate(text.split(" "))]
+
+
+_READ = re.compile(r"@read (\S+)")
+
+
+def _asked_to_read(messages: list[Any], payload: dict[str, Any], tool: str) -> str | None:
+    """The path the newest user message asks an agent to read (``@read PATH``), where the request
+    offers ``tool`` and no tool result has come back since that message."""
+    offered = payload.get("tools")
+    if not isinstance(offered, list) or not any(isinstance(t, dict) and t.get("name") == tool for t in offered):
+        return None
+    last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=-1)
+    if last < 0:
+        return None
+    after = messages[last:]
+    if any(isinstance(m, dict) and str(m.get("type", "")).endswith("_output") for m in after):
+        return None  # a Responses tool output came back
+    content = messages[last].get("content")
+    blocks = content if isinstance(content, list) else [content]
+    if any(isinstance(b, dict) and b.get("type") == "tool_result" for b in blocks):
+        return None  # an Anthropic tool result came back
+    texts = (b if isinstance(b, str) else b.get("text") for b in blocks if isinstance(b, str | dict))
+    found = next((m for t in texts if isinstance(t, str) and (m := _READ.search(t))), None)
+    return found.group(1) if found is not None else None
 
 
 def describe(messages: list[Any]) -> str:

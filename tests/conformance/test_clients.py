@@ -1,0 +1,236 @@
+"""The real coding agents through the gateway: Claude Code and Codex CLI (pinned in clients.txt,
+installed by ``make conformance`` from npm into a cache directory outside the repo), each run
+non-interactively with a temporary HOME, no vendor login and no traffic off the machine, against
+the gateway in front of a stand-in engine that streams as vLLM does and drives the agent to read
+an image with its own tool (tools.standin: ``@read PATH``). Each case asserts what the user sees
+(the CLI's output) and what the engine got. How each is pointed at the gateway: docs/clients.md.
+
+Outside ``make conformance`` (no ``MODALITY_GATEWAY_CLIENTS``) the module is skipped; under it, a
+missing CLI is a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Upstream, routing
+from tests.images import png
+
+pytestmark = pytest.mark.timeout(300)
+CLIENTS = os.environ.get("MODALITY_GATEWAY_CLIENTS")
+if not CLIENTS:
+    pytest.skip("the CLIs are installed by make conformance (MODALITY_GATEWAY_CLIENTS)", allow_module_level=True)
+BIN = Path(CLIENTS) / "node_modules" / ".bin"
+KEY_ENV = "MODALITY_GATEWAY_TEST_AGENT_KEY"
+KEY = "sk-gateway-agent"
+HISTORY = "on_unsupported: {image: {history: strip}}"
+NOTE = "[An image was removed here by the gateway: model '{}' does not take image input]"
+
+
+@dataclass
+class Ran:
+    rc: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+@dataclass
+class Agent:
+    """One CLI, its HOME and working directory of its own, pointed at a gateway."""
+
+    name: str  # claude or codex
+    env: dict[str, str]
+    cwd: Path
+
+    async def run(self, *args: str) -> Ran:
+        process = await asyncio.create_subprocess_exec(
+            str(BIN / self.name),
+            *args,
+            cwd=self.cwd,
+            env=self.env,
+            stdin=asyncio.subprocess.DEVNULL,  # codex exec reads stdin otherwise
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            out, err = await asyncio.wait_for(process.communicate(), timeout=240)
+        except TimeoutError:
+            process.kill()
+            raise
+        assert process.returncode is not None
+        return Ran(process.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
+
+    async def ask(self, prompt: str, *, again: bool = False) -> Ran:
+        """A prompt, non-interactively; ``again``: in the same session as the last one."""
+        if self.name == "claude":
+            return await self.run(
+                "-p", *(["--continue"] if again else []), "--permission-mode", "bypassPermissions", prompt
+            )
+        if again:
+            return await self.run("exec", "--skip-git-repo-check", "resume", "--last", prompt)
+        return await self.run("exec", "--skip-git-repo-check", prompt)
+
+
+def _environment(home: Path, url: str, model: str, key: str, headers: dict[str, str]) -> dict[str, str]:
+    """Each CLI offline, at the gateway alone: its own HOME, every vendor call switched off, and
+    a dead proxy for anything else (nothing may leave the machine)."""
+    env = {
+        "PATH": f"{BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_CACHE_HOME": str(home / ".cache"),
+        "XDG_DATA_HOME": str(home / ".local" / "share"),
+        "HTTPS_PROXY": "http://127.0.0.1:9",
+        "HTTP_PROXY": "http://127.0.0.1:9",
+        "NO_PROXY": "127.0.0.1,localhost",
+        "TERM": "dumb",
+        # Claude Code (docs/clients.md)
+        "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+        "ANTHROPIC_BASE_URL": url,
+        "ANTHROPIC_API_KEY": key,
+        "ANTHROPIC_MODEL": model,
+        "ANTHROPIC_SMALL_FAST_MODEL": model,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_NON_ESSENTIAL_MODEL_CALLS": "1",
+        "IS_SANDBOX": "1",  # bypassPermissions as root
+        "ANTHROPIC_CUSTOM_HEADERS": "\n".join(f"{k}: {v}" for k, v in headers.items()),
+        # Codex: its config.toml below reads the key from here
+        "CODEX_HOME": str(home / ".codex"),
+        "GATEWAY_API_KEY": key,
+    }
+    (home / ".claude").mkdir(parents=True)
+    (home / ".codex").mkdir(parents=True)
+    extra = "".join(f'"{k}" = "{v}"\n' for k, v in headers.items())
+    (home / ".codex" / "config.toml").write_text(
+        f'model = "{model}"\nmodel_provider = "gateway"\napproval_policy = "never"\nsandbox_mode = "read-only"\n'
+        "check_for_update_on_startup = false\n"
+        "[features]\nplugins = false\n[analytics]\nenabled = false\n[feedback]\nenabled = false\n"
+        '[otel]\nexporter = "none"\n'
+        f'[model_providers.gateway]\nname = "gateway"\nbase_url = "{url}/v1"\nwire_api = "responses"\n'
+        'env_key = "GATEWAY_API_KEY"\nrequest_max_retries = 0\nstream_max_retries = 1\n'
+        f"[model_providers.gateway.http_headers]\n{extra}"
+    )
+    return env
+
+
+@pytest.fixture
+def agents(tmp_path: Path):
+    """``make(name, url, model, key=KEY, headers={})``: an Agent in a fresh HOME and directory,
+    with a PNG at ``cwd/x.png``."""
+    made = 0
+
+    def make(name: str, url: str, model: str, key: str = KEY, headers: dict[str, str] | None = None) -> Agent:
+        nonlocal made
+        made += 1
+        root = tmp_path / f"{name}{made}"
+        cwd = root / "work"
+        cwd.mkdir(parents=True)
+        (cwd / "x.png").write_bytes(png(size=(16, 16)))
+        assert (BIN / name).exists(), f"{BIN / name} is not installed (make conformance installs it)"
+        return Agent(name, _environment(root / "home", url, model, key, headers or {}), cwd)
+
+    return make
+
+
+def _table(engine: Upstream, *, auth: bool = False) -> str:
+    keys = f"auth:\n  keys:\n    - {{name: team, key_env: {KEY_ENV}}}\n" if auth else ""
+    return routing(
+        f"  - {{name: vision, upstreams: [{engine.url}], accepts: [text, image]}}",
+        f"  - {{name: texty, upstreams: [{engine.url}], accepts: [text]}}",
+        f"  - {{name: agent, upstreams: [{engine.url}], accepts: [text], {HISTORY}}}",
+        extra=keys,
+    )
+
+
+def _read(agent: Agent) -> str:
+    return f"@read {agent.cwd / 'x.png'}"
+
+
+@pytest.fixture
+async def engine(upstream_factory) -> Upstream:
+    return await upstream_factory("engine")
+
+
+AGENTS = ["claude", "codex"]
+IMAGE_PART = {"claude": "image=1", "codex": "input_image=1"}
+API = {"claude": "/v1/messages", "codex": "/v1/responses"}
+
+
+@pytest.mark.parametrize("name", AGENTS)
+async def test_text_and_an_image_its_tool_read_reach_an_image_model(gateway_factory, engine, agents, name) -> None:
+    gw = await gateway_factory(_table(engine))
+    agent = agents(name, gw.url, "vision")
+    said = await agent.ask("say hi")
+    assert said.rc == 0, said.output
+    assert "[engine] model=vision" in said.stdout
+    read = await agent.ask(_read(agent))
+    assert read.rc == 0, read.output
+    assert IMAGE_PART[name] in read.stdout  # the engine's reply counts the image it got
+    last = engine.received[-1]
+    assert last.path.startswith(API[name])
+    assert b"data:image/png;base64," in last.body or b'"media_type":"image/png"' in last.body
+
+
+@pytest.mark.parametrize("name", AGENTS)
+async def test_a_wrong_key_fails_at_once_with_the_gateways_message(gateway_factory, engine, agents, monkeypatch, name):
+    monkeypatch.setenv(KEY_ENV, KEY)
+    gw = await gateway_factory(_table(engine, auth=True))
+    ran = await agents(name, gw.url, "vision", key="sk-wrong").ask("say hi")
+    assert ran.rc != 0 and "Invalid API key" in ran.output
+    assert engine.received == []
+    # Claude Code honours x-should-retry: false (1 request); Codex's stream retry (1 here) does not
+    tries = gw.sample("gateway_auth_failures_total", reason="invalid")
+    assert tries == (1 if name == "claude" else 2)
+
+
+@pytest.mark.parametrize("name", AGENTS)
+async def test_reject_shows_the_refusal_and_history_strip_lets_the_session_go_on(
+    gateway_factory, engine, agents, name
+) -> None:
+    gw = await gateway_factory(_table(engine))
+    texty = agents(name, gw.url, "texty")
+    refused = await texty.ask(_read(texty))
+    assert refused.rc != 0
+    assert "Model 'texty' does not accept image input" in refused.output
+    agent = agents(name, gw.url, "agent")
+    first = await agent.ask(_read(agent))
+    assert first.rc == 0, first.output
+    sent = engine.received[-1].body.decode()
+    assert NOTE.format("agent") in sent and "data:image/png" not in sent and "iVBOR" not in sent
+    again = await agent.ask("and what was in it?", again=True)
+    assert again.rc == 0, again.output
+    assert NOTE.format("agent") in engine.received[-1].body.decode()  # the image resent, stripped again
+
+
+async def test_a_stream_broken_midway_shows_codex_the_gateways_message(gateway_factory, engine, agents) -> None:
+    """Codex reads the response.failed event the gateway ends the stream with (it ignores the
+    error event), shows its message, and retries as its stream_max_retries says (1 here)."""
+    gw = await gateway_factory(_table(engine))
+    ran = await agents("codex", gw.url, "vision", headers={"X-Standin-Break-After": "2"}).ask("say hi")
+    assert ran.rc != 0
+    assert "stream disconnected before completion: Upstream of model 'vision' broke off the stream" in ran.stderr
+    assert len(engine.received) == 2
+
+
+async def test_a_stream_broken_midway_is_claude_codes_to_retry_without_streaming(
+    gateway_factory, engine, agents
+) -> None:
+    """Claude Code reads the Anthropic error event the gateway ends the stream with, and asks
+    again without streaming: the user gets the whole answer."""
+    gw = await gateway_factory(_table(engine))
+    ran = await agents("claude", gw.url, "vision", headers={"X-Standin-Break-After": "2"}).ask("say hi")
+    assert ran.rc == 0 and ran.stdout.startswith("[engine] model=vision"), ran.output
+    streamed, whole = (r.json().get("stream") for r in engine.received)
+    assert (streamed, whole) == (True, None) or (streamed, whole) == (True, False)
