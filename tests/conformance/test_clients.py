@@ -12,14 +12,21 @@ missing CLI is a failure.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import Upstream, routing
 from tests.images import png
+
+try:  # the openai-agents SDK: in the conformance venv (its annotations are read at run time)
+    from agents import ToolOutputImage
+except ImportError:  # pragma: no cover
+    ToolOutputImage = Any
 
 pytestmark = pytest.mark.timeout(300)
 CLIENTS = os.environ.get("MODALITY_GATEWAY_CLIENTS")
@@ -234,3 +241,47 @@ async def test_a_stream_broken_midway_is_claude_codes_to_retry_without_streaming
     assert ran.rc == 0 and ran.stdout.startswith("[engine] model=vision"), ran.output
     streamed, whole = (r.json().get("stream") for r in engine.received)
     assert (streamed, whole) == (True, None) or (streamed, whole) == (True, False)
+
+
+# --- the openai-agents SDK: an agent with a tool that returns an image ------------------------------
+
+
+def _sdk_agent(client: Any, model: str) -> tuple[Any, Any]:
+    """An openai-agents Agent on the Responses API at the gateway, with a ``view_image`` tool
+    that returns the file as an image (``ToolOutputImage``), as Codex's does; tracing off (it
+    would export to OpenAI)."""
+    import agents as sdk
+
+    sdk.set_tracing_disabled(True)
+
+    @sdk.function_tool
+    def view_image(path: str) -> ToolOutputImage:
+        """Look at an image file."""
+        data = base64.b64encode(Path(path).read_bytes()).decode()
+        return sdk.ToolOutputImage(image_url=f"data:image/png;base64,{data}")
+
+    model_ = sdk.OpenAIResponsesModel(model=model, openai_client=client)
+    return sdk.Agent(name="reader", instructions="be brief", model=model_, tools=[view_image]), sdk.Runner
+
+
+async def test_an_openai_agents_tool_image_reaches_an_image_model_and_is_stripped_with_a_note_elsewhere(
+    gateway_factory, engine, tmp_path: Path
+) -> None:
+    import openai
+
+    (tmp_path / "x.png").write_bytes(png(size=(16, 16)))
+    ask = f"@read {tmp_path / 'x.png'}"
+    gw = await gateway_factory(_table(engine))
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=KEY, max_retries=0) as client:
+        agent, runner = _sdk_agent(client, "vision")
+        result = await runner.run(agent, ask)
+        assert "input_image=1" in result.final_output
+        agent, runner = _sdk_agent(client, "texty")
+        with pytest.raises(openai.BadRequestError, match=r"Model 'texty' does not accept image input: input\[2\]"):
+            await runner.run(agent, ask)
+        agent, runner = _sdk_agent(client, "agent")
+        first = await runner.run(agent, ask)
+        assert NOTE.format("agent") in engine.received[-1].body.decode()
+        again = await runner.run(agent, [*first.to_input_list(), {"role": "user", "content": "and now?"}])
+    assert again.final_output.startswith("[engine] model=agent")
+    assert NOTE.format("agent") in engine.received[-1].body.decode()
