@@ -16,17 +16,20 @@ import base64
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from tests.conftest import Upstream, routing
 from tests.images import png
 
-try:  # the openai-agents SDK: in the conformance venv (its annotations are read at run time)
-    from agents import ToolOutputImage
-except ImportError:  # pragma: no cover
+if TYPE_CHECKING:  # the openai-agents SDK is in the conformance venv alone
     ToolOutputImage = Any
+else:
+    try:  # a tool's annotations are read at run time, in this module's globals
+        from agents import ToolOutputImage
+    except ImportError:  # pragma: no cover
+        ToolOutputImage = Any
 
 pytestmark = pytest.mark.timeout(300)
 CLIENTS = os.environ.get("MODALITY_GATEWAY_CLIENTS")
@@ -250,11 +253,11 @@ def _sdk_agent(client: Any, model: str) -> tuple[Any, Any]:
     """An openai-agents Agent on the Responses API at the gateway, with a ``view_image`` tool
     that returns the file as an image (``ToolOutputImage``), as Codex's does; tracing off (it
     would export to OpenAI)."""
-    import agents as sdk
+    import agents as sdk  # type: ignore[import-not-found]
 
     sdk.set_tracing_disabled(True)
 
-    @sdk.function_tool
+    @sdk.function_tool  # type: ignore[untyped-decorator]
     def view_image(path: str) -> ToolOutputImage:
         """Look at an image file."""
         data = base64.b64encode(Path(path).read_bytes()).decode()
