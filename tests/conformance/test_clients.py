@@ -160,6 +160,9 @@ def _table(engine: Upstream, *, auth: bool = False) -> str:
         f"  - {{name: vision, upstreams: [{engine.url}], accepts: [text, image]}}",
         f"  - {{name: texty, upstreams: [{engine.url}], accepts: [text]}}",
         f"  - {{name: agent, upstreams: [{engine.url}], accepts: [text], {HISTORY}}}",
+        f"  - {{name: stripper, upstreams: [{engine.url}], accepts: [text], on_unsupported: {{image: strip}}}}",
+        f"  - {{name: described, upstreams: [{engine.url}], accepts: [text], on_unsupported: {{image: {{describe: vision}}, "
+        "file: {extract: {max_pages: 4}}}}",
         extra=keys,
     )
 
@@ -191,6 +194,36 @@ async def test_text_and_an_image_its_tool_read_reach_an_image_model(gateway_fact
     last = engine.received[-1]
     assert last.path.startswith(API[name])
     assert b"data:image/png;base64," in last.body or b'"media_type":"image/png"' in last.body
+
+
+@pytest.mark.parametrize("name", AGENTS)
+async def test_strip_and_describe_serve_the_image_its_tool_read_to_a_text_model(
+    gateway_factory, engine, agents, name
+) -> None:
+    gw = await gateway_factory(_table(engine))
+    stripper = agents(name, gw.url, "stripper")
+    ran = await stripper.ask(_read(stripper))
+    assert ran.rc == 0, ran.output
+    assert NOTE.format("stripper") in engine.received[-1].body.decode()
+    described = agents(name, gw.url, "described")
+    ran = await described.ask(_read(described))
+    assert ran.rc == 0, ran.output
+    asked, served = engine.received[-2:]
+    assert asked.path == "/v1/chat/completions" and asked.json()["model"] == "vision"  # the describer
+    assert "[Description of an image] [engine] model=vision" in served.body.decode()
+    assert "data:image/png" not in served.body.decode() and "iVBOR" not in served.body.decode()
+
+
+async def test_a_pdf_claude_code_reads_reaches_a_text_model_as_its_text(gateway_factory, engine, agents) -> None:
+    from tools import pdfs
+
+    gw = await gateway_factory(_table(engine))
+    agent = agents("claude", gw.url, "described")
+    (agent.cwd / "notes.pdf").write_bytes(pdfs.text_pdf(["the quarterly numbers"]))
+    ran = await agent.ask(f"@read {agent.cwd / 'notes.pdf'}")
+    assert ran.rc == 0, ran.output
+    sent = engine.received[-1].body.decode()
+    assert "the quarterly numbers" in sent and "JVBER" not in sent  # its text, not the PDF
 
 
 @pytest.mark.parametrize("name", AGENTS)
