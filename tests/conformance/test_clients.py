@@ -39,6 +39,7 @@ BIN = Path(CLIENTS) / "node_modules" / ".bin"
 KEY_ENV = "MODALITY_GATEWAY_TEST_AGENT_KEY"
 KEY = "sk-gateway-agent"
 HISTORY = "on_unsupported: {image: {history: strip}}"
+DESCRIBED = "on_unsupported: {image: {describe: vision}, file: {extract: {max_pages: 4}}}"
 NOTE = "[An image was removed here by the gateway: model '{}' does not take image input]"
 
 
@@ -161,8 +162,7 @@ def _table(engine: Upstream, *, auth: bool = False) -> str:
         f"  - {{name: texty, upstreams: [{engine.url}], accepts: [text]}}",
         f"  - {{name: agent, upstreams: [{engine.url}], accepts: [text], {HISTORY}}}",
         f"  - {{name: stripper, upstreams: [{engine.url}], accepts: [text], on_unsupported: {{image: strip}}}}",
-        f"  - {{name: described, upstreams: [{engine.url}], accepts: [text], on_unsupported: {{image: {{describe: vision}}, "
-        "file: {extract: {max_pages: 4}}}}",
+        f"  - {{name: described, upstreams: [{engine.url}], accepts: [text], {DESCRIBED}}}",
         extra=keys,
     )
 
