@@ -321,3 +321,46 @@ async def test_an_openai_agents_tool_image_reaches_an_image_model_and_is_strippe
         again = await runner.run(agent, [*first.to_input_list(), {"role": "user", "content": "and now?"}])
     assert again.final_output.startswith("[engine] model=agent")
     assert NOTE.format("agent") in engine.received[-1].body.decode()
+
+
+# --- the anthropic SDK: a tool loop of its own, as an agent built on it runs one -------------------
+
+READ_TOOL = {"name": "Read", "description": "read a file", "input_schema": {"type": "object", "properties": {}}}
+
+
+async def _read_loop(client: Any, model: str, messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """One turn of an agent on the anthropic SDK: the model's Read calls answered with the file as
+    an image block in a tool_result, until it answers; the reply and the conversation so far."""
+    while True:
+        reply = await client.messages.create(model=model, max_tokens=64, messages=messages, tools=[READ_TOOL])
+        messages = [*messages, {"role": "assistant", "content": [b.model_dump() for b in reply.content]}]
+        calls = [b for b in reply.content if b.type == "tool_use"]
+        if not calls:
+            return reply.content[0].text, messages
+        results = []
+        for call in calls:
+            data = base64.b64encode(Path(call.input["file_path"]).read_bytes()).decode()
+            image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+            results.append({"type": "tool_result", "tool_use_id": call.id, "content": [image]})
+        messages = [*messages, {"role": "user", "content": results}]
+
+
+async def test_an_anthropic_sdk_agents_tool_image_to_an_image_model_refused_and_under_history_strip(
+    gateway_factory, engine, tmp_path: Path
+) -> None:
+    import anthropic
+
+    (tmp_path / "x.png").write_bytes(png(size=(16, 16)))
+    ask = [{"role": "user", "content": f"@read {tmp_path / 'x.png'}"}]
+    gw = await gateway_factory(_table(engine))
+    async with anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEY, max_retries=2) as client:
+        said, _ = await _read_loop(client, "vision", ask)
+        assert "image=1" in said and "tool_result=1" in said
+        with pytest.raises(anthropic.BadRequestError, match=r"Model 'texty' does not accept image input") as refused:
+            await _read_loop(client, "texty", ask)
+        assert refused.value.request_id == refused.value.response.headers["X-Request-Id"]
+        said, conversation = await _read_loop(client, "agent", ask)
+        assert said.startswith("[engine] model=agent") and NOTE.format("agent") in engine.received[-1].body.decode()
+        said, _ = await _read_loop(client, "agent", [*conversation, {"role": "user", "content": "and now?"}])
+    assert said.startswith("[engine] model=agent messages=5")
+    assert NOTE.format("agent") in engine.received[-1].body.decode()
