@@ -201,8 +201,9 @@ class PartTable:
     strings: bool = True  # a plain string may stand among the parts (text)
     combined: bool = False  # an untyped part may carry several keys, and is every modality it carries
     by_uuid: bool = False  # a part with a uuid is read by its media key, as an untyped one (vLLM's chat parser)
-    # a type whose modality its fields decide (a checked part): Anthropic's document of plain text is text
-    refine: Mapping[str, Callable[[Mapping[str, Any]], Modality]] = field(default_factory=dict)
+    # a type whose modality its fields decide (a checked part): Anthropic's document of plain text is
+    # text; the refiner gives the modality and, for text, the text (held to server.max_text_chars)
+    refine: Mapping[str, Callable[[Mapping[str, Any]], tuple[Modality, str | None]]] = field(default_factory=dict)
 
 
 # part type -> (modality, validator)
@@ -411,7 +412,9 @@ def _classify_part(walk: _Walk, i: int, j: int, where: str, part: object) -> Par
     if problem is not None:
         raise _invalid(walk, (i, j, where), f"malformed '{part_type}' part: {problem}", modality.value)
     if table.refine and (refine := table.refine.get(part_type)) is not None:
-        modality = refine(part)
+        modality, text = refine(part)
+        if text is not None and len(text) > walk.max_text:
+            _check_text(text, _location(i, j, where), walk.max_text)
     if (text_field := table.text_fields.get(part_type)) is not None and len(part[text_field]) > walk.max_text:
         _check_text(part[text_field], _location(i, j, where), walk.max_text)
     if modality is Modality.VIDEO and (walk.audio_in_video or (part_type == "video_embeds" and "audio_embeds" in part)):

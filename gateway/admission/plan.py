@@ -237,7 +237,7 @@ class RoutePlan:
     def action(self, part: Part) -> str:
         if self.visual is not None and (part.message, part.index) in self.visual.downscaled_at:
             return "downscale, encode" if self.encoder is not None else "downscale"
-        if part.modality in self.stripped:
+        if part.modality in self.stripped or (part.message, part.index) in self.history_stripped:
             return "strip"
         if part.modality in self.transcribed:
             return "transcribe"
@@ -375,10 +375,10 @@ def admit(
             _hold_conversions(model, classification, m)
     handled = stripped | as_text | framed
     _reject_unsupported(model, judged, unsupported, handled, redirects, on)
-    _enforce_limits(model, classification, handled)
-    per_video = _frames_per_video(model, classification, stripped) if framed else 0
+    _enforce_limits(model, judged, handled)  # what is sent: not the parts {history: strip} strips
+    per_video = _frames_per_video(model, judged, stripped) if framed else 0
     gone = stripped | framed | described  # not sent as images
-    visual = _measure(model, classification, contents, gone, deferred) if model.counts_images else None
+    visual = _measure(model, judged, contents, gone, deferred) if model.counts_images else None
     plan = RoutePlan(
         requested.name,
         model,
@@ -666,10 +666,12 @@ MAX_FRAMES = 64  # frames of all a request's videos (on_unsupported: {video: {fr
 EXPAND = "__gateway_parts__"
 
 
-def removed_note(modality: Modality, why: str) -> str:
-    """The text a part leaves where the gateway removed it (``strip``, a conversion that failed
-    under ``on_error: strip``), so that the model, and through it the user, knows something was
-    there and why it is not: without it a stripped image in a tool result reads as an empty file."""
+def removed_note(modality: Modality, model: str, failed: str = "") -> str:
+    """The text a part leaves where the gateway removed it (``strip``; ``failed``: the conversion
+    that failed under ``on_error: strip``), so that the model, and through it the user, knows
+    something was there and why it is not: without it a stripped image in a tool result reads as
+    an empty file."""
+    why = f"model '{model}' does not take {modality.value} input" + (f", and its {failed} failed" if failed else "")
     return f"[{_WHAT[modality]} was removed here by the gateway: {why}]"
 
 

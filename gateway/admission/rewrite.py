@@ -48,14 +48,16 @@ def rewrite(
         contents[i].value[j] = new_part
     # A generative API's stripped part leaves a note saying so (a text part of its own); a pooling
     # API's is deleted: a note would change the vectors and scores.
-    noted = plan.api.transcribes
+    noted = plan.api.leaves_notes
     for part in reversed(plan.stripped_parts):  # reversed keeps earlier indices valid
         content = contents[part.message]
         if part.index is None:
             content.holder[content.key] = ""
         elif noted:
-            why = f"model '{plan.model.name}' does not take {part.modality.value} input"
-            content.value[part.index] = {"type": plan.api.text_part, "text": removed_note(part.modality, why)}
+            content.value[part.index] = {
+                "type": plan.api.text_part,
+                "text": removed_note(part.modality, plan.model.name),
+            }
         else:
             del content.value[part.index]
             if not content.value:

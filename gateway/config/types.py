@@ -387,7 +387,7 @@ class Policy:
         if self.action == "extract":
             return f"extract its text and page images at {self.dpi} dpi" if self.page_images else "extract its text"
         if self.history == "strip":
-            return "reject in the newest turn, strip in earlier ones"
+            return "reject what the user sent in the newest turn, strip tool results and earlier turns"
         return self.action
 
 

@@ -108,9 +108,7 @@ class Asker:
                 except (UpstreamError, UpstreamTimeoutError) as exc:
                     if policy.on_error == "strip":
                         log.warning("model %s: %s not converted, dropped (%s)", model, part.location, exc.message)
-                        note = removed_note(
-                            modality, f"model '{model}' does not take {modality.value} input, and its {doing} failed"
-                        )
+                        note = removed_note(modality, model, doing)
                         return at, {
                             "type": EXPAND,
                             "parts": [{"type": plan.api.text_part, "text": note}],

@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 # Request headers the gateway sets itself (or aiohttp computes). The gateway has decoded the body
 # (gateway.admission.body), so the client's Content-Encoding no longer describes it.
 _NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding"}
+# the headers SDKs and agents send a key in: OpenAI's and most (Authorization), Anthropic's
+# (x-api-key), Azure OpenAI's (api-key), Google's (x-goog-api-key); none goes upstream where the
+# gateway checks keys itself or server.forward_client_credentials is off
+CLIENT_CREDENTIALS = (hdrs.AUTHORIZATION, "x-api-key", "api-key", "x-goog-api-key")
 
 # vLLM and SGLang (uvicorn) close idle keep-alive connections after 5 s; reusing one at that moment
 # fails a POST that cannot be retried, so the client pool lets connections go first.
@@ -118,12 +122,11 @@ class UpstreamClient:
             prefer=self.holders.find(dispatch.continues) if dispatch.continues is not None else None,
         )
         headers = _upstream_headers(request, dispatch.gateway_headers, dispatch.content_type)
+        if dispatch.auth is not None or not dispatch.forward_client_auth:
+            for name in CLIENT_CREDENTIALS:  # the client's key: the gateway's, or not the engine's
+                headers.popall(name, None)
         if dispatch.auth is not None:
             headers[hdrs.AUTHORIZATION] = dispatch.auth
-        elif not dispatch.forward_client_auth:
-            headers.popall(hdrs.AUTHORIZATION, None)
-        if dispatch.auth is not None or not dispatch.forward_client_auth:
-            headers.popall("x-api-key", None)  # an Anthropic client's key: the gateway's, or not the engine's
         # origin-form even when the client sent absolute-form (POST http://host/v1/... HTTP/1.1)
         return self._forward(request, dispatch, attempts, _Sending(request.rel_url.raw_path_qs, headers, timeouts))
 

@@ -306,7 +306,7 @@ STRIPPER = routing(model("s", "text", "on_unsupported: {image: strip, audio: str
 
 def gone(modality: Modality, model: str) -> dict[str, str]:
     """The text part a stripped part leaves."""
-    return {"type": "text", "text": removed_note(modality, f"model '{model}' does not take {modality.value} input")}
+    return {"type": "text", "text": removed_note(modality, model)}
 
 
 def test_strip_removes_parts_across_messages() -> None:

@@ -229,6 +229,13 @@ async def test_a_conversation_begun_on_anthropics_api_continues_here(gateway_fac
     sent = texty.received[-1].json()["messages"]
     assert sent[0]["content"][1] == {"type": "text", "text": "the notes"}
     assert sent[1]["content"] == server_blocks
+    # a text document is text: held to server.max_text_chars as a text block is
+    gw = await gateway_factory(
+        "version: 1\nserver: {max_text_chars: 8}\n" + table(texty, vision).removeprefix("version: 1\n")
+    )
+    async with client(gw) as c:
+        with pytest.raises(anthropic.BadRequestError, match=r"messages\[0\]\.content\[1\] is a text of 9 characters"):
+            await c.messages.create(model="texty", max_tokens=16, messages=messages)
 
 
 @pytest.mark.parametrize("forward", [True, False])
@@ -245,15 +252,16 @@ async def test_without_auth_a_clients_key_goes_upstream_only_if_the_table_says_s
     )
     async with client(gw, "sk-ant-real") as c:  # as Authorization: Bearer (anthropic 2.x)
         await c.messages.create(model="texty", max_tokens=16, messages=ask())
-    async with aiohttp.ClientSession() as session:  # as x-api-key, as Claude Code sends it
+    keys = {"x-api-key": "sk-ant-key", "api-key": "azure-key", "x-goog-api-key": "google-key"}
+    async with aiohttp.ClientSession() as session:  # as x-api-key, as Claude Code sends it, and others'
         body = {"model": "texty", "max_tokens": 16, "messages": ask()}
-        async with session.post(f"{gw.url}/v1/messages", json=body, headers={"x-api-key": "sk-ant-key"}) as resp:
+        async with session.post(f"{gw.url}/v1/messages", json=body, headers=keys) as resp:
             assert resp.status == 200
     bearer, key = (r.headers for r in texty.received[-2:])
     assert (bearer.get("Authorization") == "Bearer sk-ant-real") is forward
-    assert (key.get("x-api-key") == "sk-ant-key") is forward
+    assert all((key.get(name) == value) is forward for name, value in keys.items())
     if not forward:
-        assert not {"x-api-key", "Authorization"} & {*bearer.keys(), *key.keys()}
+        assert not {"authorization", *keys} & {k.lower() for k in (*bearer.keys(), *key.keys())}
 
 
 async def test_an_agent_session_that_read_an_image_goes_on_under_history_strip(gateway_factory, both) -> None:

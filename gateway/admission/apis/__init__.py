@@ -10,8 +10,8 @@ its errors look to its clients. Classification, limits and actions are the same 
 API                     ``apis:``    errors             actions on its parts
 ======================  ===========  =================  =====================================
 /v1/chat/completions    chat         OpenAI             every one
-/v1/responses           responses    OpenAI             reject, redirect, strip, transcribe, describe
-/v1/messages            messages     Anthropic          reject, redirect, strip, describe
+/v1/responses           responses    OpenAI             reject, redirect, strip, transcribe, describe, extract
+/v1/messages            messages     Anthropic          reject, redirect, strip, describe, extract
 /v1/embeddings          embeddings   OpenAI             reject, redirect, strip
 /v1/score, /score       score        OpenAI             reject, redirect, strip
 /v1/rerank, ...         rerank       OpenAI             reject, redirect, strip
@@ -53,11 +53,15 @@ class Api:
     contents: Callable[[dict[str, Any], ContentBounds], list[Content]]  # the view of a body, checked
     converts: bool = False  # video sampled, images encoded: the chat API only
     transcribes: bool = False  # media served as text, audio's transcript or an image's description (its text part)
+    # a stripped part leaves a note, a text part of its own (a generative API; a pooling one's would
+    # change its vectors)
+    leaves_notes: bool = False
     errors: ErrorShape = "openai"
     text_part: str = "text"  # the type of a text part, for a part the gateway writes
     image_part: Callable[[str, str], dict[str, Any]] = chat_image  # an image part it writes: (media type, base64)
     # a part in the shape the engines read, where clients may send another of the same meaning; None: as sent
     normalize: Callable[[Mapping[str, Any]], dict[str, Any] | None] | None = None
+    normalizes: frozenset[str] = frozenset()  # the part types normalize may change (the others are not asked)
     # what a request costs its key and the gateway's counts: False for one that only asks what it
     # would cost (Anthropic's count_tokens): its visual tokens neither spent nor counted as admitted
     spends: bool = True
@@ -82,36 +86,51 @@ class Api:
         normalize = self.normalize
         if normalize is None:
             return found
+        types = self.normalizes
         normalized = frozenset(
             (p.message, p.index)
             for p in found.parts
-            if p.index is not None and normalize(contents[p.message].value[p.index]) is not None
+            if p.type in types and p.index is not None and normalize(contents[p.message].value[p.index]) is not None
         )
         return dataclasses.replace(found, normalized=normalized) if normalized else found
 
 
 def after_last(items: Any, is_models: Callable[[Any], bool]) -> list[Any]:
-    """The items after the last one ``is_models`` says is the model's own (all, when none is)."""
+    """The items after the last one ``is_models`` says is the model's own (all, when none is),
+    before the model's own at the end, if any (a prefill: an assistant message the model is to go
+    on from, Anthropic's or chat's ``continue_final_message``)."""
     if not isinstance(items, list):
         return []
-    last = -1
-    for i, item in enumerate(items):
-        if isinstance(item, dict) and is_models(item):
-            last = i
-    return items[last + 1 :]
+
+    def models(item: Any) -> bool:
+        return isinstance(item, dict) and is_models(item)
+
+    end = len(items)
+    while end and models(items[end - 1]):
+        end -= 1
+    last = next((i for i in range(end - 1, -1, -1) if models(items[i])), -1)
+    return items[last + 1 : end]
 
 
-def _assistants(message: Mapping[str, Any]) -> bool:
+def assistants(message: Mapping[str, Any]) -> bool:
+    """A message of the model's own (chat's and Anthropic's)."""
     return message.get("role") == "assistant"
 
 
 def chat_newest(body: Mapping[str, Any]) -> frozenset[int]:
     """The messages after the last assistant message, but tool messages (its calls' results)."""
     return frozenset(
-        id(m) for m in after_last(body.get("messages"), _assistants) if isinstance(m, dict) and m.get("role") != "tool"
+        id(m) for m in after_last(body.get("messages"), assistants) if isinstance(m, dict) and m.get("role") != "tool"
     )
 
 
 CHAT = Api(
-    "chat", "/v1/chat/completions", CHAT_PARTS, chat_contents, converts=True, transcribes=True, newest=chat_newest
+    "chat",
+    "/v1/chat/completions",
+    CHAT_PARTS,
+    chat_contents,
+    converts=True,
+    transcribes=True,
+    leaves_notes=True,
+    newest=chat_newest,
 )

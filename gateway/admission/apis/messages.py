@@ -20,7 +20,7 @@ from typing import Any
 from ...config.types import ContentBounds
 from ...modalities import Modality
 from ..parts import Content, PartTable, messages_of, str_field
-from . import Api, after_last
+from . import Api, after_last, assistants
 
 SOURCES = {"base64": "data", "url": "url", "file": "file_id", "text": "data", "content": "content"}
 
@@ -73,8 +73,9 @@ def _document_text(part: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _document(part: Mapping[str, Any]) -> Modality:
-    return Modality.FILE if _document_text(part) is None else Modality.TEXT
+def _document(part: Mapping[str, Any]) -> tuple[Modality, str | None]:
+    text = _document_text(part)
+    return (Modality.FILE, None) if text is None else (Modality.TEXT, text)
 
 
 def normalize(part: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -136,7 +137,7 @@ def contents(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
 def newest(body: Mapping[str, Any]) -> frozenset[int]:
     """The messages after the last assistant one; not their tool_result blocks (an agent's tool
     results: Claude Code's Read of an image), whose contents are places of their own."""
-    return frozenset(id(m) for m in after_last(body.get("messages"), lambda m: m.get("role") == "assistant"))
+    return frozenset(id(m) for m in after_last(body.get("messages"), assistants))
 
 
 def image(media_type: str, data: str) -> dict[str, Any]:
@@ -152,8 +153,10 @@ MESSAGES = Api(
     contents,
     errors="anthropic",
     transcribes=True,
+    leaves_notes=True,
     image_part=image,
     normalize=normalize,
+    normalizes=frozenset({"document"}),
     newest=newest,
 )
 # the input tokens of a message, admitted as the message would be (Claude Code asks it first; its
@@ -166,7 +169,9 @@ COUNT_TOKENS = Api(
     errors="anthropic",
     spends=False,
     transcribes=True,
+    leaves_notes=True,
     image_part=image,
     normalize=normalize,
+    normalizes=frozenset({"document"}),
     newest=newest,
 )

@@ -146,8 +146,10 @@ RESPONSES = Api(
     PARTS,
     contents,
     transcribes=True,
+    leaves_notes=True,
     text_part="input_text",
     normalize=normalize,
+    normalizes=frozenset({"input_image", "input_audio"}),
     image_part=image,
     newest=newest,
 )

@@ -229,6 +229,15 @@ def test_history_strip_on_messages_strips_tool_results_and_earlier_turns_and_ref
     with pytest.raises(UnsupportedModalityError) as caught:  # the newest turn's own image: refused
         admit(AGENT, {"model": "agent", "messages": [*earlier, {"role": "user", "content": [BLOCK]}]}, api=MESSAGES)
     assert caught.value.param == "messages[3].content[0]"
+    prefill = [*earlier, {"role": "user", "content": [BLOCK]}, {"role": "assistant", "content": "It is"}]
+    with pytest.raises(UnsupportedModalityError) as caught:  # an assistant prefill is not the model's turn
+        admit(AGENT, {"model": "agent", "messages": prefill}, api=MESSAGES)
+    assert caught.value.param == "messages[3].content[0]"
+    explained = admit(AGENT, {"model": "agent", "messages": merged}, api=MESSAGES).explain()
+    assert explained["parts"][-2:] == [
+        {"location": "messages[2].content[1]", "type": "text", "modalities": ["text"], "action": "accept"},
+        {"location": "messages[2].content[0].content[0]", "type": "image", "modalities": ["image"], "action": "strip"},
+    ]
 
 
 def test_history_strip_on_responses_and_chat() -> None:
