@@ -127,9 +127,12 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def _answer_headers(request: web.Request, response: web.StreamResponse, rid: str) -> None:
-    """The request id (also as ``request-id`` on the Messages API, where the anthropic SDK reads
-    it), and on an answer the gateway wrote itself about a model (a rejection), that model."""
+    """The request id; on an error also as ``request-id`` on the Messages API, where the anthropic
+    SDK reads it, and the model it is about (a rejection). A reply relayed from an engine has both
+    already (:func:`gateway.server.exchange.forward`): only the id is set on it, as cheaply as can be."""
     response.headers[REQUEST_ID] = rid
+    if response.status < 400:
+        return
     if shape_of(request.path) == "anthropic":
         response.headers[ANTHROPIC_REQUEST_ID] = rid
     model = request.get(MODEL_LABEL_KEY)
