@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import GatewayConfig, ModelConfig
-from ..errors import InvalidRequestError, MediaRefusedError, Rejection, UnsupportedModalityError
+from ..errors import InvalidRequestError, MediaRefusedError, Rejection, UnsupportedModalityError, clip
 from ..modalities import Modality
 from .apis import Api
 from .parts import CHAT_PARTS, Classification, Content, Part
@@ -97,9 +97,14 @@ def parse_form(body: bytes, content_type: str) -> Form:
         if end < 0:
             raise InvalidRequestError("The form is cut short: a part without its closing boundary")
         filename = _FILENAME.search(disposition)
+        field_name = name.group(1).decode("utf-8", "replace")
+        if not field_name.endswith("[]") and any(f.name == field_name for f in fields):
+            # the gateway would route by the first and the engine (starlette) serve the last: a second
+            # file past max_audio_bytes, a second model; arrays (timestamp_granularities[]) repeat
+            raise InvalidRequestError(f"The form has more than one '{clip(field_name)}' part", param=clip(field_name))
         fields.append(
             Field(
-                name.group(1).decode("utf-8", "replace"),
+                field_name,
                 filename.group(1).decode("utf-8", "replace") if filename else None,
                 head_end + 4,
                 end,

@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 
 # Request headers the gateway sets itself (or aiohttp computes). The gateway has decoded the body
 # (gateway.admission.body), so the client's Content-Encoding no longer describes it.
-_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding"}
+# x-priority: the client's ask, which its key caps; the class it got goes as X-Gateway-Priority
+_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding", "x-priority"}
 # the headers SDKs and agents send a key in: OpenAI's and most (Authorization), Anthropic's
 # (x-api-key), Azure OpenAI's (api-key), Google's (x-goog-api-key); none goes upstream where the
 # gateway checks keys itself or server.forward_client_credentials is off

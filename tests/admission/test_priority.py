@@ -233,6 +233,8 @@ async def test_a_key_asking_above_its_cap_is_served_at_it(upstream, gateway_fact
             raw = await c.chat.completions.with_raw_response.create(model="m", messages=HI)
         assert raw.headers["X-Gateway-Priority"] == got
     assert classes(upstream) == ["bulk", "bulk", "default"]
+    # the client's ask stays here: the engine gets the class its key allows, never "system" raw
+    assert all("x-priority" not in r.headers for r in upstream.received)
 
 
 async def test_an_unknown_class_is_a_400_in_each_apis_shape_and_nothing_goes_upstream(

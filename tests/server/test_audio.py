@@ -95,6 +95,10 @@ async def test_a_streamed_transcription_is_relayed_event_by_event(gateway_factor
          "cut short"),
         ("multipart/form-data; boundary=zz", b'--zz\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper'
          b"\r\n--zz--", "no 'file' part"),
+        # routed by the first, served by the last (starlette keeps the last): never both
+        ("multipart/form-data; boundary=zz", b'--zz\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper'
+         b'\r\n--zz\r\nContent-Disposition: form-data; name="model"\r\n\r\nchatty\r\n--zz--',
+         "more than one 'model' part"),
     ],
 )  # fmt: skip
 async def test_a_malformed_form_is_a_clear_400(
@@ -108,3 +112,24 @@ async def test_a_malformed_form_is_a_clear_400(
     ):
         assert resp.status == 400 and message in (await resp.json())["error"]["message"]
     assert whisper.received == []
+
+
+async def test_a_second_file_is_refused_and_array_fields_may_repeat(gateway_factory, both) -> None:
+    whisper, texty = both
+    gw = await gateway_factory(table(whisper, texty))
+    clip = wav(0.2)
+    form = aiohttp.FormData()
+    form.add_field("model", "whisper")
+    form.add_field("file", clip, filename="a.wav", content_type="audio/wav")
+    form.add_field("file", b"\0" * 200_000, filename="b.wav", content_type="audio/wav")  # past max_audio_bytes
+    async with aiohttp.ClientSession() as session, session.post(f"{gw.url}/v1/audio/transcriptions", data=form) as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "file"
+    assert whisper.received == []
+    async with gw.client() as client:  # the SDK sends timestamp_granularities[] once a value
+        await client.audio.transcriptions.create(
+            model="whisper",
+            file=("a.wav", clip),
+            response_format="verbose_json",
+            timestamp_granularities=["word", "segment"],
+        )
+    assert len(whisper.received) == 1
