@@ -30,6 +30,7 @@ _SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0x
 _STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})  # TEM, RST0-7: no length follows
 _FILL = re.compile(rb"\xff*")
 MAX_SEGMENTS = 256  # before the frame header: cameras write a dozen (APPn, DQT, DRI, COM)
+MAX_GIF_STEPS = 4096  # blocks and stray bytes before a GIF's first image (an encoder writes a few)
 MAX_SIDE = 1 << 24  # no format here says more (WebP's VP8X, 24 bits); a BMP claiming more is refused
 
 
@@ -70,7 +71,7 @@ def read_dimensions(data: bytes) -> Dimensions:
     if data.startswith(b"RIFF") and data[8:12] == b"WEBP":
         return _webp(data)
     if data.startswith((b"GIF87a", b"GIF89a")):
-        return _sized("gif", *struct.unpack_from("<HH", data, 6))
+        return _gif(data)
     if data.startswith(b"BM"):
         return _bmp(data)
     raise BadImage("not a PNG, JPEG, WebP, GIF or BMP image")
@@ -96,6 +97,38 @@ def _png(data: bytes) -> Dimensions:
         raise BadImage("a PNG must begin with its IHDR chunk")
     width, height = struct.unpack_from(">II", data, 16)
     return _sized("png", width, height)
+
+
+def _gif(data: bytes) -> Dimensions:
+    """The logical screen, grown to the first frame's extent, as Pillow grows it when it opens the
+    image (``GifImagePlugin._seek(0)``) and so as the engines decode it: a screen of 16x16 whose
+    frame is 12000x12000 is an image of 144 Mpx. The blocks before the frame are walked as Pillow
+    walks them: extensions skipped sub-block by sub-block, any other byte skipped alone."""
+    if len(data) < 13:
+        raise NeedMore(13)
+    width, height = struct.unpack_from("<HH", data, 6)
+    flags = data[10]
+    at, end = 13 + ((3 << ((flags & 7) + 1)) if flags & 0x80 else 0), len(data)  # past the global palette
+    for _ in range(MAX_GIF_STEPS):
+        if at >= end:
+            raise NeedMore(at + 64)
+        tag = data[at]
+        at += 1
+        if tag == 0x3B:  # the trailer: no image at all
+            break
+        if tag == 0x21:  # an extension: its label, then sub-blocks to an empty one
+            at += 1
+            while at < end and data[at]:
+                at += 1 + data[at]
+            at += 1
+        elif tag == 0x2C:  # the first image's descriptor: left, top, width, height
+            if at + 8 > end:
+                raise NeedMore(at + 8)
+            left, top, frame_width, frame_height = struct.unpack_from("<HHHH", data, at)
+            return _sized("gif", max(width, left + frame_width), max(height, top + frame_height))
+    else:
+        raise BadImage(f"a GIF's first image must come within its first {MAX_GIF_STEPS} blocks")
+    raise BadImage("a GIF with no image in it")
 
 
 def _bmp(data: bytes) -> Dimensions:

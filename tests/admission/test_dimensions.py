@@ -6,9 +6,12 @@ from __future__ import annotations
 import base64
 import io
 import struct
+import warnings
 from typing import Any
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
 from gateway.admission.dimensions import BadImage, NeedMore, data_url_dimensions, read_dimensions
 
@@ -98,7 +101,9 @@ HOSTILE = {
     "wrong magic": b"GIF90a" + b"\x00" * 40,
     "not an image": b"%PDF-1.7\n" + b"\x00" * 40,
     "zero width PNG": encode((4, 4), "PNG")[:16] + struct.pack(">II", 0, 4) + encode((4, 4), "PNG")[24:],
-    "zero height GIF": b"GIF89a" + struct.pack("<HH", 5, 0) + b"\x00" * 30,
+    "zero height GIF": b"GIF89a" + struct.pack("<HH", 5, 0) + b"\x00\x00\x00," + struct.pack("<HHHH", 0, 0, 5, 0),
+    "a GIF with no image": b"GIF89a" + struct.pack("<HH", 5, 5) + b"\x00\x00\x00;" + b"\x00" * 30,
+    "a GIF of stray bytes": b"GIF89a" + struct.pack("<HH", 5, 5) + b"\x00\x00\x00" + b"\x01" * 5000,
     "PNG without IHDR first": b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\x0dtEXt" + b"\x00" * 20,
     "a BMP header of 20 bytes": b"BM" + b"\x00" * 12 + struct.pack("<I", 20) + b"\x00" * 20,
     "a BMP of 2^31 x 2^31": b"BM" + b"\x00" * 12 + struct.pack("<Iii", 40, 2**31 - 1, 2**31 - 1) + b"\x00" * 8,
@@ -146,3 +151,50 @@ def test_a_jpeg_of_endless_segments_or_fill_bytes_is_bad_within_its_bounds() -> 
         read_dimensions(many)
     with pytest.raises(BadImage, match="past its first 1048576 bytes"):
         data_url_dimensions(data_url(b"\xff\xd8" + b"\xff" * (1 << 21)))
+
+
+def _gif(
+    screen: tuple[int, int],
+    frame: tuple[int, int, int, int],
+    palette_bits: int | None,
+    blocks: list[bytes],
+    stray: bytes,
+) -> bytes:
+    flags = 0x80 | (palette_bits - 1) if palette_bits is not None else 0
+    head = b"GIF89a" + struct.pack("<HH", *screen) + bytes([flags, 0, 0])
+    palette = bytes(3 << palette_bits) if palette_bits is not None else b""
+    extensions = b"".join(b"!\xfe" + b"".join(bytes([len(c)]) + c for c in [block] if c) + b"\x00" for block in blocks)
+    image = b"," + struct.pack("<HHHH", *frame) + b"\x00\x02\x02\x44\x01\x00;"
+    return head + palette + extensions + stray + image
+
+
+@hypothesis.settings(max_examples=300, derandomize=True, database=None, deadline=None)
+@hypothesis.given(
+    screen=st.tuples(st.integers(1, 400), st.integers(1, 400)),
+    frame=st.tuples(st.integers(0, 300), st.integers(0, 300), st.integers(1, 400), st.integers(1, 400)),
+    palette_bits=st.none() | st.integers(1, 8),
+    blocks=st.lists(st.binary(max_size=255), max_size=3),
+    stray=st.binary(max_size=4).filter(lambda b: not set(b) & {0x21, 0x2C, 0x3B}),
+)
+def test_a_gif_is_the_size_pillow_opens_it_at_its_frame_past_its_screen_included(
+    screen: tuple[int, int],
+    frame: tuple[int, int, int, int],
+    palette_bits: int | None,
+    blocks: list[bytes],
+    stray: bytes,
+) -> None:
+    """A GIF's screen is grown to its first frame's extent when Pillow opens it (and so when the
+    engines do): sized from the screen alone, a 16x16 screen around a 12000x12000 frame passed
+    every pixel limit."""
+    data = _gif(screen, frame, palette_bits, blocks, stray)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        expected = Image.open(io.BytesIO(data)).size
+    found = read_dimensions(data)
+    assert (found.width, found.height) == expected
+    assert data_url_dimensions(data_url(data)).pixels == expected[0] * expected[1]
+
+
+def test_a_small_screen_around_a_huge_frame_is_the_huge_frame() -> None:
+    data = _gif((16, 16), (0, 0, 12000, 12000), 1, [], b"")
+    assert read_dimensions(data).pixels == 144_000_000
