@@ -11,13 +11,35 @@ and may ask for up to ``interactive``. The class orders a model's queue
 
 from __future__ import annotations
 
-from ..config import PRIORITIES, PriorityCap
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import PRIORITIES, ApiKey, PriorityCap
 from ..errors import InvalidPriorityError
 
 HEADER = "x-priority"
 ANONYMOUS = PriorityCap(default="default", max="interactive")  # auth off: no key grants system
 _RANKS = {name: rank for rank, name in enumerate(PRIORITIES)}
 DEFAULT_RANK = _RANKS["default"]  # a request's without a key or the header
+
+
+def check_engine_priority(body: Mapping[str, Any], key: ApiKey | None) -> None:
+    """400 ``invalid_priority`` for a body's own ``priority`` (vLLM's and SGLang's scheduling
+    priority, which the engine acts on as sent) from a key that may not ask for ``system``: one
+    capped at ``bulk`` sent ``"priority": -1000`` and went first. Which way is more urgent is the
+    engine's to say (vLLM: lower; SGLang: higher, unless told otherwise), so the gateway cannot
+    cap the number: it lets it through only from the keys it trusts with the top class. Without
+    ``auth:`` every client is the same: the body goes as sent."""
+    if key is None or key.priority.max == "system":
+        return
+    value = body.get("priority")
+    if value is None or value == 0:
+        return
+    raise InvalidPriorityError(
+        f"'priority' in the body is the engine's own scheduling priority, which key '{key.name}' may not set "
+        f"(its class is capped at '{key.priority.max}'): ask for a class with the {HEADER} header",
+        param="priority",
+    )
 
 
 def priority_of(header: str | None, cap: PriorityCap) -> int:

@@ -27,7 +27,7 @@ from ..admission.apis.messages import MESSAGES
 from ..admission.body import exact, read_body, read_json
 from ..admission.dimensions import Dimensions, read_dimensions
 from ..admission.plan import EXPAND, RoutePlan, Visible, fit_page_images, with_strip
-from ..admission.priority import ANONYMOUS, DEFAULT_RANK, HEADER, priority_of
+from ..admission.priority import ANONYMOUS, DEFAULT_RANK, HEADER, check_engine_priority, priority_of
 from ..admission.rewrite import upstream_body
 from ..admission.strings import Deferred
 from ..admission.upload import Form, parse_form
@@ -245,6 +245,7 @@ async def begin(request: web.Request) -> Exchange:
     key, priority = _admitted_as(request)
     began = time.time_ns() if services.tracing is not None else 0
     raw, body, deferred = await read_json(request, live.config.server, max_bytes=services.max_body_bytes)
+    check_engine_priority(body, key)
     streamed = body.get("stream") is True
     allowed = key.allows if key is not None else None
     return Exchange(

@@ -261,3 +261,25 @@ async def test_an_unknown_class_is_a_400_in_each_apis_shape_and_nothing_goes_ups
             model="m", messages=HI, extra_headers={"x-priority": "system"}
         )
     assert raw.headers["X-Gateway-Priority"] == "interactive"
+
+
+async def test_the_engines_own_priority_in_the_body_is_only_the_top_class_keys_to_set(
+    upstream, gateway_factory
+) -> None:
+    """vLLM and SGLang act on a body's ``priority`` as sent: a key capped at bulk sent -1000 and
+    went first. Only a key that may ask for system may set it; without auth the body goes as sent."""
+    gw = await gateway_factory(keyed(upstream.url))
+    async with client(gw, "batch") as c:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await c.chat.completions.create(model="m", messages=HI, extra_body={"priority": -1000})
+        await c.chat.completions.create(model="m", messages=HI, extra_body={"priority": 0})  # the default: fine
+    body = error_body(caught.value)
+    assert (body["code"], body["param"]) == ("invalid_priority", "priority")
+    assert "key 'batch' may not set" in body["message"] and "x-priority" in body["message"]
+    async with client(gw, "ops") as c:
+        await c.chat.completions.create(model="m", messages=HI, extra_body={"priority": -5})
+    assert [r.json().get("priority") for r in upstream.received] == [0, -5]
+    open_gw = await gateway_factory(routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}"))
+    async with open_gw.client() as c:
+        await c.chat.completions.create(model="m", messages=HI, extra_body={"priority": -7})
+    assert upstream.received[-1].json()["priority"] == -7
