@@ -441,6 +441,7 @@ def forward(
         reprime=reprime,
         api=ex.plan.api.name if ex.plan is not None else "completions",
         continues=continues if isinstance(continues, str) else None,
+        owner=ex.key.name if ex.key is not None else None,
         content_type=content_type,
         on_usage=functools.partial(_spent, ex, model.name, _floor(ex.plan)),
     )

@@ -35,9 +35,11 @@ from ..config import ModelConfig
 from ..errors import (
     EmbeddingsNotDeliveredError,
     NoHealthyUpstreamError,
+    NotFoundError,
     UpstreamConnectError,
     UpstreamError,
     UpstreamTimeoutError,
+    clip,
 )
 from ..metrics import GatewayMetrics
 from ..tracing import Span, Tracing
@@ -115,12 +117,19 @@ class UpstreamClient:
         deadline = None
         if timeouts.total is not None:
             deadline = asyncio.get_running_loop().time() + timeouts.total
+        prefer = None
+        if dispatch.continues is not None and (held := self.holders.find(dispatch.continues)) is not None:
+            prefer, owner = held
+            if owner != dispatch.owner:  # another key's stored response: as the engine answers one it lacks
+                raise NotFoundError(
+                    f"Response with id '{clip(dispatch.continues)}' not found.", param="previous_response_id"
+                )
         attempts = Attempts(
             dispatch.pool,
             retries=self.retries.of(model),
             key=dispatch.affinity_key,
             deadline=deadline,
-            prefer=self.holders.find(dispatch.continues) if dispatch.continues is not None else None,
+            prefer=prefer,
         )
         headers = _upstream_headers(request, dispatch.gateway_headers, dispatch.content_type)
         if dispatch.auth is not None or not dispatch.forward_client_auth:
@@ -193,7 +202,7 @@ class UpstreamClient:
                 if relayed.upstream_failed:
                     lease.failure("broke off mid-response")
                 if relayed.response_id is not None:
-                    self.holders.remember(relayed.response_id, replica.url)
+                    self.holders.remember(relayed.response_id, replica.url, dispatch.owner)
                 self._count(model, replica, relayed.outcome, span, relaying)
                 error = relayed.error
                 if not isinstance(error, EmbeddingsNotDeliveredError) or dispatch.reprime is None:

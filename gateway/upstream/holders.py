@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import orjson
 
+Held = tuple[str, str | None]  # the replica's URL, the key's name
 MAX_IDS = 100_000  # ~100 bytes each
 MAX_AGE_S = 24 * 3600.0  # vLLM's store keeps them for the life of the process
 MAX_ID_CHARS = 256
@@ -34,30 +35,32 @@ PEEK_BYTES = 64 * 1024  # of a stream, read for its response.created event at mo
 
 
 class Holders:
-    """Response id -> the URL of the replica that served it."""
+    """Response id -> the URL of the replica that served it, and the API key it was made with
+    (None: auth off). A follow-up of another key is not continued (:meth:`find`'s caller answers
+    404, as the engine answers an id it does not hold): a stored response is its key's."""
 
     def __init__(
         self, *, clock: Callable[[], float] = time.monotonic, max_ids: int = MAX_IDS, max_age_s: float = MAX_AGE_S
     ) -> None:
         self._clock, self._max_age_s = clock, max_age_s
         self._per_generation, self._generation_s = max(1, max_ids // 2), max_age_s / 2
-        self._young: dict[str, str] = {}  # ids learned since _young_since: less than a generation's time
-        self._old: dict[str, str] = {}  # the generation before, begun at _old_since
+        self._young: dict[str, Held] = {}  # ids learned since _young_since: less than a generation's time
+        self._old: dict[str, Held] = {}  # the generation before, begun at _old_since
         self._young_since = self._old_since = clock()
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
 
-    def remember(self, response_id: str, url: str) -> None:
+    def remember(self, response_id: str, url: str, owner: str | None = None) -> None:
         now = self._clock()
         if len(self._young) >= self._per_generation or now - self._young_since >= self._generation_s:
             self._turn(now)
         elif now - self._old_since > self._max_age_s:
             self._old = {}
-        self._young[response_id] = url
+        self._young[response_id] = (url, owner)
 
-    def find(self, response_id: str) -> str | None:
-        """The URL of the replica that served ``response_id``, if this process relayed it lately."""
+    def find(self, response_id: str) -> Held | None:
+        """The replica that served ``response_id`` and its key, if this process relayed it lately."""
         now = self._clock()
         if now - self._young_since >= self._generation_s:
             self._turn(now)

@@ -294,3 +294,24 @@ async def test_a_responses_part_with_a_uuid_is_read_by_its_media_key_as_vllm_rea
         with pytest.raises(openai.BadRequestError) as caught:
             await client.responses.create(model="texty", input=user(smuggled))
     assert error_body(caught.value)["code"] == "unsupported_modality" and texty.received == []
+
+
+async def test_a_stored_response_is_continued_by_the_key_that_made_it_alone(
+    gateway_factory, upstream_factory, monkeypatch
+) -> None:
+    """Another key naming its id gets the engine's own answer to an id it does not hold (404),
+    from the gateway: the other key's conversation never reaches the engine."""
+    up = await upstream_factory("up")
+    monkeypatch.setenv("MG_TEST_KEY_A", "sk-team-a")
+    monkeypatch.setenv("MG_TEST_KEY_B", "sk-team-b")
+    keys = "auth:\n  keys:\n    - {name: a, key_env: MG_TEST_KEY_A}\n    - {name: b, key_env: MG_TEST_KEY_B}\n"
+    gw = await gateway_factory(routing(f"  - {{name: m, upstreams: [{up.url}], accepts: [text]}}", extra=keys))
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-team-a", max_retries=0) as a:
+        first = await a.responses.create(model="m", input="hi")
+        await a.responses.create(model="m", input="and?", previous_response_id=first.id)
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-team-b", max_retries=0) as b:
+        with pytest.raises(openai.NotFoundError) as caught:
+            await b.responses.create(model="m", input="mine now", previous_response_id=first.id)
+    body = error_body(caught.value)
+    assert body["param"] == "previous_response_id" and f"'{first.id}' not found" in body["message"]
+    assert len(up.received) == 2  # b's never went upstream
