@@ -316,6 +316,11 @@ class RateLimit:
     tokens_per_minute: float | None = None
     tokens_per_day: float | None = None
 
+    @property
+    def budgets_tokens(self) -> bool:
+        """Whether replies' usage is spent of it (a token budget): every stream must say its usage."""
+        return self.tokens_per_minute is not None or self.tokens_per_day is not None
+
 
 @dataclass(frozen=True, slots=True)
 class PriorityCap:

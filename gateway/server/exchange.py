@@ -412,6 +412,9 @@ def forward(
     once more, within retries.attempts and the retry budget (:mod:`gateway.upstream.consumer`)."""
     model, live, request = ex.model, ex.live, ex.request
     assert model is not None
+    hide_usage = _asks_usage(ex)
+    if hide_usage:
+        data = with_usage(data)
     responses = ex.plan is not None and ex.plan.api.name == "responses"
     continues = ex.parsed.get("previous_response_id") if responses else None  # top-level: read as parsed
     reprime = functools.partial(_reprime, ex) if ex.primed else None
@@ -442,6 +445,7 @@ def forward(
         api=ex.plan.api.name if ex.plan is not None else "completions",
         continues=continues if isinstance(continues, str) else None,
         owner=ex.key.name if ex.key is not None else None,
+        hide_usage=hide_usage,
         content_type=content_type,
         on_usage=functools.partial(_spent, ex, model.name, _floor(ex.plan)),
     )
@@ -454,6 +458,27 @@ def forward(
     if model.max_concurrency is None:
         return upstream.forward(request, dispatch)
     return _gated(ex.services, model, ex.priority, lambda: upstream.forward(request, dispatch))
+
+
+def _asks_usage(ex: Exchange) -> bool:
+    """A chat or completions stream of a key with token budgets whose client asked no usage: the
+    engine would say nothing of what it cost, and the budgets would never see it (20 streams of
+    200 tokens spent nothing of a 100 a minute). The gateway asks for it, and keeps it."""
+    key = ex.key
+    if not ex.stream or key is None or key.rate_limit is None or not key.rate_limit.budgets_tokens:
+        return False
+    if ex.plan is not None and ex.plan.api.name != "chat":  # Responses and Messages streams always say it
+        return False
+    options = ex.parsed.get("stream_options")
+    return not (isinstance(options, dict) and options.get("include_usage") is True)
+
+
+def with_usage(data: bytes) -> bytes:
+    """The body, its stream asked to end with its usage (``stream_options.include_usage``)."""
+    body = orjson.loads(data)
+    options = body.get("stream_options")
+    body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    return orjson.dumps(body)
 
 
 def _floor(plan: RoutePlan | None) -> int:

@@ -47,5 +47,8 @@ class Dispatch:
     api: str = "chat"  # the API it came in on (routing.yaml's name): how a broken stream's error event looks
     continues: str | None = None  # the stored response it continues (previous_response_id): its holder first
     owner: str | None = None  # the request's API key's name (None: auth off): a stored response is its key's
+    # a chat or completions stream whose usage the gateway asked for (a key's token budgets), not
+    # the client: the usage chunk is read, and not relayed
+    hide_usage: bool = False
     content_type: str = "application/json"  # of the body (an audio upload: its multipart type, boundary included)
     on_usage: Callable[[Usage | None], None] | None = None

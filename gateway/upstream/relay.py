@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Any, NamedTuple, Protocol
 
 import aiohttp
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -167,17 +168,18 @@ async def _relay_stream(
     seen, response_id = first, None
     counting = upstream.status < 300
     usage: StreamUsage | BodyTail = StreamUsage() if upstream.content_type == "text/event-stream" else BodyTail()
+    hidden = UsageHidden() if dispatch.hide_usage and upstream.content_type == "text/event-stream" else None
     try:
         if first:
             if counting:
                 usage.feed(first)
             deadlines.writing_since = loop.time()
-            await response.write(first)
+            await response.write(first if hidden is None else hidden.feed(first))
             deadlines.writing_since = None
             deadlines.waiting_since = loop.time()
         async for chunk in upstream.content.iter_any():
             deadlines.writing_since = loop.time()
-            await response.write(chunk)
+            await response.write(chunk if hidden is None else hidden.feed(chunk))
             deadlines.writing_since = None
             deadlines.waiting_since = loop.time()
             if counting:
@@ -186,6 +188,8 @@ async def _relay_stream(
                 seen += chunk
                 response_id = id_of_stream(seen)
                 learning = response_id is None and len(seen) < PEEK_BYTES
+        if hidden is not None and hidden.rest:
+            await response.write(hidden.rest)
         deadlines.writing_since = loop.time()
         await response.write_eof()  # within the deadline too: a full buffer waits here
     except ConnectionResetError:  # the client left: stop the engine's work by closing upstream
@@ -335,6 +339,40 @@ class _Deadlines:
 
     def cancel(self) -> None:
         self._handle.cancel()
+
+
+class UsageHidden:
+    """A chat or completions stream less its usage chunk (``"choices": []`` and a ``usage``): the
+    one the gateway asked for on a key's behalf, not the client (``Dispatch.hide_usage``). Events
+    pass whole, as they end (a blank line); what is left at the end is :attr:`rest`."""
+
+    def __init__(self) -> None:
+        self.rest = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self.rest + chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self.rest = data
+            return b""
+        self.rest = data[end + 2 :]
+        events = data[: end + 2]
+        if _USAGE not in events:
+            return events
+        return b"".join(e + b"\n\n" for e in events[:-2].split(b"\n\n") if not _usage_only(e))
+
+
+_USAGE = b'"usage"'
+
+
+def _usage_only(event: bytes) -> bool:
+    if _USAGE not in event or not event.startswith(b"data:"):
+        return False
+    try:
+        chunk = orjson.loads(event[5:])
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(chunk, dict) and chunk.get("choices") == [] and chunk.get("usage") is not None
 
 
 async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:

@@ -170,6 +170,34 @@ async def test_visual_tokens_count_in_the_budget_before_any_reply(
         small = data_url(flat_png(280, 280, b"\x80\x80\x80"))  # 100 tokens
         small_ask: Any = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": small}}]}]
         stream = await client.chat.completions.create(model="m", messages=small_ask, stream=True)
-        assert [chunk async for chunk in stream]  # no usage asked for: its visual tokens are spent
+        assert [chunk async for chunk in stream]  # no usage asked for: the gateway asked for it
+    spent = tokens(gw, "prompt", "team-a") + tokens(gw, "completion", "team-a")  # what the engine said
     remaining = gw.app[SERVICES_KEY].key_limits.check_tokens(gw.config.auth.keys[0])
-    assert remaining["x-ratelimit-remaining-tokens"] == "900"
+    assert remaining["x-ratelimit-remaining-tokens"] == str(int(1000 - spent))
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_stream_that_asks_no_usage_still_spends_its_keys_token_budget(
+    gateway_factory, upstream: Upstream, monkeypatch, path: str
+) -> None:
+    """Without ``stream_options.include_usage`` the engine says nothing of a stream's cost: 20
+    streams of 200 tokens spent nothing of a budget of 100 a minute. For a key with token budgets
+    the gateway asks for it, reads it, and does not relay it: the client gets the stream it asked for."""
+    monkeypatch.setenv(KEY_ENV, "sk-usage")
+    gw = await gateway_factory(table(upstream, "{tokens_per_minute: 1000}"))
+    chat = path.endswith("chat/completions")
+    body: dict[str, Any] = {"model": "m", "stream": True}
+    body.update({"messages": [{"role": "user", "content": "hello"}]} if chat else {"prompt": "hello"})
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{gw.url}{path}", json=body, headers={"Authorization": "Bearer sk-usage"}) as resp:
+            assert resp.status == 200
+            text = await resp.text()
+    assert upstream.received[-1].json()["stream_options"] == {"include_usage": True}  # asked for the key
+    assert '"usage"' not in text.replace('"usage":null', "") and text.rstrip().endswith("data: [DONE]")
+    assert tokens(gw, "prompt", "team-a") > 0 and tokens(gw, "completion", "team-a") > 0
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-usage", max_retries=0) as client:
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [chunk async for chunk in stream]
+    assert chunks[-1].usage is not None  # asked by the client: relayed as ever
