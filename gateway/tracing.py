@@ -84,6 +84,7 @@ class Tracing:
         service: str = "modality-gateway",
         version: str = "",
         exporter: SpanExporter | None = None,
+        trust_client_sampling: bool = False,
     ) -> None:
         from opentelemetry import context, trace
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -94,8 +95,15 @@ class Tracing:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._context, self._trace = context, trace
+        ours = TraceIdRatioBased(sample_ratio)
+        # a client's trace id is its own to choose, and so would be a ratio of it: a remote parent
+        # is sampled at random, at the ratio, unless the table trusts the client's sampled flag
+        sampler = ParentBased(ours)
+        if not trust_client_sampling:
+            remote = _random_sampler(sample_ratio)
+            sampler = ParentBased(ours, remote_parent_sampled=remote, remote_parent_not_sampled=remote)
         self._provider = TracerProvider(
-            sampler=ParentBased(TraceIdRatioBased(sample_ratio)),
+            sampler=sampler,
             resource=Resource.create({"service.name": service, "service.version": version}),
             shutdown_on_exit=False,  # closed with the app
         )
@@ -216,6 +224,37 @@ class Tracing:
     def shutdown(self) -> None:
         """The spans left sent, the exporter closed (blocking: call it in a thread)."""
         self._provider.shutdown()
+
+
+def _random_sampler(ratio: float) -> Any:
+    """A sampler that records ``ratio`` of what it is asked about, by a draw of its own (the
+    SDK's ratio sampler reads the trace id, which a client's traceparent chooses)."""
+    import random
+
+    from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+
+    class RandomRatio(Sampler):
+        def __init__(self) -> None:
+            self._draw = random.Random()
+
+        def should_sample(
+            self,
+            parent_context: Any,
+            trace_id: int,
+            name: str,
+            kind: Any = None,
+            attributes: Any = None,
+            links: Any = None,
+            trace_state: Any = None,
+        ) -> Any:
+            if self._draw.random() < ratio:  # the span keeps the attributes it was started with
+                return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, trace_state)
+            return SamplingResult(Decision.DROP, None, trace_state)
+
+        def get_description(self) -> str:
+            return f"RandomRatio{{{ratio}}}"
+
+    return RandomRatio()
 
 
 def stage(tracing: Tracing | None, name: str, attributes: Attributes | None = None) -> AbstractContextManager[Any]:

@@ -102,10 +102,9 @@ async def flushed(gw: Gateway) -> None:
     assert await asyncio.to_thread(tracing.flush)  # the exporter's thread posts to this loop's collector
 
 
-def traced(collector_url: str, *models: str, extra: str = "", ratio: float = 1.0) -> str:
-    return routing(
-        *models, extra=extra, server=f"{{tracing: {{otlp_endpoint: '{collector_url}', sample_ratio: {ratio}}}}}"
-    )
+def traced(collector_url: str, *models: str, extra: str = "", ratio: float = 1.0, trust: bool = False) -> str:
+    options = f"otlp_endpoint: '{collector_url}', sample_ratio: {ratio}, trust_client_sampling: {str(trust).lower()}"
+    return routing(*models, extra=extra, server=f"{{tracing: {{{options}}}}}")
 
 
 @needs_tracing
@@ -197,21 +196,25 @@ async def test_a_request_without_a_traceparent_starts_a_trace_and_errors_say_the
 
 
 @needs_tracing
+@pytest.mark.parametrize("trust", [False, True])
 async def test_sample_ratio_zero_records_nothing_yet_passes_the_context_on(
-    upstream, gateway_factory, collector
+    upstream, gateway_factory, collector, trust: bool
 ) -> None:
+    """A client's traceparent is continued either way; its sampled flag decides only where the
+    table trusts it (else a client could have every request recorded, 2.5x the CPU)."""
     found, url = collector
-    gw = await gateway_factory(traced(url, f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}", ratio=0))
+    model = f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}"
+    gw = await gateway_factory(traced(url, model, ratio=0, trust=trust))
     async with gw.client() as client:
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
         await client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}], extra_headers={"traceparent": CLIENT_PARENT}
-        )  # the client sampled it: its decision holds
+        )  # the client sampled it
     await flushed(gw)
-    assert [s.trace_id.hex() for s in found.named("chat m")] == [CLIENT_TRACE]
+    assert [s.trace_id.hex() for s in found.named("chat m")] == ([CLIENT_TRACE] if trust else [])
     first, second = (TRACEPARENT.fullmatch(r.headers["traceparent"]) for r in upstream.received)
     assert first is not None and int(first.group(3), 16) & 1 == 0  # not sampled, still propagated
-    assert second is not None and second.group(1) == CLIENT_TRACE
+    assert second is not None and second.group(1) == CLIENT_TRACE  # the client's trace, continued
 
 
 @needs_tracing
@@ -273,3 +276,18 @@ def test_tracing_config_is_checked() -> None:
 
 
 def _unused(upstream: Upstream) -> None: ...
+
+
+async def test_a_clients_tracestate_and_baggage_go_upstream_within_w3cs_bounds(upstream, gateway_factory) -> None:
+    gw = await gateway_factory(routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}"))
+    async with gw.client() as client:
+        # (a baggage past 8192 bytes cannot arrive: aiohttp refuses a header field over 8190)
+        for state, baggage in (("a=1", "k=v"), ("a=" + "x" * 600, "k=" + "v" * 8000)):
+            await client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"tracestate": state, "baggage": baggage},
+            )
+    kept, dropped = (r.headers for r in upstream.received)
+    assert (kept["tracestate"], kept["baggage"]) == ("a=1", "k=v")
+    assert "tracestate" not in dropped and len(dropped["baggage"]) == 8002

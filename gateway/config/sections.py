@@ -127,9 +127,10 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
             self.problem(ratio_path, f"must be between 0 and 1, not {sample_ratio:g}")
             sample_ratio = default_ratio
         service = self.string(raw.get("service_name", "modality-gateway"), f"{path}.service_name")
+        trust = self.boolean(*get("trust_client_sampling"))
         if endpoint is None:
             return None
-        return TracingConfig(endpoint, sample_ratio, service or "modality-gateway")
+        return TracingConfig(endpoint, sample_ratio, service or "modality-gateway", trust)
 
     def limits_store(self, value: Any, path: str, default: None) -> LimitsStoreConfig | None:
         raw = self.optional_mapping(value, path, LIMITS_STORE_KEYS, "limits_store")

@@ -50,7 +50,7 @@ SERVER_KEYS = (
     "limits_store",
     "tracing",
 )
-TRACING_KEYS = ("otlp_endpoint", "sample_ratio", "service_name")
+TRACING_KEYS = ("otlp_endpoint", "sample_ratio", "service_name", "trust_client_sampling")
 LIMITS_STORE_KEYS = ("url", "timeout_ms", "on_failure")
 LIMITS_STORE_SCHEMES = ("redis", "rediss", "unix")
 # the keys of an on_unsupported policy written as a mapping (video: {sample: ...} takes the first
@@ -164,6 +164,9 @@ class TracingConfig:
     otlp_endpoint: str  # http://collector:4318; spans go to its /v1/traces
     sample_ratio: float = 1.0  # of the traces that begin here; a client's traceparent decides its own
     service_name: str = "modality-gateway"  # the resource's service.name
+    # a client's traceparent is continued either way; whether its "sampled" flag decides (true), or
+    # sample_ratio does (false: a client cannot make every request recorded, 2.5x the CPU)
+    trust_client_sampling: bool = False
 
 
 @dataclass(frozen=True, slots=True)

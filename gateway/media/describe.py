@@ -183,7 +183,13 @@ class Describer(Asker):
         if source.startswith("data:"):
             return source, data
         webp = data[:4] == b"RIFF" and data[8:12] == b"WEBP"
-        mime = "image/webp" if webp else next((m for magic, m in MAGIC if data.startswith(magic)), "image/png")
+        mime = "image/webp" if webp else next((m for magic, m in MAGIC if data.startswith(magic)), None)
+        if mime is None:  # labelled by what its bytes are, never by a guess
+            raise InvalidImageError(
+                f"{part.location}: what its URL returned is not an image (PNG, JPEG, GIF, BMP or WebP)",
+                param=part.location,
+                rejection=Rejection(model, "image", "invalid_content"),
+            )
         return f"data:{mime};base64,{base64.b64encode(data).decode()}", data
 
 

@@ -154,7 +154,13 @@ def _tracing(config: GatewayConfig) -> Tracing | None:
         version = importlib.metadata.version("modality-gateway")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
         version = ""
-    return Tracing(spec.otlp_endpoint, spec.sample_ratio, service=spec.service_name, version=version)
+    return Tracing(
+        spec.otlp_endpoint,
+        spec.sample_ratio,
+        service=spec.service_name,
+        version=version,
+        trust_client_sampling=spec.trust_client_sampling,
+    )
 
 
 async def _clients(app: web.Application) -> AsyncIterator[None]:

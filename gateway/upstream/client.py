@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 # (gateway.admission.body), so the client's Content-Encoding no longer describes it.
 # x-priority: the client's ask, which its key caps; the class it got goes as X-Gateway-Priority
 _NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect", "content-encoding", "x-priority"}
+# trace context a client sends, passed on within the W3C specifications' bounds (tracestate: 512
+# characters; baggage: 8192 bytes), else not at all
+BOUNDED_UP = (("tracestate", 512), ("baggage", 8192))
 # the headers SDKs and agents send a key in: OpenAI's and most (Authorization), Anthropic's
 # (x-api-key), Azure OpenAI's (api-key), Google's (x-goog-api-key); none goes upstream where the
 # gateway checks keys itself or server.forward_client_credentials is off
@@ -441,6 +444,10 @@ def _upstream_headers(request: web.Request, extra: Mapping[str, str], content_ty
         if name in headers:
             del headers[name]
     headers.update(extra)
+    for name, most in BOUNDED_UP:  # W3C's bounds: a client's longer context is not passed on
+        value = headers.get(name)
+        if value is not None and len(value) > most:
+            del headers[name]
     if request.remote:
         forwarded = request.headers.get("X-Forwarded-For")
         headers["X-Forwarded-For"] = f"{forwarded}, {request.remote}" if forwarded else request.remote

@@ -317,3 +317,24 @@ async def test_a_failed_description_on_messages_is_an_error_in_anthropics_shape(
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert "its description failed" in body["error"]["message"]
     assert chat.received == []
+
+
+async def test_what_a_url_returns_is_described_only_if_it_is_an_image(gateway_factory, upstream_factory) -> None:
+    """It was labelled image/png whatever it was (an HTML page, a PDF) and sent to the describer."""
+    chat, vision = await upstream_factory("chat"), await upstream_factory("vision")
+    media = await upstream_factory("media", files={"/page": b"<html>not an image</html>", "/cat": png()})
+    gw = await gateway_factory(
+        "version: 1\nmedia: {allow_private_networks: true}\n" + table(chat, vision).removeprefix("version: 1\n")
+    )
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask(image_part_url(f"{media.url}/page")))
+        await client.chat.completions.create(model="texty", messages=ask(image_part_url(f"{media.url}/cat")))
+    body = error_body(caught.value)
+    assert body["code"] == "invalid_image" and "is not an image" in body["message"]
+    (asked,) = vision.received  # the cat alone, as a PNG
+    assert "data:image/png;base64," in asked.body.decode()
+
+
+def image_part_url(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
