@@ -237,19 +237,12 @@ def _random_sampler(ratio: float) -> Any:
         def __init__(self) -> None:
             self._draw = random.Random()
 
-        def should_sample(
-            self,
-            parent_context: Any,
-            trace_id: int,
-            name: str,
-            kind: Any = None,
-            attributes: Any = None,
-            links: Any = None,
-            trace_state: Any = None,
-        ) -> Any:
+        def should_sample(self, parent_context: Any, trace_id: int, name: str, *rest: Any, **named: Any) -> Any:
+            # the SDK's arguments after these: kind, attributes, links, trace_state
+            asked = dict(zip(("kind", "attributes", "links", "trace_state"), rest, strict=False)) | named
             if self._draw.random() < ratio:  # the span keeps the attributes it was started with
-                return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, trace_state)
-            return SamplingResult(Decision.DROP, None, trace_state)
+                return SamplingResult(Decision.RECORD_AND_SAMPLE, asked.get("attributes"), asked.get("trace_state"))
+            return SamplingResult(Decision.DROP, None, asked.get("trace_state"))
 
         def get_description(self) -> str:
             return f"RandomRatio{{{ratio}}}"
