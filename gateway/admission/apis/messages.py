@@ -14,6 +14,7 @@ search, MCP).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -159,19 +160,6 @@ MESSAGES = Api(
     normalizes=frozenset({"document"}),
     newest=newest,
 )
-# the input tokens of a message, admitted as the message would be (Claude Code asks it first; its
-# images described then are in the conversions cache when the message itself comes)
-COUNT_TOKENS = Api(
-    "messages",
-    "/v1/messages/count_tokens",
-    PARTS,
-    contents,
-    errors="anthropic",
-    spends=False,
-    transcribes=True,
-    leaves_notes=True,
-    image_part=image,
-    normalize=normalize,
-    normalizes=frozenset({"document"}),
-    newest=newest,
-)
+# the input tokens of a message, admitted as the message would be (interactive clients ask it
+# first; its images described then are in the conversions cache when the message itself comes)
+COUNT_TOKENS = dataclasses.replace(MESSAGES, path="/v1/messages/count_tokens", spends=False)
