@@ -172,8 +172,13 @@ def _read(agent: Agent) -> str:
 
 
 @pytest.fixture
-async def engine(upstream_factory) -> Upstream:
-    return await upstream_factory("engine")
+async def engine(vllm) -> Upstream:
+    """The stand-in engine, every body it gets held to vLLM's own request models and parsers (a
+    body vLLM refuses is its 400): what the real clients send through the gateway, vLLM takes."""
+    checked = await vllm()
+    upstream: Upstream = checked.upstream
+    upstream.standin.name = "engine"
+    return upstream
 
 
 AGENTS = ["claude", "codex"]
