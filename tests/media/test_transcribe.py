@@ -206,11 +206,12 @@ async def test_replicas_that_are_not_transcription_servers_or_time_out_are_passe
         app.router.add_post("/v1/audio/transcriptions", handler)
         apps.append(await upstream_factory(handler.__name__, app))
     slow, good = await upstream_factory("slow"), await upstream_factory("good")
-    slow.standin.delay_ms = 5000
+    slow.standin.delay_ms = 60_000  # never in time: it is the timeout that fires, not a race
     chat = await upstream_factory("chat")
     text = table(chat, apps[0].url, apps[1].url, slow.url, good.url).replace(
         "accepts: [text, audio]}",
-        "accepts: [text, audio], timeouts: {first_byte_s: 0.2}, balance: round_robin, retries: {attempts: 3}}",
+        # the good replica's answer must come within first_byte_s: 1.5 s of room on a loaded machine
+        "accepts: [text, audio], timeouts: {first_byte_s: 1.5}, balance: round_robin, retries: {attempts: 3}}",
     )
     gw = await gateway_factory(text)
     async with gw.client() as client:

@@ -88,7 +88,7 @@ async def test_the_gateway_runs_its_health_checks(upstream_factory, gateway_fact
             " health_check: {interval_s: 0.05, failures: 1}}"
         )
     )
-    for _ in range(400):  # bounded: the first probes run as the gateway starts
+    for _ in range(3000):  # bounded (30 s of waits): the first probes run as the gateway starts
         if gw.sample("gateway_upstream_healthy", model="m", upstream=sick.url) == 0:
             break
         await asyncio.sleep(0.01)
