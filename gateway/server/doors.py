@@ -63,9 +63,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = lookup(ex.config, ex.body, ex.visible, "completions")
     ex.serve_with(model)
     data = ex.raw
-    if ex.body["model"] != model.upstream_name:
+    if ex.body["model"] != model.upstream_name or ex.ask_usage:
         body = exact(ex.raw, ex.body)
         body["model"] = model.upstream_name
+        body.update(ex.ask_usage)
         data = dump_body(body)
     key = prompt_key(ex.body) if model.balance == "affinity" else None
     return await exchange.forward(ex, data, affinity_key=key)

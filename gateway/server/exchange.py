@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ..admission.apis.messages import MESSAGES
+from ..admission.apis.messages import shape_of
 from ..admission.body import exact, read_body, read_json
 from ..admission.dimensions import Dimensions, read_dimensions
 from ..admission.plan import EXPAND, RoutePlan, Visible, fit_page_images, with_strip
@@ -77,6 +77,8 @@ class Exchange:
     converted: Replacements = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)  # beyond X-Request-Id, -Model, -Route
     primed: bool = False  # its images went to vLLM's encoder instances
+    # top-level fields that ask the engine for the stream's usage on the key's behalf (usage_fields)
+    ask_usage: Mapping[str, Any] = field(default_factory=dict)
     began_ns: int = 0  # with tracing on: when it came (time.time_ns()), where its admission span begins
 
     @property
@@ -249,7 +251,19 @@ async def begin(request: web.Request) -> Exchange:
     streamed = body.get("stream") is True
     allowed = key.allows if key is not None else None
     return Exchange(
-        request, services, live, live.config, allowed, raw, body, deferred, streamed, priority, key, began_ns=began
+        request,
+        services,
+        live,
+        live.config,
+        allowed,
+        raw,
+        body,
+        deferred,
+        streamed,
+        priority,
+        key,
+        began_ns=began,
+        ask_usage=usage_fields(key, body, request.path, streamed),
     )
 
 
@@ -372,14 +386,14 @@ async def encode(ex: Exchange) -> bytes:
     says how many) or primed on vLLM's encoder instances (``ex.primed``)."""
     plan = ex.plan
     assert plan is not None
-    encoded = Encoded(ex.converted, {})
+    encoded = Encoded(ex.converted, dict(ex.ask_usage))
     if plan.encode_parts or plan.encodes_frames or plan.encodes_pages:
         kind = ex.config.encoders[plan.encoder or ""].kind
         name = "gateway.prime" if kind == "vllm" else "gateway.encode"
         with stage(ex.services.tracing, name, {"gateway.encoder": plan.encoder or ""}):
             images = await _encode(ex, plan)
         ex.headers["X-Gateway-Encoded"] = str(images.images)
-        encoded = Encoded(ex.converted | images.replacements, images.fields)
+        encoded = Encoded(ex.converted | images.replacements, {**images.fields, **encoded.fields})
         ex.primed = bool(images.replacements) and kind == "vllm"
     if encoded.replacements:
         _check_grown_size(ex.config, ex.raw, encoded)
@@ -412,9 +426,6 @@ def forward(
     once more, within retries.attempts and the retry budget (:mod:`gateway.upstream.consumer`)."""
     model, live, request = ex.model, ex.live, ex.request
     assert model is not None
-    hide_usage = _asks_usage(ex)
-    if hide_usage:
-        data = with_usage(data)
     responses = ex.plan is not None and ex.plan.api.name == "responses"
     continues = ex.parsed.get("previous_response_id") if responses else None  # top-level: read as parsed
     reprime = functools.partial(_reprime, ex) if ex.primed else None
@@ -423,7 +434,7 @@ def forward(
     headers = {
         "X-Request-Id": request[REQUEST_ID_KEY],
         # Anthropic's name for it, which the anthropic SDK reads (request_id)
-        **({"request-id": request[REQUEST_ID_KEY]} if request.path.startswith(MESSAGES.path) else {}),
+        **({"request-id": request[REQUEST_ID_KEY]} if shape_of(request.path) == "anthropic" else {}),
         "X-Gateway-Model": model.name,
         "X-Gateway-Route": ex.plan.route if ex.plan is not None else "direct",
         "X-Gateway-Priority": PRIORITIES[ex.priority],
@@ -445,7 +456,7 @@ def forward(
         api=ex.plan.api.name if ex.plan is not None else "completions",
         continues=continues if isinstance(continues, str) else None,
         owner=ex.key.name if ex.key is not None else None,
-        hide_usage=hide_usage,
+        hide_usage=bool(ex.ask_usage),
         content_type=content_type,
         on_usage=functools.partial(_spent, ex, model.name, _floor(ex.plan)),
     )
@@ -460,25 +471,23 @@ def forward(
     return _gated(ex.services, model, ex.priority, lambda: upstream.forward(request, dispatch))
 
 
-def _asks_usage(ex: Exchange) -> bool:
-    """A chat or completions stream of a key with token budgets whose client asked no usage: the
-    engine would say nothing of what it cost, and the budgets would never see it (20 streams of
-    200 tokens spent nothing of a 100 a minute). The gateway asks for it, and keeps it."""
-    key = ex.key
-    if not ex.stream or key is None or key.rate_limit is None or not key.rate_limit.budgets_tokens:
-        return False
-    if ex.plan is not None and ex.plan.api.name != "chat":  # Responses and Messages streams always say it
-        return False
-    options = ex.parsed.get("stream_options")
-    return not (isinstance(options, dict) and options.get("include_usage") is True)
+# the APIs whose streams say their usage only when asked (stream_options.include_usage)
+_USAGE_ASKED = ("/v1/chat/completions", "/v1/completions")
 
 
-def with_usage(data: bytes) -> bytes:
-    """The body, its stream asked to end with its usage (``stream_options.include_usage``)."""
-    body = orjson.loads(data)
+def usage_fields(key: ApiKey | None, body: Mapping[str, Any], path: str, stream: bool) -> dict[str, Any]:
+    """The top-level fields that ask the engine for a stream's usage where its client did not, for
+    a key with token budgets on chat or completions (else none): the engine would say nothing of
+    what it cost, and the budgets would never see it (20 streams of 200 tokens spent nothing of a
+    100 a minute). The relay reads the usage chunk and keeps it from the client (``hide_usage``)."""
+    if not stream or key is None or key.rate_limit is None or not key.rate_limit.budgets_tokens:
+        return {}
+    if path not in _USAGE_ASKED:  # Responses and Messages streams always say it
+        return {}
     options = body.get("stream_options")
-    body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-    return orjson.dumps(body)
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return {}
+    return {"stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
 
 
 def _floor(plan: RoutePlan | None) -> int:

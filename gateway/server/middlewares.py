@@ -18,7 +18,7 @@ import time
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
-from ..admission.apis.messages import MESSAGES
+from ..admission.apis.messages import shape_of
 from ..admission.auth import Keyring
 from ..admission.body import body_too_large
 from ..errors import (
@@ -29,7 +29,6 @@ from ..errors import (
     MethodNotAllowedError,
     NotFoundError,
     RateLimitedError,
-    Shape,
     clip,
     render,
 )
@@ -162,11 +161,6 @@ def api_of(path: str) -> str:
 def is_api(path: str) -> bool:
     """Whether a path is an API's (with ``auth:``, a key is needed)."""
     return path.startswith("/v1/") or path in UNVERSIONED_APIS
-
-
-def shape_of(path: str) -> Shape:
-    """The shape of the errors a path answers: Anthropic's on the Messages API, else OpenAI's."""
-    return "anthropic" if path == MESSAGES.path or path.startswith(MESSAGES.path + "/") else "openai"
 
 
 def _check_port(request: web.Request, services: Services) -> None:

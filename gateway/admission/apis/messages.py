@@ -21,7 +21,7 @@ from typing import Any
 from ...config.types import ContentBounds
 from ...modalities import Modality
 from ..parts import Content, PartTable, messages_of, str_field
-from . import Api, after_last, assistants
+from . import Api, ErrorShape, after_last, assistants
 
 SOURCES = {"base64": "data", "url": "url", "file": "file_id", "text": "data", "content": "content"}
 
@@ -160,6 +160,14 @@ MESSAGES = Api(
     normalizes=frozenset({"document"}),
     newest=newest,
 )
+
+
+def shape_of(path: str) -> ErrorShape:
+    """The shape of the errors (and request ids) a path answers: Anthropic's on the Messages API
+    and below it (count_tokens), else OpenAI's."""
+    return "anthropic" if path == MESSAGES.path or path.startswith(MESSAGES.path + "/") else "openai"
+
+
 # the input tokens of a message, admitted as the message would be (interactive clients ask it
 # first; its images described then are in the conversions cache when the message itself comes)
 COUNT_TOKENS = dataclasses.replace(MESSAGES, path="/v1/messages/count_tokens", spends=False)
