@@ -27,6 +27,7 @@ body, it reaches the stand-in through any proxy (benchmarks use it for streams o
 
 Faults of the whole replica (what resilience tests and demos set on the instance): ``fail_status``
 answers every request with that status, ``reset`` drops each connection once the request is read,
+``break_after`` breaks every stream as ``X-Standin-Break-After`` does,
 ``delay_ms`` makes every answer that much slower, ``healthy = False`` turns ``GET /health`` to 503.
 ``record = False`` (``--no-record``) keeps no copy of the requests, for benchmarks that send millions.
 
@@ -76,6 +77,7 @@ class StandIn:
     fail_status: int = 0
     reset: bool = False
     delay_ms: int = 0
+    break_after: int = -1  # >= 0: every stream breaks off after this many content chunks (the header's fault)
     healthy: bool = True  # GET /health: 200, or 503 when False
     record: bool = True  # False: keep nothing in ``received`` (a benchmark's millions of requests)
     stored: set[str] = field(default_factory=set)  # ids of the responses it stores, as vLLM's store keeps them
@@ -396,6 +398,9 @@ class StandIn:
         return web.json_response({"id": f"rerank-{self.name}", "model": payload.get("model"), "usage": usage,
                                   "results": results})  # fmt: skip
 
+    def _break_after(self, request: web.Request) -> int:
+        return int(request.headers.get("X-Standin-Break-After", self.break_after))
+
     async def _events(
         self, request: web.Request, events: list[dict[str, Any]], *, first_delta: int
     ) -> web.StreamResponse:
@@ -403,7 +408,7 @@ class StandIn:
         knobs count the content deltas, which begin at ``first_delta``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
-        break_after = int(request.headers.get("X-Standin-Break-After", "-1"))
+        break_after = self._break_after(request)
         chunk_delay = int(request.headers.get("X-Standin-Chunk-Delay-Ms", "0")) / 1000
         for n, event in enumerate(events):
             if break_after >= 0 and n == first_delta + break_after:
@@ -446,7 +451,7 @@ class StandIn:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
-        break_after = int(request.headers.get("X-Standin-Break-After", "-1"))
+        break_after = self._break_after(request)
         chunk_delay = int(request.headers.get("X-Standin-Chunk-Delay-Ms", "0")) / 1000
 
         async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
