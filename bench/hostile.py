@@ -21,6 +21,7 @@ import asyncio
 import base64
 import contextlib
 import functools
+import gzip
 import hashlib
 import io
 import json
@@ -42,6 +43,7 @@ import orjson
 from aiohttp import web
 
 from bench.common import free_port
+from tools.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_BODY_BYTES = 33_554_432
@@ -152,12 +154,22 @@ class Fakes:
 
 
 API_KEY = "sk-hostile-bench"  # the key of the scenarios that run with auth on
+LIMITED_KEY = "sk-hostile-limited"  # with a store: a key of 600 requests a minute (burst 10), shared in Redis
+LIMITED_RPM, LIMITED_BURST = 600, 10
 ADMIN_TOKEN = "hostile-admin-token"
 
 
-def routing_yaml(gateway_port: int, fakes: str, server_extra: list[str], *, auth: bool = False) -> str:
+def routing_yaml(gateway_port: int, fakes: str, server_extra: list[str], *, auth: bool = False, store: str = "") -> str:
+    """The scenarios' table; ``store``: a redis URL the keys' limits are shared through (and auth on)."""
+    if store:
+        server_extra = [*server_extra, f"limits_store={{url: '{store}', timeout_ms: 50, on_failure: open}}"]
+        auth = True
     extra = "".join(f", {item.replace('=', ': ', 1)}" for item in server_extra)
     keys = f"auth:\n  keys:\n    - {{name: bench, key_sha256: {hashlib.sha256(API_KEY.encode()).hexdigest()}}}\n"
+    keys += (
+        f"    - {{name: limited, key_sha256: {hashlib.sha256(LIMITED_KEY.encode()).hexdigest()}, "
+        f"rate_limit: {{requests_per_minute: {LIMITED_RPM}, burst: {LIMITED_BURST}}}}}\n"
+    )
     return f"""version: 1
 server: {{port: {gateway_port}, max_body_bytes: {MAX_BODY_BYTES}, reload_interval_s: 0{extra}}}
 {keys if auth else ""}encoders:
@@ -778,7 +790,67 @@ async def video_load(lab: Lab, clips: int = 120) -> Outcome:
     )
 
 
+async def limits_stall(lab: Lab, seconds: float = 10.0, stallers: int = 2, hogs_n: int = 2) -> Outcome:
+    """Issue 40, finding 2: a key of 600 requests a minute (shared in Redis, timeout_ms 50) asks
+    as fast as 4 connections can for ``seconds``, while ``stallers`` connections of another key
+    send 7 KB gzipped bodies of 130,000 small objects (each holds the gateway's loop tens of ms)
+    and ``hogs_n`` processes spin on the gateway's CPU core (a busy machine; the store has
+    the other core, as it would have a machine of its own). Served against what the limit
+    allows (its burst and 10 a second)."""
+    stall = gzip.compress(b'{"model": "chat", "messages": [{"role": "user", "content": "hi"}], "x": [' +
+                          b",".join([b"{}"] * 130_000) + b"]}")  # fmt: skip
+    loud = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json", "Content-Encoding": "gzip"}
+    quiet = {"Authorization": f"Bearer {LIMITED_KEY}", "Content-Type": "application/json"}
+    body = orjson.dumps(chat("chat", "hi"))
+    url = f"http://127.0.0.1:{lab.port}/v1/chat/completions"
+    end = time.monotonic() + seconds
+    statuses: Counter[int] = Counter()
+    stalls = 0
+
+    async def staller() -> None:
+        nonlocal stalls
+        while time.monotonic() < end:
+            async with lab.session.post(url, data=stall, headers=loud) as r:
+                await r.read()
+            stalls += 1
+
+    async def asker() -> None:
+        while time.monotonic() < end:
+            async with lab.session.post(url, data=body, headers=quiet) as r:
+                await r.read()
+                statuses[r.status] += 1
+
+    hog = [sys.executable, "-c", f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"]
+    hogs = [await asyncio.create_subprocess_exec(*hog) for _ in range(hogs_n)]
+    for pid in (lab.pid, *(h.pid for h in hogs)):  # the gateway's core busy; the store's (core 1) not
+        os.sched_setaffinity(pid, {0})
+    started = time.monotonic()
+    try:
+        async with lab.hostile():
+            await asyncio.gather(*(staller() for _ in range(stallers)), *(asker() for _ in range(4)))
+    finally:
+        for h in hogs:
+            with contextlib.suppress(ProcessLookupError):
+                h.kill()
+            await h.wait()
+    elapsed = time.monotonic() - started
+    allowed = LIMITED_BURST + LIMITED_RPM / 60 * elapsed
+    served = statuses[200]
+    metrics = f"http://127.0.0.1:{lab.port}/metrics"
+    async with lab.session.get(metrics, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as r:
+        text = await r.text()
+    errors = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("gateway_limits_store_errors_total{"))  # fmt: skip
+    return Outcome(
+        ", ".join(f"{k} x{n}" for k, n in sorted(statuses.items())),
+        elapsed,
+        f"served {served} of {sum(statuses.values()):,} where the key's limit allows {allowed:.0f} "
+        f"({served / allowed:.2f}x), while {stalls} stalling bodies were sent; store calls failed: {errors:.0f}",
+    )
+
+
 AUTH_SCENARIOS = frozenset({"metrics-flood"})
+STORE_SCENARIOS = frozenset({"limits-stall"})  # with a redis-server (Debian's), the keys' limits shared there
 LIMITS_S = {"decode-bomb": 400.0, "video-load": 300.0}  # the rest: SCENARIO_LIMIT_S
 
 SCENARIOS: dict[str, Callable[[Lab], Awaitable[Outcome]]] = {
@@ -798,6 +870,7 @@ SCENARIOS: dict[str, Callable[[Lab], Awaitable[Outcome]]] = {
     "metrics-flood": metrics_flood,
     "decode-bomb": decode_bomb,
     "video-load": video_load,
+    "limits-stall": limits_stall,
 }
 
 
@@ -807,7 +880,21 @@ SCENARIOS: dict[str, Callable[[Lab], Awaitable[Outcome]]] = {
 async def run_scenario(name: str, tree: Path, tmp: Path, fakes: str, args: argparse.Namespace) -> Row:
     port = free_port()
     config = tmp / f"routing-{name}.yaml"
-    config.write_text(routing_yaml(port, fakes, args.server, auth=name in AUTH_SCENARIOS))
+    store = RedisServer(tmp) if name in STORE_SCENARIOS else None
+    if store is not None:  # the store on a core of its own, as on a machine of its own
+        os.sched_setaffinity(store.process.pid, {1})
+    try:
+        config.write_text(
+            routing_yaml(port, fakes, args.server, auth=name in AUTH_SCENARIOS, store=store.url if store else "")
+        )
+        return await _run_scenario(name, tree, tmp, fakes, args, port)
+    finally:
+        if store is not None:
+            store.kill()
+
+
+async def _run_scenario(name: str, tree: Path, tmp: Path, fakes: str, args: argparse.Namespace, port: int) -> Row:
+    config = tmp / f"routing-{name}.yaml"
     log = tmp / f"gateway-{name}.log"
     workdir = tmp / f"work-{name}"
     workdir.mkdir()

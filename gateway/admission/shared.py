@@ -21,10 +21,12 @@ them (a busy gateway admits many requests a turn; the store's CPU, and the gatew
 scripts, not to the trips).
 
 A key's buckets are under ``mg:<sha256 of the key's name>:...``; no key, nor any part of a
-request, is ever written to the store. Each call has ``timeout_ms``; a store that fails or is
-slow is counted (``gateway_limits_store_errors_total{op}``) and, for a second, not asked again;
-meanwhile ``on_failure: open`` admits requests as if the key had no limits, ``closed`` answers
-503 ``limits_store_unavailable`` with ``Retry-After``.
+request, is ever written to the store. Each call has ``timeout_ms`` of the store's time, not of
+this process's event loop (:func:`store_time`: a loop held by a huge body or a busy machine
+spends a step of it, not all; an answer that came meanwhile is read); a store that fails or is slow is counted
+(``gateway_limits_store_errors_total{op}``) and, for a second, not asked again; meanwhile
+``on_failure: open`` admits requests as if the key had no limits, ``closed`` answers 503
+``limits_store_unavailable`` with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import itertools
 import logging
 import os
 import socket
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from ..config import ApiKey, LimitsStoreConfig, RateLimit
@@ -51,6 +53,43 @@ LEASE_S = 900  # a slot's lease: the longest a request may hold it before it lap
 PAUSE_S = 1.0  # after a failure, the store is not asked for this long (the policy answers)
 END_RETRIES_S = (1.0, 2.0)  # a request's end that failed is sent again after these waits
 MAX_PIPELINE = 256  # scripts in one pipeline at most
+MOST_S = 1.0  # a call's bound however slow the loop is (or 10 x timeout_ms, if longer)
+TICKS = 10  # timeout_ms is counted in this many steps, each at least one turn of the loop
+GRACE_TURNS = 3  # turns of the loop after the last step: an answer already in the socket is read
+
+
+@contextlib.asynccontextmanager
+async def store_time(seconds: float) -> AsyncIterator[None]:
+    """A timeout of ``seconds`` of the store's time, not of the loop's: counted in TICKS steps
+    of seconds/TICKS, each on a timer of its own, so that a loop held for 200 ms (a huge body
+    parsed, a busy machine) spends one step, not the whole timeout, and a loop whose every turn
+    is slow gives the store at least TICKS turns to be heard (a request waits turns to be written
+    and its answer turns to be read: a store that answered in time was not heard by a busy loop).
+    After the last step, GRACE_TURNS turns more (an answer already in the socket is read); then
+    TimeoutError. On an idle loop, ``seconds`` exactly; max(MOST_S, 10 x seconds) at most."""
+    loop = asyncio.get_running_loop()
+    step = seconds / TICKS
+    last = loop.time() + max(MOST_S, 10 * seconds)
+    async with asyncio.timeout(None) as timeout:
+
+        def tick(left: int) -> None:
+            if left > 1 and loop.time() < last:
+                armed[0] = loop.call_later(step, tick, left - 1)
+            else:
+                armed[0] = loop.call_soon(turn, GRACE_TURNS)
+
+        def turn(left: int) -> None:
+            if left:
+                armed[0] = loop.call_soon(turn, left - 1)
+            else:
+                timeout.reschedule(loop.time())
+
+        armed: list[asyncio.Handle] = [loop.call_later(step, tick, TICKS)]
+        try:
+            yield
+        finally:
+            armed[0].cancel()
+
 
 # The buckets: a hash {t: tokens left, u: when (the store's clock, seconds)}; refilled to now,
 # never over capacity; kept until they would be full again.
@@ -191,14 +230,13 @@ class SharedLimits:
 
         self.spec = spec
         self._metrics = metrics
-        seconds = spec.timeout_ms / 1000
-        # a bounded pool whose callers wait for a connection (within timeout_ms), not fail
+        # a bounded pool whose callers wait for a connection, not fail; store_time bounds each
+        # call (redis-py's own timeouts would time the loop: as long as store_time's longest)
+        most = max(MOST_S, 10 * spec.timeout_ms / 1000)
         pool = redis.asyncio.BlockingConnectionPool.from_url(
-            spec.url, max_connections=256, timeout=seconds, socket_timeout=seconds, socket_connect_timeout=seconds
+            spec.url, max_connections=256, timeout=most, socket_timeout=most, socket_connect_timeout=most
         )
-        self._redis: Any = redis.asyncio.Redis(
-            connection_pool=pool, retry=Retry(NoBackoff(), 0)
-        )  # timeout_ms bounds it
+        self._redis: Any = redis.asyncio.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError, TimeoutError)
         self._no_script: type[BaseException] = redis.exceptions.NoScriptError
         self._admit = self._redis.register_script(_ADMIT)
@@ -233,7 +271,7 @@ class SharedLimits:
             return None
         answer = self._pipelined(script, keys, args)
         try:
-            async with asyncio.timeout(self.spec.timeout_ms / 1000):
+            async with store_time(self.spec.timeout_ms / 1000):
                 return await answer
         except self._errors as exc:
             self._store_failed(op, exc)
@@ -272,7 +310,7 @@ class SharedLimits:
         script the store lacks (it restarted empty) is loaded, and those calls alone sent once
         more: a failure then is theirs, never that of a script that ran (none runs twice)."""
         try:
-            async with asyncio.timeout(self.spec.timeout_ms / 1000):
+            async with store_time(self.spec.timeout_ms / 1000):
                 results = await self._answered(batch, self._execute(batch))
                 missing = [batch[i] for i, r in enumerate(results) if isinstance(r, self._no_script)]
                 if missing:

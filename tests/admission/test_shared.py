@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import anthropic
 import openai
 import pytest
 
+from gateway.admission.shared import TICKS, store_time
 from gateway.server.state import SERVICES_KEY
 from tests.conftest import Gateway, Upstream, error_body, free_port, routing
 from tools.redis_server import RedisServer
@@ -42,9 +44,11 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     server.kill()
 
 
-def table(upstream: Upstream, redis: RedisServer, limits: str, on_failure: str = "open") -> str:
+def table(
+    upstream: Upstream, redis: RedisServer, limits: str, on_failure: str = "open", timeout_ms: int = STORE_TIMEOUT_MS
+) -> str:
     keys = f"auth:\n  keys:\n    - {{name: team-a, key_env: {KEY_ENV}, {limits}}}\n"
-    server = f"{{limits_store: {{url: '{redis.url}', timeout_ms: {STORE_TIMEOUT_MS}, on_failure: {on_failure}}}}}"
+    server = f"{{limits_store: {{url: '{redis.url}', timeout_ms: {timeout_ms}, on_failure: {on_failure}}}}}"
     model = f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text], apis: [chat, messages]}}"
     return routing(model, server=server, extra=keys)
 
@@ -147,6 +151,49 @@ async def test_a_store_killed_mid_test_fails_open_or_closed_as_configured(
     assert (
         closed.sample("gateway_requests_total", code="500") == opened.sample("gateway_requests_total", code="500") == 0
     )
+
+
+async def test_a_keys_rate_holds_while_the_gateways_own_loop_is_held(
+    gateway_factory, upstream: Upstream, redis_server: RedisServer, monkeypatch
+) -> None:
+    """Issue 40, finding 2: the loop held 200 ms every 100 ms (what huge bodies or a busy machine
+    do) while a key's requests go on; each store call's deadline passes while the loop is held.
+    The store's answers, which came meanwhile, are read (store_time): the key gets its rate, not
+    a second without limits after each stall (before: nearly every request served)."""
+    monkeypatch.setenv(KEY_ENV, "sk-shared")
+    limits = "rate_limit: {requests_per_minute: 600, burst: 10}"
+    gw = await gateway_factory(table(upstream, redis_server, limits, "open", timeout_ms=100))
+    held = 0
+
+    async def hold_the_loop() -> None:
+        nonlocal held
+        while held < 6:
+            await asyncio.sleep(0.1)
+            time.sleep(0.2)  # the whole loop held: gateway, store client and test client alike
+            held += 1
+
+    statuses: list[int] = []
+
+    async def send(session: aiohttp.ClientSession) -> None:
+        while held < 6:
+            async with session.post(f"{gw.url}/v1/chat/completions", json={"model": "m", "messages": ASK},
+                                    headers={"Authorization": "Bearer sk-shared"}) as resp:  # fmt: skip
+                await resp.read()
+                statuses.append(resp.status)
+
+    loop = asyncio.get_running_loop()
+    holder = asyncio.create_task(hold_the_loop())
+    started = loop.time()
+    try:
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(send(session) for _ in range(4)))
+    finally:
+        held = 6
+        await holder
+    elapsed = loop.time() - started
+    served = statuses.count(200)
+    assert set(statuses) <= {200, 429}
+    assert 10 <= served <= (10 + 10 * elapsed) * 1.05 + 1, (served, len(statuses), elapsed)
 
 
 async def test_nothing_of_a_key_is_written_to_the_store(
@@ -320,3 +367,47 @@ async def test_a_burst_from_many_connections_to_two_workers_gets_one_keys_limit(
     assert set(statuses) <= {200, 429}
     # the key's one burst of 10 and what a request a second refilled meanwhile; per process, it would be 20
     assert 10 <= ok <= 10 + int(elapsed) + 1, (ok, elapsed)
+
+
+# --- store_time: the store's time, not the loop's ----------------------------------------------
+
+
+async def test_an_answer_that_came_while_the_loop_was_held_is_read_not_timed_out() -> None:
+    """The answer is ready in the same turn as the deadline, which the hold made late
+    (asyncio.timeout would cancel it there); and one that comes 20 ms after a 150 ms hold of
+    a 50 ms timeout: the hold spent one step of it."""
+    loop = asyncio.get_running_loop()
+    for after in (0.0, 0.02):
+        answer = loop.create_future()
+
+        def held(answer: asyncio.Future[str] = answer, after: float = after) -> None:
+            time.sleep(0.15)  # past the deadline
+            loop.call_later(after, answer.set_result, "came")
+
+        loop.call_later(0.01, held)
+        async with store_time(0.05):
+            assert await answer == "came"
+
+
+async def test_a_store_that_does_not_answer_times_out_even_on_a_loop_held_every_turn() -> None:
+    loop = asyncio.get_running_loop()
+    with pytest.raises(TimeoutError):
+        async with store_time(0.05):
+            await loop.create_future()
+    turns, holding = 0, True
+
+    def hold() -> None:  # every turn of the loop held 30 ms: each step's timer fires late
+        nonlocal turns
+        turns += 1
+        time.sleep(0.03)
+        if holding:
+            loop.call_soon(hold)
+
+    loop.call_soon(hold)
+    try:
+        with pytest.raises(TimeoutError):
+            async with store_time(0.02):
+                await loop.create_future()
+    finally:
+        holding = False
+    assert turns >= TICKS
