@@ -24,6 +24,7 @@ import functools
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import os
 import socket
@@ -154,7 +155,7 @@ class Fakes:
 
 
 API_KEY = "sk-hostile-bench"  # the key of the scenarios that run with auth on
-LIMITED_KEY = "sk-hostile-limited"  # with a store: a key of 600 requests a minute (burst 10), shared in Redis
+LIMITED_KEY = "sk-hostile-limited"  # a second key; with a store, of 600 requests a minute (burst 10) shared in Redis
 LIMITED_RPM, LIMITED_BURST = 600, 10
 ADMIN_TOKEN = "hostile-admin-token"
 
@@ -166,10 +167,8 @@ def routing_yaml(gateway_port: int, fakes: str, server_extra: list[str], *, auth
         auth = True
     extra = "".join(f", {item.replace('=', ': ', 1)}" for item in server_extra)
     keys = f"auth:\n  keys:\n    - {{name: bench, key_sha256: {hashlib.sha256(API_KEY.encode()).hexdigest()}}}\n"
-    keys += (
-        f"    - {{name: limited, key_sha256: {hashlib.sha256(LIMITED_KEY.encode()).hexdigest()}, "
-        f"rate_limit: {{requests_per_minute: {LIMITED_RPM}, burst: {LIMITED_BURST}}}}}\n"
-    )
+    limit = f", rate_limit: {{requests_per_minute: {LIMITED_RPM}, burst: {LIMITED_BURST}}}" if store else ""
+    keys += f"    - {{name: limited, key_sha256: {hashlib.sha256(LIMITED_KEY.encode()).hexdigest()}{limit}}}\n"
     return f"""version: 1
 server: {{port: {gateway_port}, max_body_bytes: {MAX_BODY_BYTES}, reload_interval_s: 0{extra}}}
 {keys if auth else ""}encoders:
@@ -182,6 +181,10 @@ models:
     accepts: [text, image]
     encode: {{image: enc}}
     on_encoder_error: passthrough
+  - name: doc                       # PDFs as their text and page images
+    upstreams: [{fakes}]
+    accepts: [text, image]
+    on_unsupported: {{file: {{extract: {{page_images: true, dpi: 100}}}}}}
   - name: vid                       # the shipped routing.yaml's video policy
     upstreams: [{fakes}]
     accepts: [text, image]
@@ -849,9 +852,63 @@ async def limits_stall(lab: Lab, seconds: float = 10.0, stallers: int = 2, hogs_
     )
 
 
-AUTH_SCENARIOS = frozenset({"metrics-flood"})
+async def pdf_tenants(lab: Lab, seconds: float = 20.0, connections: int = 10) -> Outcome:
+    """Issue 40, finding 3: one key keeps ``connections`` connections of slow 10 KB PDFs (20
+    pages whose boxes say 55 inches: each page rendered at 4096x4096; each PDF distinct) in
+    flight for ``seconds``; another key sends a one-page PDF at a time. That key's waits, and
+    what the slow ones got."""
+    from tools import pdfs
+
+    made = itertools.count()
+
+    def slow() -> bytes:  # each one distinct: none read once for all from the conversions cache
+        return pdfs.text_pdf([f"slow {next(made)} " * 40] * 20).replace(b"[0 0 612 792]", b"[0 0 4000 4000]")
+
+    def quick() -> bytes:
+        return pdfs.text_pdf([f"quick {next(made)}"])
+
+    def body(pdf: bytes) -> bytes:
+        part = {"type": "file", "file": {"filename": "a.pdf", "file_data":
+                f"data:application/pdf;base64,{base64.b64encode(pdf).decode()}"}}  # fmt: skip
+        return orjson.dumps(chat("doc", [{"type": "text", "text": "read"}, part]))
+
+    url = f"http://127.0.0.1:{lab.port}/v1/chat/completions"
+    loud = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    quiet = {"Authorization": f"Bearer {LIMITED_KEY}", "Content-Type": "application/json"}
+    end = time.monotonic() + seconds
+    theirs: Counter[int] = Counter()
+    waits: list[float] = []
+    timeout = aiohttp.ClientTimeout(total=120)
+
+    async def loud_one() -> None:
+        while time.monotonic() < end:
+            async with lab.session.post(url, data=body(slow()), headers=loud, timeout=timeout) as r:
+                await r.read()
+                theirs[r.status] += 1
+
+    async def quiet_one() -> None:
+        await asyncio.sleep(1.0)  # the slow ones queued first
+        while time.monotonic() < end:
+            started = time.monotonic()
+            async with lab.session.post(url, data=body(quick()), headers=quiet, timeout=timeout) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"the quiet key's PDF answered {r.status}")
+            waits.append(time.monotonic() - started)
+
+    async with lab.hostile():
+        await asyncio.gather(*(loud_one() for _ in range(connections)), quiet_one())
+    return Outcome(
+        f"quiet 200 x{len(waits)}",
+        _percentile(waits, 0.5),
+        f"the quiet key's one-page PDF: p50 {_percentile(waits, 0.5):.2f} s, max {max(waits, default=0):.2f} s; "
+        f"the loud key's slow PDFs: {', '.join(f'{k} x{n}' for k, n in sorted(theirs.items()))}",
+    )
+
+
+AUTH_SCENARIOS = frozenset({"metrics-flood", "pdf-tenants"})
 STORE_SCENARIOS = frozenset({"limits-stall"})  # with a redis-server (Debian's), the keys' limits shared there
-LIMITS_S = {"decode-bomb": 400.0, "video-load": 300.0}  # the rest: SCENARIO_LIMIT_S
+LIMITS_S = {"decode-bomb": 400.0, "video-load": 300.0, "pdf-tenants": 200.0}  # the rest: SCENARIO_LIMIT_S
 
 SCENARIOS: dict[str, Callable[[Lab], Awaitable[Outcome]]] = {
     "amplification": amplification,
@@ -871,6 +928,7 @@ SCENARIOS: dict[str, Callable[[Lab], Awaitable[Outcome]]] = {
     "decode-bomb": decode_bomb,
     "video-load": video_load,
     "limits-stall": limits_stall,
+    "pdf-tenants": pdf_tenants,
 }
 
 

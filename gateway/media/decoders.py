@@ -8,6 +8,14 @@ request that finds them busy waits in a queue of at most :data:`QUEUE` requests,
 gateway's saturation, which clients retry, not the video's fault. The wait is not part of the
 decode's own time limit (it was: 50 valid clips at once got 400 ``invalid_video`` for waiting).
 
+The threads are shared fairly among tenants (a request's API key; without ``auth:``, the
+client's address), read from :data:`TENANT`, which the exchange sets for its request: each
+tenant waits in a queue of its own, and a thread that comes free goes to the next tenant in
+turn, not to the oldest waiter. One key's hundred PDFs wait behind each other, and another key's
+one document waits at most for a decode to end (the threads all busy), not for the hundred. A
+tenant may have at most :data:`TENANT_QUEUE` requests waiting, so that the queue always has room
+for the others.
+
 A decode is handed a :class:`threading.Event` that the pool sets when the request that waits for
 it ends (the client left, its time ran out, a sibling part failed): the decoder looks at it
 between two frames and stops. A thread is given back to the pool only when its decode has
@@ -22,6 +30,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from ..errors import DecodersBusyError
@@ -31,6 +40,8 @@ T = TypeVar("T")
 THREADS = 2  # decodes at once in a gateway process: the other cores stay for serving
 QUEUE = 128  # requests waiting for a thread (each holds its video's bytes); one more is refused at once
 WAIT_S = 30.0  # the longest wait for a thread: as long as a request's decoding may take
+TENANT_QUEUE = 32  # requests of one tenant waiting at most: the rest of the queue is the others'
+TENANT: ContextVar[str] = ContextVar("decode_tenant", default="")  # whose decodes these are (set per request)
 
 
 class DecoderPool:
@@ -42,13 +53,14 @@ class DecoderPool:
         self._free = threads
         self._queue = QUEUE if queue is None else queue
         self._wait_s = WAIT_S if wait_s is None else wait_s
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: dict[str, deque[asyncio.Future[None]]] = {}  # by tenant
+        self._turns: deque[str] = deque()  # the tenants that wait, in the order they are served
         self._running: set[threading.Event] = set()
         self._closed = False
 
     @property
     def waiting(self) -> int:
-        return len(self._waiters)
+        return sum(len(queue) for queue in self._waiters.values())
 
     @property
     def running(self) -> int:
@@ -79,10 +91,12 @@ class DecoderPool:
         self._closed = True
         for stop in self._running:
             stop.set()
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(_closing())
+        for queue in self._waiters.values():
+            for waiter in queue:
+                if not waiter.done():
+                    waiter.set_exception(_closing())
+        self._waiters.clear()
+        self._turns.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _acquire(self) -> None:
@@ -91,14 +105,23 @@ class DecoderPool:
         if self._free > 0 and not self._waiters:
             self._free -= 1
             return
-        if len(self._waiters) >= self._queue:
+        tenant = TENANT.get()
+        queue = self._waiters.get(tenant)
+        if self.waiting >= self._queue or (queue is not None and len(queue) >= TENANT_QUEUE):
+            mine = queue is not None and len(queue) >= TENANT_QUEUE
             raise DecodersBusyError(
-                f"Every media decoder of this gateway (video, images, documents) is busy and {self._queue} "
+                f"Every media decoder of this gateway (video, images, documents) is busy and {TENANT_QUEUE} "
+                "requests of this key wait for one; retry shortly"
+                if mine
+                else f"Every media decoder of this gateway (video, images, documents) is busy and {self._queue} "
                 "requests wait for one; retry shortly",
                 reason="queue_full",
             )
+        if queue is None:
+            queue = self._waiters[tenant] = deque()
+            self._turns.append(tenant)
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        queue.append(waiter)
         try:
             async with asyncio.timeout(self._wait_s):
                 await waiter
@@ -114,10 +137,20 @@ class DecoderPool:
             raise
         finally:
             if not waiter.done() or waiter.cancelled():
-                try:
-                    self._waiters.remove(waiter)
-                except ValueError:
-                    pass
+                self._forget(tenant, waiter)
+
+    def _forget(self, tenant: str, waiter: asyncio.Future[None]) -> None:
+        """A waiter that left, out of its tenant's queue (and the tenant out of turn, if none is left)."""
+        queue = self._waiters.get(tenant)
+        if queue is None:
+            return
+        try:
+            queue.remove(waiter)
+        except ValueError:
+            return
+        if not queue:
+            del self._waiters[tenant]
+            self._turns.remove(tenant)
 
     def _done(self, stop: threading.Event, future: asyncio.Future[Any]) -> None:
         if not future.cancelled():
@@ -126,11 +159,17 @@ class DecoderPool:
         self._release()
 
     def _release(self) -> None:
-        """A thread free: to the first caller still waiting, else back to the pool."""
+        """A thread free: to the first waiter of the next tenant in turn, else back to the pool."""
         if self._closed:
             return
-        while self._waiters:
-            waiter = self._waiters.popleft()
+        while self._turns:
+            tenant = self._turns.popleft()
+            queue = self._waiters[tenant]
+            waiter = queue.popleft()
+            if queue:
+                self._turns.append(tenant)  # its next waiter after every other tenant's
+            else:
+                del self._waiters[tenant]
             if not waiter.done():
                 waiter.set_result(None)
                 return

@@ -8,7 +8,8 @@ page by page (``[Page 2 of 5]``). What is read:
 
 - a PDF (by its ``%PDF-`` header, whatever it is labelled): its text, by PDFium in a reader
   process (gateway.media.readers, gateway.media.pdf), at most ``extract.max_pages`` pages, within
-  ``extract.timeout_s``, the reader's 1 GiB and ``server.max_text_chars``; encrypted, malformed,
+  ``extract.timeout_s`` (for all the request's PDFs together), the reader's 1 GiB and
+  ``server.max_text_chars``; encrypted, malformed,
   truncated, scripted or over-long documents are 400 ``invalid_file``. One reading per distinct
   document: the conversions cache keeps it by the bytes' sha256 and the bounds, and requests that
   carry the same document at once share one reading.
@@ -22,7 +23,8 @@ no text: its page says so).
 With ``extract: {page_images: true}`` (a model that accepts images) a PDF's pages go as images
 too: each page's text, then an image part of the API's (a PNG at ``extract.dpi``, smaller where
 the page would pass 4096x4096 pixels or the model's ``limits.image_pixels``, each within
-``media.max_image_bytes``, a document's within :data:`PAGE_IMAGES_MAX_BYTES`). They lose nothing
+``media.max_image_bytes``, a document's within :func:`page_images_bound`: 16 times the PDF's
+bytes, 4 MiB at least, 64 MiB at most). They lose nothing
 the pages show, and cost what images cost: the caller counts them against the model's image
 limit and ``limits.visual_tokens`` (gateway.server.exchange).
 """
@@ -32,10 +34,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import functools
+import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..admission.parts import Part
@@ -67,6 +69,30 @@ READS = "PDF, plain text, Markdown, CSV and JSON"  # what an error names
 TEXT_IN_THREAD_BYTES = 1 << 20  # larger text files are decoded off the event loop
 RENDER_MAX_PIXELS = 4096 * 4096  # a page image's pixels at most, whatever the dpi
 PAGE_IMAGES_MAX_BYTES = 64 << 20  # a document's page images, as PNG, at most
+PAGE_IMAGES_RATIO = 16  # ... and at most this many times the PDF's own bytes (4 MiB at least):
+PAGE_IMAGES_FLOOR = 4 << 20  # a 7 KB PDF whose page boxes say 200 inches does not become 20 MB
+
+
+def page_images_bound(pdf_bytes: int) -> int:
+    """The most a PDF's page images may weigh as PNG: relative to what was sent."""
+    return min(PAGE_IMAGES_MAX_BYTES, max(PAGE_IMAGES_FLOOR, PAGE_IMAGES_RATIO * pdf_bytes))
+
+
+@dataclass(slots=True)
+class _Job:
+    """One request's extraction: its plan and bounds, and the reading time its PDFs have left
+    (``timeout_s`` for all of them together, not for each: a request of eight slow PDFs holds a
+    decoding thread for ``timeout_s``, not eight times it; they are read one after another, so
+    that the bound is exact, and the request holds one decoding thread, not all)."""
+
+    plan: RoutePlan
+    max_chars: int
+    media: MediaConfig
+    left_s: float
+    reading: asyncio.Lock = field(default_factory=asyncio.Lock)  # its PDFs read one after another
+
+    def spend(self, seconds: float) -> None:
+        self.left_s -= seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,22 +139,21 @@ class Documents:
         """What replaces each file of ``plan.extract_parts``: its text part, or (a PDF with page
         images) an expansion into its pages' text and images, with their ``sizes``."""
         contents = plan.contents(body)
-        job = functools.partial(self._one, plan=plan, max_chars=max_text_chars, media=media)
+        job = _Job(plan, max_text_chars, media, plan.model.policy(Modality.FILE).timeout_s)
 
         async def one(part: Part) -> tuple[tuple[int, int], dict[str, Any]]:
             assert part.index is not None
-            return (part.message, part.index), await job(contents[part.message].value[part.index], part)
+            return (part.message, part.index), await self._one(contents[part.message].value[part.index], part, job)
 
         return dict(await gather_all(*(one(p) for p in plan.extract_parts)))
 
-    async def _one(
-        self, value: Mapping[str, Any], part: Part, *, plan: RoutePlan, max_chars: int, media: MediaConfig
-    ) -> dict[str, Any]:
+    async def _one(self, value: Mapping[str, Any], part: Part, job: _Job) -> dict[str, Any]:
+        plan = job.plan
         model = plan.model.name
         refused = Rejection(model, "file", "media_refused")
         try:
-            file = await self._file(value, part, model, media)
-            read = await self._read(file, plan, max_chars, media)
+            file = await self._file(value, part, model, job.media)
+            read = await self._read(file, job)
         except (InvalidFileError, MediaRefusedError) as exc:  # the file's fault (or size), said at its part
             raise exc.located_at(part.location, rejection=refused) from None
         self._metrics.files_extracted.labels(model, read.kind).inc()
@@ -150,11 +175,12 @@ class Documents:
             parts.append(plan.api.image_part("image/png", png))
         return {"type": EXPAND, "parts": parts, "sizes": [(w, h) for w, h, _ in read.images]}
 
-    async def _read(self, file: _File, plan: RoutePlan, max_chars: int, media: MediaConfig) -> _Read:
+    async def _read(self, file: _File, job: _Job) -> _Read:
         """What kind of file it is (``pdf``, ``text``) and its text, a PDF's page by page (a text
         file's is one page), within ``max_chars``; a PDF's page images when the plan sends them."""
+        max_chars = job.max_chars
         if file.data is not None and file.data[:1024].find(b"%PDF-") >= 0:
-            return await self._pdf(file.data, plan, max_chars, media)
+            return await self._pdf(file.data, job)
         text = file.text if file.text is not None else await self._text(file)
         if len(text) > max_chars:
             raise InvalidFileError(f"its text is {len(text)} characters, over server.max_text_chars ({max_chars})")
@@ -176,17 +202,27 @@ class Documents:
             return await asyncio.to_thread(_utf8, data, TEXT_TYPES[media_type])
         return _utf8(data, TEXT_TYPES[media_type])
 
-    async def _pdf(self, data: bytes, plan: RoutePlan, max_chars: int, media: MediaConfig) -> _Read:
+    async def _pdf(self, data: bytes, job: _Job) -> _Read:
+        plan = job.plan
         policy = plan.model.policy(Modality.FILE)
-        render = _render(plan.model, media) if plan.page_images else None
-        job = {"max_pages": policy.max_pages, "max_chars": max_chars, "render": render}
+        render = _render(plan.model, job.media, len(data)) if plan.page_images else None
+        asked = {"max_pages": policy.max_pages, "max_chars": job.max_chars, "render": render}
         model = plan.model.name
+
+        def reading(stop: threading.Event) -> Any:  # on a decoding thread: its time is the job's
+            if job.left_s <= 0:
+                raise ReaderFailed(f"the request's files took extract.timeout_s ({policy.timeout_s:g}s) in all")
+            started = time.perf_counter()
+            try:
+                return self._readers.read(asked, data, timeout_s=job.left_s, stop=stop)
+            finally:
+                job.spend(time.perf_counter() - started)
 
         async def make() -> _Read:
             started = time.perf_counter()
-            read = functools.partial(self._readers.read, job, data, timeout_s=policy.timeout_s)
             try:
-                answer = await self._decoders.run(lambda stop: read(stop=stop))
+                async with job.reading:
+                    answer = await self._decoders.run(reading)
             except ReaderFailed as exc:
                 raise InvalidFileError(f"the PDF cannot be read: {exc}") from None
             except ReaderStopped:  # the gateway stops (a request that left hears nothing)
@@ -205,7 +241,7 @@ class Documents:
             if not cache.enabled:
                 return await make()
             shape = tuple(sorted(render.items())) if render is not None else ()
-            key = ("document", policy.max_pages, policy.timeout_s, max_chars, shape, await sha256(data))
+            key = ("document", policy.max_pages, policy.timeout_s, job.max_chars, shape, await sha256(data))
             return await cache.get_or_make(
                 key,
                 make,
@@ -262,16 +298,17 @@ class Documents:
             raise kind(f"{part.location}: {exc.message}", param=part.location, rejection=refused) from None
 
 
-def _render(model: ModelConfig, media: MediaConfig) -> dict[str, int]:
+def _render(model: ModelConfig, media: MediaConfig, pdf_bytes: int) -> dict[str, int]:
     """How a PDF's page images are made for ``model`` (gateway.media.pdf.Render): at the policy's
-    dpi, within the render cap and the pixels the model takes (its downscale target too)."""
+    dpi, within the render cap and the pixels the model takes (its downscale target too), all of
+    them within :func:`page_images_bound` of the PDF's size."""
     oversize = model.on_oversize
     caps = (RENDER_MAX_PIXELS, model.max_image_pixels, oversize.max_pixels if oversize.action == "downscale" else None)
     return {
         "dpi": model.policy(Modality.FILE).dpi,
         "max_pixels": min(c for c in caps if c is not None),
         "max_bytes": media.max_image_bytes,
-        "max_total_bytes": PAGE_IMAGES_MAX_BYTES,
+        "max_total_bytes": page_images_bound(pdf_bytes),
     }
 
 

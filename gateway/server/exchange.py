@@ -37,6 +37,7 @@ from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
 from ..media import probe, remote, video
 from ..media.asking import dropped
+from ..media.decoders import TENANT
 from ..media.downscale import Resizing, downscale_for
 from ..metrics import NO_KEY, UNKNOWN_MODEL
 from ..modalities import Modality
@@ -293,6 +294,7 @@ async def convert(ex: Exchange) -> None:
     frame is decoded; the request's visual tokens are spent once all are known."""
     plan, services = ex.plan, ex.services
     assert plan is not None
+    TENANT.set(ex.key.name if ex.key is not None else f"client {ex.request.remote}")  # the decoders' fair share
     waited = _waits(plan)
     if plan.visual is not None and not waited:  # counted at admission: spent before anything is done
         await ex.counted(plan)

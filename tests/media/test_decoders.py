@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from gateway.errors import DecodersBusyError
-from gateway.media.decoders import DecoderPool
+from gateway.media.decoders import TENANT, TENANT_QUEUE, DecoderPool
 
 
 class Held:
@@ -90,6 +90,57 @@ async def test_a_caller_that_leaves_the_queue_gives_its_turn_to_the_next() -> No
     after.release.set()
     assert await staying == "done"
     pool.close()
+
+
+def as_tenant(tenant: str, pool: DecoderPool, work: Held) -> asyncio.Task[str]:
+    """``pool.run(work)`` on behalf of ``tenant`` (a task copies the context it is made in)."""
+    token = TENANT.set(tenant)
+    try:
+        return asyncio.create_task(pool.run(work))
+    finally:
+        TENANT.reset(token)
+
+
+async def test_a_freed_thread_goes_to_the_next_tenant_in_turn_not_to_the_oldest_waiter() -> None:
+    """Issue 40, finding 3: key a's many queued decodes do not hold key b's one behind them all."""
+    pool = DecoderPool(1, queue=64, wait_s=30)
+    running, held = await holding(pool)
+    a = [Held() for _ in range(5)]
+    b = Held()
+    a_tasks = [as_tenant("a", pool, w) for w in a]
+    await asyncio.sleep(0)
+    b_task = as_tenant("b", pool, b)
+    await asyncio.sleep(0)
+    assert pool.waiting == 6
+    held.release.set()
+    await running
+    await started(a[0])  # a waited first: its first decode runs
+    a[0].release.set()
+    await started(b)  # then b's turn, before a's other four
+    assert not any(w.started.is_set() for w in a[1:])
+    b.release.set()
+    assert await b_task == "done"
+    for w in a[1:]:
+        w.release.set()
+    assert await asyncio.gather(*a_tasks) == ["done"] * 5
+    pool.close()
+
+
+async def test_one_tenant_cannot_fill_the_queue_for_the_others() -> None:
+    pool = DecoderPool(1, queue=TENANT_QUEUE + 4, wait_s=30)
+    running, held = await holding(pool)
+    mine = [as_tenant("a", pool, Held()) for _ in range(TENANT_QUEUE)]
+    await asyncio.sleep(0)
+    with pytest.raises(DecodersBusyError) as caught:
+        await as_tenant("a", pool, Held())
+    assert caught.value.reason == "queue_full" and "of this key" in caught.value.message
+    other = Held()
+    theirs = as_tenant("b", pool, other)  # room for another key
+    await asyncio.sleep(0)
+    assert pool.waiting == TENANT_QUEUE + 1
+    pool.close()
+    held.release.set()
+    await asyncio.gather(running, *mine, theirs, return_exceptions=True)
 
 
 async def test_a_caller_that_leaves_stops_its_decode_and_the_thread_comes_back_when_it_ends() -> None:

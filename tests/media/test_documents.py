@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import time
 from typing import Any
 
 import anthropic
@@ -141,13 +142,34 @@ async def test_a_decompression_bomb_ends_its_reader_not_the_gateway(gateway_fact
     assert "after" in sent(chat)[1]["text"]  # a fresh reader for the next document
 
 
-async def test_a_pdf_that_reads_too_long_is_killed_at_its_timeout(gateway_factory, upstream_factory) -> None:
+async def test_a_requests_pdfs_share_one_reading_time(gateway_factory, upstream_factory, monkeypatch) -> None:
+    """Issue 40, finding 3: extract.timeout_s bounds all of a request's PDFs together, read one
+    after another (before: each had it, so eight slow PDFs held a thread eight times as long).
+    The reader here takes 0.6 s of its time, or fails at its timeout if that is shorter."""
+    from gateway.media.readers import ReaderFailed, Readers
+    from gateway.server.state import SERVICES_KEY
+
+    given: list[float] = []
+
+    def read(self: Readers, job: Any, data: bytes, *, timeout_s: float, stop: Any) -> Any:
+        given.append(timeout_s)
+        time.sleep(min(0.6, timeout_s))
+        if timeout_s < 0.6:
+            raise ReaderFailed(f"it took over {timeout_s:g}s (extract.timeout_s)")
+        return {"pages": ["read"]}
+
     chat = await upstream_factory("chat")
-    gw = await gateway_factory(table(chat, "{extract: {timeout_s: 0.3}}"))
+    gw = await gateway_factory(table(chat, "{extract: {timeout_s: 1}}"))
+    documents = gw.app[SERVICES_KEY].documents
+    assert documents is not None
+    monkeypatch.setattr(type(documents._readers), "read", read)
+    three = [file_part(pdfs.text_pdf([f"report {n}"])) for n in range(3)]
     async with gw.client() as client:
-        with pytest.raises(openai.BadRequestError) as caught:  # inflating 2 GB takes over a second
-            await client.chat.completions.create(model="texty", messages=ask(file_part(pdfs.decompression_bomb())))
-    assert "took over 0.3s (extract.timeout_s)" in error_body(caught.value)["message"]
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="texty", messages=ask(*three))
+    assert error_body(caught.value)["code"] == "invalid_file"
+    assert given[0] == 1.0 and len(given) == 2 and given[1] <= 0.4  # the first spent 0.6 of the 1 s
+    assert not chat.received
 
 
 async def test_files_over_max_files_or_max_file_bytes_are_refused(gateway_factory, upstream_factory) -> None:
@@ -397,6 +419,33 @@ async def test_a_page_image_over_max_image_bytes_is_400_invalid_file(gateway_fac
     error = error_body(caught.value)
     assert error["code"] == "invalid_file" and "over media.max_image_bytes (2000)" in error["message"]
     assert not chat.received
+
+
+async def test_page_images_are_bounded_by_what_was_sent(gateway_factory, upstream_factory, monkeypatch) -> None:
+    """Issue 40, finding 3: a small PDF whose page box is huge does not become a huge upstream
+    body: its page images weigh at most 16 times its bytes (4 MiB at least; that floor is taken
+    away here so that a test-sized PDF shows the bound)."""
+    from gateway.media import documents
+
+    monkeypatch.setattr(documents, "PAGE_IMAGES_FLOOR", 0)
+    chat = await upstream_factory("chat")
+    gw = await gateway_factory(vision(chat, "page_images: true, dpi: 72"))
+    big = pdfs.text_pdf(["wide " * 40] * 3).replace(b"[0 0 612 792]", b"[0 0 4000 4000]")
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client.chat.completions.create(model="seer", messages=ask(file_part(big)))
+        error = error_body(caught.value)
+        assert error["code"] == "invalid_file" and f"pass {16 * len(big)} bytes as PNG" in error["message"]
+        await client.chat.completions.create(model="seer", messages=ask(file_part(pdfs.text_pdf(["small"]))))
+    assert len(chat.received) == 1
+
+
+def test_page_images_bound() -> None:
+    from gateway.media.documents import page_images_bound
+
+    assert page_images_bound(7_000) == 4 << 20
+    assert page_images_bound(1 << 20) == 16 << 20
+    assert page_images_bound(100 << 20) == 64 << 20
 
 
 def test_a_page_renders_within_its_pixels_whatever_its_size_or_rotation() -> None:
