@@ -189,11 +189,13 @@ def test_a_held_back_string_is_put_back_as_orjson_reads_it(tail: str) -> None:
     assert found == orjson.loads(raw)
 
 
-@pytest.mark.parametrize("tail", [b"\n", b"\t", b"\xff\xfe"], ids=["line-break", "tab", "not-utf8"])
+@pytest.mark.parametrize(
+    "tail", [b"\n", b"\t", b"\xff\xfe", b"\x01", b"\x1f"], ids=["line-break", "tab", "not-utf8", "soh", "us"]
+)
 def test_a_held_back_string_orjson_refuses_is_a_400_when_it_is_put_back(tail: bytes) -> None:
     """Past its first PREFIX characters a string is not looked at until it is put back: then
-    what orjson refuses is refused (a request sent on as it came is the engine's to refuse). The
-    other control bytes are taken, as they are in a string read whole (see the module)."""
+    what orjson refuses is refused (a request sent on as it came is the engine's to refuse),
+    control bytes included (issue 40: they were written out escaped, as valid JSON)."""
     raw = orjson.dumps(chat("data:image/png;base64," + B64)).replace(B64[-10:].encode(), tail + B64[-10:].encode())
     with pytest.raises(orjson.JSONDecodeError):
         orjson.loads(raw)
@@ -201,6 +203,24 @@ def test_a_held_back_string_orjson_refuses_is_a_400_when_it_is_put_back(tail: by
     with pytest.raises(InvalidRequestError, match="not valid JSON") as caught:
         rest.restore()
     assert caught.value.status == 400
+
+
+@pytest.mark.parametrize("at", [10, PREFIX + 10], ids=["in-its-head", "past-its-head"])
+def test_a_control_byte_in_a_string_read_aside_whole_is_a_400_before_a_rewrite(at: int) -> None:
+    """Not an image's (an audio clip's data): read aside whole at once; its control bytes are
+    looked at when the body is to be written again (restore), as orjson would have refused them."""
+    data = B64[:at] + "\x01" + B64[at:]
+    raw = orjson.dumps({"model": "m", "input_audio": {"data": B64, "format": "wav"}}).replace(
+        B64.encode(), data.encode()
+    )
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(raw)
+    found, rest = deferred(raw)
+    assert rest and found["input_audio"]["data"] == data  # taken as it came: the engine refuses it
+    with pytest.raises(InvalidRequestError, match=r"control character \(\\u0001\)") as caught:
+        rest.restore()
+    control = raw.index(b"\x01")
+    assert caught.value.status == 400 and f"at char {control}" in caught.value.message
 
 
 def test_an_escape_in_the_first_characters_or_before_the_closing_quote_reads_it_whole() -> None:
