@@ -181,6 +181,11 @@ models:
     accepts: [text, image]
     encode: {{image: enc}}
     on_encoder_error: passthrough
+  - name: counted                   # images counted and held to a pixel limit (Qwen2.5-VL's count)
+    upstreams: [{fakes}]
+    accepts: [text, image]
+    visual_tokens: {{preset: qwen2.5-vl}}
+    limits: {{image_pixels: 4000000}}
   - name: doc                       # PDFs as their text and page images
     upstreams: [{fakes}]
     accepts: [text, image]
@@ -906,6 +911,43 @@ async def pdf_tenants(lab: Lab, seconds: float = 20.0, connections: int = 10) ->
     )
 
 
+def _lying_gif() -> bytes:
+    """A GIF whose logical screen says 16x16 around a first frame of 12000x12000 (35 bytes):
+    Pillow, and so the engines, open it at 12000x12000."""
+    import struct
+
+    head = b"GIF89a" + struct.pack("<HH", 16, 16) + bytes([0x80, 0, 0]) + bytes(6)
+    return head + b"," + struct.pack("<HHHH", 0, 0, 12000, 12000) + b"\x00\x02\x02\x44\x01\x00;"
+
+
+def _tiff(side: int) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (40, 90, 200)).save(out, "TIFF", compression="tiff_deflate")
+    return out.getvalue()
+
+
+async def image_sizes(lab: Lab) -> Outcome:
+    """Issue 40, finding 1: eight lying GIFs in one request to a model of image_pixels 4,000,000
+    (the engine would decode 1.2 Gpx); then a 1000x1000 TIFF and a 3000x3000 one (formats the
+    engines open, which the header reader does not know)."""
+
+    def images(*urls: str) -> bytes:
+        return orjson.dumps(chat("counted", [{"type": "image_url", "image_url": {"url": u}} for u in urls]))
+
+    gif = "data:image/gif;base64," + base64.b64encode(_lying_gif()).decode()
+    gifs = await lab.post(images(*[gif] * 8))
+    sent_before = (await lab.stats()).get("chat_requests", 0)
+    said = []
+    for side in (1000, 3000):
+        tiff = "data:image/tiff;base64," + base64.b64encode(_tiff(side)).decode()
+        answer = await lab.post(images(tiff))
+        said.append(f"a {side}x{side} TIFF: {answer.status} {error_code(answer.body).split(':')[0] or 'served'}")
+    return outcome(gifs, f"eight lying GIFs ({8 * len(_lying_gif())} bytes of images)",
+                   f"requests upstream after them: {sent_before}", *said)  # fmt: skip
+
+
 AUTH_SCENARIOS = frozenset({"metrics-flood", "pdf-tenants"})
 STORE_SCENARIOS = frozenset({"limits-stall"})  # with a redis-server (Debian's), the keys' limits shared there
 LIMITS_S = {"decode-bomb": 400.0, "video-load": 300.0, "pdf-tenants": 200.0}  # the rest: SCENARIO_LIMIT_S
@@ -929,6 +971,7 @@ SCENARIOS: dict[str, Callable[[Lab], Awaitable[Outcome]]] = {
     "video-load": video_load,
     "limits-stall": limits_stall,
     "pdf-tenants": pdf_tenants,
+    "image-sizes": image_sizes,
 }
 
 

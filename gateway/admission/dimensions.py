@@ -11,8 +11,10 @@ it, and takes a few microseconds; Pillow's WebP plugin reads the whole file to o
 open costs 10-25 µs. Tests hold it to Pillow's answers over every format and orientation.
 
 :func:`read_dimensions` answers :class:`Dimensions`, or raises :class:`NeedMore` (the header
-goes on past the bytes given: call again with more) or :class:`BadImage` (not an image of these
-formats, a header that contradicts itself, a zero size: no more bytes would help).
+goes on past the bytes given: call again with more) or :class:`BadImage` (a header that
+contradicts itself, a zero size: no more bytes would help; :class:`OtherFormat`, a BadImage, when
+it is none of these formats: another format Pillow opens is sized by Pillow, off the event loop,
+once admission is done: gateway.media.opened).
 """
 
 from __future__ import annotations
@@ -58,12 +60,17 @@ class BadImage(Exception):
     """Not an image this reads, or one whose header cannot be."""
 
 
+class OtherFormat(BadImage):
+    """Not a PNG, JPEG, WebP, GIF or BMP: perhaps an image of a format Pillow opens (TIFF, ICO,
+    PPM, TGA, JPEG 2000, AVIF...), which the engines take (gateway.media.opened sizes it)."""
+
+
 def read_dimensions(data: bytes) -> Dimensions:
     """The dimensions of the image ``data`` begins (see the module's docstring)."""
     if len(data) < 12:
         if any(data[: len(m)] == m[: len(data)] for m in _MAGICS):  # an image's start, cut short
             raise NeedMore(32)
-        raise BadImage("not a PNG, JPEG, WebP, GIF or BMP image")
+        raise OtherFormat("not a PNG, JPEG, WebP, GIF or BMP image")
     if data.startswith(PNG_SIGNATURE):
         return _png(data)
     if data.startswith(b"\xff\xd8"):
@@ -74,7 +81,7 @@ def read_dimensions(data: bytes) -> Dimensions:
         return _gif(data)
     if data.startswith(b"BM"):
         return _bmp(data)
-    raise BadImage("not a PNG, JPEG, WebP, GIF or BMP image")
+    raise OtherFormat("not a PNG, JPEG, WebP, GIF or BMP image")
 
 
 _MAGICS = (PNG_SIGNATURE, b"\xff\xd8\xff", b"RIFF", b"GIF8", b"BM")

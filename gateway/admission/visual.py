@@ -42,7 +42,7 @@ from ..config.types import VideoTokens, VisualTokens
 from ..errors import ImageTooLargeError, InvalidImageError, Rejection, TooManyVisualTokensError
 from ..modalities import Modality
 from ..values import record
-from .dimensions import BadImage, Dimensions, NeedMore, encoded_dimensions
+from .dimensions import BadImage, Dimensions, NeedMore, OtherFormat, encoded_dimensions
 from .parts import Content, Part
 from .strings import Deferred
 
@@ -287,8 +287,10 @@ def _scaled(width: int, height: int, scale: float) -> tuple[int, int]:
 # its header read (inline, or fetched by the gateway); to be fetched; the model's remote: [W, H];
 # the most an image costs the model
 # videos: read from the container (its metadata), or from the frames the gateway sampled; to probe
-# (the container is read once the gateway has the video's bytes, after admission)
-Source = Literal["header", "fetch", "assumed", "most", "frames", "pages", "container", "sampled", "probe"]
+# (the container is read once the gateway has the video's bytes, after admission); an inline image
+# of a format the header reader does not know, to open with Pillow after admission (TIFF, ICO...)
+Source = Literal["header", "fetch", "assumed", "most", "frames", "pages", "container", "sampled", "probe", "open"]
+LATER: frozenset[str] = frozenset({"fetch", "open"})  # images sized after admission (gateway.media.remote)
 
 
 @record
@@ -323,7 +325,7 @@ class VisualCount:
     tokens: int  # their visual tokens, in all
     downscaled: tuple[Sized, ...]  # those the gateway resizes
     downscaled_at: frozenset[tuple[int, int]]  # (place, index) of each of those
-    to_fetch: tuple[Sized, ...]  # remote images whose header the gateway fetches (``remote: fetch``) first
+    to_fetch: tuple[Sized, ...]  # images sized after admission: remote ones fetched (``remote: fetch``), others opened
     to_probe: tuple[Sized, ...] = ()  # videos whose container the gateway reads first (``video:``)
 
     @classmethod
@@ -333,7 +335,7 @@ class VisualCount:
             tokens += s.tokens
             if s.downscale is not None:
                 downscaled.append(s)
-            if s.source == "fetch":
+            if s.source in LATER:
                 to_fetch.append(s)
             elif s.source == "probe":
                 to_probe.append(s)
@@ -391,7 +393,7 @@ def measure(
         if found is None:  # an embedding, or a file the gateway cannot read: the engine's to count
             continue
         width, height, source, fmt = found
-        if source == "fetch":
+        if source in LATER:
             sized.append(Sized(part, 0, 0, 0, source))
             continue
         tokens = count(spec, width, height) if spec is not None and source != "most" else _most(spec)
@@ -609,6 +611,8 @@ def _size(
     partial = deferred is not None and deferred.holds(text)
     try:
         image = encoded_dimensions(text, start, base64=base64, whole=not partial)
+    except OtherFormat:  # perhaps a format Pillow opens: sized once admission is done, off the loop
+        return 0, 0, "open", ""
     except (BadImage, NeedMore) as exc:
         if partial:
             assert deferred is not None

@@ -1,11 +1,12 @@
 """Images made smaller before they are sent: ``on_oversize: downscale``.
 
 Admission sized each image from its header and chose the size it goes at
-(gateway.admission.visual); here its bytes are decoded, a JPEG turned upright by its EXIF
-orientation (as admission reads it; other formats' orientation is neither read nor applied),
-resized to that size (the aspect kept) and written again in its own format where that is a
-photo's or a screenshot's (JPEG, MPO as JPEG, PNG, WebP; GIF and BMP become PNG), as a data URL
-that takes the part's place. Off the event loop, on the video decoders' threads
+(gateway.admission.visual); here its bytes are decoded, turned upright by its EXIF orientation
+where admission read one (a JPEG's; a format Pillow sized, gateway.media.opened; PNG, WebP, GIF
+and BMP orientations are neither read nor applied), resized to that size (the aspect kept) and
+written again in its own format where that is a photo's or a screenshot's (JPEG, MPO as JPEG,
+PNG, WebP; the others, GIF, BMP, TIFF, AVIF..., become PNG), as a data URL that takes the part's
+place. Off the event loop, on the video decoders' threads
 (gateway.media.decoders), under the backend's decode bound: a JPEG is decoded at the smallest of
 its DCT scales (1/2, 1/4, 1/8) that still covers the target, and nothing decodes to more than
 :data:`MAX_DECODED_PIXELS` (nor opens past Pillow's own bound, ~179 MP): ``image_too_large``.
@@ -30,6 +31,7 @@ from ..admission.parts import Part
 from ..admission.plan import RoutePlan
 from ..errors import ImageTooLargeError, InvalidImageError, Rejection
 from ..metrics import GatewayMetrics
+from . import opened
 from .conversions import ConversionCache
 from .decoders import DecoderPool
 from .fetch import decode_data_url, sha256
@@ -78,8 +80,10 @@ def _downscale(data: bytes, size: tuple[int, int], stop: threading.Event | None)
     with Image.open(io.BytesIO(data)) as image:
         fmt = (image.format or "").lower()
         jpeg = fmt in ("jpeg", "mpo")  # a phone's photo with its MPF data opens as MPO
-        # EXIF orientation is a JPEG's only, as admission reads it (gateway.admission.dimensions)
-        turned = jpeg and image.getexif().get(0x0112, 1) in (5, 6, 7, 8)
+        # EXIF orientation as admission reads it: a JPEG's (gateway.admission.dimensions), and that
+        # of the other formats Pillow sizes (gateway.media.opened; TIFF's plugin turns it itself)
+        oriented = jpeg or opened.turned_by_exif(fmt)
+        turned = oriented and image.getexif().get(0x0112, 1) in (5, 6, 7, 8)
         stored = (height, width) if turned else (width, height)  # the target as the pixels lie
         if jpeg:
             image.draft(image.mode if image.mode in ("RGB", "L") else "RGB", stored)  # a DCT scale that covers it
@@ -88,7 +92,7 @@ def _downscale(data: bytes, size: tuple[int, int], stop: threading.Event | None)
         if stop is not None and stop.is_set():
             raise TooLarge("nobody waits for it any more")
         image.load()
-        upright = ImageOps.exif_transpose(image) if jpeg else image
+        upright = ImageOps.exif_transpose(image) if oriented else image
         if upright.mode not in ("RGB", "RGBA", "L", "LA"):
             upright = upright.convert("RGBA" if "transparency" in upright.info or "A" in upright.mode else "RGB")
         smaller = upright.resize((width, height), Image.Resampling.LANCZOS, reducing_gap=3.0)
@@ -125,7 +129,7 @@ async def downscale_for(
         part = sized.part
         assert part.index is not None and sized.downscale is not None
         original = contents[part.message].value[part.index]
-        data = fetched.get((part.message, part.index)) or _bytes_of(original, part, resizing.max_bytes)
+        data = fetched.get((part.message, part.index)) or bytes_of(original, part, resizing.max_bytes)
         target = sized.downscale
         make = functools.partial(resizing.decoders.run, functools.partial(downscale, data, target))
         try:
@@ -147,7 +151,8 @@ async def downscale_for(
     return replacements
 
 
-def _bytes_of(part: Mapping[str, Any], where: Part, max_bytes: int) -> bytes:
+def bytes_of(part: Mapping[str, Any], where: Part, max_bytes: int) -> bytes:
+    """An inline image part's bytes (a data URL's, or Anthropic's base64 source's)."""
     if part.get("type") == "image":  # Anthropic's base64 source
         encoded = part["source"]["data"]
         try:

@@ -301,7 +301,9 @@ async def convert(ex: Exchange) -> None:
     fetched: dict[tuple[int, int], bytes] = {}
     if plan.visual is not None and plan.visual.to_fetch:  # remote: fetch: their headers, then the limits
         with stage(services.tracing, "gateway.fetch", {"gateway.media.image.count": len(plan.visual.to_fetch)}):
-            plan, fetched = await remote.sized(plan, ex.body, services.encoder.fetcher, ex.config.media)
+            plan, fetched = await remote.sized(
+                plan, ex.body, services.encoder.fetcher, ex.config.media, services.decoders
+            )
         ex.plan = plan
         ex.converted |= remote.inline(plan, ex.body, fetched)  # the bytes measured, not the URL again
     probes = plan.visual is not None and bool(plan.visual.to_probe)
