@@ -13,7 +13,7 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from gateway.admission.dimensions import BadImage, NeedMore, data_url_dimensions, read_dimensions
+from gateway.admission.dimensions import PNG_SIGNATURE, BadImage, NeedMore, data_url_dimensions, read_dimensions
 
 Image = pytest.importorskip("PIL.Image")
 ImageOps = pytest.importorskip("PIL.ImageOps")
@@ -198,3 +198,22 @@ def test_a_gif_is_the_size_pillow_opens_it_at_its_frame_past_its_screen_included
 def test_a_small_screen_around_a_huge_frame_is_the_huge_frame() -> None:
     data = _gif((16, 16), (0, 0, 12000, 12000), 1, [], b"")
     assert read_dimensions(data).pixels == 144_000_000
+
+
+def test_an_apng_frame_past_its_canvas_hides_no_pixels() -> None:
+    """Issue 40, finding 1: unlike a GIF's, an APNG's frames do not grow its canvas: one whose
+    first frame says 12000x12000 in a 16x16 canvas is no image Pillow opens (nor, so, an engine),
+    and the reader's 16x16 is all that could ever be decoded."""
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = zlib.compress(b"".join(b"\x00" * 17 for _ in range(16)))
+    frame = struct.pack(">IIIIIHHBB", 0, 12000, 12000, 0, 0, 1, 1, 0, 0)
+    apng = (PNG_SIGNATURE + chunk(b"IHDR", struct.pack(">IIBBBBB", 16, 16, 8, 0, 0, 0, 0))
+            + chunk(b"acTL", struct.pack(">II", 1, 0)) + chunk(b"fcTL", frame) + chunk(b"IDAT", rows)
+            + chunk(b"IEND", b""))  # fmt: skip
+    with pytest.raises(Image.UnidentifiedImageError):
+        Image.open(io.BytesIO(apng))
+    assert read_dimensions(apng).pixels == 256
