@@ -28,7 +28,11 @@ from gateway.errors import GatewayError
 GRID = [(w, h) for w in (1, 27, 28, 100, 333, 640, 1280, 1920, 4032, 8000) for h in (1, 29, 224, 720, 1080, 3024, 6000)]
 GRID = [(w, h) for w, h in GRID if max(w, h) <= 200 * min(w, h)]  # Qwen's processors refuse more
 
-transformers = pytest.importorskip("transformers")
+# the tests that hold a preset to its processor need transformers (make test installs it); the
+# rest run without it (make test-minimal)
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs transformers (make test installs it)"
+)
 Image = pytest.importorskip("PIL.Image")
 
 
@@ -40,6 +44,7 @@ def qwen_processor(preset: str) -> Any:
     return Qwen2VLImageProcessorPil(size=size, patch_size=spec.patch, merge_size=spec.merge)
 
 
+@needs_transformers
 @pytest.mark.parametrize("preset", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
 def test_qwen_presets_count_what_the_processor_counts(preset: str) -> None:
     processor, spec = qwen_processor(preset), VISUAL_PRESETS[preset]
@@ -48,6 +53,7 @@ def test_qwen_presets_count_what_the_processor_counts(preset: str) -> None:
         assert count(spec, width, height) == patches // spec.merge**2, (preset, width, height)
 
 
+@needs_transformers
 @pytest.mark.parametrize("preset", ["qwen2.5-vl", "qwen3-vl"])
 def test_qwen_presets_resize_as_the_processor_does_on_real_images(preset: str) -> None:
     """The processor's whole pipeline on real pixels: its image_grid_thw."""
@@ -63,6 +69,7 @@ def test_the_issues_examples() -> None:
     assert count(VISUAL_PRESETS["qwen3-vl"], 1280, 720) == 880
 
 
+@needs_transformers
 @pytest.mark.parametrize("preset", ["pixtral", "mistral-small-3.1"])
 def test_pixtral_presets_count_what_the_processor_counts(preset: str) -> None:
     import numpy as np
@@ -88,6 +95,7 @@ def test_pixtral_presets_count_what_the_processor_counts(preset: str) -> None:
         assert resized(spec, width, height) == (int(w), int(h))
 
 
+@needs_transformers
 def test_llava_and_gemma_presets_are_their_processors_fixed_counts() -> None:
     from tokenizers import Tokenizer, models
     from transformers import CLIPImageProcessor, Gemma3Processor, LlavaProcessor, PreTrainedTokenizerFast
@@ -104,6 +112,7 @@ def test_llava_and_gemma_presets_are_their_processors_fixed_counts() -> None:
     assert count(VISUAL_PRESETS["gemma-3"], 8000, 6000) == count(VISUAL_PRESETS["gemma-3"], 1, 1) == default == 256
 
 
+@needs_transformers
 def test_the_internvl_preset_counts_what_its_processor_counts() -> None:
     """InternVLProcessor._get_num_multimodal_tokens: 2 + image_seq_length (256) x its patches,
     the patches GOT-OCR2's image processor cuts (InternVL3's config: 448-pixel tiles, 1 to 12)."""
@@ -345,6 +354,7 @@ def orjson_dumps(value: Any) -> bytes:
     return orjson.dumps(value)
 
 
+@needs_transformers
 def test_the_llava_next_preset_counts_what_its_processor_counts() -> None:
     from tokenizers import Tokenizer, models
     from transformers import LlavaNextProcessor, PreTrainedTokenizerFast
@@ -409,6 +419,7 @@ def video_processor(preset: str) -> Any:
     return Qwen2VLVideoProcessor(**kwargs, cap_pixels_per_frame=False)
 
 
+@needs_transformers
 @pytest.mark.parametrize("preset", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
 def test_video_presets_count_what_the_video_processor_counts(preset: str) -> None:
     """The frames the model takes (the engine's `frames: N`, all of a shorter video) and each
@@ -431,6 +442,7 @@ def test_video_presets_count_what_the_video_processor_counts(preset: str) -> Non
         assert tokens == patches // spec.merge**2, (preset, total, width, height)
 
 
+@needs_transformers
 @pytest.mark.parametrize("preset", ["qwen2-vl", "qwen3-vl"])
 def test_video_presets_sample_by_fps_as_the_processor_samples(preset: str) -> None:
     """``fps: F``: the frames the processor's own sample_frames takes, whatever the video's rate."""
