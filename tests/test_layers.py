@@ -29,9 +29,9 @@ def _layer(module: str) -> int:
     return len(STAGES)
 
 
-def _imports(source: str, package: list[str]) -> list[tuple[int, str]]:
-    """(line, gateway-relative module) for every import of a gateway module in ``source``, a
-    module of gateway's ``package``."""
+def _imports(source: str, package: list[str], top: str = "gateway") -> list[tuple[int, str]]:
+    """(line, ``top``-relative module) for every import of a module of ``top`` (gateway, or
+    backends.vision_encoder) in ``source``, a module of its ``package``."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
@@ -42,12 +42,10 @@ def _imports(source: str, package: list[str]) -> list[tuple[int, str]]:
                     found += [(node.lineno, ".".join([*target, a.name])) for a in node.names]
                     continue
                 found.append((node.lineno, ".".join(target)))
-            elif node.module and node.module.split(".")[0] == "gateway":
-                found.append((node.lineno, node.module.removeprefix("gateway").removeprefix(".")))
+            elif node.module and (node.module == top or node.module.startswith(f"{top}.")):
+                found.append((node.lineno, node.module.removeprefix(top).removeprefix(".")))
         elif isinstance(node, ast.Import):
-            found += [
-                (node.lineno, a.name.removeprefix("gateway.")) for a in node.names if a.name.startswith("gateway.")
-            ]
+            found += [(node.lineno, a.name.removeprefix(f"{top}.")) for a in node.names if a.name.startswith(f"{top}.")]
     return found
 
 
@@ -86,14 +84,17 @@ def test_the_walk_sees_every_kind_of_import() -> None:
     assert [_layer(t) for t in found] == [0, 2, 3, 1]
 
 
-def _graph() -> dict[str, set[str]]:
-    """Every gateway module and the gateway modules it imports (a package: its ``__init__``)."""
-    names = {".".join(p.relative_to(GATEWAY).with_suffix("").parts): p for p in MODULES}
+BACKEND = GATEWAY.parent / "backends" / "vision_encoder"
+
+
+def _graph(root: Path = GATEWAY, top: str = "gateway") -> dict[str, set[str]]:
+    """Every module under ``root`` and the modules of it that it imports (a package: its ``__init__``)."""
+    names = {".".join(p.relative_to(root).with_suffix("").parts): p for p in sorted(root.rglob("*.py"))}
     graph: dict[str, set[str]] = {}
     for name, path in names.items():
-        package = list(path.relative_to(GATEWAY).parent.parts)
+        package = list(path.relative_to(root).parent.parts)
         targets = set()
-        for _, target in _imports(path.read_text(), package):
+        for _, target in _imports(path.read_text(), package, top):
             if target in names:
                 targets.add(target)
             elif f"{target}.__init__" in names:
@@ -102,11 +103,13 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_module_imports_one_that_imports_it_back() -> None:
+@pytest.mark.parametrize(("root", "top"), [(GATEWAY, "gateway"), (BACKEND, "backends.vision_encoder")],
+                         ids=["gateway", "backends"])  # fmt: skip
+def test_no_module_imports_one_that_imports_it_back(root: Path, top: str) -> None:
     """No circle of imports, not even one for types only (what a module needs of another that
     needs it is a Protocol of its own), and none through a package's ``__init__`` but those of
-    the package re-exporting its own modules."""
-    graph = _graph()
+    the package re-exporting its own modules; in gateway/ and in the encoder backend alike."""
+    graph = _graph(root, top)
     circles = []
     for start in graph:
         stack = [(start, [start])]
