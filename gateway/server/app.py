@@ -8,7 +8,7 @@ import functools
 import importlib.metadata
 import logging
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -114,7 +114,8 @@ def create_app(
     )
     app.on_response_prepare.append(rate_limit_headers)
     app[SERVICES_KEY] = services
-    app.cleanup_ctx.append(_clients)
+    for lifetime in _lifetimes(services):  # each its own: one that fails to start stops those started
+        app.cleanup_ctx.append(lifetime)
     app.cleanup_ctx.append(_health_checks)
     if config_path is not None and watch:
         app.cleanup_ctx.append(_config_watcher)
@@ -163,39 +164,61 @@ def _tracing(config: GatewayConfig) -> Tracing | None:
     )
 
 
-async def _clients(app: web.Application) -> AsyncIterator[None]:
-    services = app[SERVICES_KEY]
-    config = services.store.current
-    await services.upstream.start()
-    await services.encoder.start(config)
-    if services.transcriber is not None:
-        await services.transcriber.start()
-    if services.describer is not None:
-        await services.describer.start()
-    await services.supervisor.start()
-    members = None
-    if services.shared_limits is not None:  # counted among the live processes before the first request
-        await services.shared_limits.heartbeat()
-        members = asyncio.create_task(services.shared_limits.keep_alive(), name="limits store heartbeat")
+Lifetime = Callable[[web.Application], AsyncIterator[None]]
+
+
+def _lifetimes(services: Services) -> list[Lifetime]:
+    """What the gateway starts and stops, in the order it starts them; aiohttp stops them in the
+    reverse order (the upstream client first, the supervised encoders next to last, the tracer
+    last: the spans of the drain go too), and only those that started. Each looks its client up
+    when it runs (a test may stand one in)."""
+    s = services
+    config = s.store.current
+    tracing, transcriber, describer, documents = s.tracing, s.transcriber, s.describer, s.documents
+    return [
+        _lifetime(None, (lambda: _stop_tracing(tracing)) if tracing is not None else None),
+        _lifetime(lambda: s.supervisor.start(), lambda: s.supervisor.close()),
+        _shared_limits_lifetime,
+        _lifetime(None, lambda: _close_decoding(s.decoders, documents)),
+        _lifetime(lambda: describer.start(), lambda: describer.close()) if describer else _lifetime(None, None),
+        _lifetime(lambda: transcriber.start(), lambda: transcriber.close()) if transcriber else _lifetime(None, None),
+        _lifetime(lambda: s.encoder.start(config), lambda: s.encoder.close()),
+        _lifetime(lambda: s.upstream.start(), lambda: s.upstream.close()),
+    ]
+
+
+def _lifetime(
+    start: Callable[[], Awaitable[None]] | None, stop: Callable[[], Awaitable[None] | None] | None
+) -> Lifetime:
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        if start is not None:
+            await start()
+        yield
+        if stop is not None and (stopping := stop()) is not None:
+            await stopping
+
+    return lifetime
+
+
+def _close_decoding(decoders: DecoderPool, documents: Documents | None) -> None:
+    decoders.close()
+    if documents is not None:
+        documents.close()
+
+
+async def _shared_limits_lifetime(app: web.Application) -> AsyncIterator[None]:
+    """Counted among the live processes before the first request, then every second."""
+    shared = app[SERVICES_KEY].shared_limits
+    if shared is None:
+        yield
+        return
+    await shared.heartbeat()
+    members = asyncio.create_task(shared.keep_alive(), name="limits store heartbeat")
     yield
-    if members is not None:
-        members.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await members
-    await services.upstream.close()
-    await services.encoder.close()
-    if services.transcriber is not None:
-        await services.transcriber.close()
-    if services.describer is not None:
-        await services.describer.close()
-    services.decoders.close()
-    if services.documents is not None:
-        services.documents.close()
-    if services.shared_limits is not None:
-        await services.shared_limits.close()
-    await services.supervisor.close()  # supervised encoders stop next to last
-    if services.tracing is not None:  # last: the spans of the drain go too
-        await _stop_tracing(services.tracing)
+    members.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await members
+    await shared.close()
 
 
 async def _stop_tracing(tracing: Tracing) -> None:

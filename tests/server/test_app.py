@@ -418,3 +418,40 @@ async def test_a_compressed_request_body_reaches_the_upstream_decoded(gw: Gatewa
     received = two[0].received[0]
     assert received.body == body
     assert "Content-Encoding" not in received.headers
+
+
+async def test_a_client_that_fails_to_start_stops_those_started_before_it() -> None:
+    """Issue 41: each client has its own lifetime (it was one generator, which left the clients it
+    had started open when a later one failed): the encoder client fails as it starts; the
+    supervisor and the describer, started before it, are stopped; the upstream client, after
+    it, never started."""
+    from aiohttp.test_utils import TestServer
+
+    from gateway.config import parse_config
+    from gateway.server.app import create_app
+    from gateway.server.state import SERVICES_KEY
+
+    app = create_app(parse_config(routing("  - {name: m, upstreams: ['http://127.0.0.1:9'], accepts: [text]}")))
+    services = app[SERVICES_KEY]
+    done: list[str] = []
+
+    def noting(name: str, then: Any) -> Any:
+        async def call(*args: Any) -> None:
+            done.append(name)
+            await then(*args)
+
+        return call
+
+    async def refuse(*args: Any) -> None:
+        raise RuntimeError("the encoder client cannot start")
+
+    services.encoder.start = refuse  # type: ignore[method-assign]
+    services.supervisor.close = noting("supervisor closed", services.supervisor.close)  # type: ignore[method-assign]
+    assert services.describer is not None
+    services.describer.close = noting("describer closed", services.describer.close)  # type: ignore[method-assign]
+    services.upstream.start = noting("upstream started", services.upstream.start)  # type: ignore[method-assign]
+    server = TestServer(app)
+    with pytest.raises(RuntimeError, match="cannot start"):
+        await server.start_server()
+    await server.close()
+    assert done == ["describer closed", "supervisor closed"]
