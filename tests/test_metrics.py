@@ -11,7 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
-from gateway.metrics import DURATION_BUCKETS, GatewayMetrics, LoopCounter, LoopGauge, LoopHistogram
+from gateway.meters import LoopCounter, LoopGauge, LoopHistogram
+from gateway.metrics import DURATION_BUCKETS, GatewayMetrics
 
 
 def _pairs() -> tuple[CollectorRegistry, CollectorRegistry]:

@@ -26,7 +26,8 @@ from ..media.describe import Describer
 from ..media.documents import Documents
 from ..media.fetch import MediaFetcher
 from ..media.transcribe import Transcriber
-from ..metrics import GatewayMetrics, WorkersCollector
+from ..meters import WorkersCollector
+from ..metrics import GatewayMetrics
 from ..tracing import Tracing
 from ..upstream.client import UpstreamClient
 from ..upstream.collector import PoolCollector

@@ -12,7 +12,7 @@ The serve process becomes a master that serves no request itself::
 They share a private run directory, removed at exit:
 
     metrics/        prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR): the worker
-                    answering a scrape sums every worker's (gateway.metrics.WorkersCollector)
+                    answering a scrape sums every worker's (gateway.meters.WorkersCollector)
     encoders.json   the local encoders' state, replaced atomically by the master, followed by each
                     worker (gateway.encode.supervisor.SupervisorView): its /readyz and where it sends images
 
