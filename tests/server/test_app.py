@@ -445,7 +445,7 @@ async def test_a_client_that_fails_to_start_stops_those_started_before_it() -> N
     async def refuse(*args: Any) -> None:
         raise RuntimeError("the encoder client cannot start")
 
-    services.encoder.start = refuse  # type: ignore[method-assign]
+    services.encoder.start = refuse  # type: ignore[method-assign, assignment]
     services.supervisor.close = noting("supervisor closed", services.supervisor.close)  # type: ignore[method-assign]
     assert services.describer is not None
     services.describer.close = noting("describer closed", services.describer.close)  # type: ignore[method-assign]
