@@ -48,7 +48,8 @@ The tree (status, OpenAI ``type``, stable ``code``)::
 shape. On the Anthropic Messages API the same errors take Anthropic's shape
 (:meth:`GatewayError.to_anthropic`: ``{"type": "error", "error": {"type", "message"}}``, the
 ``type`` from the status as Anthropic's API and SDK name them); a stream that breaks after its
-first byte ends with each API's own error event (:func:`stream_event`). The encoder backend's
+first byte ends with each API's own error event (its ``stream_error``: :func:`openai_stream_error`,
+:func:`responses_stream_error`, :func:`anthropic_stream_error`). The encoder backend's
 errors (backends/vision_encoder/errors.py) are GatewayErrors too.
 
 Errors are raised anywhere and rendered only by :func:`render` (called by
@@ -61,7 +62,7 @@ part of a request's content carries a :class:`Rejection`, which the middleware c
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -369,36 +370,45 @@ def render(error: GatewayError, shape: Shape = "openai") -> web.Response:
     return response
 
 
-def stream_event(error: GatewayError, api: str, *, response_id: str | None = None, model: str | None = None) -> bytes:
-    """The events that end a stream broken after its first byte, as each API's clients read them:
-    chat's ``data: {"error": ...}`` (the openai SDK raises it); on the Responses API an ``error``
-    event (the openai SDK's) and then ``response.failed`` with the error in ``response.error``
-    (``response_id``: the stream's response, from its ``response.created``), the event Codex reads
-    (it ignores ``error``, reports a stream closed before ``response.completed`` and reconnects);
-    Anthropic's ``event: error`` (the anthropic SDK and Claude Code raise it)."""
-    if api == "messages":
-        return b"event: error\ndata: " + orjson.dumps(error.to_anthropic()) + b"\n\n"
-    if api == "responses":
-        event = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
-        failed = {
-            "type": "response.failed",
-            "response": {
-                "id": response_id,
-                "object": "response",
-                "status": "failed",
-                "model": model,
-                "output": [],
-                "error": {"code": error.code, "message": error.message},
-            },
-        }
-        return (
-            b"event: error\ndata: "
-            + orjson.dumps(event)
-            + b"\n\nevent: response.failed\ndata: "
-            + orjson.dumps(failed)
-            + b"\n\n"
-        )
+# The events that end a stream broken after its first byte, as each API's clients read them (an
+# API's ``stream_error``, gateway.admission.apis): (the error, the stream's response id and model)
+StreamError = Callable[[GatewayError, str | None, str | None], bytes]
+
+
+def openai_stream_error(error: GatewayError, response_id: str | None = None, model: str | None = None) -> bytes:
+    """Chat's and completions' ``data: {"error": ...}`` (the openai SDK raises it)."""
     return b"data: " + orjson.dumps(error.to_dict()) + b"\n\n"
+
+
+def responses_stream_error(error: GatewayError, response_id: str | None = None, model: str | None = None) -> bytes:
+    """The Responses API's: an ``error`` event (the openai SDK's) and then ``response.failed``
+    with the error in ``response.error`` (``response_id``: the stream's response, from its
+    ``response.created``), the event Codex reads (it ignores ``error``, reports a stream closed
+    before ``response.completed`` and reconnects)."""
+    event = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
+    failed = {
+        "type": "response.failed",
+        "response": {
+            "id": response_id,
+            "object": "response",
+            "status": "failed",
+            "model": model,
+            "output": [],
+            "error": {"code": error.code, "message": error.message},
+        },
+    }
+    return (
+        b"event: error\ndata: "
+        + orjson.dumps(event)
+        + b"\n\nevent: response.failed\ndata: "
+        + orjson.dumps(failed)
+        + b"\n\n"
+    )
+
+
+def anthropic_stream_error(error: GatewayError, response_id: str | None = None, model: str | None = None) -> bytes:
+    """Anthropic's ``event: error`` (the anthropic SDK and Claude Code raise it)."""
+    return b"event: error\ndata: " + orjson.dumps(error.to_anthropic()) + b"\n\n"
 
 
 def clip(text: str, limit: int = 64) -> str:

@@ -47,10 +47,6 @@ else:
     Span = Any  # the name imports without the extra too (its users annotate with it)
 
 Attributes = Mapping[str, str | bool | int | float | Sequence[str]]
-# The GenAI semantic conventions' gen_ai.operation.name of each API (the API's own name where
-# the conventions have none)
-OPERATIONS = {"chat": "chat", "messages": "chat", "responses": "chat", "completions": "text_completion",
-              "embeddings": "embeddings"}  # fmt: skip
 
 
 class Traced(NamedTuple):
@@ -113,10 +109,10 @@ class Tracing:
         self._propagator = TraceContextTextMapPropagator()
         self._kinds = {"internal": trace.SpanKind.INTERNAL, "client": trace.SpanKind.CLIENT}
 
-    def open(self, headers: Mapping[str, str], api: str, method: str, path: str, request_id: str) -> Traced:
+    def open(self, headers: Mapping[str, str], operation: str, method: str, path: str, request_id: str) -> Traced:
         """A request's span, the client's ``traceparent`` its parent, made current until
-        :meth:`close` (no context manager: the front middleware keeps one frame)."""
-        operation = "count_tokens" if path == "/v1/messages/count_tokens" else OPERATIONS.get(api, api)
+        :meth:`close` (no context manager: the front middleware keeps one frame); ``operation``:
+        the GenAI semantic conventions' ``gen_ai.operation.name`` of its API (gateway.admission.apis)."""
         attributes = {
             "http.request.method": method,
             "url.path": path,

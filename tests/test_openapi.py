@@ -39,9 +39,9 @@ from schemathesis.specs.openapi import definitions
 from schemathesis.specs.openapi.checks import negative_data_rejection
 
 from gateway import errors
+from gateway.admission.apis.catalog import is_api
 from gateway.config import parse_config
 from gateway.server.app import create_app
-from gateway.server.middlewares import is_api
 from tests.conftest import free_port, routing
 
 SPEC_PATH = Path(__file__).resolve().parent.parent / "docs" / "openapi.yaml"

@@ -118,8 +118,8 @@ def _no_view(body: dict[str, Any], bounds: Any) -> list[Content]:
     return []  # the form is read by parse_form, not as JSON
 
 
-TRANSCRIPTIONS = Api("transcriptions", "/v1/audio/transcriptions", CHAT_PARTS, _no_view)
-TRANSLATIONS = Api("translations", "/v1/audio/translations", CHAT_PARTS, _no_view)
+TRANSCRIPTIONS = Api("transcriptions", "/v1/audio/transcriptions", CHAT_PARTS, _no_view, door="upload")
+TRANSLATIONS = Api("translations", "/v1/audio/translations", CHAT_PARTS, _no_view, door="upload")
 _AUDIO = Classification((Part(0, None, "file", (Modality.AUDIO,), "file"),), {Modality.AUDIO: 1}, False)
 
 

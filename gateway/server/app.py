@@ -124,7 +124,7 @@ def create_app(
     # every route answers an Expect header the gateway's way (aiohttp's own 417 is plain text)
     post = functools.partial(app.router.add_post, expect_handler=expect_continue)
     get = functools.partial(app.router.add_get, expect_handler=expect_continue)
-    for path, (handler, _) in doors.ROUTES.items():
+    for path, (handler, _) in doors.ROUTES.items():  # every API's routes (gateway.admission.apis.catalog)
         post(path, handler)
     get("/v1/models", handlers.list_models)
     get("/healthz", handlers.healthz)

@@ -6,10 +6,12 @@ by event."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from aiohttp import web
 
 from ..admission.apis import Api
-from ..admission.upload import TRANSCRIPTIONS, TRANSLATIONS, admit_upload, lookup_upload
+from ..admission.upload import admit_upload, lookup_upload
 from . import exchange
 
 
@@ -25,9 +27,11 @@ async def _upload(request: web.Request, api: Api) -> web.StreamResponse:
     return await exchange.forward(ex, data, content_type=request.headers["Content-Type"])
 
 
-async def transcriptions(request: web.Request) -> web.StreamResponse:
-    return await _upload(request, TRANSCRIPTIONS)
+def door(api: Api) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The handler of an upload API (transcriptions, translations)."""
 
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await _upload(request, api)
 
-async def translations(request: web.Request) -> web.StreamResponse:
-    return await _upload(request, TRANSLATIONS)
+    handler.__name__ = handler.__qualname__ = f"{api.name}_handler"
+    return handler

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import orjson
 
 from ..admission.apis import CHAT
+from ..admission.apis.catalog import BY_NAME, BY_PATH
 from ..admission.plan import RoutePlan, admit
 from ..config import GatewayConfig, load_config
 from ..encode import epd
@@ -25,7 +26,6 @@ from ..encode.client import image_url
 from ..errors import ConfigError, GatewayError
 from ..media.fetch import decode_data_url, is_data_url
 from .app import create_app
-from .doors import API_BY_PATH, APIS
 from .lifecycle import reload_on_sighup, serve
 from .workers import MULTIPROC_ENV, Master, worker_app, worker_config
 
@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("request", metavar="REQUEST.json", help="a request body ('-' for stdin)")
     explain.add_argument(
         "--api",
-        choices=[api.name for api in APIS],
+        choices=[name for name, api in BY_NAME.items() if api.door == "parts"],
         default=CHAT.name,
         help="the API the body is for, or its path (/v1/responses); default: %(default)s",
         type=_api_name,
@@ -121,7 +121,8 @@ def _check(args: argparse.Namespace) -> int:
 
 def _api_name(value: str) -> str:
     """An API by its name or by any of its paths (``--api /v1/messages/count_tokens``)."""
-    return API_BY_PATH.get(value, value)
+    api = BY_PATH.get(value)
+    return api.name if api is not None else value
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -138,7 +139,7 @@ def _explain(args: argparse.Namespace) -> int:
         print(f"{args.request}: the request must be a JSON object", file=sys.stderr)
         return 2
     try:
-        api = next(a for a in APIS if a.name == args.api)
+        api = BY_NAME[args.api]
         plan = admit(config, body, api=api)
         decision = {"api": api.name, **plan.explain()}
         if plan.encoder is not None:

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from ..admission.apis.messages import shape_of
+from ..admission.apis import COMPLETIONS
 from ..admission.body import exact, read_body, read_json
 from ..admission.dimensions import Dimensions, read_dimensions
 from ..admission.plan import EXPAND, RoutePlan, Visible, fit_page_images, with_strip
@@ -430,15 +430,15 @@ def forward(
     once more, within retries.attempts and the retry budget (:mod:`gateway.upstream.consumer`)."""
     model, live, request = ex.model, ex.live, ex.request
     assert model is not None
-    responses = ex.plan is not None and ex.plan.api.name == "responses"
-    continues = ex.parsed.get("previous_response_id") if responses else None  # top-level: read as parsed
+    api = ex.plan.api if ex.plan is not None else COMPLETIONS
+    continues = ex.parsed.get("previous_response_id") if api.stores else None  # top-level: read as parsed
     reprime = functools.partial(_reprime, ex) if ex.primed else None
     if reprime is None:
         _let_go(ex)
     headers = {
         "X-Request-Id": request[REQUEST_ID_KEY],
         # Anthropic's name for it, which the anthropic SDK reads (request_id)
-        **({"request-id": request[REQUEST_ID_KEY]} if shape_of(request.path) == "anthropic" else {}),
+        **({"request-id": request[REQUEST_ID_KEY]} if api.errors == "anthropic" else {}),
         "X-Gateway-Model": model.name,
         "X-Gateway-Route": ex.plan.route if ex.plan is not None else "direct",
         "X-Gateway-Priority": PRIORITIES[ex.priority],
@@ -457,7 +457,7 @@ def forward(
         forward_client_auth=live.keyring is None and live.config.server.forward_client_credentials,
         affinity_key=affinity_key,
         reprime=reprime,
-        api=ex.plan.api.name if ex.plan is not None else "completions",
+        api=api,
         continues=continues if isinstance(continues, str) else None,
         owner=ex.key.name if ex.key is not None else None,
         hide_usage=bool(ex.ask_usage),

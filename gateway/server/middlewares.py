@@ -18,7 +18,7 @@ import time
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
-from ..admission.apis.messages import shape_of
+from ..admission.apis.catalog import BY_PATH, is_api, shape_of
 from ..admission.auth import Keyring
 from ..admission.body import body_too_large
 from ..errors import (
@@ -34,7 +34,6 @@ from ..errors import (
 )
 from ..metrics import NO_KEY, UNKNOWN_MODEL
 from ..upstream.relay import RelayResponse
-from .doors import API_BY_PATH
 from .state import (
     API_KEY_KEY,
     KEY_LABEL_KEY,
@@ -77,8 +76,8 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
     code, failure, keyed = 500, None, False
     metrics.in_flight.inc()
     tracing, traced = services.tracing, None
-    if tracing is not None and request.path in API_BY_PATH:  # a model endpoint: a trace (gateway.tracing)
-        traced = tracing.open(request.headers, API_BY_PATH[request.path], request.method, request.path, rid)
+    if tracing is not None and (served := BY_PATH.get(request.path)) is not None:  # a model endpoint: traced
+        traced = tracing.open(request.headers, served.traced_as, request.method, request.path, rid)
     try:
         try:
             _check_port(request, services)
@@ -149,18 +148,10 @@ async def _render_error(request: web.Request, services: Services, exc: GatewayEr
     return response
 
 
-# The APIs vLLM serves outside /v1/ too (its pooling routes): keys and limits hold on them as well
-UNVERSIONED_APIS = frozenset({"/score", "/rerank", "/v2/rerank"})
-
-
 def api_of(path: str) -> str:
     """The ``api`` label of a request: the API its path serves (routing.yaml's name), ``-`` for none."""
-    return API_BY_PATH.get(path, "-")
-
-
-def is_api(path: str) -> bool:
-    """Whether a path is an API's (with ``auth:``, a key is needed)."""
-    return path.startswith("/v1/") or path in UNVERSIONED_APIS
+    api = BY_PATH.get(path)
+    return api.name if api is not None else "-"
 
 
 def _check_port(request: web.Request, services: Services) -> None:

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from types import MappingProxyType
 
+from ..admission.apis import CHAT
+from ..admission.apis.catalog import BY_NAME
 from ..admission.auth import Keyring
 from ..config import PRIORITIES, GatewayConfig, env_secret, load_config, missing_software
 from ..errors import ConfigError, ConfigProblem
@@ -164,12 +166,12 @@ def declare(metrics: GatewayMetrics, config: GatewayConfig) -> None:
     for model in config.models:
         for modality in MODALITY_NAMES:
             for reason in REJECTION_REASONS:
-                metrics.rejections.labels(model.name, modality, reason, "chat")
+                metrics.rejections.labels(model.name, modality, reason, CHAT.name)
         metrics.retries_refused.labels(model.name)
         if config.auth is None:  # with keys, a key's series begin with its first reply
             for kind in TOKEN_KINDS:
                 metrics.tokens.labels(model.name, NO_KEY, kind)
-        if "responses" in model.apis:
+        if any(BY_NAME[api].stores for api in model.apis):
             for result in ("holder", "elsewhere", "unknown"):
                 metrics.stored_responses.labels(model.name, result)
         if model.encode:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 
+from ..admission.apis import CHAT, Api
 from ..config import ModelConfig
 from ..values import record
 from .replicas import Pool
@@ -44,7 +45,7 @@ class Dispatch:
     forward_client_auth: bool = True
     affinity_key: bytes | None = None
     reprime: Callable[[], Awaitable[bytes]] | None = None
-    api: str = "chat"  # the API it came in on (routing.yaml's name): how a broken stream's error event looks
+    api: Api = CHAT  # the API it came in on: how a broken stream ends, whether the engine stores its response
     continues: str | None = None  # the stored response it continues (previous_response_id): its holder first
     owner: str | None = None  # the request's API key's name (None: auth off): a stored response is its key's
     # a chat or completions stream whose usage the gateway asked for (a key's token budgets), not

@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ..errors import GatewayError, UpstreamError, UpstreamTimeoutError, stream_event
+from ..errors import GatewayError, UpstreamError, UpstreamTimeoutError
 from . import consumer
 from .dispatch import Dispatch, Timeouts
 from .failures import CLIENT_ERRORS
@@ -164,7 +164,7 @@ async def _relay_stream(
     deadlines = _Deadlines(loop, request, upstream, timeouts, deadline)
     failed = False
     # a Responses stream: the id of the response it stores, from its response.created event
-    learning = dispatch.api == "responses" and upstream.status == 200
+    learning = dispatch.api.stores and upstream.status == 200
     seen, response_id = first, None
     counting = upstream.status < 300
     usage: StreamUsage | BodyTail = StreamUsage() if upstream.content_type == "text/event-stream" else BodyTail()
@@ -203,10 +203,10 @@ async def _relay_stream(
         is_sse = upstream.content_type == "text/event-stream"
         if is_sse and "Content-Encoding" not in upstream.headers:  # an event can't go into a compressed stream
             deadlines.writing_since = loop.time()
-            if dispatch.api == "responses" and response_id is None:
+            if dispatch.api.stores and response_id is None:
                 response_id = id_of_stream(seen)
             error = _broken(model, deadlines, timeouts)
-            event = stream_event(error, dispatch.api, response_id=response_id, model=dispatch.model.upstream_name)
+            event = dispatch.api.stream_error(error, response_id, dispatch.model.upstream_name)
             await _write_quietly(response, event)
         elif request.transport is not None:
             request.transport.close()  # a truncated body must not look complete
@@ -251,7 +251,7 @@ async def _relay_whole(upstream: UpstreamReply, dispatch: Dispatch, deadline: fl
         status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers), body=body
     )
     usage = usage_in_body(body) if upstream.status < 300 else None
-    if dispatch.api == "responses" and upstream.status == 200:  # the id of the response it stores
+    if dispatch.api.stores and upstream.status == 200:  # the id of the response it stores
         return Relayed(response, outcome, False, response_id=id_of_response(body), usage=usage)
     return Relayed(response, outcome, False, usage=usage)
 

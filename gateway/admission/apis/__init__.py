@@ -1,10 +1,17 @@
-"""The APIs whose requests carry content parts, each as the one admission core sees it.
+"""Every API the gateway serves, each one :class:`Api`: the one table of what differs between them.
 
-An :class:`Api` says where a request of that API keeps its content (its view: the
+An :class:`Api` says its routes (its path and the aliases the engines serve it under), the door
+that takes its requests (``parts``: content parts admitted; ``text``: the text-only completions;
+``upload``: a multipart audio upload), its name in routing.yaml (``apis:``; the ``api`` label of
+the metrics), how its errors look to its clients and how a stream of it that breaks ends, its
+trace operation, the request fields that keep a conversation on one replica (its affinity key),
+whether its engine stores responses (the Responses API), and, for an API whose requests carry
+content parts, where a request keeps its content (its view: the
 :class:`~gateway.admission.parts.Content` places, in order), which part types it has (its
-:class:`~gateway.admission.parts.PartTable`), which of the table's actions it can carry, and how
-its errors look to its clients. Classification, limits and actions are the same for all
-(gateway.admission.plan); what differs is said here, one module an API:
+:class:`~gateway.admission.parts.PartTable`) and which of the table's actions it can carry.
+Classification, limits and actions are the same for all (gateway.admission.plan); what differs is
+said here, one module an API; gateway.admission.apis.catalog lists them all (the server's routes
+are made from it):
 
 ======================  ===========  =================  =====================================
 API                     ``apis:``    errors             actions on its parts
@@ -33,9 +40,18 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ...config.types import ContentBounds
+from ...errors import StreamError, openai_stream_error
+from ..affinity import chat_key, prompt_key
 from ..parts import CHAT_PARTS, Classification, Content, PartTable, audio_in_video, chat_contents, classify_contents
 
 ErrorShape = Literal["openai", "anthropic"]
+Door = Literal["parts", "text", "upload"]  # how its requests are taken (gateway.server.doors)
+AffinityKey = Callable[[Mapping[str, Any]], bytes | None]  # gateway.admission.affinity
+
+
+def no_affinity(body: Mapping[str, Any]) -> None:
+    """A request with no conversation to keep on one replica (pooling, uploads)."""
+    return None
 
 
 def chat_image(media_type: str, data: str) -> dict[str, Any]:
@@ -47,10 +63,16 @@ def chat_image(media_type: str, data: str) -> dict[str, Any]:
 class Api:
     """One API whose requests carry content parts."""
 
-    name: str  # as routing.yaml's `apis:` names it
+    name: str  # as routing.yaml's `apis:` names it; the metrics' `api` label
     path: str  # the gateway's route, and the engine's
     table: PartTable
     contents: Callable[[dict[str, Any], ContentBounds], list[Content]]  # the view of a body, checked
+    aliases: tuple[str, ...] = ()  # other routes of it (vLLM serves its pooling APIs outside /v1/ too)
+    door: Door = "parts"
+    operation: str = ""  # the GenAI semantic conventions' gen_ai.operation.name ("": its name)
+    affinity: AffinityKey = no_affinity  # what keeps a conversation on one replica (balance: affinity)
+    stores: bool = False  # its engine keeps the responses it makes (previous_response_id names one)
+    stream_error: StreamError = openai_stream_error  # how a stream of it broken after its first byte ends
     converts: bool = False  # video sampled, images encoded: the chat API only
     transcribes: bool = False  # media served as text, audio's transcript or an image's description (its text part)
     # a stripped part leaves a note, a text part of its own (a generative API; a pooling one's would
@@ -73,6 +95,14 @@ class Api:
     # sent); None: an API without turns (pooling, transcriptions). {history: strip} refuses these
     # parts alone and strips the rest (gateway.admission.plan)
     newest: Callable[[Mapping[str, Any]], frozenset[int]] | None = None
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (self.path, *self.aliases)
+
+    @property
+    def traced_as(self) -> str:
+        return self.operation or self.name
 
     def classify(
         self, body: dict[str, Any], *, model: str, bounds: ContentBounds, contents: list[Content] | None = None
@@ -129,8 +159,20 @@ CHAT = Api(
     "/v1/chat/completions",
     CHAT_PARTS,
     chat_contents,
+    affinity=chat_key,
     converts=True,
     transcribes=True,
     leaves_notes=True,
     newest=chat_newest,
 )
+
+
+def _no_view(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
+    return []  # no content parts: its body passes through (completions), or is a form (uploads)
+
+
+# text only: the model must exist; the body passes through, renamed for its upstream
+COMPLETIONS = Api(
+    "completions", "/v1/completions", CHAT_PARTS, _no_view, door="text", operation="text_completion",
+    affinity=prompt_key,
+)  # fmt: skip

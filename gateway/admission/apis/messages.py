@@ -19,9 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...config.types import ContentBounds
+from ...errors import anthropic_stream_error
 from ...modalities import Modality
+from ..affinity import chat_key
 from ..parts import Content, PartTable, messages_of, str_field
-from . import Api, ErrorShape, after_last, assistants
+from . import Api, after_last, assistants
 
 SOURCES = {"base64": "data", "url": "url", "file": "file_id", "text": "data", "content": "content"}
 
@@ -152,7 +154,10 @@ MESSAGES = Api(
     "/v1/messages",
     PARTS,
     contents,
+    operation="chat",
+    affinity=chat_key,  # an Anthropic conversation opens as a chat one does
     errors="anthropic",
+    stream_error=anthropic_stream_error,
     transcribes=True,
     leaves_notes=True,
     image_part=image,
@@ -161,13 +166,6 @@ MESSAGES = Api(
     newest=newest,
 )
 
-
-def shape_of(path: str) -> ErrorShape:
-    """The shape of the errors (and request ids) a path answers: Anthropic's on the Messages API
-    and below it (count_tokens), else OpenAI's."""
-    return "anthropic" if path == MESSAGES.path or path.startswith(MESSAGES.path + "/") else "openai"
-
-
 # the input tokens of a message, admitted as the message would be (interactive clients ask it
 # first; its images described then are in the conversions cache when the message itself comes)
-COUNT_TOKENS = dataclasses.replace(MESSAGES, path="/v1/messages/count_tokens", spends=False)
+COUNT_TOKENS = dataclasses.replace(MESSAGES, path="/v1/messages/count_tokens", spends=False, operation="count_tokens")

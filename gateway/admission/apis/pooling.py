@@ -169,11 +169,20 @@ def _side(body: dict[str, Any], key: str, bounds: ContentBounds) -> list[Content
 
 EMBEDDINGS = Api("embeddings", "/v1/embeddings", CHAT_PARTS, embedding_contents, engine_shapes=True)
 # vLLM's four pairs of names for a score request's two sides, read whichever are sent
+# (vLLM serves each pooling route under both names)
 SCORE = Api(
     "score",
     "/v1/score",
     CHAT_PARTS,
     _sides(("queries", "documents", "items", "data_1", "data_2", "text_1", "text_2")),
+    aliases=("/score",),
     engine_shapes=True,
 )
-RERANK = Api("rerank", "/v1/rerank", CHAT_PARTS, _sides(("query", "documents")), engine_shapes=True)
+RERANK = Api(
+    "rerank",
+    "/v1/rerank",
+    CHAT_PARTS,
+    _sides(("query", "documents")),
+    aliases=("/rerank", "/v2/rerank"),
+    engine_shapes=True,
+)

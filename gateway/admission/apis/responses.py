@@ -20,8 +20,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...config.types import ContentBounds
-from ...errors import InvalidRequestError
+from ...errors import InvalidRequestError, responses_stream_error
 from ...modalities import Modality
+from ..affinity import responses_key
 from ..parts import CHAT_PARTS, TEXT_FIELDS, Content, PartTable, check_messages, str_field
 from . import Api, after_last
 
@@ -145,6 +146,10 @@ RESPONSES = Api(
     "/v1/responses",
     PARTS,
     contents,
+    operation="chat",
+    affinity=responses_key,
+    stores=True,
+    stream_error=responses_stream_error,
     transcribes=True,
     leaves_notes=True,
     text_part="input_text",
