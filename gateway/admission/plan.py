@@ -44,9 +44,10 @@ from ..errors import (
 from ..modalities import Modality
 from ..values import record
 from .apis import CHAT, Api
+from .dimensions import Dimensions, read_dimensions
 from .parts import Classification, Content, Part
 from .strings import Deferred
-from .visual import VisualCount, measure
+from .visual import VisualCount, measure, with_frames, with_videos
 
 # What X-Gateway-Route names, in this order, comma-separated; "direct" when none (docs/openapi.yaml)
 ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "describe", "extract", "transcode", "normalize", "downscale")
@@ -575,6 +576,52 @@ def fit_page_images(plan: RoutePlan, pages: Sequence[tuple[Part, int]]) -> Route
                 f"{part.location}'s {count} make {sent}; send shorter or fewer PDFs, or fewer images",
             )
     return plan  # pragma: no cover - the loop passes the limit: room < 0 above
+
+
+# --- the plan counted again with what the conversions made (gateway.media.converters) -----------
+
+
+def counts_frames(plan: RoutePlan) -> bool:
+    """Whether the plan's visual tokens wait for its videos' frames (counted once sampled)."""
+    return bool(plan.frame_parts) and plan.model.visual_tokens is not None
+
+
+def counted_later(plan: RoutePlan) -> bool:
+    """Whether the plan's visual tokens are known only after admission: remote images fetched,
+    images of other formats opened, videos probed or sampled, PDFs' pages rendered."""
+    if counts_frames(plan) or (plan.page_images and plan.model.visual_tokens is not None):
+        return True
+    return plan.visual is not None and plan.visual.waits
+
+
+def with_pages(plan: RoutePlan, extracted: Mapping[tuple[int, int], Mapping[str, Any]]) -> RoutePlan:
+    """The plan with its PDFs' page images held to the model's image limit (its videos' frames
+    fewer to make room) and, where the model counts visual tokens, counted with its other
+    images and held to their limit."""
+    sizes = [(p, extracted[(p.message, p.index or 0)].get("sizes", ())) for p in plan.extract_parts]
+    plan = fit_page_images(plan, [(part, len(pages)) for part, pages in sizes if pages])
+    if plan.model.visual_tokens is None:
+        return plan
+    made = [(part, [Dimensions(w, h, "png") for w, h in pages]) for part, pages in sizes if pages]
+    return dataclasses.replace(plan, visual=with_frames(plan.model, plan.visual, made, "pages"))
+
+
+def with_sampled_frames(plan: RoutePlan, frames: Mapping[tuple[int, int], Mapping[str, Any]]) -> RoutePlan:
+    """The plan with its videos' sampled frames counted as the images they are to the model
+    (sized from their JPEGs' headers), where it counts them."""
+    if not counts_frames(plan):
+        return plan
+    sizes = [
+        (p, [read_dimensions(jpeg) for jpeg in frames[(p.message, p.index or 0)].get("frames", {}).values()])
+        for p in plan.frame_parts
+    ]
+    return dataclasses.replace(plan, visual=with_frames(plan.model, plan.visual, sizes))
+
+
+def with_videos_sent(plan: RoutePlan, videos: Mapping[tuple[int, int], Any]) -> RoutePlan:
+    """The plan with its videos counted as ``videos`` says (probed, or their frames as sent)."""
+    assert plan.visual is not None
+    return dataclasses.replace(plan, visual=with_videos(plan.model, plan.visual, videos))
 
 
 def _may_use(visible: Visible, model: str) -> bool:

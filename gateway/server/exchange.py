@@ -10,7 +10,6 @@ exchange). Each stage reads what the ones before it left on the exchange.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -25,20 +24,16 @@ from aiohttp import web
 
 from ..admission.apis import COMPLETIONS
 from ..admission.body import exact, read_body, read_json
-from ..admission.dimensions import Dimensions, read_dimensions
-from ..admission.plan import EXPAND, RoutePlan, Visible, fit_page_images, with_strip
+from ..admission.plan import EXPAND, RoutePlan, Visible, counted_later
 from ..admission.priority import ANONYMOUS, DEFAULT_RANK, HEADER, check_engine_priority, priority_of
 from ..admission.rewrite import upstream_body
 from ..admission.strings import Deferred
 from ..admission.upload import Form, parse_form
-from ..admission.visual import with_frames, with_videos
 from ..config import PRIORITIES, ApiKey, GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
 from ..errors import EncoderError, PayloadTooLargeError
-from ..media import probe, remote, video
-from ..media.asking import dropped
+from ..media import converters
 from ..media.decoders import TENANT
-from ..media.downscale import Resizing, downscale_for
 from ..metrics import NO_KEY, UNKNOWN_MODEL
 from ..modalities import Modality
 from ..tracing import Span, Tracing, stage
@@ -192,36 +187,6 @@ def _payload(part: Any, depth: int = 0) -> str | None:
     return max(strings, key=len, default=None)
 
 
-def _counts_frames(plan: RoutePlan) -> bool:
-    """Whether the plan's visual tokens wait for its videos' frames (counted once sampled)."""
-    return bool(plan.frame_parts) and plan.model.visual_tokens is not None
-
-
-def _waits(plan: RoutePlan) -> bool:
-    """Whether the plan's visual tokens are known only after admission: remote images fetched,
-    videos probed or sampled, PDFs' pages rendered (counted then, by :func:`convert`)."""
-    if _counts_frames(plan) or (plan.page_images and plan.model.visual_tokens is not None):
-        return True
-    return plan.visual is not None and plan.visual.waits
-
-
-def _with_pages(plan: RoutePlan, extracted: Mapping[tuple[int, int], dict[str, Any]]) -> RoutePlan:
-    """The plan with its PDFs' page images held to the model's image limit (its videos' frames
-    fewer to make room) and, where the model counts visual tokens, counted with its other
-    images and held to their limit."""
-    sizes = [(p, extracted[(p.message, p.index or 0)].get("sizes", ())) for p in plan.extract_parts]
-    plan = fit_page_images(plan, [(part, len(pages)) for part, pages in sizes if pages])
-    if plan.model.visual_tokens is None:
-        return plan
-    made = [(part, [Dimensions(w, h, "png") for w, h in pages]) for part, pages in sizes if pages]
-    return dataclasses.replace(plan, visual=with_frames(plan.model, plan.visual, made, "pages"))
-
-
-def _frame_sizes(expanded: dict[str, Any]) -> list[Dimensions]:
-    """The sizes of a video's sampled frames, from their JPEGs' headers."""
-    return [read_dimensions(jpeg) for jpeg in expanded.get("frames", {}).values()]
-
-
 def visible(request: web.Request) -> Visible:
     """The model names the request's API key may use (None: every one, auth off)."""
     key = request.get(API_KEY_KEY)
@@ -287,101 +252,26 @@ async def begin_upload(request: web.Request) -> tuple[Exchange, Form]:
 
 
 async def convert(ex: Exchange) -> None:
-    """Media the model takes in another form: images downscaled (``on_oversize``), audio as its
-    transcript, video as frames (images) or as vLLM's pre-sampled frames. Before encoding: a
-    failure here costs no encoder work. What admission could not count (remote images of
+    """Media the model takes in another form (gateway.media.converters: images downscaled, audio
+    as its transcript, images described, files as their text, video as frames). Before encoding:
+    a failure here costs no encoder work. What admission could not count (remote images of
     ``remote: fetch``, videos of ``video:``) is counted first, and the limits held, before any
     frame is decoded; the request's visual tokens are spent once all are known."""
     plan, services = ex.plan, ex.services
     assert plan is not None
     TENANT.set(ex.key.name if ex.key is not None else f"client {ex.request.remote}")  # the decoders' fair share
-    waited = _waits(plan)
-    if plan.visual is not None and not waited:  # counted at admission: spent before anything is done
+    later = counted_later(plan)
+    if plan.visual is not None and not later:  # counted at admission: spent before anything is done
         await ex.counted(plan)
-    fetched: dict[tuple[int, int], bytes] = {}
-    if plan.visual is not None and plan.visual.to_fetch:  # remote: fetch: their headers, then the limits
-        with stage(services.tracing, "gateway.fetch", {"gateway.media.image.count": len(plan.visual.to_fetch)}):
-            plan, fetched = await remote.sized(
-                plan, ex.body, services.encoder.fetcher, ex.config.media, services.decoders
-            )
-        ex.plan = plan
-        ex.converted |= remote.inline(plan, ex.body, fetched)  # the bytes measured, not the URL again
-    probes = plan.visual is not None and bool(plan.visual.to_probe)
-    if not (
-        probes
-        or plan.frame_parts
-        or plan.presample_parts
-        or plan.downscale_parts
-        or plan.transcribe_parts
-        or plan.describe_parts
-        or plan.extract_parts
-    ):
-        if waited:
-            await ex.counted(plan)
-        return
-    sampling = video.Sampling(
-        plan.model.name,
-        services.encoder.fetcher,
-        ex.config.media,  # the request's rules: a reload does not change them under it
-        services.metrics,
-        services.decoders,
-        services.conversions,
-    )
-    if probes and not plan.presample_parts:
-        with stage(services.tracing, "gateway.decode", {"gateway.conversion": "probe"}):
-            videos, inline = await probe.probed(plan, ex.body, sampling)  # their containers: the limits hold
-        assert plan.visual is not None
-        ex.plan = plan = dataclasses.replace(plan, visual=with_videos(plan.model, plan.visual, videos))
-        ex.converted |= inline
-    if plan.downscale_parts:
-        resizing = Resizing(services.decoders, services.conversions, services.metrics, ex.config.media.max_image_bytes)
-        with stage(services.tracing, "gateway.decode", {"gateway.conversion": "downscale"}):
-            ex.converted |= await downscale_for(plan, ex.body, resizing, fetched)
-    if plan.transcribe_parts:
-        assert services.transcriber is not None
-        with stage(services.tracing, "gateway.transcribe", {"gateway.media.audio.count": len(plan.transcribe_parts)}):
-            ex.converted |= await services.transcriber.transcribe(
-                plan, ex.body, ex.live, request_id=ex.request[REQUEST_ID_KEY]
-            )
-    if plan.describe_parts:
-        assert services.describer is not None
-        with stage(services.tracing, "gateway.describe", {"gateway.media.image.count": len(plan.describe_parts)}):
-            described = await services.describer.describe(
-                plan,
-                ex.body,
-                ex.live,
-                request_id=ex.request[REQUEST_ID_KEY],
-                spend=functools.partial(_spent_converting, ex),
-            )
-        if gone := dropped(described):  # on_error: strip: counted and said as strip's are
-            services.metrics.stripped_parts.labels(plan.model.name, "image").inc(gone)
-            ex.headers["X-Gateway-Route"] = with_strip(plan.route)
-        ex.converted |= described
-    if plan.extract_parts:
-        assert services.documents is not None
-        with stage(services.tracing, "gateway.extract", {"gateway.media.file.count": len(plan.extract_parts)}):
-            extracted = await services.documents.extract(
-                plan, ex.body, max_text_chars=ex.config.server.max_text_chars, media=ex.config.media
-            )
-        ex.converted |= extracted
-        if plan.page_images:  # the pages are images to the model: held to its image limit, their tokens count
-            ex.plan = plan = _with_pages(plan, extracted)
-    if plan.frame_parts:
-        with stage(services.tracing, "gateway.decode", {"gateway.conversion": "frames"}):
-            frames = await video.frames_for(plan, ex.body, sampling)
-        ex.converted |= frames
-        if _counts_frames(plan):  # the frames are images to the model: their tokens count
-            sizes = [(p, _frame_sizes(frames[(p.message, p.index or 0)])) for p in plan.frame_parts]
-            ex.plan = plan = dataclasses.replace(plan, visual=with_frames(plan.model, plan.visual, sizes))
-    if plan.presample_parts:
-        with stage(services.tracing, "gateway.decode", {"gateway.conversion": "presample"}):
-            presampled = await video.presampled_for(plan, ex.body, sampling)
-        ex.converted |= presampled
-        if probes:  # counted as the engine gets them: the frames sent
-            assert plan.visual is not None
-            sent = {at: probe.sampled_info(part["video_url"]["url"]) for at, part in presampled.items()}
-            ex.plan = plan = dataclasses.replace(plan, visual=with_videos(plan.model, plan.visual, sent))
-    if waited:
+    if converters.wanted(plan):  # the body whole only then: a request that needs none keeps it held back
+        spend = functools.partial(_spent_converting, ex)
+        job = converters.Job(plan, ex.body, ex.live, ex.request[REQUEST_ID_KEY], services.tools, spend)
+        await converters.convert(job, services.tracing)
+        ex.plan = plan = job.plan
+        ex.converted |= job.made
+        if job.route is not None:
+            ex.headers["X-Gateway-Route"] = job.route
+    if later:
         await ex.counted(plan)
 
 

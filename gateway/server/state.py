@@ -13,6 +13,7 @@ from ..config import ApiKey
 from ..encode.client import EncoderClient
 from ..encode.supervisor import Supervisor
 from ..media.conversions import ConversionCache
+from ..media.converters import Tools
 from ..media.decoders import DecoderPool
 from ..media.describe import Describer
 from ..media.documents import Documents
@@ -55,6 +56,12 @@ class Services:
     # apart from the default executor (DNS lookups, large data URLs); closed with the app
     decoders: DecoderPool = field(default_factory=DecoderPool)
     tracing: Tracing | None = None  # server.tracing: spans for each stage of a request (gateway.tracing)
+
+    @property
+    def tools(self) -> Tools:
+        """What the conversions of a request work with (gateway.media.converters)."""
+        return Tools(self.encoder.fetcher, self.decoders, self.conversions, self.metrics, self.transcriber,
+                     self.describer, self.documents)  # fmt: skip
 
     @property
     def limits(self) -> KeyLimits | SharedLimits:

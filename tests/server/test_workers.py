@@ -106,7 +106,11 @@ async def each_worker(url: str, n: int = 2) -> dict[int, dict[str, Any]]:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 60  # bounded; a worker may still be starting (a busy machine: slowly)
     while loop.time() < deadline:
-        _, report = await readyz(url)
+        try:
+            _, report = await readyz(url)
+        except (aiohttp.ClientConnectionError, OSError):  # a worker killed, or not yet listening
+            await asyncio.sleep(0.05)
+            continue
         seen[report["worker"]["index"]] = report
         if len(seen) == n:
             return seen
@@ -114,9 +118,14 @@ async def each_worker(url: str, n: int = 2) -> dict[int, dict[str, Any]]:
 
 
 async def eventually(predicate: Callable[[], Awaitable[bool]], seconds: float = 60) -> None:
+    """``predicate`` true within ``seconds``; a connection refused or reset meanwhile is a "not
+    yet" (a killed worker's listening socket resets what the kernel had queued on it)."""
     for _ in range(int(seconds / 0.05)):  # bounded
-        if await predicate():
-            return
+        try:
+            if await predicate():
+                return
+        except (aiohttp.ClientConnectionError, OSError):
+            pass
         await asyncio.sleep(0.05)
     raise AssertionError("condition not met in time")
 
