@@ -53,16 +53,16 @@ CASES = {
     "other format": (
         ask("down", {"type": "image_url", "image_url": {"url": "data:image/tiff;base64,SUkqAA=="}}),
         ["Sized"],
-    ),  # fmt: skip
+    ),
     "transcribe": (
         ask("hears", {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}),
         ["Transcribed"],
-    ),  # fmt: skip
+    ),
     "describe": (ask("told", {"type": "image_url", "image_url": {"url": png(8)}}), ["Described"]),
     "extract": (
         ask("reads", {"type": "file", "file": {"file_data": "data:application/pdf;base64,JVBERi0="}}),
         ["Extracted"],
-    ),  # fmt: skip
+    ),
     "frames": (ask("frames", {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}), ["Frames"]),
 }
 
