@@ -11,10 +11,8 @@ exchange). Each stage reads what the ones before it left on the exchange.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,24 +21,24 @@ import orjson
 from aiohttp import web
 
 from ..admission.apis import COMPLETIONS
+from ..admission.attributes import admission_attributes
 from ..admission.body import exact, read_body, read_json
-from ..admission.plan import EXPAND, RoutePlan, Visible, counted_later
+from ..admission.plan import RoutePlan, Visible, counted_later
 from ..admission.priority import ANONYMOUS, DEFAULT_RANK, HEADER, check_engine_priority, priority_of
-from ..admission.rewrite import upstream_body
+from ..admission.rewrite import check_grown_size, upstream_body, usage_fields
 from ..admission.strings import Deferred
 from ..admission.upload import Form, parse_form
 from ..config import PRIORITIES, ApiKey, GatewayConfig, ModelConfig
 from ..encode.client import NOTHING, Encoded, Replacements
-from ..errors import EncoderError, PayloadTooLargeError
+from ..errors import EncoderError
 from ..media import converters
 from ..media.decoders import TENANT
-from ..metrics import NO_KEY, UNKNOWN_MODEL
-from ..modalities import Modality
-from ..tracing import Span, Tracing, stage
+from ..metrics import UNKNOWN_MODEL
+from ..tracing import Span, stage
 from ..upstream.dispatch import Dispatch, Timeouts
 from ..upstream.live import Live
-from ..upstream.usage import Usage
-from .state import API_KEY_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, SPENT_KEY, Services
+from . import spending
+from .state import API_KEY_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +126,8 @@ class Exchange:
             for part in plan.stripped_parts:
                 metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
         if self.services.tracing is not None and self.services.tracing.recording():
-            _traced_admission(self.services.tracing, self.began_ns, plan, self.body)
+            attributes = admission_attributes(plan, self.body)
+            self.services.tracing.start("gateway.admission", attributes, start_ns=self.began_ns or None).end()
 
     async def counted(self, plan: RoutePlan) -> None:
         """The request's visual tokens, known: held to its key's token budgets, spent of its
@@ -145,46 +144,6 @@ class Exchange:
             metrics = self.services.metrics
             metrics.child(metrics.visual_tokens, plan.model.name).inc(tokens)
             metrics.child(metrics.request_visual_tokens, plan.model.name).observe(tokens)
-
-
-def _traced_admission(tracing: Tracing, began_ns: int, plan: RoutePlan, body: dict[str, Any]) -> None:
-    """The admission span, from the request's arrival to its plan: the media it holds, by
-    modality, and each one's hash (never its content)."""
-    held = Counter(p.modality.value for p in plan.classification.parts)
-    attributes: dict[str, str | int | list[str]] = {f"gateway.media.{m}.count": n for m, n in sorted(held.items())}
-    for modality, hashes in _media_hashes(plan, body).items():
-        attributes[f"gateway.media.{modality}.sha256"] = hashes
-    attributes["gateway.route"] = plan.route
-    if plan.visual is not None:
-        attributes["gateway.visual_tokens"] = plan.visual.tokens
-    tracing.start("gateway.admission", attributes, start_ns=began_ns or None).end()
-
-
-def _media_hashes(plan: RoutePlan, body: dict[str, Any]) -> dict[str, list[str]]:
-    """Each medium's sha256, by modality: of its URL or data as sent (a data URL's text), so that
-    the same image, video or clip sent again has the same hash in every trace."""
-    contents = plan.contents(body)
-    found: dict[str, list[str]] = {}
-    for part in plan.classification.parts:
-        if part.modality is Modality.TEXT or part.index is None:
-            continue
-        value = contents[part.message].value
-        sent = _payload(value[part.index]) if isinstance(value, list) and part.index < len(value) else None
-        if sent:
-            digest = hashlib.sha256(sent.encode("utf-8", "surrogatepass")).hexdigest()
-            found.setdefault(part.modality.value, []).append(digest)
-    return found
-
-
-def _payload(part: Any, depth: int = 0) -> str | None:
-    """The longest string of a part but its type (its URL or its data; a part nests them two
-    deep at most)."""
-    if isinstance(part, str):
-        return part
-    if not isinstance(part, dict) or depth > 2:
-        return None
-    strings = [s for k, v in part.items() if k != "type" and (s := _payload(v, depth + 1))]
-    return max(strings, key=len, default=None)
 
 
 def visible(request: web.Request) -> Visible:
@@ -264,7 +223,7 @@ async def convert(ex: Exchange) -> None:
     if plan.visual is not None and not later:  # counted at admission: spent before anything is done
         await ex.counted(plan)
     if converters.wanted(plan):  # the body whole only then: a request that needs none keeps it held back
-        spend = functools.partial(_spent_converting, ex)
+        spend = functools.partial(spending.conversion, services, ex.key, ex.request)
         job = converters.Job(plan, ex.body, ex.live, ex.request[REQUEST_ID_KEY], services.tools, spend)
         await converters.convert(job, services.tracing)
         ex.plan = plan = job.plan
@@ -290,7 +249,7 @@ async def encode(ex: Exchange) -> bytes:
         encoded = Encoded(ex.converted | images.replacements, {**images.fields, **encoded.fields})
         ex.primed = bool(images.replacements) and kind == "vllm"
     if encoded.replacements:
-        _check_grown_size(ex.config, ex.raw, encoded)
+        check_grown_size(ex.config.server.max_upstream_body_bytes, ex.raw, encoded.replacements, encoded.fields)
     if not encoded.replacements and not encoded.fields and not plan.needs_rewrite(ex.parsed):
         return ex.raw  # the client's own bytes (its top-level fields said so): no deferred string made
     return upstream_body(plan, ex.raw, ex.body, encoded.replacements, encoded.fields)
@@ -352,7 +311,7 @@ def forward(
         owner=ex.key.name if ex.key is not None else None,
         hide_usage=bool(ex.ask_usage),
         content_type=content_type,
-        on_usage=functools.partial(_spent, ex, model.name, _floor(ex.plan)),
+        on_usage=functools.partial(spending.reply, ex.services, ex.key, request, model.name, spending.floor(ex.plan)),
     )
     upstream = ex.services.upstream
     if ex.services.tracing is not None and ex.services.tracing.recording():  # the request's span: who served it
@@ -366,68 +325,6 @@ def forward(
 
 
 # the APIs whose streams say their usage only when asked (stream_options.include_usage)
-_USAGE_ASKED = ("/v1/chat/completions", "/v1/completions")
-
-
-def usage_fields(key: ApiKey | None, body: Mapping[str, Any], path: str, stream: bool) -> dict[str, Any]:
-    """The top-level fields that ask the engine for a stream's usage where its client did not, for
-    a key with token budgets on chat or completions (else none): the engine would say nothing of
-    what it cost, and the budgets would never see it (20 streams of 200 tokens spent nothing of a
-    100 a minute). The relay reads the usage chunk and keeps it from the client (``hide_usage``)."""
-    if not stream or key is None or key.rate_limit is None or not key.rate_limit.budgets_tokens:
-        return {}
-    if path not in _USAGE_ASKED:  # Responses and Messages streams always say it
-        return {}
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage") is True:
-        return {}
-    return {"stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
-
-
-def _floor(plan: RoutePlan | None) -> int:
-    """The tokens a request is known to cost before any reply: its visual tokens (a reply that
-    says nothing of its usage spends these of the key's budgets)."""
-    if plan is None or plan.visual is None or not plan.api.spends:
-        return 0
-    return plan.visual.tokens
-
-
-def _spent(ex: Exchange, model: str, floor: int, usage: Usage | None) -> None:
-    """A successful reply's usage: counted (gateway_tokens_total), and left to be spent of its
-    key's token budgets at the request's end (with what its conversions spent already); without
-    one, the tokens known before it (``floor``)."""
-    tokens, key, services, request = floor, ex.key, ex.services, ex.request
-    if usage is not None:
-        _count_tokens(services, key, model, usage)
-        tokens = usage.total
-        if services.tracing is not None and services.tracing.recording():  # GenAI usage, on the request's span
-            services.tracing.current().set_attributes(
-                {"gen_ai.usage.input_tokens": usage.prompt, "gen_ai.usage.output_tokens": usage.completion,
-                 "gen_ai.usage.cache_read.input_tokens": usage.cached}
-            )  # fmt: skip
-    if key is not None:
-        request[SPENT_KEY] = request.get(SPENT_KEY, 0) + tokens
-
-
-def _count_tokens(services: Services, key: ApiKey | None, model: str, usage: Usage) -> None:
-    """``usage`` of ``model`` for the request's key, in gateway_tokens_total."""
-    metrics, label = services.metrics, key.name if key is not None else NO_KEY
-    metrics.child(metrics.tokens, model, label, "prompt").inc(usage.prompt)
-    if usage.completion:  # pooling APIs complete nothing
-        metrics.child(metrics.tokens, model, label, "completion").inc(usage.completion)
-    if usage.cached:
-        metrics.child(metrics.tokens, model, label, "cached").inc(usage.cached)
-
-
-def _spent_converting(ex: Exchange, model: str, usage: Usage) -> None:
-    """What a conversion cost a model of the table (an image's description): counted as that
-    model's tokens for the request's key, and spent of the key's budgets at the request's end
-    whatever becomes of the request."""
-    _count_tokens(ex.services, ex.key, model, usage)
-    if ex.key is not None:
-        ex.request[SPENT_KEY] = ex.request.get(SPENT_KEY, 0) + usage.total
-
-
 async def _reprime(ex: Exchange) -> bytes:
     """The body of a request whose primed embeddings the consumer missed, its images primed again."""
     ex.body = exact(ex.raw, orjson.loads(ex.raw))  # the client's request again: the first try rewrote its parts
@@ -462,48 +359,3 @@ async def _gated(
             tracing.failed(waiting, exc)
             waiting.end()
         raise
-
-
-def _check_grown_size(config: GatewayConfig, raw: bytes, encoded: Encoded) -> None:
-    """413 before writing a body that encoding grew past ``server.max_upstream_body_bytes``."""
-    limit = config.server.max_upstream_body_bytes
-    # at most: the client's bytes, plus each new part and field (the parts they replace are left counted)
-    size = len(raw) + sum(_part_size(part) for part in encoded.replacements.values())
-    if encoded.fields:
-        size += len(orjson.dumps(encoded.fields))
-    if size > limit:
-        raise PayloadTooLargeError(
-            f"With its media encoded, sampled or transcribed, this request would be {size} bytes upstream, over "
-            f"the limit of {limit} bytes (server.max_upstream_body_bytes); send fewer or smaller images or videos"
-        )
-
-
-def _made_image_size(part: dict[str, Any]) -> int:
-    """The size of an image part the gateway made (chat ``image_url``, Responses
-    ``input_image``, a Messages ``image`` block), by its base64; 0 for another part."""
-    url = part.get("image_url")
-    if isinstance(url, dict):
-        url = url.get("url")
-    if isinstance(url, str):
-        return len(url) + 64
-    source = part.get("source")
-    if part.get("type") == "image" and isinstance(source, dict) and isinstance(source.get("data"), str):
-        return len(source["data"]) + 128
-    return 0
-
-
-def _part_size(part: dict[str, Any]) -> int:
-    """A new part's size as written, near enough: embeddings are base64 strings (their length,
-    without writing megabytes again); frames are data URLs (theirs); anything else (metadata, a
-    raw image's uuid, a transcript) is small, written."""
-    if part.get("type") == EXPAND:  # a video's frames, a PDF's pages: image parts of the API's among text
-        return sum(_made_image_size(p) or _part_size(p) for p in part["parts"])
-    video = part.get("video_url")
-    if isinstance(video, dict) and isinstance(video.get("url"), str):  # a video inline: megabytes, not written again
-        return len(video["url"]) + 128
-    embeds = part.get("image_embeds")
-    if isinstance(embeds, str):
-        return len(embeds) + 128
-    if isinstance(embeds, dict) and all(isinstance(v, str) for v in embeds.values()):
-        return sum(len(v) for v in embeds.values()) + 128
-    return len(orjson.dumps({k: v for k, v in part.items() if k not in ("image_url", "input_image")})) + 128

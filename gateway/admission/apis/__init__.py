@@ -73,6 +73,7 @@ class Api:
     affinity: AffinityKey = no_affinity  # what keeps a conversation on one replica (balance: affinity)
     stores: bool = False  # its engine keeps the responses it makes (previous_response_id names one)
     stream_error: StreamError = openai_stream_error  # how a stream of it broken after its first byte ends
+    asks_usage: bool = False  # its streams say their usage only when asked (stream_options.include_usage)
     converts: bool = False  # video sampled, images encoded: the chat API only
     transcribes: bool = False  # media served as text, audio's transcript or an image's description (its text part)
     # a stripped part leaves a note, a text part of its own (a generative API; a pooling one's would
@@ -160,6 +161,7 @@ CHAT = Api(
     CHAT_PARTS,
     chat_contents,
     affinity=chat_key,
+    asks_usage=True,
     converts=True,
     transcribes=True,
     leaves_notes=True,
@@ -174,5 +176,5 @@ def _no_view(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
 # text only: the model must exist; the body passes through, renamed for its upstream
 COMPLETIONS = Api(
     "completions", "/v1/completions", CHAT_PARTS, _no_view, door="text", operation="text_completion",
-    affinity=prompt_key,
+    affinity=prompt_key, asks_usage=True,
 )  # fmt: skip
