@@ -159,3 +159,18 @@ def test_one_attempt_loop_takes_every_lease_a_pool_chooses() -> None:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "lease"
     ]
     assert not elsewhere, "leases taken outside the attempt loop:\n" + "\n".join(elsewhere)
+
+
+def test_only_admission_reads_a_body_whose_images_are_held_back() -> None:
+    """``Exchange.parsed`` is the body with its images' data URLs cut to their first characters
+    (gateway.admission.strings): only admission may read it, handed it by a door (or a top-level
+    field the exchange reads as parsed); every other stage reads ``Exchange.body``, whole."""
+    readers = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "parsed":
+                readers.append(f"{path.relative_to(GATEWAY)}:{node.lineno}")
+    allowed = ("server/exchange.py", "server/doors.py")
+    assert [r for r in readers if not r.startswith(allowed)] == []
+    doors = [r for r in readers if r.startswith("server/doors.py")]
+    assert len(doors) == 2, "a door hands the parsed body to lookup and admit, and to nothing else"

@@ -8,7 +8,7 @@ opened, first, so that the limits hold on their sizes before anything is decoded
 probed (their containers read) before anything is sampled; then images downscaled, audio
 transcribed, images described, files extracted (their page images counted), videos sampled into
 frames (counted), or pre-sampled as vLLM takes them. What a conversion makes is counted again by
-admission (gateway.admission.plan's ``with_pages``, ``with_sampled_frames``, ``with_videos_sent``):
+admission (gateway.admission.recount's ``with_pages``, ``with_sampled_frames``, ``with_videos_sent``):
 the limits hold on what the model will get.
 """
 
@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..admission.plan import RoutePlan, with_pages, with_sampled_frames, with_strip, with_videos_sent
+from ..admission.plan import RoutePlan, with_strip
+from ..admission.recount import with_pages, with_sampled_frames, with_videos_sent
 from ..config import MediaConfig
 from ..metrics import GatewayMetrics
 from ..tracing import Attributes, Tracing, stage
