@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig, parse_config
-from gateway.config.types import UPSTREAM_CLIENTS
+from gateway.config.keys import UPSTREAM_CLIENTS
 from gateway.server.app import SERVER_OPTIONS, create_app
 from gateway.server.state import SERVICES_KEY
 from tools.standin import StandIn

@@ -26,7 +26,7 @@ import orjson
 from aiohttp import StreamReader, web
 
 from ..config import ServerConfig
-from ..config.types import MAX_JSON_DEPTH
+from ..config.keys import MAX_JSON_DEPTH
 from ..errors import (
     InvalidRequestError,
     PayloadTooLargeError,

@@ -23,11 +23,10 @@ import yaml
 from ..errors import ConfigError, ConfigProblem
 from .environment import env_secret
 from .export import as_dict
+from .keys import BALANCE_POLICIES, PRIORITIES
 from .loader import TooLargeError
 from .sections import Parser
 from .types import (
-    BALANCE_POLICIES,
-    PRIORITIES,
     REJECT,
     ApiKey,
     AuthConfig,

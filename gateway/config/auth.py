@@ -5,20 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .keys import API_KEY_KEYS, AUTH_KEYS, PRIORITIES, PRIORITY_KEYS, RATE_LIMIT_KEYS, SHA256_HEX
 from .loader import MISSING
 from .readers import Readers, describe, fields
-from .types import (
-    API_KEY_KEYS,
-    AUTH_KEYS,
-    PRIORITIES,
-    PRIORITY_KEYS,
-    RATE_LIMIT_KEYS,
-    SHA256_HEX,
-    ApiKey,
-    AuthConfig,
-    PriorityCap,
-    RateLimit,
-)
+from .types import ApiKey, AuthConfig, PriorityCap, RateLimit
 
 
 class AuthReaders(Readers):

@@ -8,7 +8,8 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
-from .types import VIDEO_KEYS, GatewayConfig, ModelConfig, Policy
+from .keys import VIDEO_KEYS
+from .types import GatewayConfig, ModelConfig, Policy
 
 
 def as_dict(config: GatewayConfig) -> dict[str, Any]:

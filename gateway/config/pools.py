@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .loader import MISSING
-from .readers import Readers, fields, show, unknown_message
-from .types import (
+from .keys import (
     BALANCE_POLICIES,
     BREAKER_KEYS,
     HEALTH_CHECK_KEYS,
@@ -18,13 +16,10 @@ from .types import (
     RETRYABLE_STATUSES,
     TIMEOUT_KEYS,
     UPSTREAM_KEYS,
-    BreakerConfig,
-    HealthCheckConfig,
-    QueueConfig,
-    RetryConfig,
-    ServerConfig,
-    TimeoutConfig,
 )
+from .loader import MISSING
+from .readers import Readers, fields, show, unknown_message
+from .types import BreakerConfig, HealthCheckConfig, QueueConfig, RetryConfig, ServerConfig, TimeoutConfig
 
 MAX_WEIGHT = 100  # affinity places 64 ring points per unit of weight; a ratio of 100 is plenty
 

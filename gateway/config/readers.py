@@ -9,8 +9,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..modalities import MODALITY_NAMES, Modality
+from .keys import BUILTIN_TOWERS, ENV_NAME, HOST_NAME
 from .loader import MISSING, MarkedDocument, join_path
-from .types import BUILTIN_TOWERS, ENV_NAME, HOST_NAME
 
 
 class Readers(MarkedDocument):

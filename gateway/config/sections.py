@@ -10,10 +10,7 @@ from typing import Any
 from ..modalities import MODALITY_NAMES, Modality
 from .auth import AuthReaders
 from .engines import DEFAULT_ENGINE, ENGINES
-from .loader import MISSING, join_path
-from .pools import PoolReaders
-from .readers import describe, fields, show, unknown_message
-from .types import (
+from .keys import (
     API_NAMES,
     DEFAULT_APIS,
     DEFAULT_DESCRIBE_PROMPT,
@@ -39,6 +36,11 @@ from .types import (
     TRANSCRIBE_KEYS,
     UPSTREAM_CLIENTS,
     VISUAL_LIMITS,
+)
+from .loader import MISSING, join_path
+from .pools import PoolReaders
+from .readers import describe, fields, show, unknown_message
+from .types import (
     EncoderConfig,
     GatewayConfig,
     LimitsStoreConfig,

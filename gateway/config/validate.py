@@ -11,8 +11,9 @@ from pathlib import Path
 from ..modalities import Modality
 from ..tracing import available as tracing_available
 from .environment import env_secret
+from .keys import BUILTIN_TOWERS, ENCODABLE
 from .loader import MarkedDocument
-from .types import BUILTIN_TOWERS, ENCODABLE, GatewayConfig, ModelConfig
+from .types import GatewayConfig, ModelConfig
 
 
 def validate(config: GatewayConfig, p: MarkedDocument) -> None:

@@ -7,19 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
+from .keys import OVERSIZE_KEYS, VIDEO_KEYS, VISUAL_KEYS, VISUAL_LIMITS
 from .loader import MISSING, join_path
 from .readers import Readers, show, unknown_message
-from .types import (
-    OVERSIZE_KEYS,
-    VIDEO_KEYS,
-    VIDEO_PRESETS,
-    VISUAL_KEYS,
-    VISUAL_LIMITS,
-    VISUAL_PRESETS,
-    Oversize,
-    VideoTokens,
-    VisualTokens,
-)
+from .types import VIDEO_PRESETS, VISUAL_PRESETS, Oversize, VideoTokens, VisualTokens
 
 MAX_PIXELS = 1 << 40  # a limit or a target beyond this is a typo
 MAX_FRAMES = 1 << 16  # frames a video processor may take

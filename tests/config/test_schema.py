@@ -21,7 +21,7 @@ from gateway.config import (
     TracingConfig,
     parse_config,
 )
-from gateway.config.types import (
+from gateway.config.keys import (
     API_KEY_KEYS,
     AUTH_KEYS,
     BREAKER_KEYS,
@@ -154,7 +154,7 @@ def test_policy_enum_matches_the_parser() -> None:
 
 
 def test_encode_allows_only_encodable_modalities() -> None:
-    from gateway.config.types import ENCODABLE
+    from gateway.config.keys import ENCODABLE
 
     # the encodable modalities, and min_images
     assert tuple(DEFS["model"]["properties"]["encode"]["properties"]) == (*(m.value for m in ENCODABLE), "min_images")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gateway.admission.apis.catalog import APIS, BY_NAME, BY_PATH, UNVERSIONED, is_api, shape_of
-from gateway.config.types import API_NAMES
+from gateway.config.keys import API_NAMES
 from gateway.server.doors import ROUTES
 
 GATEWAY = Path(__file__).resolve().parents[3] / "gateway"
