@@ -35,7 +35,7 @@ import orjson
 
 from bench.calls import CONFIG, _serve
 from bench.hop import image_body
-from gateway.admission import body, dimensions, plan, strings, visual
+from gateway.admission import body, dimensions, plan, strings, tokens, visual
 from gateway.config import parse_config
 from gateway.server.app import SERVER_OPTIONS, create_app
 from tools.standin import StandIn
@@ -50,7 +50,7 @@ STAGES = (
     (plan, "_measure"),
     (visual, "_size"),
     (dimensions, "encoded_dimensions"),
-    (visual, "count"),
+    (tokens, "count"),
 )
 TEXT = b'{"model":"m","messages":[{"role":"user","content":"Hello there, how are you today?"}],"max_tokens":16}'
 

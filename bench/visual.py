@@ -41,7 +41,7 @@ from PIL import Image
 from bench import procstat
 from gateway.admission.dimensions import data_url_dimensions, read_dimensions
 from gateway.admission.plan import admit
-from gateway.admission.visual import count
+from gateway.admission.tokens import count
 from gateway.config import parse_config
 from gateway.config.types import VISUAL_PRESETS
 
@@ -167,7 +167,7 @@ TARGET_PIXELS = 4_000_000
 def downscale_case(name: str, path: str, repeats: int) -> dict[str, Any]:
     """One case, in this (fresh) process that has read only the image's bytes: the growth of its
     peak RSS is the downscale's."""
-    from gateway.admission.visual import fit
+    from gateway.admission.tokens import fit
     from gateway.media.downscale import downscale
 
     _, width, height = CASES[name]

@@ -316,14 +316,14 @@ def test_the_stages_are_timed_inside_a_live_gateway_and_put_back_after(capsys: p
     """bench.stages: each admission stage timed in place (its wrapper seen by every module that
     imported it), then the gateway's own functions back where they were."""
     from bench import stages
-    from gateway.admission import plan, visual
+    from gateway.admission import plan, tokens
     from gateway.server import doors
 
-    before = (plan.admit, vars(doors)["admit"], visual.count)
+    before = (plan.admit, vars(doors)["admit"], tokens.count)
     assert stages.main(["-n", "3", "--rounds", "1", "--size", "20000"]) == 0
     table = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in table.splitlines() if line.startswith("| `")}
     text, counted, plain = (float(c) for c in rows["`_measure`"])
     assert text == 0 and counted > 0 and plain == 0  # only the model that counts its images measures them
     assert all(float(c) > 0 for c in rows["`admit`"]) and float(rows["`process`"][1]) > 0
-    assert (plan.admit, vars(doors)["admit"], visual.count) == before
+    assert (plan.admit, vars(doors)["admit"], tokens.count) == before

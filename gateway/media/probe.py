@@ -21,7 +21,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from ..admission.dimensions import BadImage, NeedMore, encoded_dimensions
-from ..admission.visual import VideoInfo, video_source
+from ..admission.tokens import VideoInfo
+from ..admission.visual import video_source
 from ..errors import InvalidVideoError, Rejection
 from ..modalities import Modality
 from .demux import VIDEO_FORMATS, VIDEO_NAMES, UnreadableMediaError, open_media, reason

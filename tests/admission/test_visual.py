@@ -19,7 +19,7 @@ import pytest
 
 from gateway.admission.plan import admit
 from gateway.admission.strings import cut, parse
-from gateway.admission.visual import count, fit, resized
+from gateway.admission.tokens import count, fit, resized
 from gateway.config import parse_config
 from gateway.config.types import VISUAL_PRESETS
 from gateway.errors import GatewayError
@@ -424,7 +424,7 @@ def video_processor(preset: str) -> Any:
 def test_video_presets_count_what_the_video_processor_counts(preset: str) -> None:
     """The frames the model takes (the engine's `frames: N`, all of a shorter video) and each
     count equal to the processor's own (get_num_of_video_patches), over the grid."""
-    from gateway.admission.visual import VideoInfo, video_tokens
+    from gateway.admission.tokens import VideoInfo, video_tokens
     from gateway.config.types import VIDEO_PRESETS
 
     processor, spec = video_processor(preset), VIDEO_PRESETS[preset]
@@ -448,7 +448,7 @@ def test_video_presets_sample_by_fps_as_the_processor_samples(preset: str) -> No
     """``fps: F``: the frames the processor's own sample_frames takes, whatever the video's rate."""
     from transformers.video_utils import VideoMetadata
 
-    from gateway.admission.visual import VideoInfo, sampled_frames
+    from gateway.admission.tokens import VideoInfo, sampled_frames
     from gateway.config.types import VIDEO_PRESETS
 
     processor, spec = video_processor(preset), VIDEO_PRESETS[preset]
@@ -462,7 +462,7 @@ def test_video_presets_sample_by_fps_as_the_processor_samples(preset: str) -> No
 
 
 def test_a_video_is_counted_at_its_most_when_its_size_cannot_be_known() -> None:
-    from gateway.admission.visual import VideoInfo, video_tokens
+    from gateway.admission.tokens import VideoInfo, video_tokens
 
     config = parse_config(
         "version: 1\nmodels:\n  - {name: q, upstreams: ['http://127.0.0.1:1'], accepts: [text, video], "
@@ -490,11 +490,11 @@ def test_a_video_is_counted_at_its_most_when_its_size_cannot_be_known() -> None:
 def test_a_video_at_its_most_costs_no_less_than_any_video(preset: str) -> None:
     """Qwen3-VL's bounds hold all the frames: a short clip or a sliver can cost more than the
     most frames; the most is taken over every length and the costly sizes."""
-    from gateway.admission.visual import VideoInfo, _most_video, video_tokens
+    from gateway.admission.tokens import VideoInfo, most_video, video_tokens
     from gateway.config.types import VIDEO_PRESETS
 
     spec = dataclasses.replace(VIDEO_PRESETS[preset], frames=None, fps=2.0)
-    most = _most_video(spec)
+    most = most_video(spec)
     for frames in (1, 2, 3, 13, 64, 767, 768):
         for width, height in ((8000, 8000), (4000, 40), (1920, 1080), (200, 1), (640, 360)):
             tokens, _ = video_tokens(
@@ -502,7 +502,7 @@ def test_a_video_at_its_most_costs_no_less_than_any_video(preset: str) -> None:
             )
             assert tokens <= most, (frames, width, height)
     assert (
-        _most_video(spec, (1920, 1080))
+        most_video(spec, (1920, 1080))
         >= video_tokens(dataclasses.replace(spec, frames=768, fps=None), VideoInfo(13, 25.0, 1920, 1080))[0]
     )
 

@@ -11,7 +11,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.admission.visual import VideoInfo, video_tokens
+from gateway.admission.tokens import VideoInfo, video_tokens
 from gateway.config import parse_config
 from gateway.errors import ConfigError, InvalidVideoError
 from gateway.media.probe import read_video, sampled_info
