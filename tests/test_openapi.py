@@ -458,7 +458,7 @@ def test_every_route_the_gateway_can_say_is_documented() -> None:
     """X-Gateway-Route's values: "direct", or any of the actions, in their order."""
     import itertools
 
-    from gateway.admission.plan import ROUTE_ACTIONS
+    from gateway.admission.route import ROUTE_ACTIONS
 
     pattern = re.compile(SPEC["components"]["headers"]["XGatewayRoute"]["schema"]["pattern"])
     readme = (SPEC_PATH.parent.parent / "README.md").read_text()

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..modalities import Modality
 from ..tracing import Attributes
-from .plan import RoutePlan
+from .route import RoutePlan
 
 
 def admission_attributes(plan: RoutePlan, body: dict[str, Any]) -> Attributes:

@@ -12,7 +12,8 @@ from typing import Any
 from ..modalities import Modality
 from .dimensions import Dimensions, read_dimensions
 from .parts import Part
-from .plan import RoutePlan, too_many_images
+from .plan import too_many_images
+from .route import RoutePlan
 from .visual import with_frames, with_videos
 
 

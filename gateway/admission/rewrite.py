@@ -14,7 +14,8 @@ from ..config import ApiKey
 from ..errors import PayloadTooLargeError
 from .apis.catalog import BY_PATH
 from .body import dump_body, exact
-from .plan import EXPAND, RoutePlan, removed_note
+from .plan import EXPAND, removed_note
+from .route import RoutePlan
 
 
 def upstream_body(

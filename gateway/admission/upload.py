@@ -20,7 +20,8 @@ from ..errors import InvalidRequestError, MediaRefusedError, Rejection, Unsuppor
 from ..modalities import Modality
 from .apis import Api
 from .parts import CHAT_PARTS, Classification, Content, Part
-from .plan import Redirect, RoutePlan, Visible, lookup
+from .plan import lookup
+from .route import Redirect, RoutePlan, Visible
 
 MAX_FIELDS = 64  # parts of one form
 MAX_HEAD_BYTES = 8 * 1024  # the headers of one part

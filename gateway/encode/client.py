@@ -30,7 +30,8 @@ import aiohttp
 import orjson
 
 from ..admission.parts import Part
-from ..admission.plan import EXPAND, RoutePlan
+from ..admission.plan import EXPAND
+from ..admission.route import RoutePlan
 from ..config import BreakerConfig, EncoderConfig, GatewayConfig, MediaConfig, ServerConfig
 from ..errors import (
     EncoderError,

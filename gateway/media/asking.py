@@ -21,7 +21,8 @@ import aiohttp
 import orjson
 
 from ..admission.parts import Part
-from ..admission.plan import EXPAND, RoutePlan, removed_note
+from ..admission.plan import EXPAND, removed_note
+from ..admission.route import RoutePlan
 from ..config import ModelConfig
 from ..errors import GatewayError, Rejection, UnsupportedModalityError, UpstreamError, UpstreamTimeoutError
 from ..fanout import gather_all

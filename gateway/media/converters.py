@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..admission.plan import RoutePlan, with_strip
 from ..admission.recount import with_pages, with_sampled_frames, with_videos_sent
+from ..admission.route import RoutePlan, with_strip
 from ..config import MediaConfig
 from ..metrics import GatewayMetrics
 from ..tracing import Attributes, Tracing, stage

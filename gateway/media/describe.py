@@ -28,7 +28,7 @@ import aiohttp
 import orjson
 
 from ..admission.parts import Part
-from ..admission.plan import RoutePlan
+from ..admission.route import RoutePlan
 from ..config import MediaConfig, ModelConfig, Policy
 from ..errors import (
     GatewayError,

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..admission.parts import Part
-from ..admission.plan import EXPAND, RoutePlan
+from ..admission.plan import EXPAND
+from ..admission.route import RoutePlan
 from ..config import MediaConfig, ModelConfig
 from ..errors import (
     DecodersBusyError,

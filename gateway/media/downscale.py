@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..admission.parts import Part
-from ..admission.plan import RoutePlan
+from ..admission.route import RoutePlan
 from ..errors import ImageTooLargeError, InvalidImageError, Rejection
 from ..metrics import GatewayMetrics
 from . import opened

@@ -30,7 +30,7 @@ from .downscale import Replacements
 from .video import MAX_SECONDS, load_bytes
 
 if TYPE_CHECKING:
-    from ..admission.plan import RoutePlan
+    from ..admission.route import RoutePlan
     from .video import Sampling
 
 # FFmpeg's demuxer name (its first) -> the media type of a data URL of the file

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..admission.dimensions import BadImage, Dimensions, NeedMore, read_dimensions
 from ..admission.parts import Part
-from ..admission.plan import RoutePlan
+from ..admission.route import RoutePlan
 from ..admission.visual import image_source, measure
 from ..config import MediaConfig
 from ..errors import GatewayError, ImageTooLargeError, InvalidImageError, Rejection

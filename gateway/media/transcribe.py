@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import aiohttp
 
 from ..admission.parts import Part
-from ..admission.plan import RoutePlan
+from ..admission.route import RoutePlan
 from ..config import MediaConfig, ModelConfig
 from ..errors import (
     GatewayError,

@@ -28,7 +28,8 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..admission.parts import Part
-from ..admission.plan import EXPAND, RoutePlan
+from ..admission.plan import EXPAND
+from ..admission.route import RoutePlan
 from ..errors import DecodersBusyError, GatewayError, InvalidVideoError, MediaRefusedError, Rejection
 from ..modalities import Modality
 from .conversions import ConversionCache

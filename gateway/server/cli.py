@@ -19,7 +19,8 @@ import orjson
 
 from ..admission.apis import CHAT
 from ..admission.apis.catalog import BY_NAME, BY_PATH
-from ..admission.plan import RoutePlan, admit
+from ..admission.plan import admit
+from ..admission.route import RoutePlan
 from ..config import GatewayConfig, load_config
 from ..encode import epd
 from ..encode.client import image_url

@@ -23,10 +23,10 @@ from aiohttp import web
 from ..admission.apis import COMPLETIONS
 from ..admission.attributes import admission_attributes
 from ..admission.body import exact, read_body, read_json
-from ..admission.plan import RoutePlan, Visible
 from ..admission.priority import ANONYMOUS, DEFAULT_RANK, HEADER, check_engine_priority, priority_of
 from ..admission.recount import counted_later
 from ..admission.rewrite import check_grown_size, upstream_body, usage_fields
+from ..admission.route import RoutePlan, Visible
 from ..admission.strings import Deferred
 from ..admission.upload import Form, parse_form
 from ..config import PRIORITIES, ApiKey, GatewayConfig, ModelConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..admission.plan import RoutePlan
+from ..admission.route import RoutePlan
 from ..config import ApiKey
 from ..metrics import NO_KEY
 from ..upstream.usage import Usage

@@ -8,8 +8,9 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.admission.plan import Redirect, admit, removed_note
+from gateway.admission.plan import admit, removed_note
 from gateway.admission.rewrite import rewrite
+from gateway.admission.route import Redirect
 from gateway.config import GatewayConfig, ModelConfig, Policy, parse_config
 from gateway.errors import (
     GatewayError,
