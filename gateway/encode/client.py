@@ -193,6 +193,20 @@ class EncoderClient:
         url = self._local_urls(spec.name)
         return [url] if url else []
 
+    async def encode_or_pass(
+        self, plan: RoutePlan, body: Mapping[str, Any], *, request_id: str, config: GatewayConfig, frames: Replacements
+    ) -> Encoded:
+        """:meth:`encode`; where the encoder fails and the model says ``on_encoder_error:
+        passthrough``, nothing (the images go as sent), counted and said."""
+        try:
+            return await self.encode(plan, body, request_id=request_id, config=config, frames=frames)
+        except EncoderError as exc:
+            if plan.model.on_encoder_error != "passthrough":
+                raise
+            log.warning("encoder failed for model %s, sending the original images: %s", plan.model.name, exc.message)
+            self._metrics.encoder_passthrough.labels(plan.model.name, plan.encoder or "").inc()
+            return NOTHING
+
     async def encode(
         self,
         plan: RoutePlan,

@@ -6,17 +6,22 @@ by event."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from ..admission.apis import Api
-from ..admission.upload import admit_upload, lookup_upload
+from ..admission.body import read_body
+from ..admission.upload import Form, admit_upload, lookup_upload, parse_form
+from ..metrics import UNKNOWN_MODEL
 from . import exchange
+from .exchange import Exchange
+from .state import MODEL_LABEL_KEY, SERVICES_KEY, admitted_as
 
 
 async def _upload(request: web.Request, api: Api) -> web.StreamResponse:
-    ex, form = await exchange.begin_upload(request)
+    ex, form = await _begin(request)
     requested = lookup_upload(ex.config, form, ex.visible, api)
     ex.serve_with(requested)
     plan = admit_upload(ex.config, form, ex.visible, requested=requested, api=api)
@@ -35,3 +40,21 @@ def door(api: Api) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
 
     handler.__name__ = handler.__qualname__ = f"{api.name}_handler"
     return handler
+
+
+async def _begin(request: web.Request) -> tuple[Exchange, Form]:
+    """The exchange of an audio upload (multipart/form-data), its form read where its parts lie."""
+    services = request.app[SERVICES_KEY]
+    live = services.store.live
+    request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
+    key, priority = admitted_as(request)
+    allowed = key.allows if key is not None else None
+    began = time.time_ns() if services.tracing is not None else 0
+    server = live.config.server
+    raw = await read_body(request, timeout_s=server.client_body_timeout_s, max_bytes=services.max_body_bytes)
+    form = parse_form(raw, request.headers.get("Content-Type", ""))
+    streamed = (form.value("stream") or "").lower() == "true"
+    begun = Exchange(
+        request, services, live, live.config, allowed, raw, {}, None, streamed, priority, key, began_ns=began
+    )
+    return begun, form

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,24 +22,23 @@ from aiohttp import web
 
 from ..admission.apis import COMPLETIONS
 from ..admission.attributes import admission_attributes
-from ..admission.body import exact, read_body, read_json
-from ..admission.priority import ANONYMOUS, DEFAULT_RANK, HEADER, check_engine_priority, priority_of
+from ..admission.body import exact, read_json
+from ..admission.priority import check_engine_priority
 from ..admission.recount import counted_later
 from ..admission.rewrite import check_grown_size, upstream_body, usage_fields
 from ..admission.route import RoutePlan, Visible
 from ..admission.strings import Deferred
-from ..admission.upload import Form, parse_form
 from ..config import PRIORITIES, ApiKey, GatewayConfig, ModelConfig
-from ..encode.client import NOTHING, Encoded, Replacements
-from ..errors import EncoderError
+from ..encode.client import Encoded, Replacements
 from ..media import converters
 from ..media.decoders import TENANT
 from ..metrics import UNKNOWN_MODEL
-from ..tracing import Span, stage
+from ..tracing import stage
+from ..upstream.concurrency import gated
 from ..upstream.dispatch import Dispatch, Timeouts
 from ..upstream.live import Live
 from . import spending
-from .state import API_KEY_KEY, MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services
+from .state import MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services, admitted_as
 
 log = logging.getLogger(__name__)
 
@@ -147,30 +146,13 @@ class Exchange:
             metrics.child(metrics.request_visual_tokens, plan.model.name).observe(tokens)
 
 
-def visible(request: web.Request) -> Visible:
-    """The model names the request's API key may use (None: every one, auth off)."""
-    key = request.get(API_KEY_KEY)
-    return key.allows if key is not None else None
-
-
-def _admitted_as(request: web.Request) -> tuple[ApiKey | None, int]:
-    """The request's key (the one the front middleware found: a reload since, auth taken off,
-    does not unkey a request it let in), and its class: ``x-priority`` within the key's cap (400
-    for an unknown class)."""
-    key = request.get(API_KEY_KEY)
-    header = request.headers.get(HEADER)
-    if key is None:
-        return None, DEFAULT_RANK if header is None else priority_of(header, ANONYMOUS)
-    return key, priority_of(header, key.priority)
-
-
 async def begin(request: web.Request) -> Exchange:
     """The exchange of a request to a model endpoint: the live generation (the request keeps it to
     its last byte), its body read within the limits and parsed."""
     services = request.app[SERVICES_KEY]
     live = services.store.live
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL  # until the body names a model: a 413 or bad JSON counts too
-    key, priority = _admitted_as(request)
+    key, priority = admitted_as(request)
     began = time.time_ns() if services.tracing is not None else 0
     raw, body, deferred = await read_json(request, live.config.server, max_bytes=services.max_body_bytes)
     check_engine_priority(body, key)
@@ -191,24 +173,6 @@ async def begin(request: web.Request) -> Exchange:
         began_ns=began,
         ask_usage=usage_fields(key, body, request.path, streamed),
     )
-
-
-async def begin_upload(request: web.Request) -> tuple[Exchange, Form]:
-    """The exchange of an audio upload (multipart/form-data), its form read where its parts lie."""
-    services = request.app[SERVICES_KEY]
-    live = services.store.live
-    request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
-    key, priority = _admitted_as(request)
-    allowed = key.allows if key is not None else None
-    began = time.time_ns() if services.tracing is not None else 0
-    server = live.config.server
-    raw = await read_body(request, timeout_s=server.client_body_timeout_s, max_bytes=services.max_body_bytes)
-    form = parse_form(raw, request.headers.get("Content-Type", ""))
-    streamed = (form.value("stream") or "").lower() == "true"
-    exchange = Exchange(
-        request, services, live, live.config, allowed, raw, {}, None, streamed, priority, key, began_ns=began
-    )
-    return exchange, form
 
 
 async def convert(ex: Exchange) -> None:
@@ -245,7 +209,9 @@ async def encode(ex: Exchange) -> bytes:
         kind = ex.config.encoders[plan.encoder or ""].kind
         name = "gateway.prime" if kind == "vllm" else "gateway.encode"
         with stage(ex.services.tracing, name, {"gateway.encoder": plan.encoder or ""}):
-            images = await _encode(ex, plan)
+            images = await ex.services.encoder.encode_or_pass(
+                plan, ex.body, request_id=ex.request[REQUEST_ID_KEY], config=ex.config, frames=ex.converted
+            )
         ex.headers["X-Gateway-Encoded"] = str(images.images)
         encoded = Encoded(ex.converted | images.replacements, {**images.fields, **encoded.fields})
         ex.primed = bool(images.replacements) and kind == "vllm"
@@ -254,20 +220,6 @@ async def encode(ex: Exchange) -> bytes:
     if not encoded.replacements and not encoded.fields and not plan.needs_rewrite(ex.parsed):
         return ex.raw  # the client's own bytes (its top-level fields said so): no deferred string made
     return upstream_body(plan, ex.raw, ex.body, encoded.replacements, encoded.fields)
-
-
-async def _encode(ex: Exchange, plan: RoutePlan) -> Encoded:
-    services = ex.services
-    try:
-        return await services.encoder.encode(
-            plan, ex.body, request_id=ex.request[REQUEST_ID_KEY], config=ex.config, frames=ex.converted
-        )
-    except EncoderError as exc:
-        if plan.model.on_encoder_error != "passthrough":
-            raise
-        log.warning("encoder failed for model %s, sending the original images: %s", plan.model.name, exc.message)
-        services.metrics.encoder_passthrough.labels(plan.model.name, plan.encoder or "").inc()
-        return NOTHING
 
 
 def forward(
@@ -322,10 +274,11 @@ def forward(
         )  # fmt: skip
     if model.max_concurrency is None:
         return upstream.forward(request, dispatch)
-    return _gated(ex.services, model, ex.priority, lambda: upstream.forward(request, dispatch))
+    return gated(
+        ex.services.gates, ex.services.tracing, model, ex.priority, lambda: upstream.forward(request, dispatch)
+    )
 
 
-# the APIs whose streams say their usage only when asked (stream_options.include_usage)
 async def _reprime(ex: Exchange) -> bytes:
     """The body of a request whose primed embeddings the consumer missed, its images primed again."""
     ex.body = exact(ex.raw, orjson.loads(ex.raw))  # the client's request again: the first try rewrote its parts
@@ -337,26 +290,3 @@ async def _reprime(ex: Exchange) -> bytes:
 def _let_go(ex: Exchange) -> None:
     """What the relay does not need: the parsed request and the converted media."""
     ex.raw, ex.body, ex.converted = b"", {}, {}
-
-
-async def _gated(
-    services: Services, model: ModelConfig, rank: int, exchange: Callable[[], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """The exchange, begun once the model's gate gives it a slot (``max_concurrency``), in the
-    order of its priority class (``rank``): its deadlines and retry budget count from then."""
-    tracing = services.tracing
-    if tracing is None or not tracing.recording():
-        async with services.gates.slot(model, rank):
-            return await exchange()
-    waiting: Span | None = tracing.start("gateway.queue", {"gateway.priority": PRIORITIES[rank]})
-    try:
-        async with services.gates.slot(model, rank):
-            assert waiting is not None
-            waiting.end()
-            waiting = None
-            return await exchange()
-    except BaseException as exc:
-        if waiting is not None:  # shed, or the client left, while it waited
-            tracing.failed(waiting, exc)
-            waiting.end()
-        raise

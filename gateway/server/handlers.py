@@ -20,8 +20,8 @@ from ..errors import (
     InvalidRequestError,
     PermissionDeniedError,
 )
-from .exchange import visible as visible_models
 from .state import SERVICES_KEY, Services
+from .state import visible as visible_models
 
 log = logging.getLogger(__name__)
 JSON = "application/json"

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from ..admission.auth import KeyLimits
+from ..admission.priority import ANONYMOUS, DEFAULT_RANK, HEADER, priority_of
+from ..admission.route import Visible
 from ..admission.shared import SharedLimits
 from ..config import ApiKey
 from ..encode.client import EncoderClient
@@ -79,3 +81,20 @@ API_KEY_KEY = web.RequestKey("api_key", ApiKey)
 KEY_LABEL_KEY = web.RequestKey("key_label", str)
 RATE_HEADERS_KEY = web.RequestKey("rate_headers", dict)  # x-ratelimit-* for the response
 SPENT_KEY = web.RequestKey("spent", int)  # the tokens the request's reply cost, spent of its key's budgets at its end
+
+
+def visible(request: web.Request) -> Visible:
+    """The model names the request's API key may use (None: every one, auth off)."""
+    key = request.get(API_KEY_KEY)
+    return key.allows if key is not None else None
+
+
+def admitted_as(request: web.Request) -> tuple[ApiKey | None, int]:
+    """The request's key (the one the front middleware found: a reload since, auth taken off,
+    does not unkey a request it let in), and its class: ``x-priority`` within the key's cap (400
+    for an unknown class)."""
+    key = request.get(API_KEY_KEY)
+    header = request.headers.get(HEADER)
+    if key is None:
+        return None, DEFAULT_RANK if header is None else priority_of(header, ANONYMOUS)
+    return key, priority_of(header, key.priority)

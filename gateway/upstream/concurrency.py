@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
+from typing import TypeVar
 
 from ..config import PRIORITIES, ModelConfig
 from ..errors import PreemptedError, QueueFullError, QueueTimeoutError
+from ..tracing import Span, Tracing
+
+T = TypeVar("T")
 
 TOP = 0  # the rank of the highest class (system): the only one that may take reserved slots
 DEFAULT_RANK = PRIORITIES.index("default")  # a slot's class when none is said (gateway.admission.priority's)
@@ -207,3 +211,26 @@ class Gates:
 
     def items(self) -> list[tuple[str, Gate]]:
         return sorted(self._by_model.items())
+
+
+async def gated(
+    gates: Gates, tracing: Tracing | None, model: ModelConfig, rank: int, exchange: Callable[[], Awaitable[T]]
+) -> T:
+    """The exchange, begun once the model's gate gives it a slot (``max_concurrency``), in the
+    order of its priority class (``rank``): its deadlines and retry budget count from then; its
+    wait a span of its own (``gateway.queue``), where the request is traced."""
+    if tracing is None or not tracing.recording():
+        async with gates.slot(model, rank):
+            return await exchange()
+    waiting: Span | None = tracing.start("gateway.queue", {"gateway.priority": PRIORITIES[rank]})
+    try:
+        async with gates.slot(model, rank):
+            assert waiting is not None
+            waiting.end()
+            waiting = None
+            return await exchange()
+    except BaseException as exc:
+        if waiting is not None:  # shed, or the client left, while it waited
+            tracing.failed(waiting, exc)
+            waiting.end()
+        raise
