@@ -47,9 +47,9 @@ from ..media.fetch import MediaFetcher, is_data_url, sha256
 from ..metrics import GatewayMetrics
 from ..tracing import Tracing, inject
 from ..upstream.attempts import Attempts
-from ..upstream.client import KEEPALIVE_TIMEOUT_S, whole_body
 from ..upstream.failures import CLIENT_ERRORS
 from ..upstream.replicas import Pool, ReplicaSet
+from ..upstream.wire import KEEPALIVE_S, whole_body
 from . import epd
 
 OCTETS = "application/octet-stream"  # an image as sent to an encoder backend: its bytes
@@ -165,7 +165,7 @@ class EncoderClient:
 
     async def start(self, config: GatewayConfig) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=MAX_ENCODER_CONNECTIONS, keepalive_timeout=KEEPALIVE_TIMEOUT_S),
+            connector=aiohttp.TCPConnector(limit=MAX_ENCODER_CONNECTIONS, keepalive_timeout=KEEPALIVE_S),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
         await self.fetcher.start()

@@ -30,9 +30,9 @@ from ..metrics import GatewayMetrics
 from ..tracing import Tracing, inject
 from ..upstream.attempts import Attempts
 from ..upstream.failures import CLIENT_ERRORS
-from ..upstream.http1 import KEEPALIVE_S
 from ..upstream.live import Live
 from ..upstream.retries import RetryBook
+from ..upstream.wire import KEEPALIVE_S
 from .conversions import ConversionCache
 from .fetch import MediaFetcher
 

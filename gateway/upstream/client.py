@@ -28,7 +28,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import hdrs, web
-from aiohttp.payload import BytesPayload, Payload
 from multidict import CIMultiDict
 
 from ..config import ModelConfig
@@ -48,10 +47,11 @@ from .attempts import Attempts
 from .dispatch import Dispatch, Timeouts
 from .failures import CLIENT_ERRORS, ClientFailure
 from .holders import Holders
-from .http1 import KEEPALIVE_S, Http1Client, PoolFull, ProtocolError, UnsendableHeader, Waits
+from .http1 import Http1Client, PoolFull, ProtocolError, UnsendableHeader, Waits
 from .relay import HOP_BY_HOP, UpstreamReply, outcome_of, relay
 from .replicas import Lease, Replica
 from .retries import RetryBook
+from .wire import KEEPALIVE_S, whole_body
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,8 @@ CLIENT_CREDENTIALS = (hdrs.AUTHORIZATION, "x-api-key", "api-key", "x-goog-api-ke
 
 # vLLM and SGLang (uvicorn) close idle keep-alive connections after 5 s; reusing one at that moment
 # fails a POST that cannot be retried, so the client pool lets connections go first.
-KEEPALIVE_TIMEOUT_S = KEEPALIVE_S
 MAX_BUSY_S = 30.0  # the longest a replica that answered 429 is passed over
 POOL_FULL_PAUSE_S = 1.0  # a replica whose MAX_CONNECTIONS were all busy for a connect timeout is passed over this long
-LARGE_BODY_BYTES = 1 << 20  # aiohttp's own threshold for a "large" bytes body
 
 
 class UpstreamClient:
@@ -99,7 +97,7 @@ class UpstreamClient:
         if self._client == "http1":
             self._http1 = Http1Client()
             return
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_TIMEOUT_S)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         self._session = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,
@@ -407,26 +405,6 @@ class _ForwardedRequest(aiohttp.ClientRequest):
 
     def update_auto_headers(self, skip_auto_headers: Iterable[str] | None) -> None:
         pass
-
-
-def whole_body(body: bytes, content_type: str) -> Payload:
-    """``body`` as one aiohttp payload written in one piece, whatever its size (see _WholeBody),
-    built here: no lookup in aiohttp's payload registry."""
-    if len(body) < LARGE_BODY_BYTES:
-        return BytesPayload(body, content_type=content_type)
-    return _WholeBody(body, content_type)
-
-
-class _WholeBody(BytesPayload):
-    """A large body, written in one piece as a small one is. aiohttp warns about large bytes and
-    would have a BytesIO instead, which it writes 64 KiB at a time with a turn of the event loop
-    between pieces: 32 turns and writes for a 2 MiB image request. The body is in memory already,
-    so one write costs a copy into the socket's buffer (the transport keeps what the kernel does
-    not take yet); the event loop is not held any longer than by the copy."""
-
-    def __init__(self, value: bytes, content_type: str) -> None:
-        Payload.__init__(self, value, content_type=content_type)  # BytesPayload's warns
-        self._size = len(value)
 
 
 def _retry_after(value: str | None) -> float:

@@ -37,7 +37,8 @@ Errors are :class:`Http1Error`; :mod:`gateway.upstream.failures` reads them as i
 
 from __future__ import annotations
 
-from .client import KEEPALIVE_S, MAX_CONNECTIONS, Http1Client, Waits
+from ..wire import KEEPALIVE_S
+from .client import MAX_CONNECTIONS, Http1Client, Waits
 from .connection import MAX_HEAD_BYTES, MAX_INTERIM, MAX_TRAILERS, SPLICE_BYTES, STALE_WINDOW_S, _Connection
 from .errors import (
     ConnectError,

@@ -9,11 +9,11 @@ from collections.abc import Mapping
 from typing import NamedTuple
 from urllib.parse import quote, urlsplit
 
+from ..wire import KEEPALIVE_S
 from .connection import _Connection
 from .errors import ConnectError, ConnectTimeout, Disconnected, PoolFull, UnsendableHeader
 from .reply import Reply
 
-KEEPALIVE_S = 4.0  # < the 5 s after which uvicorn (vLLM, SGLang) closes an idle connection
 MAX_CONNECTIONS = 1024  # open to one replica (a request holds one while it is relayed)
 
 
