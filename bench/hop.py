@@ -65,7 +65,6 @@ EPD_CONNECTIONS = 8
 PROMPT = "Describe the picture in one sentence."
 DIRECT, MINIMAL, GATEWAY, GATEWAY_LOG = "direct", "minimal proxy", "gateway", "gateway, access log on"
 GATEWAY_UNCOUNTED = "gateway, images not counted"  # a model with no visual_tokens: what counting costs
-GATEWAY_AIOHTTP = "gateway, aiohttp client"  # server.upstream_client: aiohttp, side by side with the default
 FLOOR = "aiohttp server, fixed 400"  # bench.floor: the least an aiohttp server does to answer
 FORWARDED, REJECTED = "gateway, forwarded (text)", "gateway, rejected (400)"
 # The tenants scenario: a key's limits in this process or shared in Redis, and traces sent (issue 24)
@@ -217,7 +216,6 @@ def gateway_config(
     *,
     access_log: bool,
     epd: bool,
-    upstream_client: str = "http1",
     extra: tuple[str, str] = ("", ""),
 ) -> str:
     encoders = (
@@ -230,7 +228,7 @@ def gateway_config(
         "version: 1\n"
         f"server: {{host: 127.0.0.1, port: {port}, max_body_bytes: 67108864, reload_interval_s: 0, "
         "drain_grace_s: 0, drain_timeout_s: 2, "
-        f"access_log: {str(access_log).lower()}, upstream_client: {upstream_client}{extra[0]}}}\n"
+        f"access_log: {str(access_log).lower()}{extra[0]}}}\n"
         f"{extra[1]}"
         f"{encoders}"
         "models:\n"
@@ -300,17 +298,12 @@ class Stack:
             return start_server(name, argv, url, "/health", self.tmp)
         epd = name == "gateway, EPD"
         config = self.tmp / f"routing-{port}.yaml"
-        client = "aiohttp" if name == GATEWAY_AIOHTTP else "http1"
         extra = ("", "")
         if name in (GATEWAY_KEYS, GATEWAY_REDIS, GATEWAY_TRACED, GATEWAY_SAMPLED):
             store_url = self.get("redis").url if name == GATEWAY_REDIS else None
             collector = self.get("collector").url if name in (GATEWAY_TRACED, GATEWAY_SAMPLED) else None
             extra = tenants_config(name, redis=store_url, collector=collector)
-        config.write_text(
-            gateway_config(
-                port, self.upstream, access_log=name == GATEWAY_LOG, epd=epd, upstream_client=client, extra=extra
-            )
-        )
+        config.write_text(gateway_config(port, self.upstream, access_log=name == GATEWAY_LOG, epd=epd, extra=extra))
         if name == self.baseline_name and self.baseline is not None:  # the other checkout's, on its own modules
             argv = [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--log-level", "info"]
             return start_server(name, argv, url, "/healthz", self.tmp, cwd=self.baseline)
@@ -405,9 +398,8 @@ def plans(name: str, stack: Stack, scripts: Scripts, *, duration: int, sweep: Se
     text = scripts.static("text", lambda: [chat_body("bench")])
     if name == "text":
         plan = _three("text chat", CONNECTIONS, stack, text)
-        gw_log, gw_aiohttp = stack.get(GATEWAY_LOG), stack.get(GATEWAY_AIOHTTP)
+        gw_log = stack.get(GATEWAY_LOG)
         plan.arms.append(Arm(GATEWAY_LOG, gw_log, gw_log, text))
-        plan.arms.append(Arm(GATEWAY_AIOHTTP, gw_aiohttp, gw_aiohttp, text))
         if stack.baseline is not None:
             before = stack.get(stack.baseline_name)
             plan.arms.append(Arm(stack.baseline_name, before, before, text))

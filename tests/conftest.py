@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -17,7 +16,6 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from gateway.config import GatewayConfig, parse_config
-from gateway.config.keys import UPSTREAM_CLIENTS
 from gateway.server.app import SERVER_OPTIONS, create_app
 from gateway.server.state import SERVICES_KEY
 from tools.standin import StandIn
@@ -102,21 +100,7 @@ async def upstream(upstream_factory: Callable[..., Awaitable[Upstream]]) -> Upst
 
 
 @pytest.fixture
-def upstream_client(request: pytest.FixtureRequest) -> str | None:
-    """The ``server.upstream_client`` every gateway of a test runs with; None: the config's own.
-    A module runs its tests against both clients with
-    ``pytestmark = BOTH_CLIENTS``, a test with ``@BOTH_CLIENTS``."""
-    client: str | None = getattr(request, "param", None)
-    return client
-
-
-BOTH_CLIENTS = pytest.mark.parametrize("upstream_client", UPSTREAM_CLIENTS, indirect=True)
-
-
-@pytest.fixture
-async def gateway_factory(
-    tmp_path: Path, upstream_client: str | None
-) -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
+async def gateway_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Gateway]]]:
     servers: list[TestServer] = []
 
     async def make(yaml_text: str, *, write_file: bool = False, watch: bool = False) -> Gateway:
@@ -125,10 +109,6 @@ async def gateway_factory(
             path = tmp_path / "routing.yaml"
             path.write_text(yaml_text)
         config = parse_config(yaml_text, filename=str(path or "routing.yaml"))
-        if upstream_client is not None:
-            config = dataclasses.replace(
-                config, server=dataclasses.replace(config.server, upstream_client=upstream_client)
-            )
         registry = CollectorRegistry()
         app = create_app(config, registry=registry, config_path=str(path) if path else None, watch=watch)
         server = await _start(app)

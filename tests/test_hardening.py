@@ -27,7 +27,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from tests.conftest import BOTH_CLIENTS, Gateway, Upstream, routing
+from tests.conftest import Gateway, Upstream, routing
 
 # run against the gateway's own upstream client and aiohttp's
 
@@ -309,7 +309,6 @@ class EndlessStream:
         pytest.param(", timeouts: {total_s: 0.1}, max_concurrency: 1", id="total-expires-first"),
     ],
 )
-@BOTH_CLIENTS
 async def test_a_client_that_stops_reading_a_stream_frees_the_engine(gateway_factory, upstream_factory, options):
     endless = EndlessStream()
     engine = await upstream_factory("endless", endless.app())
@@ -432,7 +431,6 @@ async def test_a_gzip_bomb_is_refused_before_it_expands(gateway_factory, upstrea
 
 
 @pytest.mark.parametrize("number", [2**64, 123456789012345678901234567890, -(2**63) - 1])
-@BOTH_CLIENTS
 async def test_integers_beyond_64_bits_reach_the_upstream_exactly(gateway_factory, upstream, number):
     gw = await gateway_factory(
         routing(f"  - {{name: chat, upstreams: [{upstream.url}], upstream_model: org/Chat, accepts: [text]}}")
@@ -445,7 +443,6 @@ async def test_integers_beyond_64_bits_reach_the_upstream_exactly(gateway_factor
     assert received.json()["model"] == "org/Chat"
 
 
-@BOTH_CLIENTS
 async def test_an_absolute_form_target_is_forwarded_in_origin_form(gateway_factory, upstream):
     gw = await gateway_factory(routing(f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}"))
     body = orjson.dumps(chat_body("chat", "hi"))
@@ -504,7 +501,6 @@ async def test_an_unknown_expectation_is_417(gateway_factory, upstream):
     assert b'"type":"invalid_request_error"' in answer
 
 
-@BOTH_CLIENTS
 async def test_a_stream_from_a_silent_engine_ends_at_the_stream_idle_timeout(gateway_factory, upstream_factory):
     silent = asyncio.Event()
 
@@ -559,7 +555,6 @@ async def stream_text(gw: Gateway) -> tuple[int, str, float]:
         return resp.status, await resp.text(), time.perf_counter() - started
 
 
-@BOTH_CLIENTS
 async def test_a_stream_that_goes_silent_ends_with_an_sse_error_event(gateway_factory, upstream_factory):
     never = asyncio.Event()
     engine = await upstream_factory("stalls", scripted_engine(b'data: {"n":1}\n\n', never))
@@ -580,7 +575,6 @@ async def test_a_stream_that_goes_silent_ends_with_an_sse_error_event(gateway_fa
     never.set()
 
 
-@BOTH_CLIENTS
 async def test_first_byte_s_bounds_a_streams_first_chunk_and_idle_s_its_gaps(gateway_factory, upstream_factory):
     prefill, pause = asyncio.Event(), asyncio.Event()
     steps = (b'data: {"n":1}\n\n', pause, b'data: {"n":2}\n\n', b"data: [DONE]\n\n")
@@ -601,7 +595,6 @@ async def test_first_byte_s_bounds_a_streams_first_chunk_and_idle_s_its_gaps(gat
     assert status == 200 and "sent no first chunk within 0.2s" in text and elapsed < 5
 
 
-@BOTH_CLIENTS
 async def test_a_stream_may_take_longer_than_the_idle_timeout_before_its_first_chunk(gateway_factory, upstream_factory):
     # headers at once, then queueing and prefill: only upstream_read_timeout_s bounds that wait
     prefill = asyncio.Event()

@@ -101,7 +101,7 @@ API_NAMES = ("chat", "completions", "responses", "messages", "embeddings", "scor
              "translations")  # fmt: skip
 DEFAULT_APIS = API_NAMES[:4]  # a generative model's; a pooling model lists embeddings, score or rerank
 ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
-UPSTREAM_CLIENTS = ("http1", "aiohttp")
+UPSTREAM_CLIENTS = ("http1",)  # the gateway's own HTTP/1.1 client; aiohttp's was removed (issue 41)
 UPSTREAM_KEYS = ("url", "weight")
 BALANCE_POLICIES = ("p2c", "round_robin", "affinity")
 RETRY_KEYS = ("attempts", "on_status", "budget", "min_per_s", "backoff_s", "max_backoff_s")

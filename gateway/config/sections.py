@@ -155,6 +155,10 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
         return None if url is None else LimitsStoreConfig(url, timeout, on_failure)
 
     def upstream_client(self, value: Any, path: str, default: str) -> Any:
+        if value == "aiohttp":
+            self.problem(path, "aiohttp's client is no longer an upstream client: the gateway's own HTTP/1.1 client "
+                               "is the one (drop the key, or say http1)")  # fmt: skip
+            return default
         return self.choice(value, path, UPSTREAM_CLIENTS, "client", default)
 
     def media(self, value: Any) -> MediaConfig:

@@ -90,7 +90,7 @@ class ServerConfig:
     # real vendor key, sent by an SDK or agent pointed here, would). With auth: never
     forward_client_credentials: bool = True
     # how requests reach upstreams: the gateway's own HTTP/1.1 client (gateway/upstream/http1/), or aiohttp's
-    upstream_client: Literal["http1", "aiohttp"] = "http1"
+    upstream_client: Literal["http1"] = "http1"  # the one upstream client (a config may still name it)
     # key limits shared by every gateway process pointing at it; None: per process. Read at start
     limits_store: LimitsStoreConfig | None = None
     tracing: TracingConfig | None = None  # None: no traces. Read at start

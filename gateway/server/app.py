@@ -90,7 +90,7 @@ def create_app(
     store.subscribe(encoder.update)
     store.subscribe(supervisor.update)
     store.subscribe(lambda new: conversions.resize(new.media.cache_bytes))
-    upstream = UpstreamClient(metrics, client=config.server.upstream_client, tracing=tracing)
+    upstream = UpstreamClient(metrics, tracing=tracing)
     decoders = DecoderPool()
     services = Services(
         store,

@@ -7,8 +7,8 @@ always (nothing reached the engine, so it costs no budget), a reset or a status 
 ``retries.on_status`` within ``retries.attempts`` and the retry budget. Once a byte of the answer went to
 the client, nothing is retried.
 
-Requests go out through the gateway's own HTTP/1.1 client (:mod:`gateway.upstream.http1`), or aiohttp's
-``ClientSession`` with ``server.upstream_client: aiohttp``; the errors of either are read by
+Requests go out through the gateway's own HTTP/1.1 client (:mod:`gateway.upstream.http1`), the one
+transport of the hop (aiohttp's ``ClientSession`` was a second until issue 41); its errors are read by
 :mod:`gateway.upstream.failures` and become :mod:`gateway.errors` here. Bodies are relayed as they arrive
 (``iter_any``), so SSE streams reach the client chunk by chunk; compressed bodies pass through
 untouched.
@@ -17,16 +17,13 @@ untouched.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import re
 import time
 import urllib.parse
-from collections.abc import Awaitable, Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Coroutine, Mapping
 from dataclasses import replace
 from typing import Any
 
-import aiohttp
 from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
@@ -47,11 +44,10 @@ from .attempts import Attempts
 from .dispatch import Dispatch, Timeouts
 from .failures import CLIENT_ERRORS, ClientFailure
 from .holders import Holders
-from .http1 import Http1Client, PoolFull, ProtocolError, UnsendableHeader, Waits
+from .http1 import Http1Client, PoolFull, UnsendableHeader, Waits
 from .relay import HOP_BY_HOP, UpstreamReply, outcome_of, relay
 from .replicas import Lease, Replica
 from .retries import RetryBook
-from .wire import KEEPALIVE_S, whole_body
 
 log = logging.getLogger(__name__)
 
@@ -74,42 +70,23 @@ POOL_FULL_PAUSE_S = 1.0  # a replica whose MAX_CONNECTIONS were all busy for a c
 
 
 class UpstreamClient:
-    """Sends requests to a model's replicas over one client: the gateway's own (``http1``) or
-    aiohttp's ``ClientSession`` (``aiohttp``)."""
+    """Sends requests to a model's replicas over the gateway's own HTTP/1.1 client."""
 
     def __init__(
-        self,
-        metrics: GatewayMetrics,
-        *,
-        client: str = "http1",
-        retries: RetryBook | None = None,
-        tracing: Tracing | None = None,
+        self, metrics: GatewayMetrics, *, retries: RetryBook | None = None, tracing: Tracing | None = None
     ) -> None:
         self._metrics = metrics
         self._tracing = tracing  # a span per attempt, its traceparent sent (gateway.tracing)
         self.retries = retries if retries is not None else RetryBook(metrics)  # every model's budget
         self.holders = Holders()  # the replica that holds each stored response (the Responses API)
-        self._session: aiohttp.ClientSession | None = None
         self._http1: Http1Client | None = None
-        self._client = client
 
     async def start(self) -> None:
-        if self._client == "http1":
-            self._http1 = Http1Client()
-            return
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            request_class=_ForwardedRequest,
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
+        self._http1 = Http1Client()
 
     async def close(self) -> None:
         if self._http1 is not None:
             await self._http1.close()
-        if self._session is not None:
-            await self._session.close()
 
     def forward(self, request: web.Request, dispatch: Dispatch) -> Coroutine[Any, Any, web.StreamResponse]:
         """POST ``dispatch.body`` to one of its pool's replicas at the request's path; relay the
@@ -229,38 +206,16 @@ class UpstreamClient:
         raise attempts.failure
 
     def _post(self, replica: Replica, body: bytes, sending: _Sending, left: float | None) -> Awaitable[UpstreamReply]:
-        """One try's request, on the gateway's own client or aiohttp's: its reply's head."""
+        """One try's request: its reply's head."""
         timeouts = sending.timeouts
         wait = timeouts.stream_idle  # for the response headers
         if left is not None:
             wait = min(wait or timeouts.read, left)
-        if self._http1 is not None:
-            # wait None: sock_read bounds the wait for the head
-            return self._http1.post(
-                replica.url, sending.path, sending.headers, body, Waits(timeouts.connect, wait, sending.sock_read)
-            )
-        return self._session_post(replica, body, sending, wait)
-
-    async def _session_post(
-        self, replica: Replica, body: bytes, sending: _Sending, wait: float | None
-    ) -> UpstreamReply:
-        session = self._session
-        assert session is not None, "UpstreamClient.start() was not called"
-        _check_sendable(sending.headers)  # aiohttp would raise a ValueError as it writes them
-        sent = session.post(
-            replica.url + sending.path,
-            data=whole_body(body, sending.headers[hdrs.CONTENT_TYPE]),
-            headers=sending.headers,
-            timeout=_client_timeout(sending.timeouts.connect, sending.sock_read),
-            allow_redirects=False,  # relayed as they are, like every other answer
+        assert self._http1 is not None, "UpstreamClient.start() was not called"
+        # wait None: sock_read bounds the wait for the head
+        return self._http1.post(
+            replica.url, sending.path, sending.headers, body, Waits(timeouts.connect, wait, sending.sock_read)
         )
-        if wait is None:  # no timer to set: the socket's read timeout bounds the wait
-            upstream = await sent
-        else:
-            async with asyncio.timeout(wait):
-                upstream = await sent
-        _check_relayable(upstream)
-        return upstream
 
     def _failed(
         self,
@@ -366,45 +321,6 @@ class _Sending:
 
 def _out_of_time(model: ModelConfig, timeouts: Timeouts) -> UpstreamTimeoutError:
     return UpstreamTimeoutError(f"Upstream of model '{model.name}' did not finish within {timeouts.total:g}s")
-
-
-# what aiohttp's server refuses to write in a status line or a header (aiohttp.http_writer), and
-# aiohttp's client lets through: such a reply is not HTTP the gateway can relay (the default
-# client, gateway.upstream.http1, refuses it as it parses the head)
-_UNRELAYABLE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-
-
-def _check_sendable(headers: Mapping[str, str]) -> None:
-    """What the gateway's own client checks as it writes a head: no header value splits into two."""
-    for value in headers.values():
-        if "\r" in value or "\n" in value:
-            raise UnsendableHeader("a header value holds a line break; not sent")
-
-
-def _check_relayable(upstream: UpstreamReply) -> None:
-    """An aiohttp reply whose head the gateway's server could not write: a protocol failure (502),
-    not a dropped client connection."""
-    headers = upstream.headers
-    if _UNRELAYABLE.search(" ".join((upstream.reason or "", *headers.keys(), *headers.values()))):
-        upstream.close()
-        raise ProtocolError("a control character in the reply's status line or headers")
-
-
-@functools.lru_cache(maxsize=256)
-def _client_timeout(connect: float, sock_read: float | None) -> aiohttp.ClientTimeout:
-    """One ClientTimeout per distinct pair (a model's timeouts), not one per request."""
-    return aiohttp.ClientTimeout(total=None, connect=connect, sock_read=sock_read)
-
-
-class _ForwardedRequest(aiohttp.ClientRequest):
-    """A request to an upstream carries the client's headers and the gateway's, and none that
-    aiohttp would add of its own: no ``Accept: */*``, no ``User-Agent`` of aiohttp's, and no
-    ``Accept-Encoding: gzip, deflate`` the client did not send (an engine that compressed its
-    answer for it would have the gateway relay bytes the client never asked to decode).
-    ``skip_auto_headers`` would say the same at the cost of a sorted copy of the headers a request."""
-
-    def update_auto_headers(self, skip_auto_headers: Iterable[str] | None) -> None:
-        pass
 
 
 def _retry_after(value: str | None) -> float:

@@ -58,7 +58,7 @@ class ReplyBody(Protocol):
 
 class UpstreamReply(Protocol):
     """What the relay reads of an upstream reply: aiohttp's ``ClientResponse``, or the gateway's own
-    client's :class:`gateway.upstream.http1.Reply` (``server.upstream_client``)."""
+    client's :class:`gateway.upstream.http1.Reply`."""
 
     @property
     def status(self) -> int: ...

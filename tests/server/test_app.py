@@ -10,7 +10,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.conftest import BOTH_CLIENTS, Gateway, Upstream, error_body, routing
+from tests.conftest import Gateway, Upstream, error_body, routing
 
 # run against the gateway's own upstream client and aiohttp's
 
@@ -155,7 +155,6 @@ async def test_unknown_model_is_404(gw: Gateway) -> None:
     assert gw.sample("gateway_requests_total", model="_unknown", code="404") == 1
 
 
-@BOTH_CLIENTS
 async def test_streaming_is_relayed_as_sse(gw: Gateway, two) -> None:
     async with gw.client() as client:
         stream = await client.chat.completions.create(
@@ -168,7 +167,6 @@ async def test_streaming_is_relayed_as_sse(gw: Gateway, two) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
-@BOTH_CLIENTS
 async def test_stream_chunks_reach_the_client_before_the_upstream_finishes(upstream_factory, gateway_factory) -> None:
     release = asyncio.Event()
 
@@ -194,7 +192,6 @@ async def test_stream_chunks_reach_the_client_before_the_upstream_finishes(upstr
             assert await resp.content.read() == b"data: [DONE]\n\n"
 
 
-@BOTH_CLIENTS
 async def test_upstream_error_status_and_body_pass_through(gw: Gateway, two) -> None:
     async with gw.client() as client:
         with pytest.raises(openai.RateLimitError) as caught:
@@ -211,7 +208,6 @@ async def test_upstream_error_status_and_body_pass_through(gw: Gateway, two) -> 
     assert gw.sample("gateway_requests_total", model="vision", code="429") == 1
 
 
-@BOTH_CLIENTS
 async def test_mid_stream_upstream_failure_ends_with_an_sse_error(gw: Gateway, two) -> None:
     async with gw.client() as client:
         stream = await client.chat.completions.create(
@@ -241,7 +237,6 @@ async def test_request_id_is_kept_or_made_and_sent_upstream(gw: Gateway, two) ->
     assert vision.received[0].headers["X-Gateway-Model"] == "vision"
 
 
-@BOTH_CLIENTS
 async def test_the_upstream_gets_the_clients_headers_and_the_gateways_and_nothing_of_aiohttps(gw: Gateway, two) -> None:
     vision, _ = two
     body = b'{"model": "vision", "messages": [{"role": "user", "content": "hi"}]}'

@@ -13,10 +13,9 @@ import pytest
 from aiohttp import web
 
 from gateway.server.state import SERVICES_KEY
-from tests.conftest import BOTH_CLIENTS, error_body, routing
+from tests.conftest import error_body, routing
 
 # every fault, through the gateway's own client and through aiohttp's
-pytestmark = BOTH_CLIENTS
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -480,8 +479,6 @@ async def test_a_replica_whose_connections_are_all_busy_is_passed_over_not_eject
             "breaker: {failures: 1}}"
         )
     )
-    if gw.config.server.upstream_client != "http1":
-        pytest.skip("the bound is the gateway's own client's")
     async with gw.client() as client:
         held = asyncio.ensure_future(client.chat.completions.create(model="m", messages=HI))
         while not upstream.received:

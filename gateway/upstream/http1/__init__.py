@@ -32,7 +32,7 @@ What it does not do, because the upstream hop never needs it: redirects, cookies
 decompression, ``Expect: 100-continue``, upgrades, pipelining.
 
 Errors are :class:`Http1Error`; :mod:`gateway.upstream.failures` reads them as it reads aiohttp's.
-``server.upstream_client: aiohttp`` switches the hop back to aiohttp's client.
+It is the hop's one transport (aiohttp's client was a second until issue 41).
 """
 
 from __future__ import annotations
