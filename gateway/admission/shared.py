@@ -53,7 +53,7 @@ LEASE_S = 900  # a slot's lease: the longest a request may hold it before it lap
 PAUSE_S = 1.0  # after a failure, the store is not asked for this long (the policy answers)
 END_RETRIES_S = (1.0, 2.0)  # a request's end that failed is sent again after these waits
 MAX_PIPELINE = 256  # scripts in one pipeline at most
-MOST_S = 1.0  # a call's bound however slow the loop is (or 10 x timeout_ms, if longer)
+MOST_S = 1.0  # a call's bound, looked at each step, however slow the loop (or 10 x timeout_ms, if longer)
 TICKS = 10  # timeout_ms is counted in this many steps, each at least one turn of the loop
 GRACE_TURNS = 3  # turns of the loop after the last step: an answer already in the socket is read
 
@@ -65,8 +65,10 @@ async def store_time(seconds: float) -> AsyncIterator[None]:
     parsed, a busy machine) spends one step, not the whole timeout, and a loop whose every turn
     is slow gives the store at least TICKS turns to be heard (a request waits turns to be written
     and its answer turns to be read: a store that answered in time was not heard by a busy loop).
-    After the last step, GRACE_TURNS turns more (an answer already in the socket is read); then
-    TimeoutError. On an idle loop, ``seconds`` exactly; max(MOST_S, 10 x seconds) at most."""
+    After the last step, a few turns more (GRACE_TURNS and the timeout's own: an answer already
+    in the socket is read); then TimeoutError. On an idle loop, ``seconds`` and a turn or two;
+    the bound, max(MOST_S, 10 x seconds), is looked at as each step comes due (a single stall
+    longer than it passes it by that stall)."""
     loop = asyncio.get_running_loop()
     step = seconds / TICKS
     last = loop.time() + max(MOST_S, 10 * seconds)

@@ -13,9 +13,9 @@ are certainly the same either way are read aside:
   the control bytes a base64 writer breaks lines with (``\\n``, ``\\r``, ``\\t``), and ASCII;
 - a string with another control byte in it, which orjson would refuse, is taken: a body sent
   on as it came leaves it to the engine, whose JSON parser refuses it as orjson does; a body the
-  gateway writes again (``parse(..., defer=True)``: :meth:`Deferred.restore`, before any
-  rewrite) is refused with orjson's 400 first, never written out as valid JSON (~0.4 µs a KiB,
-  paid only by a rewritten body's strings read aside).
+  gateway makes whole (``parse(..., defer=True)``: :meth:`Deferred.restore`, before any rewrite
+  or conversion) is refused with orjson's 400 first, never written out as valid JSON (~0.4 µs a
+  KiB, paid only by a body made whole: one sent on as it came never is).
 
 Anything else, and any body whose parse with placeholders fails, is parsed whole by orjson, which
 then says what is wrong with it. tests/admission/test_strings.py holds the result to orjson's.

@@ -13,8 +13,8 @@ client's address), read from :data:`TENANT`, which the exchange sets for its req
 tenant waits in a queue of its own, and a thread that comes free goes to the next tenant in
 turn, not to the oldest waiter. One key's hundred PDFs wait behind each other, and another key's
 one document waits at most for a decode to end (the threads all busy), not for the hundred. A
-tenant may have at most :data:`TENANT_QUEUE` requests waiting, so that the queue always has room
-for the others.
+tenant may fill the queue but for :data:`TENANT_QUEUE` places, which stay the others' (behind a
+load balancer, without ``auth:``, every client is one address: 96 of the 128 places are theirs).
 
 A decode is handed a :class:`threading.Event` that the pool sets when the request that waits for
 it ends (the client left, its time ran out, a sibling part failed): the decoder looks at it
@@ -40,7 +40,7 @@ T = TypeVar("T")
 THREADS = 2  # decodes at once in a gateway process: the other cores stay for serving
 QUEUE = 128  # requests waiting for a thread (each holds its video's bytes); one more is refused at once
 WAIT_S = 30.0  # the longest wait for a thread: as long as a request's decoding may take
-TENANT_QUEUE = 32  # requests of one tenant waiting at most: the rest of the queue is the others'
+TENANT_QUEUE = 32  # places of the queue one tenant leaves to the others (a quarter of a smaller queue)
 TENANT: ContextVar[str] = ContextVar("decode_tenant", default="")  # whose decodes these are (set per request)
 
 
@@ -107,11 +107,12 @@ class DecoderPool:
             return
         tenant = TENANT.get()
         queue = self._waiters.get(tenant)
-        if self.waiting >= self._queue or (queue is not None and len(queue) >= TENANT_QUEUE):
-            mine = queue is not None and len(queue) >= TENANT_QUEUE
+        most = self._queue - min(TENANT_QUEUE, self._queue // 4)  # one tenant's most: the rest stay the others'
+        if self.waiting >= self._queue or (queue is not None and len(queue) >= most):
+            mine = queue is not None and len(queue) >= most
             raise DecodersBusyError(
-                f"Every media decoder of this gateway (video, images, documents) is busy and {TENANT_QUEUE} "
-                "requests of this key wait for one; retry shortly"
+                f"Every media decoder of this gateway (video, images, documents) is busy and {most} requests "
+                "of the same key (or, without auth, the same address) wait for one; retry shortly"
                 if mine
                 else f"Every media decoder of this gateway (video, images, documents) is busy and {self._queue} "
                 "requests wait for one; retry shortly",

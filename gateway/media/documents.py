@@ -79,6 +79,10 @@ def page_images_bound(pdf_bytes: int) -> int:
     return min(PAGE_IMAGES_MAX_BYTES, max(PAGE_IMAGES_FLOOR, PAGE_IMAGES_RATIO * pdf_bytes))
 
 
+class _BudgetSpent(Exception):
+    """A reading stopped by the request's budget (not the document's fault: never shared)."""
+
+
 @dataclass(slots=True)
 class _Job:
     """One request's extraction: its plan and bounds, and the reading time its PDFs have left
@@ -210,20 +214,26 @@ class Documents:
         asked = {"max_pages": policy.max_pages, "max_chars": job.max_chars, "render": render}
         model = plan.model.name
 
+        spent = InvalidFileError(f"the request's files took extract.timeout_s ({policy.timeout_s:g}s) in all")
+
         def reading(stop: threading.Event) -> Any:  # on a decoding thread: its time is the job's
-            if job.left_s <= 0:
-                raise ReaderFailed(f"the request's files took extract.timeout_s ({policy.timeout_s:g}s) in all")
+            given = job.left_s
+            if given <= 0:
+                raise _BudgetSpent
             started = time.perf_counter()
             try:
-                return self._readers.read(asked, data, timeout_s=job.left_s, stop=stop)
+                return self._readers.read(asked, data, timeout_s=given, stop=stop)
+            except ReaderFailed:
+                if given < policy.timeout_s and time.perf_counter() - started >= given:
+                    raise _BudgetSpent from None  # the request's budget ran out, not the document's own
+                raise
             finally:
                 job.spend(time.perf_counter() - started)
 
         async def make() -> _Read:
             started = time.perf_counter()
             try:
-                async with job.reading:
-                    answer = await self._decoders.run(reading)
+                answer = await self._decoders.run(reading)
             except ReaderFailed as exc:
                 raise InvalidFileError(f"the PDF cannot be read: {exc}") from None
             except ReaderStopped:  # the gateway stops (a request that left hears nothing)
@@ -238,17 +248,25 @@ class Documents:
             return _Read("pdf", list(answer["pages"]), images)
 
         cache = self._cache
+        if job.left_s <= 0:
+            raise spent
         try:
-            if not cache.enabled:
-                return await make()
-            shape = tuple(sorted(render.items())) if render is not None else ()
-            key = ("document", policy.max_pages, policy.timeout_s, job.max_chars, shape, await sha256(data))
-            return await cache.get_or_make(
-                key,
-                make,
-                size_of=_Read.size,
-                shared_errors=(InvalidFileError, DecodersBusyError),
-            )
+            async with job.reading:  # the request's PDFs one after another; a joined reading waits on none of it
+                if not cache.enabled:
+                    return await make()
+                shape = tuple(sorted(render.items())) if render is not None else ()
+                key = ("document", policy.max_pages, policy.timeout_s, job.max_chars, shape, await sha256(data))
+                # what the document itself is (refused, unreadable) is said to every request that
+                # shares its reading; a request's own budget spent is its own (_BudgetSpent: the
+                # others read it themselves)
+                return await cache.get_or_make(
+                    key,
+                    make,
+                    size_of=_Read.size,
+                    shared_errors=(InvalidFileError, DecodersBusyError),
+                )
+        except _BudgetSpent:
+            raise spent from None
         except DecodersBusyError as exc:
             self._metrics.video_decode_shed.labels(model, exc.reason).inc()
             raise

@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import functools
 import io
-import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -69,7 +68,9 @@ def downscale(data: bytes, size: tuple[int, int], stop: threading.Event | None =
         return _downscale(data, size, stop)
     except Image.DecompressionBombError as exc:  # over Pillow's own bound (~179 MP) at open
         raise TooLarge(str(exc)) from None
-    except (OSError, SyntaxError, EOFError, IndexError, struct.error) as exc:  # UnidentifiedImageError is an OSError
+    except (TooLarge, Undecodable):
+        raise
+    except Exception as exc:  # UnidentifiedImageError is an OSError; a truncated QOI's ValueError, AVIF's RuntimeError
         raise Undecodable(f"it cannot be decoded ({exc})") from None
 
 

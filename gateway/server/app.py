@@ -171,8 +171,9 @@ Lifetime = Callable[[web.Application], AsyncIterator[None]]
 def _lifetimes(services: Services) -> list[Lifetime]:
     """What the gateway starts and stops, in the order it starts them; aiohttp stops them in the
     reverse order (the upstream client first, the supervised encoders next to last, the tracer
-    last: the spans of the drain go too), and only those that started. Each looks its client up
-    when it runs (a test may stand one in)."""
+    last: the spans of the drain go too), and only those that started. The supervisor, the
+    encoder client and the upstream client are looked up when their lifetime runs (a test may
+    stand one in); the others are those of the app as it was made."""
     s = services
     config = s.store.current
     tracing, transcriber, describer, documents = s.tracing, s.transcriber, s.describer, s.documents

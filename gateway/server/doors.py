@@ -43,15 +43,15 @@ def text_door(api: Api) -> Handler:
 
     async def handler(request: web.Request) -> web.StreamResponse:
         ex = await exchange.begin(request)
-        model = lookup(ex.config, ex.body, ex.visible, api.name)
+        model = lookup(ex.config, ex.parsed, ex.visible, api.name)  # top-level fields: read as parsed
         ex.serve_with(model)
         data = ex.raw
-        if ex.body["model"] != model.upstream_name or ex.ask_usage:
+        if ex.parsed["model"] != model.upstream_name or ex.ask_usage:  # written again: the body whole
             body = exact(ex.raw, ex.body)
             body["model"] = model.upstream_name
             body.update(ex.ask_usage)
             data = dump_body(body)
-        key = api.affinity(ex.body) if model.balance == "affinity" else None
+        key = api.affinity(ex.parsed) if model.balance == "affinity" else None
         return await exchange.forward(ex, data, affinity_key=key)
 
     handler.__name__ = handler.__qualname__ = f"{api.name}_handler"

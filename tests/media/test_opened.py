@@ -133,3 +133,26 @@ async def test_an_avif_turned_by_its_exif_is_downscaled_upright(gateway_factory,
     with Image.open(io.BytesIO(base64.b64decode(sent.split(",", 1)[1]))) as image:
         width, height = image.size
     assert width < height and width * height <= 40_000 and abs(width / height - 1 / 3) < 0.02
+
+
+async def test_a_corrupt_or_truncated_image_of_another_format_is_400_not_500(
+    gateway_factory, upstream: Upstream
+) -> None:
+    """Pillow's plugins raise their own (a corrupt AVIF's RuntimeError as it opens, a truncated
+    QOI's ValueError as it decodes for a downscale): each is the image's fault, 400 invalid_image."""
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: down, upstreams: [{upstream.url}], accepts: [text, image], on_oversize: downscale, "
+            "visual_tokens: {preset: qwen2.5-vl}, limits: {image_pixels: 40000}}"
+        )
+    )
+    avif = saved("avif", 64, 64)
+    corrupt = avif[:40] + bytes(len(avif) - 40)
+    truncated = saved("qoi", 400, 300)[:300]
+    async with gw.client() as client:
+        for data, media_type in ((corrupt, "image/avif"), (truncated, "image/qoi")):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await client.chat.completions.create(model="down", messages=ask(url(data, media_type)))
+            assert error_body(caught.value)["code"] == "invalid_image", media_type
+    assert gw.sample("gateway_requests_total", model="down", code="500") in (None, 0)
+    assert not upstream.received
