@@ -183,11 +183,11 @@ async def convert(ex: Exchange) -> None:
     frame is decoded; the request's visual tokens are spent once all are known."""
     plan, services = ex.plan, ex.services
     assert plan is not None
-    TENANT.set(ex.key.name if ex.key is not None else f"client {ex.request.remote}")  # the decoders' fair share
     later = counted_later(plan)
     if plan.visual is not None and not later:  # counted at admission: spent before anything is done
         await ex.counted(plan)
     if converters.wanted(plan):  # the body whole only then: a request that needs none keeps it held back
+        TENANT.set(ex.key.name if ex.key is not None else f"client {ex.request.remote}")  # the decoders' fair share
         spend = functools.partial(spending.conversion, services, ex.key, ex.request)
         job = converters.Job(plan, ex.body, ex.live, ex.request[REQUEST_ID_KEY], services.tools, spend)
         await converters.convert(job, services.tracing)
