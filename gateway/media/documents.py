@@ -79,6 +79,10 @@ def page_images_bound(pdf_bytes: int) -> int:
     return min(PAGE_IMAGES_MAX_BYTES, max(PAGE_IMAGES_FLOOR, PAGE_IMAGES_RATIO * pdf_bytes))
 
 
+def _spent(timeout_s: float) -> InvalidFileError:
+    return InvalidFileError(f"the request's files took extract.timeout_s ({timeout_s:g}s) in all")
+
+
 class _BudgetSpent(Exception):
     """A reading stopped by the request's budget (not the document's fault: never shared)."""
 
@@ -214,8 +218,6 @@ class Documents:
         asked = {"max_pages": policy.max_pages, "max_chars": job.max_chars, "render": render}
         model = plan.model.name
 
-        spent = InvalidFileError(f"the request's files took extract.timeout_s ({policy.timeout_s:g}s) in all")
-
         def reading(stop: threading.Event) -> Any:  # on a decoding thread: its time is the job's
             given = job.left_s
             if given <= 0:
@@ -249,7 +251,7 @@ class Documents:
 
         cache = self._cache
         if job.left_s <= 0:
-            raise spent
+            raise _spent(policy.timeout_s)
         try:
             async with job.reading:  # the request's PDFs one after another; a joined reading waits on none of it
                 if not cache.enabled:
@@ -266,7 +268,7 @@ class Documents:
                     shared_errors=(InvalidFileError, DecodersBusyError),
                 )
         except _BudgetSpent:
-            raise spent from None
+            raise _spent(policy.timeout_s) from None
         except DecodersBusyError as exc:
             self._metrics.video_decode_shed.labels(model, exc.reason).inc()
             raise

@@ -177,16 +177,17 @@ def _lifetimes(services: Services) -> list[Lifetime]:
     s = services
     config = s.store.current
     tracing, transcriber, describer, documents = s.tracing, s.transcriber, s.describer, s.documents
-    return [
-        _lifetime(None, (lambda: _stop_tracing(tracing)) if tracing is not None else None),
+    lifetimes = [
+        _lifetime(None, lambda: _stop_tracing(tracing)) if tracing is not None else None,
         _lifetime(lambda: s.supervisor.start(), lambda: s.supervisor.close()),
         _shared_limits_lifetime,
         _lifetime(None, lambda: _close_decoding(s.decoders, documents)),
-        _lifetime(lambda: describer.start(), lambda: describer.close()) if describer else _lifetime(None, None),
-        _lifetime(lambda: transcriber.start(), lambda: transcriber.close()) if transcriber else _lifetime(None, None),
+        _lifetime(lambda: describer.start(), lambda: describer.close()) if describer else None,
+        _lifetime(lambda: transcriber.start(), lambda: transcriber.close()) if transcriber else None,
         _lifetime(lambda: s.encoder.start(config), lambda: s.encoder.close()),
         _lifetime(lambda: s.upstream.start(), lambda: s.upstream.close()),
     ]
+    return [lifetime for lifetime in lifetimes if lifetime is not None]
 
 
 def _lifetime(

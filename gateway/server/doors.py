@@ -60,7 +60,6 @@ def text_door(api: Api) -> Handler:
 
 DOORS = {"parts": door, "text": text_door, "upload": audio.door}
 # every route the app registers: path -> (its handler, its API)
-ROUTES: dict[str, tuple[Handler, Api]] = {}
-for _api in APIS:
-    _handler = DOORS[_api.door](_api)
-    ROUTES.update({path: (_handler, _api) for path in _api.paths})
+ROUTES: dict[str, tuple[Handler, Api]] = {
+    path: (handler, api) for api, handler in ((a, DOORS[a.door](a)) for a in APIS) for path in api.paths
+}
