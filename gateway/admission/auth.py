@@ -2,7 +2,8 @@
 
 With an ``auth:`` section, every ``/v1/*`` request must carry ``Authorization: Bearer KEY`` (how
 the OpenAI SDKs send ``api_key``). The gateway never holds a key: it holds the sha256 of each
-(read from ``key_env`` when a generation is built, or given as ``key_sha256``) and compares the
+(read from ``key_env`` when a generation is built, or given as ``key_sha256``: the
+:class:`~gateway.config.generation.Keyring` of the generation) and compares the
 sha256 of what a client sends with every one of them in constant time, so neither the answer nor
 its timing says how close a guess came. No key and a wrong key are the same 401
 ``invalid_api_key``; a model outside the key's ``models`` is the same 404 as a model that does not
@@ -21,76 +22,18 @@ times as fast: divide the limits by N (docs/security.md).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..config import ApiKey, AuthConfig, RateLimit, env_secret
+from ..config import ApiKey, RateLimit
 from ..errors import (
     ConcurrencyLimitError,
-    InvalidApiKeyError,
     RateLimitedError,
     TokensRateLimitedError,
     VisualTokensRateLimitedError,
 )
-
-log = logging.getLogger(__name__)
-
-
-def bearer_token(authorization: str | None) -> str | None:
-    """The token of an ``Authorization: Bearer TOKEN`` header (the scheme in any case), or None."""
-    scheme, _, token = (authorization or "").partition(" ")
-    token = token.strip()
-    return token if scheme.lower() == "bearer" and token else None
-
-
-def digest_of(secret: str) -> bytes:
-    """The sha256 secrets are compared by: equal lengths whatever the secret, and any header
-    bytes (aiohttp hands non-UTF-8 ones over as surrogates) hash without an error."""
-    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
-
-
-def is_bearer(authorization: str | None, secret: str) -> bool:
-    """Whether the header carries ``secret`` as its Bearer token, compared in constant time."""
-    token = bearer_token(authorization)
-    return token is not None and hmac.compare_digest(digest_of(token), digest_of(secret))
-
-
-@dataclass(frozen=True, slots=True)
-class Keyring:
-    """The keys of one config generation, by the sha256 of their value."""
-
-    entries: tuple[tuple[bytes, ApiKey], ...]
-
-    @classmethod
-    def build(cls, auth: AuthConfig) -> Keyring:
-        entries = []
-        for key in auth.keys:
-            if key.key_sha256 is not None:
-                entries.append((bytes.fromhex(key.key_sha256), key))
-            elif key.key_env is not None and (value := env_secret(key.key_env)):
-                entries.append((digest_of(value), key))
-            else:  # serve and reloads refuse this (validate_host); a config built in code may not
-                log.warning("API key %s: %s is not set; the key is not accepted", key.name, key.key_env)
-        return cls(tuple(entries))
-
-    def find(self, authorization: str | None) -> ApiKey:
-        """The key an ``Authorization`` header carries; InvalidApiKeyError when none matches."""
-        token = bearer_token(authorization)
-        if token is None:
-            raise InvalidApiKeyError("Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
-        digest = digest_of(token)
-        found = None
-        for known, key in self.entries:  # every one, whatever matched: the time says nothing
-            if hmac.compare_digest(known, digest):
-                found = key
-        if found is None:
-            raise InvalidApiKeyError("Invalid API key")
-        return found
 
 
 @dataclass(slots=True)

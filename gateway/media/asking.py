@@ -24,13 +24,14 @@ from ..admission.parts import Part
 from ..admission.plan import EXPAND, removed_note
 from ..admission.route import RoutePlan
 from ..config import ModelConfig
+from ..config.generation import Generation
 from ..errors import GatewayError, Rejection, UnsupportedModalityError, UpstreamError, UpstreamTimeoutError
 from ..fanout import gather_all
 from ..metrics import GatewayMetrics
 from ..tracing import Tracing, inject
 from ..upstream.attempts import Attempts
 from ..upstream.failures import CLIENT_ERRORS
-from ..upstream.live import Live
+from ..upstream.replicas import Pool
 from ..upstream.retries import RetryBook
 from ..upstream.wire import KEEPALIVE_S
 from .conversions import ConversionCache
@@ -127,7 +128,7 @@ class Asker:
 
         return dict(await gather_all(*(one(p) for p in parts)))
 
-    def headers(self, target: ModelConfig, live: Live, request_id: str, **more: str) -> dict[str, str]:
+    def headers(self, target: ModelConfig, live: Generation[Pool], request_id: str, **more: str) -> dict[str, str]:
         """A request's headers to ``target``: the client request's id, the trace context, and
         the model's API key (``api_key_env``) where it has one."""
         headers = {"X-Request-Id": request_id, **more}
@@ -178,7 +179,11 @@ def gave_up_error(gave_up: GaveUp, location: str, *, late: str, failed: str) -> 
 
 
 async def ask(
-    target: ModelConfig, live: Live, retries: RetryBook, post: Post, judge: Callable[[int, bytes], T | Failed]
+    target: ModelConfig,
+    live: Generation[Pool],
+    retries: RetryBook,
+    post: Post,
+    judge: Callable[[int, bytes], T | Failed],
 ) -> T:
     """``judge``'s value for the first answer that has one, from one of ``target``'s replicas."""
     t = target.timeouts

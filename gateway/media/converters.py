@@ -21,9 +21,10 @@ from typing import Any, ClassVar
 from ..admission.recount import with_pages, with_sampled_frames, with_videos_sent
 from ..admission.route import RoutePlan, with_strip
 from ..config import MediaConfig
+from ..config.generation import Generation
 from ..metrics import GatewayMetrics
 from ..tracing import Attributes, Tracing, stage
-from ..upstream.live import Live
+from ..upstream.replicas import Pool
 from ..upstream.usage import Usage
 from . import probe, remote, video
 from .asking import dropped
@@ -59,7 +60,7 @@ class Job:
 
     plan: RoutePlan
     body: dict[str, Any]
-    live: Live
+    live: Generation[Pool]
     request_id: str
     tools: Tools
     spend: Callable[[str, Usage], None]

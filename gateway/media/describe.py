@@ -30,6 +30,7 @@ import orjson
 from ..admission.parts import Part
 from ..admission.route import RoutePlan
 from ..config import MediaConfig, ModelConfig, Policy
+from ..config.generation import Generation
 from ..errors import (
     GatewayError,
     InvalidImageError,
@@ -41,7 +42,7 @@ from ..errors import (
 )
 from ..modalities import Modality
 from ..upstream.failures import read_capped
-from ..upstream.live import Live
+from ..upstream.replicas import Pool
 from ..upstream.usage import Usage, usage_of
 from .asking import MEDIA_FAULTS, Asker, Failed, GaveUp, ask, gave_up_error, json_object
 from .fetch import sha256
@@ -62,7 +63,7 @@ class Describer(Asker):
         self,
         plan: RoutePlan,
         body: dict[str, Any],
-        live: Live,
+        live: Generation[Pool],
         *,
         request_id: str,
         spend: Callable[[str, Usage], None] = lambda model, usage: None,
@@ -200,7 +201,7 @@ class _Job:
     plan: RoutePlan  # the requested model's
     policy: Policy  # its image policy: the prompt and on_error
     target: ModelConfig  # the describing model
-    live: Live  # its pool and key, of the request's generation
+    live: Generation[Pool]  # its pool and key, of the request's generation
     request_id: str
     spend: Callable[[str, Usage], None]  # what each answer cost (the describing model's name, its usage)
 

@@ -30,6 +30,7 @@ import aiohttp
 from ..admission.parts import Part
 from ..admission.route import RoutePlan
 from ..config import MediaConfig, ModelConfig
+from ..config.generation import Generation
 from ..errors import (
     GatewayError,
     InvalidAudioError,
@@ -41,7 +42,7 @@ from ..errors import (
 )
 from ..modalities import Modality
 from ..upstream.failures import read_capped
-from ..upstream.live import Live
+from ..upstream.replicas import Pool
 from .asking import MEDIA_FAULTS, Asker, Failed, GaveUp, ask, gave_up_error, json_object
 from .demux import AUDIO_FORMATS, UnreadableMediaError, open_media
 from .fetch import DECODE_IN_THREAD_CHARS, sha256
@@ -58,7 +59,7 @@ class Transcriber(Asker):
     """Sends audio parts to a transcription model's upstreams over one ClientSession."""
 
     async def transcribe(
-        self, plan: RoutePlan, body: dict[str, Any], live: Live, *, request_id: str
+        self, plan: RoutePlan, body: dict[str, Any], live: Generation[Pool], *, request_id: str
     ) -> dict[tuple[int, int], dict[str, Any]]:
         """The text part that replaces each audio part of ``plan.transcribe_parts``."""
         policy = plan.model.policy(Modality.AUDIO)
@@ -200,7 +201,7 @@ class _Job:
 
     plan: RoutePlan  # the requested model's
     target: ModelConfig  # the transcription model
-    live: Live  # its pool and key, of the request's generation
+    live: Generation[Pool]  # its pool and key, of the request's generation
     request_id: str
 
 

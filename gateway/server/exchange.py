@@ -29,6 +29,7 @@ from ..admission.rewrite import check_grown_size, upstream_body, usage_fields
 from ..admission.route import RoutePlan, Visible
 from ..admission.strings import Deferred
 from ..config import PRIORITIES, ApiKey, GatewayConfig, ModelConfig
+from ..config.generation import Generation
 from ..encode.client import Encoded, Replacements
 from ..media import converters
 from ..media.decoders import TENANT
@@ -36,7 +37,7 @@ from ..metrics import UNKNOWN_MODEL
 from ..tracing import stage
 from ..upstream.concurrency import gated
 from ..upstream.dispatch import Dispatch, Timeouts
-from ..upstream.live import Live
+from ..upstream.replicas import Pool
 from . import spending
 from .state import MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services, admitted_as
 
@@ -57,7 +58,7 @@ class Exchange:
 
     request: web.Request
     services: Services
-    live: Live
+    live: Generation[Pool]
     config: GatewayConfig  # the live generation's
     visible: Visible  # the model names the request's API key may use (None: every one, auth off)
     raw: bytes

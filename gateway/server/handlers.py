@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 from aiohttp import hdrs, web
 
-from ..admission.auth import is_bearer
 from ..config import as_dict, env_secret
+from ..config.generation import is_bearer
 from ..errors import (
     AuthenticationError,
     ConfigError,
@@ -102,7 +102,7 @@ async def admin_config(request: web.Request) -> web.Response:
     live = services.store.live
     return _json(
         {
-            "config_generation": live.generation,
+            "config_generation": live.number,
             "sha256": live.config.sha256,
             "source": live.config.source,
             "loaded_at": services.store.loaded_at,

@@ -19,8 +19,8 @@ from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 
 from ..admission.apis.catalog import BY_PATH, is_api, shape_of
-from ..admission.auth import Keyring
 from ..admission.body import body_too_large
+from ..config.generation import Keyring
 from ..errors import (
     GatewayError,
     HTTPStatusError,

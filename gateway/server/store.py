@@ -1,12 +1,12 @@
 """The running config, and how a new routing.yaml takes its place without a restart.
 
-:class:`ConfigStore` holds the :class:`Live` generation: a :class:`~gateway.config.GatewayConfig`
-and the upstream pools made from it. A request takes ``store.live`` once, at admission, and works
-with it to its last byte. A reload (the file changed, ``POST /admin/reload``, or SIGHUP) builds and
-validates a whole new config and its pools, and swaps them in at once; requests in flight keep the
-generation they started with, whose pools and replicas stay valid for them. An invalid file
-changes nothing: the old config stays, the problems are logged, and
-``gateway_config_reloads_total{result="failure"}`` counts it. ``server.host``, ``port``,
+:class:`ConfigStore` holds the live :class:`~gateway.config.generation.Generation`: a
+:class:`~gateway.config.GatewayConfig` and what is made from it (the upstream pools, the keys). A
+request takes ``store.live`` once, at admission, and works with it to its last byte. A reload (the
+file changed, ``POST /admin/reload``, or SIGHUP) builds and validates a whole new config and its
+pools, and swaps them in at once; requests in flight keep the generation they started with, whose
+pools and replicas stay valid for them. An invalid file changes nothing: the old config stays, the
+problems are logged, and ``gateway_config_reloads_total{result="failure"}`` counts it. ``server.host``, ``port``,
 ``max_body_bytes``, ``client_idle_timeout_s``, ``drain_grace_s``, ``drain_timeout_s``, ``access_log``,
 ``upstream_client``, ``admin_listen`` and ``limits_store`` take effect at the next start.
 """
@@ -19,17 +19,15 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from types import MappingProxyType
 
 from ..admission.apis import CHAT
 from ..admission.apis.catalog import BY_NAME
-from ..admission.auth import Keyring
-from ..config import PRIORITIES, GatewayConfig, env_secret, load_config, missing_software
+from ..config import PRIORITIES, GatewayConfig, load_config, missing_software
+from ..config.generation import Generation
 from ..errors import ConfigError, ConfigProblem
 from ..metrics import NO_KEY, REJECTION_REASONS, SHED_REASONS, TOKEN_KINDS, GatewayMetrics
 from ..modalities import MODALITY_NAMES
-from ..upstream.live import Live
-from ..upstream.replicas import ReplicaSet
+from ..upstream.replicas import Pool, ReplicaSet
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +72,9 @@ class ConfigStore:
 
     @property
     def generation(self) -> int:
-        return self.live.generation
+        return self.live.number
 
-    def _generation(self, config: GatewayConfig, number: int) -> Live:
+    def _generation(self, config: GatewayConfig, number: int) -> Generation[Pool]:
         missing = missing_software(config)  # a file's were refused with its lines; one built in code here
         if missing:
             raise ConfigError([ConfigProblem(config.source or "config", 0, 0, path, why) for path, why in missing])
@@ -90,17 +88,7 @@ class ConfigStore:
             for replica in pool.replicas:
                 if replica.url not in checked:  # no probe will ever bring it back: back in now
                     replica.checked_down, replica.probe_failures = False, 0
-        auth = {}
-        for m in config.models:
-            if m.api_key_env is None:
-                continue
-            key = env_secret(m.api_key_env)
-            if key:
-                auth[m.name] = f"Bearer {key}"
-            else:  # serve and reloads refuse this (validate_host); a config built in code may not
-                log.warning("model %s: %s is not set; its upstreams get no key", m.name, m.api_key_env)
-        keyring = Keyring.build(config.auth) if config.auth is not None else None
-        return Live(config, number, MappingProxyType(pools), MappingProxyType(auth), keyring)
+        return Generation.build(config, number, pools)
 
     def subscribe(self, listener: Callable[[GatewayConfig], None]) -> None:
         """Call ``listener(new_config)`` after every successful swap."""

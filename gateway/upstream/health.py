@@ -19,10 +19,10 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from ..config import HealthCheckConfig
+from ..config.generation import Generation
 from ..metrics import GatewayMetrics
 from .failures import CLIENT_ERRORS, failure_of
-from .live import Live
-from .replicas import Replica
+from .replicas import Pool, Replica
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ TICK_S = 0.25  # how often due probes are looked for (an interval_s below it is 
 class HealthChecker:
     def __init__(
         self,
-        live: Callable[[], Live],
+        live: Callable[[], Generation[Pool]],
         metrics: GatewayMetrics,
         *,
         clock: Callable[[], float] = time.monotonic,
