@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import base64
 import gc
+import hashlib
 import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
@@ -38,8 +39,8 @@ from tools.standin import StandIn
 
 CONFIG = """
 version: 1
-server: {{reload_interval_s: 0, access_log: false}}
-models:
+server: {{reload_interval_s: 0, access_log: false{server}}}
+{auth}models:
   - name: m
     upstreams: [{upstream}]
     accepts: [text, image]
@@ -88,6 +89,29 @@ SCENARIOS["image"] = _IMAGE  # a model that does not count visual tokens
 SCENARIOS["image-counted"] = {**_IMAGE, "model": "counted"}  # one that does (visual_tokens, limits)
 
 PATHS = {"responses": "/v1/responses", "messages": "/v1/messages"}  # the others: /v1/chat/completions
+
+# The text request with a feature on: a key with limits (requests, tokens; far above what a run
+# sends), and tracing with no request sampled (its collector never called: nothing to send)
+KEY = "sk-calls-0123456789"
+KEYED = (
+    f"auth:\n  keys:\n    - {{name: bench, key_sha256: {hashlib.sha256(KEY.encode()).hexdigest()}, rate_limit: "
+    "{requests_per_minute: 1000000000, burst: 1000000, tokens_per_minute: 1000000000000, tokens_per_day: "
+    "1000000000000}}\n"
+)
+FEATURES: dict[str, tuple[str, str, dict[str, str]]] = {  # scenario: server keys, auth section, headers
+    "keyed": ("", KEYED, {"Authorization": f"Bearer {KEY}"}),
+    "unsampled": (", tracing: {otlp_endpoint: 'http://127.0.0.1:9', sample_ratio: 0}", "", {}),
+}
+
+
+def config_text(upstream: str, scenario: str = "text") -> str:
+    """The routing.yaml of a scenario's gateway: CONFIG, with the scenario's feature on."""
+    server, auth, _ = FEATURES.get(scenario, ("", "", {}))
+    return CONFIG.format(upstream=upstream, server=server, auth=auth)
+
+
+SCENARIOS["keyed"] = SCENARIOS["unsampled"] = TEXT
+SCENARIOS["text-counted"] = {**TEXT, "model": "counted"}  # text alone, to a model that counts images
 
 
 @dataclass(frozen=True)
@@ -161,10 +185,10 @@ async def measure(scenario: str = "text", n: int = 200, warmup: int = 50) -> Cou
     body = orjson.dumps(SCENARIOS[scenario])
     path = PATHS.get(scenario, "/v1/chat/completions")
     upstream_runner, upstream = await _serve(StandIn().app())
-    config = parse_config(CONFIG.format(upstream=upstream), filename="bench")
+    config = parse_config(config_text(upstream, scenario), filename="bench")
     gateway_runner, gateway = await _serve(create_app(config), **SERVER_OPTIONS)
     minimal_runner, minimal = await _serve(minimal_proxy.make_app(upstream))
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **FEATURES.get(scenario, ("", "", {}))[2]}
     try:
         async with aiohttp.ClientSession() as session:
 

@@ -70,6 +70,8 @@ FORWARDED, REJECTED = "gateway, forwarded (text)", "gateway, rejected (400)"
 # The tenants scenario: a key's limits in this process or shared in Redis, and traces sent (issue 24)
 GATEWAY_KEYS, GATEWAY_REDIS = "gateway, key limits per process", "gateway, key limits in Redis"
 GATEWAY_TRACED, GATEWAY_SAMPLED = "gateway, traced (every request)", "gateway, traced (10% sampled)"
+GATEWAY_UNSAMPLED = "gateway, traced (none sampled)"  # what a request not sampled costs: sample_ratio 0
+TRACED = (GATEWAY_TRACED, GATEWAY_SAMPLED, GATEWAY_UNSAMPLED)
 BENCH_KEY = "sk-bench-0123456789"  # a key of the bench's own gateways, on loopback only
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -204,8 +206,8 @@ def tenants_config(variant: str, *, redis: str | None = None, collector: str | N
         )
         if variant == GATEWAY_REDIS:
             server = f", limits_store: {{url: '{redis}', timeout_ms: 50}}"
-    elif variant in (GATEWAY_TRACED, GATEWAY_SAMPLED):
-        ratio = 1.0 if variant == GATEWAY_TRACED else 0.1
+    elif variant in TRACED:
+        ratio = {GATEWAY_TRACED: 1.0, GATEWAY_SAMPLED: 0.1, GATEWAY_UNSAMPLED: 0.0}[variant]
         server = f", tracing: {{otlp_endpoint: '{collector}', sample_ratio: {ratio}}}"
     return server, auth
 
@@ -299,9 +301,9 @@ class Stack:
         epd = name == "gateway, EPD"
         config = self.tmp / f"routing-{port}.yaml"
         extra = ("", "")
-        if name in (GATEWAY_KEYS, GATEWAY_REDIS, GATEWAY_TRACED, GATEWAY_SAMPLED):
+        if name in (GATEWAY_KEYS, GATEWAY_REDIS, *TRACED):
             store_url = self.get("redis").url if name == GATEWAY_REDIS else None
-            collector = self.get("collector").url if name in (GATEWAY_TRACED, GATEWAY_SAMPLED) else None
+            collector = self.get("collector").url if name in TRACED else None
             extra = tenants_config(name, redis=store_url, collector=collector)
         config.write_text(gateway_config(port, self.upstream, access_log=name == GATEWAY_LOG, epd=epd, extra=extra))
         if name == self.baseline_name and self.baseline is not None:  # the other checkout's, on its own modules
@@ -470,6 +472,7 @@ def _tenants_plan(stack: Stack, scripts: Scripts) -> Plan:
         (GATEWAY_REDIS, keyed, commands),
         (GATEWAY_TRACED, text, spans),
         (GATEWAY_SAMPLED, text, spans),
+        (GATEWAY_UNSAMPLED, text, spans),
     ):
         server = stack.get(variant)
         arms.append(Arm(variant, server, server, script, counters=counters))

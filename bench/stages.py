@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.calls import CONFIG, _serve
+from bench.calls import _serve, config_text
 from bench.hop import image_body
 from gateway.admission import body, dimensions, plan, strings, tokens, visual
 from gateway.config import parse_config
@@ -94,7 +94,7 @@ async def measure(size: int, n: int, rounds: int) -> dict[str, dict[str, float]]
     """µs a request each stage took inside the gateway, by scenario (medians of ``rounds``);
     ``process`` is the whole process's CPU (client, upstream and gateway)."""
     upstream_runner, upstream = await _serve(StandIn().app())
-    config = parse_config(CONFIG.format(upstream=upstream), filename="bench")
+    config = parse_config(config_text(upstream), filename="bench")
     gateway_runner, gateway = await _serve(create_app(config), **SERVER_OPTIONS)
     bodies = scenarios(size)
     rounds_of: dict[str, list[dict[str, float]]] = {name: [] for name in bodies}
@@ -128,7 +128,7 @@ async def measure(size: int, n: int, rounds: int) -> dict[str, dict[str, float]]
 
 def hot(size: int, number: int = 2000) -> dict[str, dict[str, float]]:
     """The same work outside the server: each body parsed and admitted ``number`` times over."""
-    config = parse_config(CONFIG.format(upstream="http://127.0.0.1:9"), filename="bench")
+    config = parse_config(config_text("http://127.0.0.1:9"), filename="bench")
     server = config.server
     out: dict[str, dict[str, float]] = {}
     for name, raw in scenarios(size).items():

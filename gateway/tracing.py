@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from contextvars import ContextVar
 from importlib.util import find_spec
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -50,11 +51,17 @@ Attributes = Mapping[str, str | bool | int | float | Sequence[str]]
 
 
 class Traced(NamedTuple):
-    """A request's span, the context token that made it current, and its operation."""
+    """A request's span (None: not sampled), the context token that made it current (or made its
+    context :data:`UNSAMPLED`'s), and its operation."""
 
-    span: Span
+    span: Span | None
     token: object
     operation: str
+
+
+# What a request not sampled passes on: its traceparent (and the client's tracestate), made once
+# as it opens; the rest of its path asks :meth:`Tracing.recording` (one read of this) and no more.
+UNSAMPLED: ContextVar[dict[str, str] | None] = ContextVar("gateway_unsampled_context", default=None)
 
 
 def available() -> bool:
@@ -82,27 +89,27 @@ class Tracing:
         exporter: SpanExporter | None = None,
         trust_client_sampling: bool = False,
     ) -> None:
+        import random
+
         from opentelemetry import context, trace
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._context, self._trace = context, trace
-        ours = TraceIdRatioBased(sample_ratio)
-        # a client's trace id is its own to choose, and so would be a ratio of it: a remote parent
-        # is sampled at random, at the ratio, unless the table trusts the client's sampled flag
-        sampler = ParentBased(ours)
-        if not trust_client_sampling:
-            remote = _random_sampler(sample_ratio)
-            sampler = ParentBased(ours, remote_parent_sampled=remote, remote_parent_not_sampled=remote)
+        # Whether a request is recorded is decided once, in open(), before the SDK is asked for
+        # anything: its sampler records every span it is asked for (a request's root and, under
+        # it, the stages), and a request not sampled never reaches it.
+        self._ratio, self._trust, self._draw = sample_ratio, trust_client_sampling, random.Random().random
         self._provider = TracerProvider(
-            sampler=sampler,
+            sampler=ALWAYS_ON,
             resource=Resource.create({"service.name": service, "service.version": version}),
             shutdown_on_exit=False,  # closed with the app
         )
+        self._ids = self._provider.id_generator
         sending = exporter if exporter is not None else OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=10)
         self._provider.add_span_processor(BatchSpanProcessor(sending))
         self._tracer = self._provider.get_tracer("modality-gateway", version)
@@ -112,7 +119,24 @@ class Tracing:
     def open(self, headers: Mapping[str, str], operation: str, method: str, path: str, request_id: str) -> Traced:
         """A request's span, the client's ``traceparent`` its parent, made current until
         :meth:`close` (no context manager: the front middleware keeps one frame); ``operation``:
-        the GenAI semantic conventions' ``gen_ai.operation.name`` of its API (gateway.admission.apis)."""
+        the GenAI semantic conventions' ``gen_ai.operation.name`` of its API (gateway.admission.apis).
+
+        Sampled here, once: at ``sample_ratio``, by a draw of the gateway's own (a ratio of the
+        trace id would be the client's to choose, through its traceparent), or by the client's
+        sampled flag where the table trusts it. A request not sampled costs what its context
+        does and no more: a span that records nothing, in the client's trace or a new one, whose
+        traceparent (flag not sampled) still goes to the engine; the SDK is never asked."""
+        parent = self._propagator.extract(headers) if "traceparent" in headers else None
+        remote = self._trace.get_current_span(parent).get_span_context() if parent is not None else None
+        if remote is not None and not remote.is_valid:  # a traceparent that does not parse: a new trace
+            remote = None
+        sampled = remote.trace_flags.sampled if self._trust and remote is not None else self._draw() < self._ratio
+        if not sampled:
+            trace_id = remote.trace_id if remote is not None else self._ids.generate_trace_id()
+            context = {"traceparent": f"00-{trace_id:032x}-{self._ids.generate_span_id():016x}-00"}
+            if remote is not None and remote.trace_state:
+                context["tracestate"] = remote.trace_state.to_header()
+            return Traced(None, UNSAMPLED.set(context), operation)
         attributes = {
             "http.request.method": method,
             "url.path": path,
@@ -121,7 +145,7 @@ class Tracing:
         }
         span = self._tracer.start_span(
             operation,
-            context=self._propagator.extract(headers),
+            context=parent,
             kind=self._trace.SpanKind.SERVER,
             attributes=attributes,
             record_exception=False,
@@ -134,8 +158,11 @@ class Tracing:
         {model}`` once the model is known, ``error.type`` the error's code (``cancelled``,
         ``client_closed``: the client left); the span's status an error for a 5xx only, as HTTP
         servers' spans have it (a 4xx is the client's)."""
-        self._context.detach(traced.token)  # type: ignore[arg-type]
         span = traced.span
+        if span is None:  # not sampled: nothing to say, nothing to send
+            UNSAMPLED.reset(traced.token)  # type: ignore[arg-type]
+            return
+        self._context.detach(traced.token)  # type: ignore[arg-type]
         if model is not None:  # None: the request named no model the gateway knows
             span.update_name(f"{traced.operation} {model}")
             span.set_attribute("gen_ai.request.model", model)
@@ -205,11 +232,16 @@ class Tracing:
 
     def recording(self) -> bool:
         """Whether the current request is recorded (sampled): what its spans would be made for."""
-        return self._trace.get_current_span().is_recording()
+        return UNSAMPLED.get() is None and self._trace.get_current_span().is_recording()
 
     def inject(self, headers: MutableMapping[str, str], span: Span | None = None) -> None:
         """``traceparent`` (and ``tracestate``) of ``span``, default the current one, into
-        ``headers``, in place of any the client sent."""
+        ``headers``, in place of any the client sent; a request not sampled passes its own."""
+        unsampled = UNSAMPLED.get()
+        if unsampled is not None:
+            headers.pop("tracestate", None)
+            headers.update(unsampled)
+            return
         context = self._trace.set_span_in_context(span) if span is not None else None
         self._propagator.inject(headers, context=context)
 
@@ -220,30 +252,6 @@ class Tracing:
     def shutdown(self) -> None:
         """The spans left sent, the exporter closed (blocking: call it in a thread)."""
         self._provider.shutdown()
-
-
-def _random_sampler(ratio: float) -> Any:
-    """A sampler that records ``ratio`` of what it is asked about, by a draw of its own (the
-    SDK's ratio sampler reads the trace id, which a client's traceparent chooses)."""
-    import random
-
-    from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
-
-    class RandomRatio(Sampler):
-        def __init__(self) -> None:
-            self._draw = random.Random()
-
-        def should_sample(self, parent_context: Any, trace_id: int, name: str, *rest: Any, **named: Any) -> Any:
-            # the SDK's arguments after these: kind, attributes, links, trace_state
-            asked = dict(zip(("kind", "attributes", "links", "trace_state"), rest, strict=False)) | named
-            if self._draw.random() < ratio:  # the span keeps the attributes it was started with
-                return SamplingResult(Decision.RECORD_AND_SAMPLE, asked.get("attributes"), asked.get("trace_state"))
-            return SamplingResult(Decision.DROP, None, asked.get("trace_state"))
-
-        def get_description(self) -> str:
-            return f"RandomRatio{{{ratio}}}"
-
-    return RandomRatio()
 
 
 def stage(tracing: Tracing | None, name: str, attributes: Attributes | None = None) -> AbstractContextManager[Any]:

@@ -291,3 +291,43 @@ async def test_a_clients_tracestate_and_baggage_go_upstream_within_w3cs_bounds(u
     kept, dropped = (r.headers for r in upstream.received)
     assert (kept["tracestate"], kept["baggage"]) == ("a=1", "k=v")
     assert "tracestate" not in dropped and len(dropped["baggage"]) == 8002
+
+
+@needs_tracing
+@pytest.mark.parametrize("trust", [False, True])
+def test_a_request_not_sampled_never_reaches_the_sdk_yet_its_context_goes_on(monkeypatch, trust: bool) -> None:
+    """Sampling is decided once, as the request opens: one not sampled costs its context alone (no
+    span of the SDK's, no attributes), and what it passes upstream says not sampled, in the
+    client's trace where it came with one."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from gateway.tracing import Tracing, stage
+
+    exported = InMemorySpanExporter()
+    tracing = Tracing("http://127.0.0.1:9", 0.0, exporter=exported, trust_client_sampling=trust)
+    made: list[str] = []
+    real = tracing._tracer.start_span
+
+    def start_span(name: str, *args: Any, **named: Any) -> Any:
+        made.append(name)
+        return real(name, *args, **named)
+
+    monkeypatch.setattr(tracing._tracer, "start_span", start_span)
+    sent = []
+    for headers in ({}, {"traceparent": CLIENT_PARENT.removesuffix("01") + "00"}, {"traceparent": CLIENT_PARENT}):
+        opened = tracing.open(headers, "chat", "POST", "/v1/chat/completions", "rid")
+        with stage(tracing, "gateway.admission"):
+            pass
+        upstream: dict[str, str] = {}
+        tracing.inject(upstream, tracing.start("gateway.upstream", kind="client"))
+        sent.append(TRACEPARENT.fullmatch(upstream["traceparent"]))
+        tracing.close(opened, 200, None, "m")
+    assert tracing.flush()
+    # the client's sampled flag records its request (and its stages) only where the table trusts it
+    assert made == (["chat", "gateway.admission", "gateway.upstream"] if trust else [])
+    assert [s.name for s in exported.get_finished_spans()] == (["gateway.admission", "chat m"] if trust else [])
+    new, unsampled, sampled = sent
+    assert new is not None and new.group(1) != CLIENT_TRACE and new.group(3) == "00"
+    assert unsampled is not None and unsampled.group(1) == CLIENT_TRACE and unsampled.group(3) == "00"
+    assert sampled is not None and sampled.group(1) == CLIENT_TRACE and sampled.group(3) == ("01" if trust else "00")
+    tracing.shutdown()

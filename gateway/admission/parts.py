@@ -87,6 +87,7 @@ class Classification:
     audio_in_video: bool
     # (place, index) of the parts its API's engines read in another shape of the same meaning
     normalized: frozenset[tuple[int, int]] = frozenset()
+    media: bool = True  # whether any part carries more than text (False: nothing to count, convert or encode)
 
     @property
     def present(self) -> tuple[Modality, ...]:
@@ -322,7 +323,7 @@ def classify_contents(
     for part in parts:
         for m in part.modalities:
             counts[m] = counts.get(m, 0) + 1
-    return Classification(tuple(parts), counts, audio_in_video)
+    return Classification(tuple(parts), counts, audio_in_video, media=len(counts) > (Modality.TEXT in counts))
 
 
 def check_messages(messages: list[Any], bounds: ContentBounds, name: str = "messages") -> None:

@@ -184,6 +184,8 @@ async def convert(ex: Exchange) -> None:
     frame is decoded; the request's visual tokens are spent once all are known."""
     plan, services = ex.plan, ex.services
     assert plan is not None
+    if plan.visual is None and not plan.classification.media:  # text alone: nothing to count or convert
+        return
     later = counted_later(plan)
     if plan.visual is not None and not later:  # counted at admission: spent before anything is done
         await ex.counted(plan)
@@ -205,6 +207,9 @@ async def encode(ex: Exchange) -> bytes:
     says how many) or primed on vLLM's encoder instances (``ex.primed``)."""
     plan = ex.plan
     assert plan is not None
+    text_alone = not plan.classification.media and not plan.normalized and not ex.ask_usage
+    if text_alone and ex.parsed.get("model") == plan.model.upstream_name:
+        return ex.raw  # the client's own bytes: nothing to encode, nothing to write again
     encoded = Encoded(ex.converted, dict(ex.ask_usage))
     if plan.encode_parts or plan.encodes_frames or plan.encodes_pages:
         kind = ex.config.encoders[plan.encoder or ""].kind

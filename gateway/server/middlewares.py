@@ -198,8 +198,9 @@ async def rate_limit_headers(request: web.Request, response: web.StreamResponse)
     """``on_response_prepare``: the key's x-ratelimit-* headers on every answer to it."""
     headers = request.get(RATE_HEADERS_KEY)
     if headers:
+        answer = response.headers
         for name, value in headers.items():
-            response.headers.setdefault(name, value)
+            answer.setdefault(name, value)
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
