@@ -185,8 +185,12 @@ async def measure(scenario: str = "text", n: int = 200, warmup: int = 50) -> Cou
     body = orjson.dumps(SCENARIOS[scenario])
     path = PATHS.get(scenario, "/v1/chat/completions")
     upstream_runner, upstream = await _serve(StandIn().app())
-    config = parse_config(config_text(upstream, scenario), filename="bench")
-    gateway_runner, gateway = await _serve(create_app(config), **SERVER_OPTIONS)
+    try:
+        app = create_app(parse_config(config_text(upstream, scenario), filename="bench"))
+    except BaseException:  # a table this machine refuses (tracing without its extra): nothing left open
+        await upstream_runner.cleanup()
+        raise
+    gateway_runner, gateway = await _serve(app, **SERVER_OPTIONS)
     minimal_runner, minimal = await _serve(minimal_proxy.make_app(upstream))
     headers = {"Content-Type": "application/json", **FEATURES.get(scenario, ("", "", {}))[2]}
     try:
