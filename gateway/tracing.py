@@ -2,7 +2,8 @@
 
 Off unless ``server.tracing`` names an OTLP/HTTP endpoint; then every request to a model
 endpoint is a trace (or a part of the client's, from its ``traceparent``), sampled at
-``sample_ratio`` unless the client's context says whether it was (parent-based). The SDK and its
+``sample_ratio`` (or as the client's sampled flag says, with ``trust_client_sampling``), once, as
+it arrives: a request not sampled never reaches the SDK (:meth:`Tracing.open`). The SDK and its
 exporter are the ``tracing`` extra (``pip install 'modality-gateway[tracing]'``): this module
 imports them only when tracing is on, and without it the gateway runs as it always did (the
 config refuses ``server.tracing`` where they are not installed). Spans are batched and sent by
@@ -110,6 +111,7 @@ class Tracing:
             shutdown_on_exit=False,  # closed with the app
         )
         self._ids = self._provider.id_generator
+        self._root = context.Context()  # the context of a request without a traceparent: no parent
         sending = exporter if exporter is not None else OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=10)
         self._provider.add_span_processor(BatchSpanProcessor(sending))
         self._tracer = self._provider.get_tracer("modality-gateway", version)
@@ -145,7 +147,7 @@ class Tracing:
         }
         span = self._tracer.start_span(
             operation,
-            context=parent,
+            context=parent if parent is not None else self._root,  # none: a trace of its own
             kind=self._trace.SpanKind.SERVER,
             attributes=attributes,
             record_exception=False,
@@ -239,7 +241,8 @@ class Tracing:
         ``headers``, in place of any the client sent; a request not sampled passes its own."""
         unsampled = UNSAMPLED.get()
         if unsampled is not None:
-            headers.pop("tracestate", None)
+            while "tracestate" in headers:  # every line of it: the request's own goes, if any
+                del headers["tracestate"]
             headers.update(unsampled)
             return
         context = self._trace.set_span_in_context(span) if span is not None else None

@@ -36,7 +36,7 @@ from ..upstream.health import HealthChecker
 from ..upstream.replicas import ReplicaSet
 from . import doors, handlers
 from .access_log import quiet_parser_errors
-from .middlewares import expect_continue, front_middleware
+from .middlewares import expect_continue, front_middleware, rate_limit_headers
 from .state import SERVICES_KEY, Services
 from .store import ConfigStore
 
@@ -113,6 +113,7 @@ def create_app(
         client_max_size=config.server.max_body_bytes,
         middlewares=[front_middleware],
     )
+    app.on_response_prepare.append(rate_limit_headers)
     app[SERVICES_KEY] = services
     for lifetime in _lifetimes(services):  # each its own: one that fails to start stops those started
         app.cleanup_ctx.append(lifetime)

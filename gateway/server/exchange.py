@@ -250,8 +250,6 @@ def forward(
         "X-Gateway-Model": model.name,
         "X-Gateway-Route": ex.plan.route if ex.plan is not None else "direct",
         "X-Gateway-Priority": PRIORITIES[ex.priority],
-        # the key's x-ratelimit-* (and its visual tokens', once counted), on a streamed answer too
-        **(request.get(RATE_HEADERS_KEY, {}) if ex.key is not None else {}),
         **ex.headers,  # a route a conversion changed too (an image not described, dropped)
     }
     t = model.timeouts

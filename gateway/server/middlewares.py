@@ -101,12 +101,8 @@ async def front_middleware(request: web.Request, handler: Handler) -> web.Stream
             log.exception("unhandled error in %s %s (request id %s)", request.method, request.path, rid)
             failure = "internal_error"
             response = render(GatewayError(f"Internal error in the gateway (request id {rid})"), shape_of(request.path))
-        if not response.prepared:  # (a reply relayed as a stream has them: gateway.server.exchange.forward)
+        if not response.prepared:
             _answer_headers(request, response, rid)
-            if keyed and (limits := request.get(RATE_HEADERS_KEY)):  # the key's x-ratelimit-* on every answer to it
-                answer = response.headers
-                for name, value in limits.items():
-                    answer.setdefault(name, value)
         gone = isinstance(response, RelayResponse) and response.client_gone
         code = CLIENT_CLOSED if gone else response.status
         if gone:
@@ -196,6 +192,15 @@ async def _with_key(request: web.Request, handler: Handler, services: Services, 
     except LimitsStoreUnavailableError:  # on_failure: closed, counted as the API's request
         request[MODEL_LABEL_KEY] = request.get(MODEL_LABEL_KEY, UNKNOWN_MODEL)
         raise
+
+
+async def rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: the key's x-ratelimit-* headers on every answer to it."""
+    headers = request.get(RATE_HEADERS_KEY)
+    if headers:
+        answer = response.headers
+        for name, value in headers.items():
+            answer.setdefault(name, value)
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
