@@ -29,23 +29,28 @@ from gateway.metrics import GatewayMetrics
 from tools.redis_server import RedisServer
 
 KEY = ApiKey("bench", key_sha256="0" * 64, rate_limit=RateLimit(1e9, 10**9, None, 1e12, 1e13), max_concurrency=10**6)
+# the same limits without max_concurrency: leased by the process (gateway.admission.leases)
+LEASED = ApiKey("leased", key_sha256="1" * 64, rate_limit=RateLimit(1e9, 10**9, None, 1e12, 1e13))
 
 
-async def _run(limits: Any, requests: int, concurrency: int) -> float:
-    """Wall seconds for ``requests`` admissions and ends, ``concurrency`` at a time."""
+async def _run(limits: Any, requests: int, concurrency: int, key: ApiKey = KEY) -> float:
+    """Wall seconds for ``requests`` admissions and ends, ``concurrency`` at a time (a leased
+    key's: with what it spent written and its lease given back)."""
     left = requests
 
     async def worker() -> None:
         nonlocal left
         while left > 0:
             left -= 1
-            _, slot = await limits.admit(KEY)
-            limits.finish(KEY, 100, slot)
+            _, slot = await limits.admit(key)
+            limits.finish(key, 100, slot)
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    if isinstance(limits, SharedLimits) and limits._ending:
-        await asyncio.wait(limits._ending)
+    if isinstance(limits, SharedLimits):
+        if limits._ending:
+            await asyncio.wait(limits._ending)
+        await limits.settle()
     return time.perf_counter() - started
 
 
@@ -65,13 +70,15 @@ async def main_async(args: argparse.Namespace) -> None:
             local = KeyLimits()
             print(
                 "| concurrency | per process µs a request | shared (Redis) µs a request | x | scripts a request "
-                "| round trips a request |"
+                "| round trips a request | leased (no max_concurrency) µs a request | x | scripts a request |"
             )
-            print("|---:|---:|---:|---:|---:|---:|")
+            print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             for concurrency in args.concurrency:
                 await _run(shared, 200, concurrency)  # warm: the scripts loaded, the connections open
-                times: dict[str, list[float]] = {"local": [], "shared": []}
+                await _run(shared, 200, concurrency, LEASED)
+                times: dict[str, list[float]] = {"local": [], "shared": [], "leased": []}
                 scripts: list[float] = []
+                leased: list[float] = []
                 trips: list[float] = []
                 for _ in range(args.repeats):  # alternating, so that the machine's drift hits both
                     times["local"].append(await _run(local, args.requests, concurrency))
@@ -79,11 +86,15 @@ async def main_async(args: argparse.Namespace) -> None:
                     times["shared"].append(await _run(shared, args.requests, concurrency))
                     scripts.append((_calls(counter) - before) / args.requests)
                     trips.append((shared.round_trips - sent) / args.requests)
+                    before = _calls(counter)
+                    times["leased"].append(await _run(shared, args.requests, concurrency, LEASED))
+                    leased.append((_calls(counter) - before) / args.requests)
                 a = statistics.median(times["local"]) / args.requests * 1e6
                 b = statistics.median(times["shared"]) / args.requests * 1e6
+                c = statistics.median(times["leased"]) / args.requests * 1e6
                 print(
                     f"| {concurrency} | {a:.1f} | {b:.1f} | {b / a:.1f} | {statistics.median(scripts):.2f} "
-                    f"| {statistics.median(trips):.2f} |"
+                    f"| {statistics.median(trips):.2f} | {c:.1f} | {c / a:.1f} | {statistics.median(leased):.3f} |"
                 )
             counter.close()
             await shared.close()

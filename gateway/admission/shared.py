@@ -5,12 +5,17 @@ N replicas let a key through N times its limits. With ``limits_store: {url: redi
 a key's request rate, token budgets, visual tokens and requests in flight live in Redis, and each
 step is one Lua script, atomic on the server, whose clock (``TIME``) every process shares:
 
-- **admission** (the hot path, one round trip): the token budgets hold, the request bucket has a
-  request, the key is under its ``max_concurrency``; if all do, a request is spent and a slot
-  taken (a lease: a gateway that dies mid-request frees its slots when they lapse);
+- **a lease** (a key without ``max_concurrency``: gateway.admission.leases): a slice of the key's
+  request bucket taken, what replies cost written, the token budgets read; then each request is
+  a local check, and the lease is renewed ahead of need, off the requests' path;
+- **admission** (a key with ``max_concurrency``, one round trip): the token budgets hold, the
+  request bucket has a request, the key is under its ``max_concurrency``; if all do, a request
+  is spent and a slot taken (a lease: a gateway that dies mid-request frees its slots when they
+  lapse);
 - **visual tokens** (a request with counted images, to a key with a visual or token budget: a
   second round trip, once they are known);
-- **the end** (after the last byte, off the request's path): its tokens spent, its slot given back;
+- **the end** (after the last byte, off the request's path): its tokens spent, its slot given back
+  (a key without ``max_concurrency``: written with the next lease, within SYNC_S);
 - **the heartbeat** (every second, off every request's path): this process counted among the live
   ones, whose number divides each model's ``max_concurrency`` (:func:`share`; the gate of
   gateway.upstream.concurrency fills this process's part).
@@ -37,15 +42,19 @@ import functools
 import hashlib
 import itertools
 import logging
+import math
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any
 
 from ..config import ApiKey, LimitsStoreConfig, RateLimit
 from ..errors import LimitsStoreUnavailableError
 from ..metrics import GatewayMetrics
 from .auth import concurrency_refusal, requests_verdict, tokens_verdict, visual_verdict
+from .leases import HOLD_S, SYNC_S, Lease
+from .scripts import ADMIT, FINISH, LEASE, MEMBERS, VISUAL
+from .store_time import MOST_S, store_time
 
 log = logging.getLogger(__name__)
 
@@ -53,145 +62,6 @@ LEASE_S = 900  # a slot's lease: the longest a request may hold it before it lap
 PAUSE_S = 1.0  # after a failure, the store is not asked for this long (the policy answers)
 END_RETRIES_S = (1.0, 2.0)  # a request's end that failed is sent again after these waits
 MAX_PIPELINE = 256  # scripts in one pipeline at most
-MOST_S = 1.0  # a call's bound, looked at each step, however slow the loop (or 10 x timeout_ms, if longer)
-TICKS = 10  # timeout_ms is counted in this many steps, each at least one turn of the loop
-GRACE_TURNS = 3  # turns of the loop after the last step: an answer already in the socket is read
-
-
-@contextlib.asynccontextmanager
-async def store_time(seconds: float) -> AsyncIterator[None]:
-    """A timeout of ``seconds`` of the store's time, not of the loop's: counted in TICKS steps
-    of seconds/TICKS, each on a timer of its own, so that a loop held for 200 ms (a huge body
-    parsed, a busy machine) spends one step, not the whole timeout, and a loop whose every turn
-    is slow gives the store at least TICKS turns to be heard (a request waits turns to be written
-    and its answer turns to be read: a store that answered in time was not heard by a busy loop).
-    After the last step, a few turns more (GRACE_TURNS and the timeout's own: an answer already
-    in the socket is read); then TimeoutError. On an idle loop, ``seconds`` and a turn or two;
-    the bound, max(MOST_S, 10 x seconds), is looked at as each step comes due (a single stall
-    longer than it passes it by that stall)."""
-    loop = asyncio.get_running_loop()
-    step = seconds / TICKS
-    last = loop.time() + max(MOST_S, 10 * seconds)
-    async with asyncio.timeout(None) as timeout:
-
-        def tick(left: int) -> None:
-            if left > 1 and loop.time() < last:
-                armed[0] = loop.call_later(step, tick, left - 1)
-            else:
-                armed[0] = loop.call_soon(turn, GRACE_TURNS)
-
-        def turn(left: int) -> None:
-            if left:
-                armed[0] = loop.call_soon(turn, left - 1)
-            else:
-                timeout.reschedule(loop.time())
-
-        armed: list[asyncio.Handle] = [loop.call_later(step, tick, TICKS)]
-        try:
-            yield
-        finally:
-            armed[0].cancel()
-
-
-# The buckets: a hash {t: tokens left, u: when (the store's clock, seconds)}; refilled to now,
-# never over capacity; kept until they would be full again.
-_FILL = """
-local now
-do local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1000000 end
-local function fill(key, capacity, per_s)
-  local v = redis.call('HMGET', key, 't', 'u')
-  local tokens = tonumber(v[1]) or capacity
-  local updated = tonumber(v[2]) or now
-  return math.min(capacity, tokens + math.max(0, now - updated) * per_s)
-end
--- written in full: Lua's tostring keeps 14 digits, which rounds the clock (10 digits of
--- seconds) to 100 us; a rounding past the next call's clock was forgiven (max(0, ...)), and a
--- key refused thousands of times a second was let through a few percent more than its rate
-local function exact(x) return string.format('%.17g', x) end
-local function keep(key, tokens, capacity, per_s)
-  redis.call('HSET', key, 't', exact(tokens), 'u', exact(now))
-  redis.call('EXPIRE', key, math.min(math.ceil((capacity - tokens) / per_s) + 1, 2592000))  -- 30 days at most
-end
-local function opt(x) if x == '' then return nil end return tonumber(x) end
-"""
-
-# KEYS: requests, tokens a minute, tokens a day, slots (a sorted set: member -> lease end)
-# ARGV: requests_per_minute, burst, tokens_per_minute, tokens_per_day, max_concurrency, member, lease (s)
-# Returns: {refused ('' | 'tokens' | 'rate' | 'concurrency'), requests left, minute left, day left}
-_ADMIT = (
-    _FILL
-    + """
-local rpm, burst, tpm, tpd, most = opt(ARGV[1]), opt(ARGV[2]), opt(ARGV[3]), opt(ARGV[4]), opt(ARGV[5])
-local refused = ''
-local minute, day, left
-if tpm then minute = fill(KEYS[2], tpm, tpm / 60) end
-if tpd then day = fill(KEYS[3], tpd, tpd / 86400) end
-if (minute and minute < 1) or (day and day < 1) then refused = 'tokens' end
-if rpm then
-  left = fill(KEYS[1], burst, rpm / 60)
-  if refused == '' and left < 1 then refused = 'rate' end
-end
-if most then
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
-  if refused == '' and redis.call('ZCARD', KEYS[4]) >= most then refused = 'concurrency' end
-end
-if refused == '' then
-  if rpm then left = left - 1 end
-  if most then
-    redis.call('ZADD', KEYS[4], now + tonumber(ARGV[7]), ARGV[6])
-    redis.call('EXPIRE', KEYS[4], tonumber(ARGV[7]))
-  end
-end
-if rpm then keep(KEYS[1], left, burst, rpm / 60) end
-return {refused, tostring(left or -1), tostring(minute or 0), tostring(day or 0)}
-"""
-)
-
-# KEYS: tokens a minute, tokens a day, visual tokens; ARGV: tokens_per_minute, tokens_per_day,
-# visual_tokens_per_minute, the request's visual tokens.
-# Returns {refused by the budgets (1/0), refused by the visual bucket, minute left, day left, visual left}
-_VISUAL = (
-    _FILL
-    + """
-local tpm, tpd, vpm, need = opt(ARGV[1]), opt(ARGV[2]), opt(ARGV[3]), tonumber(ARGV[4])
-local minute, day, visual
-if tpm then minute = fill(KEYS[1], tpm, tpm / 60) end
-if tpd then day = fill(KEYS[2], tpd, tpd / 86400) end
-local over = (minute and minute < need) or (day and day < need)
-local short = 0
-if vpm then
-  visual = fill(KEYS[3], vpm, vpm / 60)
-  if not over and visual >= need then visual = visual - need else short = 1 end
-  keep(KEYS[3], visual, vpm, vpm / 60)
-end
-return {over and 1 or 0, short, tostring(minute or 0), tostring(day or 0), tostring(visual or 0)}
-"""
-)
-
-# KEYS: tokens a minute, tokens a day, slots; ARGV: tokens_per_minute, tokens_per_day, tokens, member
-_FINISH = (
-    _FILL
-    + """
-local tpm, tpd, spent = opt(ARGV[1]), opt(ARGV[2]), tonumber(ARGV[3])
-if spent > 0 and tpm then keep(KEYS[1], fill(KEYS[1], tpm, tpm / 60) - spent, tpm, tpm / 60) end
-if spent > 0 and tpd then keep(KEYS[2], fill(KEYS[2], tpd, tpd / 86400) - spent, tpd, tpd / 86400) end
-if ARGV[4] ~= '' then redis.call('ZREM', KEYS[3], ARGV[4]) end
-return 1
-"""
-)
-
-
-# KEYS: the live gateway processes (a sorted set: member -> when its heartbeat lapses)
-# ARGV: this process's member, how long its heartbeat holds (s). Returns the live members.
-_MEMBERS = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local ttl = tonumber(ARGV[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
-redis.call('EXPIRE', KEYS[1], math.ceil(ttl) + 1)
-return redis.call('ZRANGE', KEYS[1], 0, -1)
-"""
 MEMBERS_KEY = "mg:gateways"
 HEARTBEAT_S = 1.0  # each process says it is alive this often
 MEMBER_TTL_S = 3.0  # and is counted out this long after its last word
@@ -241,10 +111,12 @@ class SharedLimits:
         self._redis: Any = redis.asyncio.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
         self._errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError, TimeoutError)
         self._no_script: type[BaseException] = redis.exceptions.NoScriptError
-        self._admit = self._redis.register_script(_ADMIT)
-        self._visual = self._redis.register_script(_VISUAL)
-        self._finish = self._redis.register_script(_FINISH)
-        self._members_script = self._redis.register_script(_MEMBERS)
+        self._admit = self._redis.register_script(ADMIT)
+        self._visual = self._redis.register_script(VISUAL)
+        self._finish = self._redis.register_script(FINISH)
+        self._members_script = self._redis.register_script(MEMBERS)
+        self._lease_script = self._redis.register_script(LEASE)
+        self._leases: dict[str, Lease] = {}  # by key name: each key's lease in this process (leases)
         # this process among the live ones: a model's max_concurrency is divided among them
         self.member = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
         self.rank, self.members = 0, 1  # until the store first answers: the whole limit here
@@ -253,7 +125,7 @@ class SharedLimits:
         self._ending: set[asyncio.Future[Any]] = set()  # requests' ends not answered yet
         self._names: dict[str, str] = {}
         self._queued: list[tuple[Any, list[str], list[str], asyncio.Future[Any]]] = []  # this turn's scripts
-        self._sending: set[asyncio.Task[None]] = set()
+        self._sending: set[asyncio.Task[Any]] = set()
         self.round_trips = 0  # pipelines sent (bench.limits reads it)
         self._closed = False
 
@@ -370,12 +242,15 @@ class SharedLimits:
 
     async def admit(self, key: ApiKey) -> tuple[dict[str, str], str | None]:
         """A request of the key admitted: its x-ratelimit-* headers and the slot it holds (None:
-        none), or the key's RateLimitedError, in one round trip."""
+        none), or the key's RateLimitedError: from this process's lease of the key's limits
+        (gateway.admission.leases), or, for a key with ``max_concurrency``, in one round trip."""
         limit = key.rate_limit or RateLimit(None, 1)
         budgets = limit.tokens_per_minute is not None or limit.tokens_per_day is not None
         if limit.requests_per_minute is None and not budgets and key.max_concurrency is None:
             return {}, None
-        member = next(self._members) if key.max_concurrency is not None else None
+        if key.max_concurrency is None:  # nothing in flight to count across processes: a lease of the key's limits
+            return await self._leased(key, limit, budgets), None
+        member = next(self._members)
         keys = self._keys(key, "requests", "tokens_minute", "tokens_day", "slots")
         args = [_arg(limit.requests_per_minute), _arg(limit.burst), _arg(limit.tokens_per_minute),
                 _arg(limit.tokens_per_day), _arg(key.max_concurrency), member or "", str(LEASE_S)]  # fmt: skip
@@ -417,15 +292,143 @@ class SharedLimits:
         return headers
 
     def finish(self, key: ApiKey, tokens: int, member: str | None) -> None:
-        """The request's end: its tokens spent, its slot given back; sent off its path."""
+        """The request's end: its tokens spent, its slot given back; sent off its path (a key
+        without ``max_concurrency``: written with its lease within SYNC_S)."""
         limit = key.rate_limit
         budgets = limit is not None and (limit.tokens_per_minute is not None or limit.tokens_per_day is not None)
         if member is None and not (budgets and tokens > 0):
+            return
+        if key.max_concurrency is None:
+            lease = self._lease(key)
+            lease.unsynced += tokens
+            if lease.flush is None:
+                lease.flush = asyncio.get_running_loop().call_later(SYNC_S, self._write_spent, key, lease)
             return
         keys = self._keys(key, "tokens_minute", "tokens_day", "slots")
         args = [_arg(limit.tokens_per_minute if limit else None), _arg(limit.tokens_per_day if limit else None),
                 str(tokens), member or ""]  # fmt: skip
         self._send_end(keys, args)
+
+    # --- leases (gateway.admission.leases) -------------------------------------------------------
+
+    def _lease(self, key: ApiKey) -> Lease:
+        lease = self._leases.get(key.name)
+        if lease is None:
+            lease = self._leases[key.name] = Lease()
+        lease.key = key  # the generation's: a reload may change the key's limits
+        return lease
+
+    async def _leased(self, key: ApiKey, limit: RateLimit, budgets: bool) -> dict[str, str]:
+        """A request admitted from the key's lease: the store asked only when this process has
+        nothing to go on (no request left here and the store may have one; the budgets never
+        read), and ahead of need otherwise, off the request's path."""
+        loop = asyncio.get_running_loop()
+        lease = self._lease(key)
+        lease.count(loop.time())
+        rpm = limit.requests_per_minute
+        if budgets and not lease.knows(limit) and not await self._renewed(key, lease):
+            return self._failed()
+        # the store asked again while it has requests that others waiting took first, and the
+        # key's token budgets hold (a spent one refuses below)
+        while rpm is not None and lease.held < 1 and loop.time() >= lease.empty_until:
+            if budgets and lease.spent(limit, loop.time()):
+                break
+            if not await self._renewed(key, lease):
+                return self._failed()
+        now = loop.time()
+        if lease.syncing is None and (
+            now - lease.synced_at > SYNC_S
+            or (rpm is not None and lease.held * 2 < lease.slice(limit, self.members, now))
+        ):
+            self._renew(key, lease, "admit")
+        headers = tokens_verdict(limit, *lease.levels(limit, now), 1) if budgets else {}
+        if rpm is not None:
+            left = lease.requests_left(limit, now)
+            allowed = lease.held >= 1
+            if allowed:
+                lease.held -= 1
+            headers |= requests_verdict(limit, left - 1 if allowed else left, allowed)
+        return headers
+
+    async def _renewed(self, key: ApiKey, lease: Lease) -> bool:
+        """The lease renewed (one renewal for every request that waits on it, with a request for
+        each of those waiting as it went); whether the store answered."""
+        lease.waiting += 1
+        try:
+            if lease.syncing is None:
+                self._renew(key, lease, "admit", lease.waiting)
+            assert lease.syncing is not None
+            return await asyncio.shield(lease.syncing)
+        finally:
+            lease.waiting -= 1
+
+    def _renew(self, key: ApiKey, lease: Lease, op: str, want: int | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(self._sync(key, lease, op, want))
+        lease.syncing = task
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _sync(self, key: ApiKey, lease: Lease, op: str, want: int | None, everything: bool = False) -> bool:
+        """One LEASE script: what replies cost written, requests held HOLD_S (or, with
+        ``everything``, all) given back, a slice taken (``want``: at least so many; 0: none),
+        the levels read."""
+        limit = key.rate_limit or RateLimit(None, 1)
+        rpm, loop = limit.requests_per_minute, asyncio.get_running_loop()
+        now = loop.time()
+        back = lease.held if rpm is not None and (everything or now - lease.held_at > HOLD_S) else 0
+        lease.held -= back
+        wanted = 0
+        if rpm is not None and want != 0:
+            wanted = max(want or 0, lease.slice(limit, self.members, now) - lease.held)
+        spent, lease.unsynced = lease.unsynced, 0
+        keys = self._keys(key, "requests", "tokens_minute", "tokens_day")
+        args = [_arg(rpm), _arg(limit.burst), _arg(limit.tokens_per_minute), _arg(limit.tokens_per_day),
+                str(wanted), str(back), str(spent)]  # fmt: skip
+        try:
+            answer = await self._call(op, self._lease_script, keys, args)
+        finally:
+            if lease.syncing is asyncio.current_task():
+                lease.syncing = None
+        if answer is None:  # written again with the next: a reply's cost is never forgotten
+            lease.unsynced += spent
+            return False
+        taken, left, minute, day = _texts(answer)
+        lease.minute = float(minute) if limit.tokens_per_minute is not None else None
+        lease.day = float(day) if limit.tokens_per_day is not None else None
+        lease.synced_at = loop.time()
+        if rpm is not None:
+            lease.taken(lease.synced_at, int(taken), float(left), rpm / 60)
+            if lease.held:  # unspent by then: given back
+                loop.call_later(HOLD_S, self._idle, key, lease)
+        return True
+
+    def _write_spent(self, key: ApiKey, lease: Lease) -> None:
+        lease.flush = None
+        if not lease.unsynced or self._closed:
+            return
+        if lease.syncing is None:
+            self._renew(key, lease, "finish", 0)
+        else:  # a lease under way took what was spent before it: the rest with the next
+            lease.flush = asyncio.get_running_loop().call_later(SYNC_S, self._write_spent, key, lease)
+
+    def _idle(self, key: ApiKey, lease: Lease) -> None:
+        """Requests held HOLD_S unspent: back to the store (the others' now)."""
+        now = asyncio.get_running_loop().time()
+        if lease.held and now - lease.held_at >= HOLD_S and lease.syncing is None and not self._closed:
+            self._renew(key, lease, "finish", 0)
+
+    async def settle(self) -> None:
+        """Every lease given back and what replies cost written; the levels read again at the
+        next request (at close; tests wait on it to see each process's spending in the store)."""
+        for lease in list(self._leases.values()):
+            if lease.flush is not None:
+                lease.flush.cancel()
+                lease.flush = None
+            if lease.syncing is not None:
+                await asyncio.wait([lease.syncing])
+            if lease.key is not None and (lease.held or lease.unsynced):
+                await self._sync(lease.key, lease, "finish", 0, everything=True)
+            lease.synced_at, lease.empty_until = -math.inf, 0.0
 
     def _give_back(self, keys: list[str], member: str | None) -> None:
         """A slot an admission may have taken, given back (its answer never came)."""
@@ -471,6 +474,9 @@ class SharedLimits:
             await self.heartbeat()
 
     async def close(self) -> None:
+        with contextlib.suppress(*self._errors):  # the leases given back: the other processes' now
+            async with asyncio.timeout(self.spec.timeout_ms / 1000 * 4):
+                await self.settle()
         self._closed = True
         with contextlib.suppress(*self._errors):  # counted out at once: the others' parts grow now
             async with asyncio.timeout(self.spec.timeout_ms / 1000):

@@ -18,7 +18,7 @@ import anthropic
 import openai
 import pytest
 
-from gateway.admission.shared import TICKS, store_time
+from gateway.admission.store_time import TICKS, store_time
 from gateway.server.state import SERVICES_KEY
 from tests.conftest import Gateway, Upstream, error_body, free_port, routing
 from tools.redis_server import RedisServer
@@ -58,12 +58,14 @@ def client(gw: Gateway) -> openai.AsyncOpenAI:
 
 
 async def settled(*gateways: Gateway) -> None:
-    """Every request's end written to the store (it is sent off the request's path)."""
+    """Every request's end written to the store (it is sent off the request's path), and each
+    gateway's lease given back: the next request reads the store again."""
     for gw in gateways:
         shared = gw.app[SERVICES_KEY].shared_limits
         assert shared is not None
         if shared._ending:
             await asyncio.wait(shared._ending)
+        await shared.settle()
 
 
 @pytest.fixture
@@ -223,7 +225,9 @@ async def test_the_scripts_of_one_turn_go_in_one_round_trip_and_a_flushed_store_
     import redis
 
     monkeypatch.setenv(KEY_ENV, "sk-shared")
-    gw = await gateway_factory(table(upstream, redis_server, "rate_limit: {requests_per_minute: 6, burst: 100}"))
+    # a key with max_concurrency: one script an admission (the others' are leases: gateway.admission.leases)
+    limits = "rate_limit: {requests_per_minute: 6, burst: 100}, max_concurrency: 1000"
+    gw = await gateway_factory(table(upstream, redis_server, limits))
     shared = gw.app[SERVICES_KEY].shared_limits
     assert shared is not None
     (key,) = gw.config.auth.keys

@@ -1,0 +1,151 @@
+"""gateway.admission.leases: a key's shared limits leased by each process from a real
+redis-server on loopback, so that a keyed request costs a local check: no round trip in the
+common case, one key's limit held across processes, what is not spent given back."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.admission.leases import ERROR, HOLD_S, Lease
+from gateway.admission.shared import SharedLimits
+from gateway.config import ApiKey, LimitsStoreConfig, RateLimit
+from gateway.errors import RateLimitedError, TokensRateLimitedError
+from gateway.metrics import GatewayMetrics
+from tools.redis_server import RedisServer
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(
+        shutil.which("redis-server") is None and os.environ.get("CI") != "true",
+        reason="needs Debian's redis-server (make test installs it)",
+    ),
+]
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path)
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+async def processes(redis_server: RedisServer) -> AsyncIterator[list[SharedLimits]]:
+    """Two processes' limits on one store (each its own client, leases and pipeline)."""
+    spec = LimitsStoreConfig(redis_server.url, 2000.0)
+    both = [SharedLimits(spec, GatewayMetrics(CollectorRegistry())) for _ in range(2)]
+    for shared in both:
+        await shared.heartbeat()  # each counted among the live ones: the slices are shared by two
+    yield both
+    for shared in both:
+        await shared.close()
+
+
+def store_level(redis_server: RedisServer, kind: str) -> float:
+    import redis
+
+    store = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        (bucket,) = store.keys(f"mg:*:{kind}")
+        return float(store.hget(bucket, "t"))
+    finally:
+        store.close()
+
+
+async def test_a_busy_keys_requests_cost_no_round_trip_but_one_a_slice(
+    processes: list[SharedLimits], redis_server: RedisServer
+) -> None:
+    shared = processes[0]
+    key = ApiKey("busy", key_sha256="0" * 64, rate_limit=RateLimit(60_000_000, 1_000_000, tokens_per_day=1e9))
+    loop = asyncio.get_running_loop()
+    started, before = loop.time(), shared.round_trips
+    for _ in range(3000):  # one after another, as fast as this loop goes: a high rate, large slices
+        headers, slot = await shared.admit(key)
+        assert slot is None and "x-ratelimit-remaining-requests" in headers
+        shared.finish(key, 10, slot)
+    trips = shared.round_trips - before
+    assert trips < 3000 / 20, trips  # a lease a slice and a write of the spent tokens, not a trip a request
+    await shared.settle()  # every token the replies cost written
+    refilled = (loop.time() - started) * 1e9 / 86_400
+    assert 1e9 - 30_000 <= store_level(redis_server, "tokens_day") <= 1e9 - 30_000 + refilled + 1
+
+
+async def test_two_processes_never_pass_the_keys_limit_and_leave_little_of_it(
+    processes: list[SharedLimits],
+) -> None:
+    """A burst far over the key's limit, from both processes at once: the slices come out of the
+    one bucket (never more than it holds), and what the processes hold unspent at the end is at
+    most ERROR of the key's allowance."""
+    key = ApiKey("team", key_sha256="1" * 64, rate_limit=RateLimit(60, 400))  # a request a second refills
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+
+    async def one(shared: SharedLimits) -> bool:
+        try:
+            await shared.admit(key)
+            return True
+        except RateLimitedError:
+            return False
+
+    admitted = await asyncio.gather(*(one(processes[n % 2]) for n in range(1000)))
+    elapsed = loop.time() - started
+    served = sum(admitted)
+    allowed = 400 + math.ceil(elapsed)  # the burst and what refilled meanwhile
+    assert served <= allowed + 1, (served, elapsed)
+    held = sum(p._leases["team"].held for p in processes)
+    assert served + held >= 400 - 1, (served, held)
+    assert held <= math.ceil(ERROR * (400 + 1)), held  # the slices: a share of the allowance
+
+
+async def test_what_a_process_holds_unspent_goes_back_to_the_store(
+    processes: list[SharedLimits], redis_server: RedisServer
+) -> None:
+    first, second = processes
+    key = ApiKey("team", key_sha256="2" * 64, rate_limit=RateLimit(6, 100))  # a tenth of a request a second
+    for _ in range(3):
+        await first.admit(key)
+    lease = first._leases["team"]
+    assert lease.held >= 1  # taken ahead of need
+    await asyncio.sleep(HOLD_S * 2)  # the hold lapses: what it held goes back by itself
+    while lease.held or lease.syncing is not None:
+        await asyncio.sleep(0.01)
+    assert store_level(redis_server, "requests") == pytest.approx(97, abs=0.2)  # 100, less the 3 spent
+    headers, _ = await second.admit(key)
+    assert int(headers["x-ratelimit-remaining-requests"]) >= 95
+
+
+async def test_a_token_budget_spent_in_one_process_is_seen_by_the_other(processes: list[SharedLimits]) -> None:
+    first, second = processes
+    key = ApiKey("team", key_sha256="3" * 64, rate_limit=RateLimit(None, 1, tokens_per_minute=100))
+    await first.admit(key)
+    first.finish(key, 150, None)  # a reply that cost more than the budget: spent after it
+    lease = first._leases["team"]
+    while lease.flush is not None or lease.syncing is not None:  # written within SYNC_S, by itself
+        await asyncio.sleep(0.01)
+    with pytest.raises(TokensRateLimitedError):
+        await second.admit(key)  # its first request reads the store
+    with pytest.raises(TokensRateLimitedError):
+        await first.admit(key)  # its own spending, known here at once
+
+
+def test_a_slice_is_the_processs_rate_within_its_share_of_the_error() -> None:
+    limit = RateLimit(60_000, 1000)  # a burst of 1000 and 1000 a second: an allowance of 2000
+    lease = Lease()
+    assert lease.slice(limit, 1, 100.0) == 1  # no request seen yet: one
+    lease.rate = 1000.0
+    assert lease.slice(limit, 1, 100.0) == 50  # 50 ms of 1,000 a second, within 2.5% of 2000
+    lease.rate = 1e9
+    assert lease.slice(limit, 1, 100.0) == 50 and lease.slice(limit, 4, 100.0) == 12  # a share of four
+    assert Lease(rate=1e9).slice(RateLimit(6, 5), 2, 100.0) == 1  # a small key: one at a time
+    busy = Lease()
+    busy.count(100.0)
+    busy.count(100.001)  # a key that turns busy: 2 requests in the window's first ms, the last window idle
+    assert busy.slice(limit, 1, 100.002) == 10  # at least 200 a second so far (2 in 10 ms): 50 ms of it
