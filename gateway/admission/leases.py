@@ -9,14 +9,17 @@ held so, in each process:
   what this process spends in HORIZON_S at its own rate, and at most ERROR of the key's allowance
   (its burst and a second of refill) divided among the live processes: a slice taken before a
   window and spent in it is the most a key can get past its limit, so over every process the key
-  gets at most ERROR more than its limit (and the slices are taken out of the same bucket: never
-  more than it holds). A slice is renewed ahead of need (half spent, in the background), and what
-  is left unspent HOLD_S after it was taken goes back to the store. When the store had no request
-  to give, the key is refused here until its bucket would hold one again.
+  gets at most ERROR more than its limit, or a request a process for a key too small for that
+  (and the slices are taken out of the same bucket: never more than it holds). A slice is
+  renewed ahead of need (half spent, in the background), and what is left unspent HOLD_S after
+  it was taken goes back to the store. When the store had no request to give, the key is
+  refused here until its bucket would hold one again, without asking.
 - **token budgets** (``tokens_per_minute``, ``tokens_per_day``): their levels as last read, refilled
   here at their rate, less what replies cost here since; what they cost is written back within
-  SYNC_S, and levels older than SYNC_S are read again (both with the next lease). A budget holds
-  across processes to what they spent in the last SYNC_S (they are spent after each reply anyway).
+  SYNC_S, and levels older than SYNC_S are read again (both with the next lease), in the
+  background; levels older than TRUSTED_S (an idle key, or a store that fails: then its
+  ``on_failure`` answers) are read before the request. A budget holds across processes to what
+  they spent in the last SYNC_S (they are spent after each reply anyway).
 
 A key with ``max_concurrency`` keeps one script a request (admission, then the end), and a
 request's visual tokens are one script when known (gateway.admission.shared)."""
@@ -25,16 +28,21 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..config import ApiKey, RateLimit
-from .auth import DAY_S
+from .auth import DAY_S, requests_verdict, tokens_verdict
+from .scripts import arg
 
 HORIZON_S = 0.05  # a slice is what this process spends of a key in this long
 HOLD_S = 0.25  # requests leased and unspent this long go back to the store
 SYNC_S = 0.1  # token budgets' levels are read again, and what was spent written, at least this often
+TRUSTED_S = 1.0  # levels older than this (the store failing, or a key idle) are read before a request
 ERROR = 0.025  # the slices, over all processes: at most this share of a key's burst and a second's refill
 RATE_WINDOW_S = 0.1  # a key's request rate here is counted over windows this long
+RETRY_S = 1.0  # what a failed lease did not write is written again after this long
 
 
 @dataclass(slots=True)
@@ -49,6 +57,7 @@ class Lease:
     day: float | None = None
     synced_at: float = -math.inf  # when the last lease answered
     unsynced: int = 0  # tokens replies cost here since, not written yet
+    sending: int = 0  # tokens being written (a lease under way): still spent here until it answers
     empty_until: float = 0.0  # the store had no request to give: none is asked for until then
     rate: float = 0.0  # requests a second here, over the last window
     window: tuple[float, int] = (0.0, 0)  # the current window: its start, its requests
@@ -81,11 +90,12 @@ class Lease:
         since at their rates, less what replies cost here since."""
         elapsed = max(0.0, now - self.synced_at)
         minute = day = 0.0
+        spent = self.unsynced + self.sending
         if limit.tokens_per_minute is not None and self.minute is not None:
             per_s = limit.tokens_per_minute / 60
-            minute = min(limit.tokens_per_minute, self.minute + elapsed * per_s) - self.unsynced
+            minute = min(limit.tokens_per_minute, self.minute + elapsed * per_s) - spent
         if limit.tokens_per_day is not None and self.day is not None:
-            day = min(limit.tokens_per_day, self.day + elapsed * limit.tokens_per_day / DAY_S) - self.unsynced
+            day = min(limit.tokens_per_day, self.day + elapsed * limit.tokens_per_day / DAY_S) - spent
         return minute, day
 
     def knows(self, limit: RateLimit) -> bool:
@@ -107,7 +117,7 @@ class Lease:
         last lease, refilled since (for the headers, and a refusal's wait)."""
         assert limit.requests_per_minute is not None
         refilled = self.left + max(0.0, now - self.synced_at) * limit.requests_per_minute / 60
-        return self.held + min(float(limit.burst), refilled)
+        return min(float(limit.burst), self.held + refilled)
 
     def taken(self, now: float, taken: int, left: float, per_s: float) -> None:
         """A lease's requests: held from now; none given, none asked for until one would be."""
@@ -117,3 +127,176 @@ class Lease:
         self.left = left
         if self.held < 1:
             self.empty_until = now + max(0.0, 1 - left) / per_s
+
+
+class Store(Protocol):
+    """What the leases ask of the store (gateway.admission.shared.SharedLimits)."""
+
+    members: int  # the live gateway processes
+
+    @property
+    def closed(self) -> bool: ...
+
+    def renew(self, op: str, key: ApiKey, args: list[str]) -> Awaitable[list[str] | None]: ...
+
+    def track(self, task: asyncio.Task[Any]) -> None: ...
+
+    def failed(self) -> dict[str, str]: ...
+
+
+class Leases:
+    """Every key's lease in this process (the module's docstring), renewed through ``store``."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._by_name: dict[str, Lease] = {}
+
+    def __getitem__(self, name: str) -> Lease:
+        """The lease of the key of this name (KeyError: none yet)."""
+        return self._by_name[name]
+
+    def finish(self, key: ApiKey, tokens: int) -> None:
+        """A reply's tokens, spent here and written within SYNC_S."""
+        lease = self._lease(key)
+        lease.unsynced += tokens
+        if lease.flush is None:
+            lease.flush = asyncio.get_running_loop().call_later(SYNC_S, self._write_spent, key, lease)
+
+    def _lease(self, key: ApiKey) -> Lease:
+        lease = self._by_name.get(key.name)
+        if lease is None:
+            lease = self._by_name[key.name] = Lease()
+        lease.key = key  # the generation's: a reload may change the key's limits
+        return lease
+
+    async def admit(self, key: ApiKey, limit: RateLimit, budgets: bool) -> dict[str, str]:
+        """A request admitted from the key's lease: the store asked only when this process has
+        nothing to go on (no request left here and the store may have one; the budgets never
+        read), and ahead of need otherwise, off the request's path."""
+        loop = asyncio.get_running_loop()
+        lease = self._lease(key)
+        lease.count(loop.time())
+        rpm = limit.requests_per_minute
+        for _ in range(2):  # (a lease under way for the key of an earlier generation may not read them)
+            if not budgets or (lease.knows(limit) and loop.time() - lease.synced_at <= TRUSTED_S):
+                break
+            if not await self._renewed(key, lease):
+                return self._store.failed()
+        # the store asked again while it has requests that others waiting took first, and the
+        # key's token budgets hold (a spent one refuses below)
+        while rpm is not None and lease.held < 1 and loop.time() >= lease.empty_until:
+            if budgets and lease.spent(limit, loop.time()):
+                break
+            if not await self._renewed(key, lease):
+                return self._store.failed()
+        now = loop.time()
+        if lease.syncing is None and (
+            now - lease.synced_at > SYNC_S
+            or (
+                rpm is not None
+                and now >= lease.empty_until  # a key refused is not asked for until it would have one
+                and lease.held * 2 < lease.slice(limit, self._store.members, now)
+            )
+        ):
+            self._renew(key, lease, "admit")
+        headers = tokens_verdict(limit, *lease.levels(limit, now), 1) if budgets else {}
+        if rpm is not None:
+            left = lease.requests_left(limit, now)
+            allowed = lease.held >= 1
+            if allowed:
+                lease.held -= 1
+            headers |= requests_verdict(limit, left - 1 if allowed else left, allowed)
+        return headers
+
+    async def _renewed(self, key: ApiKey, lease: Lease) -> bool:
+        """The lease renewed (one renewal for every request that waits on it, with a request for
+        each of those waiting as it went); whether the store answered."""
+        lease.waiting += 1
+        try:
+            if lease.syncing is None:
+                self._renew(key, lease, "admit", lease.waiting)
+            assert lease.syncing is not None
+            return await asyncio.shield(lease.syncing)
+        finally:
+            lease.waiting -= 1
+
+    def _renew(self, key: ApiKey, lease: Lease, op: str, want: int | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(self._sync(key, lease, op, want))
+        lease.syncing = task
+        self._store.track(task)
+
+    async def _sync(self, key: ApiKey, lease: Lease, op: str, want: int | None, everything: bool = False) -> bool:
+        """One LEASE script: what replies cost written, requests held HOLD_S (or, with
+        ``everything``, all) given back, a slice taken (``want``: at least so many; 0: none),
+        the levels read."""
+        limit = key.rate_limit or RateLimit(None, 1)
+        rpm, loop = limit.requests_per_minute, asyncio.get_running_loop()
+        now = loop.time()
+        back = lease.held if rpm is not None and (everything or now - lease.held_at > HOLD_S) else 0
+        lease.held -= back
+        wanted = 0
+        if rpm is not None and want != 0:
+            wanted = max(want or 0, lease.slice(limit, self._store.members, now) - lease.held)
+        spent, lease.unsynced = lease.unsynced, 0
+        lease.sending += spent
+        args = [arg(rpm), arg(limit.burst), arg(limit.tokens_per_minute), arg(limit.tokens_per_day),
+                str(wanted), str(back), str(spent)]  # fmt: skip
+        try:
+            answer = await self._store.renew(op, key, args)
+        finally:
+            lease.sending -= spent
+            if lease.syncing is asyncio.current_task():
+                lease.syncing = None
+        if answer is None:  # written again with the next: a reply's cost is never forgotten
+            lease.unsynced += spent
+            if lease.unsynced and lease.flush is None and not self._store.closed:
+                lease.flush = loop.call_later(RETRY_S, self._write_spent, key, lease)
+            if lease.held and not self._store.closed:
+                loop.call_later(HOLD_S, self._idle, key, lease)
+            return False
+        taken, left, minute, day = answer
+        lease.minute = float(minute) if limit.tokens_per_minute is not None else None
+        lease.day = float(day) if limit.tokens_per_day is not None else None
+        lease.synced_at = loop.time()
+        if rpm is not None:
+            lease.taken(lease.synced_at, int(taken), float(left), rpm / 60)
+            if lease.held:  # unspent by then: given back
+                loop.call_later(HOLD_S, self._idle, key, lease)
+        return True
+
+    def _write_spent(self, key: ApiKey, lease: Lease) -> None:
+        lease.flush = None
+        if not lease.unsynced or self._store.closed:
+            return
+        if lease.syncing is None:
+            self._renew(key, lease, "finish", 0)
+        else:  # a lease under way took what was spent before it: the rest with the next
+            lease.flush = asyncio.get_running_loop().call_later(SYNC_S, self._write_spent, key, lease)
+
+    def _idle(self, key: ApiKey, lease: Lease) -> None:
+        """Requests held HOLD_S unspent: back to the store (the others' now)."""
+        loop = asyncio.get_running_loop()
+        if not lease.held or loop.time() - lease.held_at < HOLD_S or self._store.closed:
+            return
+        if lease.syncing is None:
+            self._renew(key, lease, "finish", 0)
+        else:  # the lease under way gives them back, or takes them again for requests that came
+            loop.call_later(HOLD_S, self._idle, key, lease)
+
+    async def settle(self) -> None:
+        """Every lease given back and what replies cost written; the levels read again at the
+        next request (at close; tests wait on it to see each process's spending in the store)."""
+        leases = list(self._by_name.values())
+        under_way = [lease.syncing for lease in leases if lease.syncing is not None]
+        if under_way:
+            await asyncio.wait(under_way)
+        ending = []
+        for lease in leases:
+            if lease.flush is not None:
+                lease.flush.cancel()
+                lease.flush = None
+            if lease.key is not None and (lease.held or lease.unsynced):  # all in one pipeline
+                ending.append(self._sync(lease.key, lease, "finish", 0, everything=True))
+        await asyncio.gather(*ending)
+        for lease in leases:
+            lease.synced_at, lease.empty_until = -math.inf, 0.0

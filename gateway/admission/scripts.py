@@ -3,6 +3,12 @@ script, atomic on the store, whose clock (``TIME``) every process shares."""
 
 from __future__ import annotations
 
+
+def arg(value: float | int | None) -> str:
+    """A limit as a script's argument: "" for none."""
+    return "" if value is None else repr(value)
+
+
 # The buckets: a hash {t: tokens left, u: when (the store's clock, seconds)}; refilled to now,
 # never over capacity; kept until they would be full again.
 FILL = """

@@ -42,7 +42,6 @@ import functools
 import hashlib
 import itertools
 import logging
-import math
 import os
 import socket
 from collections.abc import Awaitable
@@ -52,8 +51,8 @@ from ..config import ApiKey, LimitsStoreConfig, RateLimit
 from ..errors import LimitsStoreUnavailableError
 from ..metrics import GatewayMetrics
 from .auth import concurrency_refusal, requests_verdict, tokens_verdict, visual_verdict
-from .leases import HOLD_S, SYNC_S, Lease
-from .scripts import ADMIT, FINISH, LEASE, MEMBERS, VISUAL
+from .leases import Leases
+from .scripts import ADMIT, FINISH, LEASE, MEMBERS, VISUAL, arg
 from .store_time import MOST_S, store_time
 
 log = logging.getLogger(__name__)
@@ -73,10 +72,6 @@ def share(limit: int, rank: int, members: int) -> int:
     lets each have one slot (docs/operations.md)."""
     part = limit // members + (1 if rank < limit % members else 0)
     return max(1, part)
-
-
-def _arg(value: float | int | None) -> str:
-    return "" if value is None else repr(value)
 
 
 def _texts(answer: list[Any]) -> list[str]:
@@ -116,7 +111,7 @@ class SharedLimits:
         self._finish = self._redis.register_script(FINISH)
         self._members_script = self._redis.register_script(MEMBERS)
         self._lease_script = self._redis.register_script(LEASE)
-        self._leases: dict[str, Lease] = {}  # by key name: each key's lease in this process (leases)
+        self._leases = Leases(self)  # each key's lease in this process (a key without max_concurrency)
         # this process among the live ones: a model's max_concurrency is divided among them
         self.member = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
         self.rank, self.members = 0, 1  # until the store first answers: the whole limit here
@@ -231,7 +226,7 @@ class SharedLimits:
         results: list[Any] = await pipe.execute(raise_on_error=False)
         return results
 
-    def _failed(self) -> dict[str, str]:
+    def failed(self) -> dict[str, str]:
         """The policy's answer while the store fails: admitted without limits, or a 503."""
         if self.spec.on_failure == "closed":
             raise LimitsStoreUnavailableError(
@@ -249,11 +244,11 @@ class SharedLimits:
         if limit.requests_per_minute is None and not budgets and key.max_concurrency is None:
             return {}, None
         if key.max_concurrency is None:  # nothing in flight to count across processes: a lease of the key's limits
-            return await self._leased(key, limit, budgets), None
+            return await self._leases.admit(key, limit, budgets), None
         member = next(self._members)
         keys = self._keys(key, "requests", "tokens_minute", "tokens_day", "slots")
-        args = [_arg(limit.requests_per_minute), _arg(limit.burst), _arg(limit.tokens_per_minute),
-                _arg(limit.tokens_per_day), _arg(key.max_concurrency), member or "", str(LEASE_S)]  # fmt: skip
+        args = [arg(limit.requests_per_minute), arg(limit.burst), arg(limit.tokens_per_minute),
+                arg(limit.tokens_per_day), arg(key.max_concurrency), member or "", str(LEASE_S)]  # fmt: skip
         try:
             answer = await self._call("admit", self._admit, keys, args)
         except asyncio.CancelledError:  # the client left: the script may have taken the slot
@@ -261,7 +256,7 @@ class SharedLimits:
             raise
         if answer is None:  # it may have run, past the timeout: its slot given back, if it took one
             self._give_back(keys, member)
-            return self._failed(), None
+            return self.failed(), None
         refused, left, minute, day = _texts(answer)
         headers = _budgets(limit, minute, day, 1, refused == "tokens") if budgets else {}
         if limit.requests_per_minute is not None:
@@ -280,11 +275,11 @@ class SharedLimits:
         ):
             return {}
         keys = self._keys(key, "tokens_minute", "tokens_day", "visual")
-        args = [_arg(limit.tokens_per_minute), _arg(limit.tokens_per_day), _arg(limit.visual_tokens_per_minute),
+        args = [arg(limit.tokens_per_minute), arg(limit.tokens_per_day), arg(limit.visual_tokens_per_minute),
                 str(tokens)]  # fmt: skip
         answer = await self._call("visual", self._visual, keys, args)
         if answer is None:
-            return self._failed()
+            return self.failed()
         over, short, minute, day, visual = _texts(answer)
         headers = _budgets(limit, minute, day, tokens, over == "1")
         if limit.visual_tokens_per_minute is not None:
@@ -299,136 +294,33 @@ class SharedLimits:
         if member is None and not (budgets and tokens > 0):
             return
         if key.max_concurrency is None:
-            lease = self._lease(key)
-            lease.unsynced += tokens
-            if lease.flush is None:
-                lease.flush = asyncio.get_running_loop().call_later(SYNC_S, self._write_spent, key, lease)
+            self._leases.finish(key, tokens)
             return
         keys = self._keys(key, "tokens_minute", "tokens_day", "slots")
-        args = [_arg(limit.tokens_per_minute if limit else None), _arg(limit.tokens_per_day if limit else None),
+        args = [arg(limit.tokens_per_minute if limit else None), arg(limit.tokens_per_day if limit else None),
                 str(tokens), member or ""]  # fmt: skip
         self._send_end(keys, args)
 
-    # --- leases (gateway.admission.leases) -------------------------------------------------------
+    # --- what gateway.admission.leases asks of the store ---------------------------------------
 
-    def _lease(self, key: ApiKey) -> Lease:
-        lease = self._leases.get(key.name)
-        if lease is None:
-            lease = self._leases[key.name] = Lease()
-        lease.key = key  # the generation's: a reload may change the key's limits
-        return lease
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
-    async def _leased(self, key: ApiKey, limit: RateLimit, budgets: bool) -> dict[str, str]:
-        """A request admitted from the key's lease: the store asked only when this process has
-        nothing to go on (no request left here and the store may have one; the budgets never
-        read), and ahead of need otherwise, off the request's path."""
-        loop = asyncio.get_running_loop()
-        lease = self._lease(key)
-        lease.count(loop.time())
-        rpm = limit.requests_per_minute
-        if budgets and not lease.knows(limit) and not await self._renewed(key, lease):
-            return self._failed()
-        # the store asked again while it has requests that others waiting took first, and the
-        # key's token budgets hold (a spent one refuses below)
-        while rpm is not None and lease.held < 1 and loop.time() >= lease.empty_until:
-            if budgets and lease.spent(limit, loop.time()):
-                break
-            if not await self._renewed(key, lease):
-                return self._failed()
-        now = loop.time()
-        if lease.syncing is None and (
-            now - lease.synced_at > SYNC_S
-            or (rpm is not None and lease.held * 2 < lease.slice(limit, self.members, now))
-        ):
-            self._renew(key, lease, "admit")
-        headers = tokens_verdict(limit, *lease.levels(limit, now), 1) if budgets else {}
-        if rpm is not None:
-            left = lease.requests_left(limit, now)
-            allowed = lease.held >= 1
-            if allowed:
-                lease.held -= 1
-            headers |= requests_verdict(limit, left - 1 if allowed else left, allowed)
-        return headers
-
-    async def _renewed(self, key: ApiKey, lease: Lease) -> bool:
-        """The lease renewed (one renewal for every request that waits on it, with a request for
-        each of those waiting as it went); whether the store answered."""
-        lease.waiting += 1
-        try:
-            if lease.syncing is None:
-                self._renew(key, lease, "admit", lease.waiting)
-            assert lease.syncing is not None
-            return await asyncio.shield(lease.syncing)
-        finally:
-            lease.waiting -= 1
-
-    def _renew(self, key: ApiKey, lease: Lease, op: str, want: int | None = None) -> None:
-        task = asyncio.get_running_loop().create_task(self._sync(key, lease, op, want))
-        lease.syncing = task
-        self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
-
-    async def _sync(self, key: ApiKey, lease: Lease, op: str, want: int | None, everything: bool = False) -> bool:
-        """One LEASE script: what replies cost written, requests held HOLD_S (or, with
-        ``everything``, all) given back, a slice taken (``want``: at least so many; 0: none),
-        the levels read."""
-        limit = key.rate_limit or RateLimit(None, 1)
-        rpm, loop = limit.requests_per_minute, asyncio.get_running_loop()
-        now = loop.time()
-        back = lease.held if rpm is not None and (everything or now - lease.held_at > HOLD_S) else 0
-        lease.held -= back
-        wanted = 0
-        if rpm is not None and want != 0:
-            wanted = max(want or 0, lease.slice(limit, self.members, now) - lease.held)
-        spent, lease.unsynced = lease.unsynced, 0
+    async def renew(self, op: str, key: ApiKey, args: list[str]) -> list[str] | None:
+        """One LEASE script for ``key`` (its answer as text), or None when the store failed."""
         keys = self._keys(key, "requests", "tokens_minute", "tokens_day")
-        args = [_arg(rpm), _arg(limit.burst), _arg(limit.tokens_per_minute), _arg(limit.tokens_per_day),
-                str(wanted), str(back), str(spent)]  # fmt: skip
-        try:
-            answer = await self._call(op, self._lease_script, keys, args)
-        finally:
-            if lease.syncing is asyncio.current_task():
-                lease.syncing = None
-        if answer is None:  # written again with the next: a reply's cost is never forgotten
-            lease.unsynced += spent
-            return False
-        taken, left, minute, day = _texts(answer)
-        lease.minute = float(minute) if limit.tokens_per_minute is not None else None
-        lease.day = float(day) if limit.tokens_per_day is not None else None
-        lease.synced_at = loop.time()
-        if rpm is not None:
-            lease.taken(lease.synced_at, int(taken), float(left), rpm / 60)
-            if lease.held:  # unspent by then: given back
-                loop.call_later(HOLD_S, self._idle, key, lease)
-        return True
-
-    def _write_spent(self, key: ApiKey, lease: Lease) -> None:
-        lease.flush = None
-        if not lease.unsynced or self._closed:
-            return
-        if lease.syncing is None:
-            self._renew(key, lease, "finish", 0)
-        else:  # a lease under way took what was spent before it: the rest with the next
-            lease.flush = asyncio.get_running_loop().call_later(SYNC_S, self._write_spent, key, lease)
-
-    def _idle(self, key: ApiKey, lease: Lease) -> None:
-        """Requests held HOLD_S unspent: back to the store (the others' now)."""
-        now = asyncio.get_running_loop().time()
-        if lease.held and now - lease.held_at >= HOLD_S and lease.syncing is None and not self._closed:
-            self._renew(key, lease, "finish", 0)
+        answer = await self._call(op, self._lease_script, keys, args)
+        return None if answer is None else _texts(answer)
 
     async def settle(self) -> None:
-        """Every lease given back and what replies cost written; the levels read again at the
-        next request (at close; tests wait on it to see each process's spending in the store)."""
-        for lease in list(self._leases.values()):
-            if lease.flush is not None:
-                lease.flush.cancel()
-                lease.flush = None
-            if lease.syncing is not None:
-                await asyncio.wait([lease.syncing])
-            if lease.key is not None and (lease.held or lease.unsynced):
-                await self._sync(lease.key, lease, "finish", 0, everything=True)
-            lease.synced_at, lease.empty_until = -math.inf, 0.0
+        """Every lease given back and what replies cost written (gateway.admission.leases)."""
+        await self._leases.settle()
+
+    def track(self, task: asyncio.Task[Any]) -> None:
+        """A call off a request's path, waited for (or cancelled) at close."""
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     def _give_back(self, keys: list[str], member: str | None) -> None:
         """A slot an admission may have taken, given back (its answer never came)."""

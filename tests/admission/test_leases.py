@@ -149,3 +149,47 @@ def test_a_slice_is_the_processs_rate_within_its_share_of_the_error() -> None:
     busy.count(100.0)
     busy.count(100.001)  # a key that turns busy: 2 requests in the window's first ms, the last window idle
     assert busy.slice(limit, 1, 100.002) == 10  # at least 200 a second so far (2 in 10 ms): 50 ms of it
+
+
+async def test_a_refused_key_is_refused_here_without_asking_the_store(processes: list[SharedLimits]) -> None:
+    shared = processes[0]
+    key = ApiKey("team", key_sha256="4" * 64, rate_limit=RateLimit(6, 3))  # a request every 10 s
+    for _ in range(3):
+        await shared.admit(key)
+    with pytest.raises(RateLimitedError):
+        await shared.admit(key)  # the store asked: it has none to give
+    before = shared.round_trips
+    for _ in range(200):
+        with pytest.raises(RateLimitedError) as refused:
+            await shared.admit(key)
+    assert shared.round_trips == before  # a flood refused, the store never asked
+    assert 1 <= int(refused.value.headers["Retry-After"]) <= 10
+
+
+async def test_a_store_gone_answers_as_on_failure_says_once_what_a_process_knew_is_old(
+    redis_server: RedisServer,
+) -> None:
+    """A key of token budgets alone holds nothing to spend: once its levels are TRUSTED_S old
+    and the store cannot be read, ``on_failure: closed`` refuses, as it did a request at a time."""
+    from gateway.admission.leases import TRUSTED_S
+    from gateway.errors import LimitsStoreUnavailableError
+
+    shared = SharedLimits(LimitsStoreConfig(redis_server.url, 200.0, "closed"), GatewayMetrics(CollectorRegistry()))
+    key = ApiKey("team", key_sha256="5" * 64, rate_limit=RateLimit(None, 1, tokens_per_minute=1000))
+    try:
+        await shared.admit(key)
+        redis_server.kill()
+        await shared.admit(key)  # what it read a moment ago holds
+        await asyncio.sleep(TRUSTED_S * 1.2)  # (waits for the levels to be old: no race)
+        with pytest.raises(LimitsStoreUnavailableError):
+            await shared.admit(key)
+    finally:
+        await shared.close()
+
+
+def test_tokens_being_written_are_still_spent_here_until_the_store_answers() -> None:
+    limit = RateLimit(None, 1, tokens_per_minute=100)
+    lease = Lease(minute=50.0, synced_at=10.0, unsynced=20)
+    assert lease.levels(limit, 10.0) == (30.0, 0.0)
+    lease.unsynced, lease.sending = 0, 20  # a lease under way carries them: not yet in the store's level
+    assert lease.levels(limit, 10.0) == (30.0, 0.0)
