@@ -3,6 +3,9 @@ the key's limits per process, then shared through a real redis-server on loopbac
 
     python -m bench.across [--rate 1200] [--burst 20] [--duration 10] [--connections 32]
 
+A third arm runs two gateways of one process each on the same store, wrk's connections divided
+between them (two wrk at once): the key's limit across gateways, not only across workers.
+
 Each arm starts a stand-in upstream, the gateway (two workers: the kernel spreads wrk's
 connections over them) and, for the shared arm, redis-server; wrk sends the key's requests from
 ``connections`` connections for ``duration`` seconds, far more than the key may send. What a
@@ -13,6 +16,7 @@ admitted (2xx) against it. Bounded: every run stops by itself, and its processes
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -58,8 +62,9 @@ def config(port: int, upstream: str, rate: float, burst: int, store: str | None)
     )
 
 
-def arm(tmp: Path, args: argparse.Namespace, shared: bool) -> tuple[int, int, float]:
-    """(admitted, refused, seconds wrk ran) of one run."""
+def arm(tmp: Path, args: argparse.Namespace, shared: bool, gateways: int = 1) -> tuple[int, int, float]:
+    """(admitted, refused, seconds wrk ran) of one run: one gateway of two workers, or
+    ``gateways`` gateways of one process each (wrk's connections divided among them, run at once)."""
     redis = RedisServer(tmp) if shared else None
     servers = []
     try:
@@ -72,22 +77,36 @@ def arm(tmp: Path, args: argparse.Namespace, shared: bool) -> tuple[int, int, fl
             tmp,
         )
         servers.append(upstream)
-        port = free_port()
-        path = tmp / f"routing-{port}.yaml"
-        path.write_text(config(port, upstream.url, args.rate, args.burst, redis.url if redis else None))
-        gateway = start_server("gateway", gateway_command(path, 2), f"http://127.0.0.1:{port}", "/healthz", tmp)
-        servers.append(gateway)
-        both_workers(gateway.url)
+        urls = []
+        for n in range(gateways):
+            port = free_port()
+            path = tmp / f"routing-{port}.yaml"
+            path.write_text(config(port, upstream.url, args.rate, args.burst, redis.url if redis else None))
+            workers = 2 if gateways == 1 else 1
+            gateway = start_server(f"gateway {n}", gateway_command(path, workers), f"http://127.0.0.1:{port}",
+                                   "/healthz", tmp)  # fmt: skip
+            servers.append(gateway)
+            if workers > 1:
+                both_workers(gateway.url)
+            urls.append(gateway.url)
         body = tmp / "body.json"
         body.write_bytes(chat_body("bench"))
         script = tmp / "post.lua"
         script.write_text(
             wrk.lua_script([body], {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
         )
-        result = wrk.run(
-            gateway.url + "/v1/chat/completions", script, connections=args.connections, duration_s=args.duration
-        )
-        return result.requests - result.non_2xx, result.non_2xx, result.duration_s
+        connections = max(1, args.connections // len(urls))
+        with concurrent.futures.ThreadPoolExecutor(len(urls)) as pool:
+            runs = list(
+                pool.map(
+                    lambda url: wrk.run(
+                        url + "/v1/chat/completions", script, connections=connections, duration_s=args.duration
+                    ),
+                    urls,
+                )
+            )
+        admitted = sum(r.requests - r.non_2xx for r in runs)
+        return admitted, sum(r.non_2xx for r in runs), max(r.duration_s for r in runs)
     finally:
         for server in reversed(servers):
             stop(server)
@@ -109,13 +128,14 @@ def main() -> None:
         "| admitted / allowed |"
     )
     print("|---|---:|---:|---:|---:|---:|")
-    for shared in (False, True):
+    for shared, gateways in ((False, 1), (True, 1), (True, 2)):
         with tempfile.TemporaryDirectory() as where:
-            admitted, refused, seconds = arm(Path(where), args, shared)
+            admitted, refused, seconds = arm(Path(where), args, shared, gateways)
         allowed = args.burst + args.rate / 60 * seconds
         name = "shared (server.limits_store)" if shared else "per process"
+        where_ = "2 workers" if gateways == 1 else f"{gateways} gateways"
         print(
-            f"| {name}, 2 workers | {seconds:.2f} | {allowed:.0f} | {admitted} | {refused} | {admitted / allowed:.2f} |"
+            f"| {name}, {where_} | {seconds:.2f} | {allowed:.0f} | {admitted} | {refused} | {admitted / allowed:.2f} |"
         )
 
 
