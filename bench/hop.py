@@ -66,6 +66,8 @@ PROMPT = "Describe the picture in one sentence."
 DIRECT, MINIMAL, GATEWAY, GATEWAY_LOG = "direct", "minimal proxy", "gateway", "gateway, access log on"
 GATEWAY_UNCOUNTED = "gateway, images not counted"  # a model with no visual_tokens: what counting costs
 FLOOR = "aiohttp server, fixed 400"  # bench.floor: the least an aiohttp server does to answer
+# bench.client_floor: aiohttp's server and the gateway's client, nothing else (the gateway's own work: the rest)
+CLIENT_FLOOR = "aiohttp server + the gateway's client"
 FORWARDED, REJECTED = "gateway, forwarded (text)", "gateway, rejected (400)"
 # The tenants scenario: a key's limits in this process or shared in Redis, and traces sent (issue 24)
 GATEWAY_KEYS, GATEWAY_REDIS = "gateway, key limits per process", "gateway, key limits in Redis"
@@ -294,8 +296,8 @@ class Stack:
         if name == "collector":
             argv = [sys.executable, "-m", "bench.otlp_sink", "--port", str(port)]
             return start_server("trace collector", argv, url, "/health", self.tmp)
-        if name in (MINIMAL, FLOOR):
-            module = "bench.minimal_proxy" if name == MINIMAL else "bench.floor"
+        if name in (MINIMAL, FLOOR, CLIENT_FLOOR):
+            module = {MINIMAL: "bench.minimal_proxy", FLOOR: "bench.floor", CLIENT_FLOOR: "bench.client_floor"}[name]
             argv = [sys.executable, "-m", module, "--port", str(port), "--upstream", self.upstream]
             return start_server(name, argv, url, "/health", self.tmp)
         epd = name == "gateway, EPD"
@@ -402,6 +404,8 @@ def plans(name: str, stack: Stack, scripts: Scripts, *, duration: int, sweep: Se
         plan = _three("text chat", CONNECTIONS, stack, text)
         gw_log = stack.get(GATEWAY_LOG)
         plan.arms.append(Arm(GATEWAY_LOG, gw_log, gw_log, text))
+        floor = stack.get(CLIENT_FLOOR)
+        plan.arms.append(Arm(CLIENT_FLOOR, floor, floor, text))
         if stack.baseline is not None:
             before = stack.get(stack.baseline_name)
             plan.arms.append(Arm(stack.baseline_name, before, before, text))

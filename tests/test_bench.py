@@ -263,7 +263,7 @@ def test_a_tiny_run_of_the_whole_harness(tmp_path: Path, capsys: pytest.CaptureF
     assert "| text chat | 32 | gateway | " in table
     data = json.loads(out.read_text())
     rows = {r["path"]: r for r in data["rows"]}
-    assert list(rows) == ["direct", "minimal proxy", "gateway", "gateway, access log on"]
+    assert list(rows) == ["direct", "minimal proxy", "gateway", "gateway, access log on", hop.CLIENT_FLOOR]
     for row in rows.values():
         assert row["requests"] > 0 and row["non_2xx"] == 0 and row["socket_errors"] == 0
     assert rows["minimal proxy"]["ratio"] == 1.0 and rows["gateway"]["ratio"] > 0
