@@ -105,16 +105,12 @@ class RoutePlan:
     @property
     def describe_parts(self) -> tuple[Part, ...]:
         """Images to replace by their description (``on_unsupported: {image: {describe: M}}``)."""
-        if not self.described:
-            return ()
-        return tuple(p for p in self.classification.parts if p.modality in self.described and p.index is not None)
+        return self._parts_of(self.described) if self.described else ()
 
     @property
     def extract_parts(self) -> tuple[Part, ...]:
         """Files to replace by their text (``on_unsupported: {file: {extract: ...}}``)."""
-        if not self.extracted:
-            return ()
-        return tuple(p for p in self.classification.parts if p.modality in self.extracted and p.index is not None)
+        return self._parts_of(self.extracted) if self.extracted else ()
 
     @property
     def page_images(self) -> bool:
@@ -131,9 +127,12 @@ class RoutePlan:
     @property
     def transcribe_parts(self) -> tuple[Part, ...]:
         """Audio parts to replace by their transcript (``on_unsupported: {audio: {transcribe: M}}``)."""
-        if not self.transcribed:
-            return ()
-        return tuple(p for p in self.classification.parts if p.modality in self.transcribed and p.index is not None)
+        return self._parts_of(self.transcribed) if self.transcribed else ()
+
+    def _parts_of(self, modalities: frozenset[Modality]) -> tuple[Part, ...]:
+        """The parts (not plain strings) of these modalities, for a conversion that replaces them
+        (its callers ask it only for some: these properties are read on every request)."""
+        return tuple(p for p in self.classification.parts if p.modality in modalities and p.index is not None)
 
     @property
     def stripped_parts(self) -> tuple[Part, ...]:
