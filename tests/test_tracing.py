@@ -135,7 +135,7 @@ async def test_a_request_with_an_encoded_image_and_a_retry_is_one_span_tree_the_
     roots = found.named("chat m")
     assert len(roots) == 2 and all(r.trace_id.hex() == CLIENT_TRACE for r in roots)  # the client's trace
     assert all(r.parent_span_id.hex() == "00f067aa0ba902b7" and r.kind == 2 for r in roots)  # SERVER
-    retried = next(r for r in roots if len([s for s in found.spans if s.parent_span_id == r.span_id]) == 4)
+    retried = next(r for r in roots if len([s for s in found.spans if s.parent_span_id == r.span_id]) == 3)
     root = attributes(retried)
     assert root["gen_ai.operation.name"] == "chat" and root["gen_ai.request.model"] == "m"
     assert root["gen_ai.response.model"] == "m" and root["http.response.status_code"] == 200
@@ -144,21 +144,21 @@ async def test_a_request_with_an_encoded_image_and_a_retry_is_one_span_tree_the_
     children = sorted(
         (s for s in found.spans if s.parent_span_id == retried.span_id), key=lambda s: s.start_time_unix_nano
     )
-    assert [s.name for s in children] == ["gateway.admission", "gateway.encode", "gateway.upstream", "gateway.upstream"]
-    admission, encode, first, second = children
-    assert attributes(admission)["gateway.media.image.count"] == 1
-    assert attributes(admission)["gateway.media.text.count"] == 1
+    # admission's findings on the request's span (no span of its own: a request pays for two
+    # spans, its own and its attempt's, unless it has stages to show)
+    assert [s.name for s in children] == ["gateway.encode", "gateway.upstream", "gateway.upstream"]
+    encode, first, second = children
+    assert root["gateway.media.image.count"] == 1 and root["gateway.media.text.count"] == 1
     (sha,) = attributes(encode)["gateway.encode.image.sha256"]  # of the image's bytes
     assert sha == hashlib.sha256(png()).hexdigest()
-    (sent,) = attributes(admission)["gateway.media.image.sha256"]  # of what was sent: its data URL
+    (sent,) = root["gateway.media.image.sha256"]  # of what was sent: its data URL
     assert sent == hashlib.sha256(content[1]["image_url"]["url"].encode()).hexdigest()
     assert attributes(first)["http.response.status_code"] == 503 and attributes(first)["gateway.outcome"] == "http_5xx"
     assert first.status.code == 2 and attributes(first)["error.type"] == "http_5xx"  # ERROR
     assert attributes(second)["http.response.status_code"] == 200 and second.kind == 3  # CLIENT
     assert attributes(first)["server.address"] == "127.0.0.1" and attributes(first)["gateway.attempt"] == 1
     assert attributes(second)["gateway.attempt"] == 2
-    (relay,) = [s for s in found.spans if s.parent_span_id == second.span_id]
-    assert relay.name == "gateway.relay"
+    assert not [s for s in found.spans if s.parent_span_id == second.span_id]  # a reply sent whole: its attempt's
     # what the engines and the encoder got: the trace, each attempt and each encoding its own parent
     attempts = {s.span_id.hex() for s in found.named("gateway.upstream")}
     engine = [TRACEPARENT.fullmatch(x.headers["traceparent"]) for r in (failing, serving) for x in r.received]
@@ -193,6 +193,23 @@ async def test_a_request_without_a_traceparent_starts_a_trace_and_errors_say_the
     assert attributes(refused)["error.type"] == "unsupported_modality"
     assert refused.status.code == 0  # unset: a 4xx is the client's error, not the gateway's
     assert attributes(refused)["http.response.status_code"] == 400
+
+
+@needs_tracing
+async def test_a_streams_relay_is_a_span_under_the_attempt_that_answered(upstream, gateway_factory, collector) -> None:
+    found, url = collector
+    gw = await gateway_factory(traced(url, f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}"))
+    async with gw.client() as client:
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        assert [chunk async for chunk in stream]
+    await flushed(gw)
+    (root,) = found.named("chat m")
+    (attempt,) = found.named("gateway.upstream")
+    (relay,) = found.named("gateway.relay")
+    assert attempt.parent_span_id == root.span_id and relay.parent_span_id == attempt.span_id
+    assert attributes(relay)["gateway.stream"] is True and relay.end_time_unix_nano <= root.end_time_unix_nano
 
 
 @needs_tracing

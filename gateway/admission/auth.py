@@ -22,6 +22,7 @@ times as fast: divide the limits by N (docs/security.md).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -35,14 +36,37 @@ from ..errors import (
     VisualTokensRateLimitedError,
 )
 
+DAY_S = 86_400.0
+
 
 @dataclass(slots=True)
-class _Bucket:
-    tokens: float
-    updated: float
+class _Key:
+    """One key's buckets, each a level and when it was last refilled (``nan``: not asked for
+    yet, so full), and its requests in flight. One object a key, its buckets its fields: a
+    request touches one."""
 
+    requests: float = math.nan
+    requests_at: float = 0.0
+    minute: float = math.nan  # tokens_per_minute's
+    minute_at: float = 0.0
+    day: float = math.nan  # tokens_per_day's
+    day_at: float = 0.0
+    visual: float = math.nan  # visual_tokens_per_minute's
+    visual_at: float = 0.0
+    active: int = 0
 
-DAY_S = 86_400.0
+    def budgets(self, limit: RateLimit, now: float) -> tuple[float, float]:
+        """The token budgets' levels (0 for a budget the key has not), refilled to ``now``."""
+        minute = day = 0.0
+        if (budget := limit.tokens_per_minute) is not None:
+            level = self.minute
+            minute = budget if level != level else min(budget, level + (now - self.minute_at) * budget / 60.0)
+            self.minute, self.minute_at = minute, now
+        if (budget := limit.tokens_per_day) is not None:
+            level = self.day
+            day = budget if level != level else min(budget, level + (now - self.day_at) * budget / DAY_S)
+            self.day, self.day_at = day, now
+        return minute, day
 
 
 class KeyLimits:
@@ -51,32 +75,42 @@ class KeyLimits:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock  # seconds, monotonic; a test sets its own
-        self._buckets: dict[tuple[str, str], _Bucket] = {}  # (key name, what it counts)
-        self._active: dict[str, int] = {}
+        self._keys: dict[str, _Key] = {}
 
-    def _filled(self, name: str, kind: str, capacity: float, per_s: float) -> _Bucket:
-        """The key's bucket of ``kind``, refilled to now (full the first time)."""
-        now = self.clock()
-        bucket = self._buckets.get((name, kind))
-        if bucket is None:
-            bucket = self._buckets[(name, kind)] = _Bucket(capacity, now)
-        bucket.tokens = min(capacity, bucket.tokens + (now - bucket.updated) * per_s)
-        bucket.updated = now
-        return bucket
+    def _key(self, name: str) -> _Key:
+        held = self._keys.get(name)
+        if held is None:
+            held = self._keys[name] = _Key()
+        return held
 
     async def admit(self, key: ApiKey) -> tuple[dict[str, str], str | None]:
         """A request of the key admitted (its token budgets hold, a request spent, a slot taken):
         its x-ratelimit-* headers and its slot (None: none), or the key's RateLimitedError."""
-        headers = self.check_tokens(key)  # before the request is spent: a refusal costs none
-        limit = key.max_concurrency
-        active = self._active.get(key.name, 0)
-        if limit is not None and active >= limit:  # as the shared store: a refusal spends no request
-            raise concurrency_refusal(limit)
-        if key.rate_limit is not None and key.rate_limit.requests_per_minute is not None:
-            headers = {**headers, **self.take(key)} if headers else self.take(key)
-        if limit is None:
+        held = self._keys.get(key.name) or self._key(key.name)
+        limit, most = key.rate_limit, key.max_concurrency
+        headers: dict[str, str] = {}
+        if limit is not None:
+            now = self.clock()
+            minute, day = held.budgets(limit, now)  # before a request is spent: a refusal costs none
+            if (limit.tokens_per_minute is not None and minute < 1) or (limit.tokens_per_day is not None and day < 1):
+                tokens_verdict(limit, minute, day, 1)  # raises
+            if most is not None and held.active >= most:  # as the shared store: a refusal spends no request
+                raise concurrency_refusal(most)
+            left: float | None = None
+            if (rpm := limit.requests_per_minute) is not None:
+                burst, level = float(limit.burst), held.requests
+                left = burst if level != level else min(burst, level + (now - held.requests_at) * rpm / 60.0)
+                held.requests_at = now
+                if left < 1:
+                    held.requests = left
+                    requests_verdict(limit, left, False)  # raises
+                held.requests = left = left - 1
+            headers = key_headers(limit, left, minute, day)
+        elif most is not None and held.active >= most:
+            raise concurrency_refusal(most)
+        if most is None:
             return headers, None
-        self._active[key.name] = active + 1
+        held.active += 1
         return headers, SLOT
 
     async def visual(self, key: ApiKey, tokens: int) -> dict[str, str]:
@@ -88,23 +122,17 @@ class KeyLimits:
 
     def finish(self, key: ApiKey, tokens: int, slot: str | None) -> None:
         """The request's end: the tokens its reply cost spent, its slot given back."""
-        self.spend_tokens(key, tokens)
+        limit = key.rate_limit
+        if limit is not None and tokens > 0 and limit.budgets_tokens:
+            held = self._key(key.name)
+            held.budgets(limit, self.clock())
+            held.minute -= tokens  # a budget may go below 0 (a reply costs what it costs): the
+            held.day -= tokens  # key's next requests wait until it refills past 0
         if slot is not None:
-            self._active[key.name] -= 1
+            self._key(key.name).active -= 1
 
     async def close(self) -> None:
         """Nothing to close: the buckets go with the process."""
-
-    def take(self, key: ApiKey) -> dict[str, str]:
-        """Spend one request of the key's rate limit: the x-ratelimit-* headers, or RateLimitedError."""
-        limit = key.rate_limit
-        if limit is None or limit.requests_per_minute is None:
-            return {}
-        bucket = self._filled(key.name, "requests", float(limit.burst), limit.requests_per_minute / 60)
-        allowed = bucket.tokens >= 1
-        if allowed:
-            bucket.tokens -= 1
-        return requests_verdict(limit, bucket.tokens, allowed)
 
     def spend_visual(self, key: ApiKey, tokens: int) -> dict[str, str]:
         """Spend a request's visual tokens of the key's ``visual_tokens_per_minute`` (a bucket of a
@@ -112,59 +140,64 @@ class KeyLimits:
         limit = key.rate_limit
         if limit is None or limit.visual_tokens_per_minute is None:
             return {}
-        per_minute = limit.visual_tokens_per_minute
-        bucket = self._filled(key.name, "visual", per_minute, per_minute / 60)
-        allowed = bucket.tokens >= tokens
+        per_minute, now, held = limit.visual_tokens_per_minute, self.clock(), self._key(key.name)
+        level = held.visual
+        left = per_minute if level != level else min(per_minute, level + (now - held.visual_at) * per_minute / 60.0)
+        held.visual_at = now
+        allowed = left >= tokens
         if allowed:
-            bucket.tokens -= tokens
-        return visual_verdict(limit, bucket.tokens, tokens, allowed)
+            left -= tokens
+        held.visual = left
+        return visual_verdict(limit, left, tokens, allowed)
 
     def check_tokens(self, key: ApiKey, need: int = 1) -> dict[str, str]:
         """Whether the key's token budgets (``tokens_per_minute``, ``tokens_per_day``) hold ``need``
         tokens now (1: any at all; a request's visual tokens, once counted): their
         x-ratelimit-*-tokens headers, or TokensRateLimitedError. Nothing is spent here: a reply
-        spends what it cost (:meth:`spend_tokens`), so a budget is held from what is already spent."""
+        spends what it cost (:meth:`finish`), so a budget is held from what is already spent."""
         limit = key.rate_limit
-        if limit is None or (limit.tokens_per_minute is None and limit.tokens_per_day is None):
+        if limit is None or not limit.budgets_tokens:
             return {}
-        minute = day = 0.0
-        if limit.tokens_per_minute is not None:
-            minute = self._filled(
-                key.name, "tokens_minute", limit.tokens_per_minute, limit.tokens_per_minute / 60
-            ).tokens
-        if limit.tokens_per_day is not None:
-            day = self._filled(key.name, "tokens_day", limit.tokens_per_day, limit.tokens_per_day / DAY_S).tokens
-        return tokens_verdict(limit, minute, day, need)
-
-    def spend_tokens(self, key: ApiKey, tokens: int) -> None:
-        """A reply's tokens spent of the key's token budgets. A bucket may go below 0 (a reply
-        costs what it costs): the key's next requests wait until it refills past 0."""
-        limit = key.rate_limit
-        if limit is None or tokens <= 0:
-            return
-        for budget, span, kind in ((limit.tokens_per_minute, 60.0, "minute"), (limit.tokens_per_day, DAY_S, "day")):
-            if budget is not None:
-                self._filled(key.name, f"tokens_{kind}", budget, budget / span).tokens -= tokens
+        return tokens_verdict(limit, *self._key(key.name).budgets(limit, self.clock()), need)
 
 
 SLOT = "local"  # the slot KeyLimits.admit took (the process's count of the key's requests in flight)
 
 
+def key_headers(limit: RateLimit, requests: float | None, minute: float, day: float) -> dict[str, str]:
+    """The x-ratelimit-* headers OpenAI's clients read, of a key's request bucket with
+    ``requests`` left (None: not limited) and its token budgets with ``minute`` and ``day`` left
+    (of those it has). One function, straight through: every request to a limited key makes them."""
+    headers: dict[str, str] = {}
+    if requests is not None and (rpm := limit.requests_per_minute) is not None:
+        headers["x-ratelimit-limit-requests"] = _number(rpm)
+        headers["x-ratelimit-remaining-requests"] = str(int(requests)) if requests >= 1 else "0"
+        headers["x-ratelimit-reset-requests"] = _duration((limit.burst - requests) * 60.0 / rpm)
+    if (budget := limit.tokens_per_minute) is not None:
+        headers["x-ratelimit-limit-tokens"] = _number(budget)
+        headers["x-ratelimit-remaining-tokens"] = str(int(minute)) if minute >= 1 else "0"
+        headers["x-ratelimit-reset-tokens"] = _duration((budget - minute) * 60.0 / budget)
+    if (budget := limit.tokens_per_day) is not None:
+        headers["x-ratelimit-limit-tokens-day"] = _number(budget)
+        headers["x-ratelimit-remaining-tokens-day"] = str(int(day)) if day >= 1 else "0"
+        headers["x-ratelimit-reset-tokens-day"] = _duration((budget - day) * DAY_S / budget)
+    return headers
+
+
 def requests_verdict(limit: RateLimit, left: float, allowed: bool) -> dict[str, str]:
     """The x-ratelimit-*-requests headers of a request bucket with ``left`` requests (after this
     one's, if ``allowed``), or its RateLimitedError."""
-    assert limit.requests_per_minute is not None
-    per_s = limit.requests_per_minute / 60
+    rpm = limit.requests_per_minute
+    assert rpm is not None
     headers = {
-        "x-ratelimit-limit-requests": _number(limit.requests_per_minute),
-        "x-ratelimit-remaining-requests": str(max(0, math.floor(left))),
-        "x-ratelimit-reset-requests": _duration((limit.burst - left) / per_s),
+        "x-ratelimit-limit-requests": _number(rpm),
+        "x-ratelimit-remaining-requests": _remaining(left),
+        "x-ratelimit-reset-requests": _duration((limit.burst - left) * 60.0 / rpm),
     }
     if not allowed:
-        wait = math.ceil((1 - left) / per_s)
+        wait = math.ceil((1 - left) * 60.0 / rpm)
         raise RateLimitedError(
-            f"Rate limit of {_number(limit.requests_per_minute)} requests per minute reached for this key; "
-            f"retry in {wait}s",
+            f"Rate limit of {_number(rpm)} requests per minute reached for this key; retry in {wait}s",
             headers={**headers, "Retry-After": str(max(1, wait))},
         )
     return headers
@@ -178,7 +211,7 @@ def visual_verdict(limit: RateLimit, left: float, tokens: int, allowed: bool) ->
     per_s = per_minute / 60
     headers = {
         "x-ratelimit-limit-visual-tokens": _number(per_minute),
-        "x-ratelimit-remaining-visual-tokens": str(max(0, math.floor(left))),
+        "x-ratelimit-remaining-visual-tokens": _remaining(left),
         "x-ratelimit-reset-visual-tokens": _duration((per_minute - left) / per_s),
     }
     if allowed:
@@ -200,20 +233,18 @@ def visual_verdict(limit: RateLimit, left: float, tokens: int, allowed: bool) ->
 def tokens_verdict(limit: RateLimit, minute: float, day: float, need: int) -> dict[str, str]:
     """The x-ratelimit-*-tokens headers of the key's token budgets with ``minute`` and ``day``
     left (of those it has), or TokensRateLimitedError when one holds fewer than ``need``."""
-    headers: dict[str, str] = {}
-    refusal: str | None = None
-    wait = 0
-    for budget, left, span, kind, suffix in (
-        (limit.tokens_per_minute, minute, 60.0, "minute", ""),
-        (limit.tokens_per_day, day, DAY_S, "day", "-day"),
-    ):
-        if budget is None:
-            continue
-        per_s = budget / span
-        headers[f"x-ratelimit-limit-tokens{suffix}"] = _number(budget)
-        headers[f"x-ratelimit-remaining-tokens{suffix}"] = str(max(0, math.floor(left)))
-        headers[f"x-ratelimit-reset-tokens{suffix}"] = _duration((budget - left) / per_s)
-        if left >= need or refusal is not None:
+    headers = key_headers(limit, None, minute, day)
+    if (limit.tokens_per_minute is not None and minute < need) or (limit.tokens_per_day is not None and day < need):
+        _refuse_tokens(limit, minute, day, need, headers)
+    return headers
+
+
+def _refuse_tokens(limit: RateLimit, minute: float, day: float, need: int, headers: dict[str, str]) -> None:
+    """The TokensRateLimitedError of budgets of which one holds fewer than ``need`` (the first
+    short one is told; Retry-After is its wait)."""
+    for budget, left, span, kind in ((limit.tokens_per_minute, minute, 60.0, "minute"),
+                                     (limit.tokens_per_day, day, DAY_S, "day")):  # fmt: skip
+        if budget is None or left >= need:
             continue
         if need > budget:
             raise TokensRateLimitedError(
@@ -221,14 +252,12 @@ def tokens_verdict(limit: RateLimit, minute: float, day: float, need: int) -> di
                 f"{kind}: it cannot pass; send fewer or smaller images",
                 headers=headers,
             )
-        wait = math.ceil((need - left) / per_s)
-        refusal = (
+        wait = math.ceil((need - left) * span / budget)
+        raise TokensRateLimitedError(
             f"Token budget of {_number(budget)} tokens per {kind} reached for this key "
-            f"({max(0, math.floor(left))} left, {need} needed); retry in {_duration(wait)}"
+            f"({_remaining(left)} left, {need} needed); retry in {_duration(wait)}",
+            headers={**headers, "Retry-After": str(max(1, wait))},
         )
-    if refusal is not None:
-        raise TokensRateLimitedError(refusal, headers={**headers, "Retry-After": str(max(1, wait))})
-    return headers
 
 
 def concurrency_refusal(limit: int) -> ConcurrencyLimitError:
@@ -239,14 +268,24 @@ def concurrency_refusal(limit: int) -> ConcurrencyLimitError:
     )
 
 
+@functools.lru_cache(maxsize=1024)
 def _number(value: float) -> str:
+    """A limit as its header writes it (a limit of a key's config: the same few values again)."""
     return str(int(value)) if value == int(value) else f"{value:g}"
+
+
+def _remaining(left: float) -> str:
+    """What is left of a bucket, whole (0 when it is below 0)."""
+    return str(int(left)) if left >= 1 else "0"
+
+
+_MILLISECONDS = tuple(f"{ms}ms" for ms in range(1001))  # a reset under a second, written once
 
 
 def _duration(seconds: float) -> str:
     """As OpenAI writes x-ratelimit-reset-*: ``20ms``, ``1.5s``, ``6m0s``."""
     if seconds < 1:
-        return f"{max(0, round(seconds * 1000))}ms"
+        return _MILLISECONDS[round(seconds * 1000)] if seconds > 0 else "0ms"
     if seconds < 60:
         return f"{seconds:.3g}s"
     minutes, rest = divmod(round(seconds), 60)

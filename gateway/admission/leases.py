@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import ApiKey, RateLimit
-from .auth import DAY_S, requests_verdict, tokens_verdict
+from .auth import DAY_S, key_headers, requests_verdict, tokens_verdict
 from .scripts import arg
 
 HORIZON_S = 0.05  # a slice is what this process spends of a key in this long
@@ -199,14 +199,18 @@ class Leases:
             )
         ):
             self._renew(key, lease, "admit")
-        headers = tokens_verdict(limit, *lease.levels(limit, now), 1) if budgets else {}
+        minute, day = lease.levels(limit, now) if budgets else (0.0, 0.0)
+        if budgets and ((limit.tokens_per_minute is not None and minute < 1) or
+                        (limit.tokens_per_day is not None and day < 1)):  # fmt: skip
+            tokens_verdict(limit, minute, day, 1)  # raises
+        left = None
         if rpm is not None:
             left = lease.requests_left(limit, now)
-            allowed = lease.held >= 1
-            if allowed:
-                lease.held -= 1
-            headers |= requests_verdict(limit, left - 1 if allowed else left, allowed)
-        return headers
+            if lease.held < 1:
+                requests_verdict(limit, left, False)  # raises
+            lease.held -= 1
+            left -= 1
+        return key_headers(limit, left, minute, day)
 
     async def _renewed(self, key: ApiKey, lease: Lease) -> bool:
         """The lease renewed (one renewal for every request that waits on it, with a request for

@@ -6,7 +6,6 @@ by event."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -49,12 +48,9 @@ async def _begin(request: web.Request) -> tuple[Exchange, Form]:
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
     key, priority = admitted_as(request)
     allowed = key.allows if key is not None else None
-    began = time.time_ns() if services.tracing is not None else 0
     server = live.config.server
     raw = await read_body(request, timeout_s=server.client_body_timeout_s, max_bytes=services.max_body_bytes)
     form = parse_form(raw, request.headers.get("Content-Type", ""))
     streamed = (form.value("stream") or "").lower() == "true"
-    begun = Exchange(
-        request, services, live, live.config, allowed, raw, {}, None, streamed, priority, key, began_ns=began
-    )
+    begun = Exchange(request, services, live, live.config, allowed, raw, {}, None, streamed, priority, key)
     return begun, form

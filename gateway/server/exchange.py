@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +73,6 @@ class Exchange:
     primed: bool = False  # its images went to vLLM's encoder instances
     # top-level fields that ask the engine for the stream's usage on the key's behalf (usage_fields)
     ask_usage: Mapping[str, Any] = field(default_factory=dict)
-    began_ns: int = 0  # with tracing on: when it came (time.time_ns()), where its admission span begins
 
     @property
     def body(self) -> dict[str, Any]:
@@ -126,9 +124,8 @@ class Exchange:
         if plan.stripped or plan.history_stripped:
             for part in plan.stripped_parts:
                 metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
-        if self.services.tracing is not None and self.services.tracing.recording():
-            attributes = admission_attributes(plan, self.body)
-            self.services.tracing.start("gateway.admission", attributes, start_ns=self.began_ns or None).end()
+        if self.services.tracing is not None and self.services.tracing.recording():  # on the request's span
+            self.services.tracing.current().set_attributes(admission_attributes(plan, self.body))
 
     async def counted(self, plan: RoutePlan) -> None:
         """The request's visual tokens, known: held to its key's token budgets, spent of its
@@ -154,7 +151,6 @@ async def begin(request: web.Request) -> Exchange:
     live = services.store.live
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL  # until the body names a model: a 413 or bad JSON counts too
     key, priority = admitted_as(request)
-    began = time.time_ns() if services.tracing is not None else 0
     raw, body, deferred = await read_json(request, live.config.server, max_bytes=services.max_body_bytes)
     check_engine_priority(body, key)
     streamed = body.get("stream") is True
@@ -171,7 +167,6 @@ async def begin(request: web.Request) -> Exchange:
         streamed,
         priority,
         key,
-        began_ns=began,
         ask_usage=usage_fields(key, body, request.path, streamed),
     )
 

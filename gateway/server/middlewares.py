@@ -178,13 +178,14 @@ async def _with_key(request: web.Request, handler: Handler, services: Services, 
         raise
     request[API_KEY_KEY] = key
     request[KEY_LABEL_KEY] = key.name
+    request[SPENT_KEY] = 0  # what its reply and conversions spend (gateway.server.spending)
     limits = services.limits
     try:
         request[RATE_HEADERS_KEY], slot = await limits.admit(key)
         try:
             return await handler(request)
         finally:
-            limits.finish(key, request.get(SPENT_KEY, 0), slot)
+            limits.finish(key, request[SPENT_KEY], slot)
     except RateLimitedError as exc:
         services.metrics.rate_limited.labels(key.name, exc.limit).inc()
         request[MODEL_LABEL_KEY] = request.get(MODEL_LABEL_KEY, UNKNOWN_MODEL)

@@ -167,7 +167,7 @@ class UpstreamClient:
                     lease.failure(f"HTTP {status}")
                 else:
                     lease.success()
-                relaying = None if span is None else self._relaying(span, dispatch)
+                relaying = None if span is None else self._relaying(span, dispatch)  # a stream's
                 try:
                     async with upstream:
                         relayed = await relay(request, upstream, dispatch, attempts.deadline)
@@ -297,10 +297,13 @@ class UpstreamClient:
         self._tracing.inject(sending.headers, span)
         return span
 
-    def _relaying(self, attempt: Span, dispatch: Dispatch) -> Span:
+    def _relaying(self, attempt: Span, dispatch: Dispatch) -> Span | None:
+        """A stream's relay, from its first byte to its last, under the attempt that answered; a
+        reply sent whole is in its attempt's span (its body comes with its end)."""
         assert self._tracing is not None
-        streamed = dispatch.timeouts.stream_idle is not None
-        return self._tracing.start("gateway.relay", {"gateway.stream": streamed}, parent=attempt)
+        if dispatch.timeouts.stream_idle is None:
+            return None
+        return self._tracing.start("gateway.relay", {"gateway.stream": True}, parent=attempt)
 
 
 @record

@@ -452,7 +452,7 @@ async def test_a_keys_visual_tokens_a_minute_are_429_with_their_own_headers(gate
     assert "Retry-After" not in never.value.response.headers
 
 
-def test_the_visual_token_bucket_refills_a_minutes_worth_at_most() -> None:
+async def test_the_visual_token_bucket_refills_a_minutes_worth_at_most() -> None:
     from gateway.admission.auth import KeyLimits
     from gateway.config import ApiKey, RateLimit
     from gateway.errors import VisualTokensRateLimitedError
@@ -468,7 +468,44 @@ def test_the_visual_token_bucket_refills_a_minutes_worth_at_most() -> None:
     assert limits.spend_visual(key, 50)["x-ratelimit-remaining-visual-tokens"] == "0"
     now[0] = 1000.0  # refilled, to a minute's worth and no more
     assert limits.spend_visual(key, 1)["x-ratelimit-remaining-visual-tokens"] == "599"
-    assert limits.take(key) == {}  # no requests_per_minute: requests are not limited
+    assert await limits.admit(key) == ({}, None)  # no requests_per_minute: requests are not limited
+
+
+async def test_a_keys_buckets_refill_with_the_clock_and_a_reply_spends_its_tokens() -> None:
+    """KeyLimits straight: a request spends one of its bucket, a reply its tokens of both
+    budgets (below 0 if it costs more); the headers say what is left and when it is full again;
+    a budget spent refuses before the request is (its bucket keeps the request)."""
+    from gateway.admission.auth import KeyLimits
+    from gateway.config import ApiKey, RateLimit
+    from gateway.errors import RateLimitedError, TokensRateLimitedError
+
+    now = [0.0]
+    limits = KeyLimits(clock=lambda: now[0])
+    limit = RateLimit(60.0, 2, tokens_per_minute=600.0, tokens_per_day=86_400.0)  # 1 request, 10 and 1 tokens a second
+    key = ApiKey("k", key_sha256="0" * 64, rate_limit=limit, max_concurrency=1)
+    headers, slot = await limits.admit(key)
+    assert slot is not None and headers == {
+        "x-ratelimit-limit-requests": "60", "x-ratelimit-remaining-requests": "1", "x-ratelimit-reset-requests": "1s",
+        "x-ratelimit-limit-tokens": "600", "x-ratelimit-remaining-tokens": "600", "x-ratelimit-reset-tokens": "0ms",
+        "x-ratelimit-limit-tokens-day": "86400", "x-ratelimit-remaining-tokens-day": "86400",
+        "x-ratelimit-reset-tokens-day": "0ms",
+    }  # fmt: skip
+    limits.finish(key, 700, slot)  # more than the minute's budget: below 0
+    now[0] = 5.0  # 50 tokens back: -50, still short; the request bucket full again meanwhile
+    with pytest.raises(TokensRateLimitedError) as short:
+        await limits.admit(key)
+    assert short.value.headers["x-ratelimit-remaining-tokens"] == "0" and short.value.headers["Retry-After"] == "6"
+    now[0] = 12.0  # 120 back: 20 left
+    headers, slot = await limits.admit(key)
+    assert headers["x-ratelimit-remaining-tokens"] == "20" and headers["x-ratelimit-remaining-requests"] == "1"
+    assert headers["x-ratelimit-remaining-tokens-day"] == str(86_400 - 700 + 12)
+    limits.finish(key, 0, slot)
+    headers, slot = await limits.admit(key)
+    assert headers["x-ratelimit-remaining-requests"] == "0" and headers["x-ratelimit-reset-requests"] == "2s"
+    limits.finish(key, 0, slot)
+    with pytest.raises(RateLimitedError) as refused:
+        await limits.admit(key)
+    assert refused.value.headers["Retry-After"] == "1"
 
 
 def test_a_rate_limit_needs_one_of_its_limits() -> None:
