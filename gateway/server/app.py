@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import importlib.metadata
 import logging
 import threading
@@ -36,7 +35,7 @@ from ..upstream.health import HealthChecker
 from ..upstream.replicas import ReplicaSet
 from . import doors, handlers
 from .access_log import quiet_parser_errors
-from .middlewares import expect_continue, front_middleware, rate_limit_headers
+from .middlewares import add_routes, rate_limit_headers
 from .state import SERVICES_KEY, Services
 from .store import ConfigStore
 
@@ -109,10 +108,7 @@ def create_app(
         tracing=tracing,
     )
 
-    app = web.Application(
-        client_max_size=config.server.max_body_bytes,
-        middlewares=[front_middleware],
-    )
+    app = web.Application(client_max_size=config.server.max_body_bytes)  # no middleware: see add_routes
     app.on_response_prepare.append(rate_limit_headers)
     app[SERVICES_KEY] = services
     for lifetime in _lifetimes(services):  # each its own: one that fails to start stops those started
@@ -121,17 +117,16 @@ def create_app(
     if config_path is not None and watch:
         app.cleanup_ctx.append(_config_watcher)
 
-    # every route answers an Expect header the gateway's way (aiohttp's own 417 is plain text)
-    post = functools.partial(app.router.add_post, expect_handler=expect_continue)
-    get = functools.partial(app.router.add_get, expect_handler=expect_continue)
-    for path, (handler, _) in doors.ROUTES.items():  # every API's routes (gateway.admission.apis.catalog)
-        post(path, handler)
-    get("/v1/models", handlers.list_models)
-    get("/healthz", handlers.healthz)
-    get("/readyz", handlers.readyz)
-    post("/admin/reload", handlers.admin_reload)
-    get("/admin/config", handlers.admin_config)
-    get("/metrics", handlers.metrics_endpoint(make_aiohttp_handler(scrape)))
+    gets = {
+        "/v1/models": handlers.list_models,
+        "/healthz": handlers.healthz,
+        "/readyz": handlers.readyz,
+        "/admin/config": handlers.admin_config,
+        "/metrics": handlers.metrics_endpoint(make_aiohttp_handler(scrape)),
+    }
+    # every API's routes (gateway.admission.apis.catalog)
+    posts = {path: handler for path, (handler, _) in doors.ROUTES.items()} | {"/admin/reload": handlers.admin_reload}
+    add_routes(app, gets, posts)
     return app
 
 
