@@ -35,7 +35,7 @@ from ..upstream.health import HealthChecker
 from ..upstream.replicas import ReplicaSet
 from . import doors, handlers
 from .access_log import quiet_parser_errors
-from .middlewares import add_routes, rate_limit_headers
+from .middlewares import add_routes
 from .state import SERVICES_KEY, Services
 from .store import ConfigStore
 
@@ -109,7 +109,6 @@ def create_app(
     )
 
     app = web.Application(client_max_size=config.server.max_body_bytes)  # no middleware: see add_routes
-    app.on_response_prepare.append(rate_limit_headers)
     app[SERVICES_KEY] = services
     for lifetime in _lifetimes(services):  # each its own: one that fails to start stops those started
         app.cleanup_ctx.append(lifetime)

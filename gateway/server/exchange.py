@@ -266,6 +266,7 @@ def forward(
         hide_usage=bool(ex.ask_usage),
         content_type=content_type,
         on_usage=functools.partial(spending.reply, ex.services, ex.key, request, model.name, spending.floor(ex.plan)),
+        answer_headers=request[RATE_HEADERS_KEY] if ex.key is not None else None,  # a reply relayed as it comes
     )
     upstream = ex.services.upstream
     if ex.services.tracing is not None and ex.services.tracing.recording():  # the request's span: who served it

@@ -112,7 +112,7 @@ def front(handler: Handler) -> Handler:
                     GatewayError(f"Internal error in the gateway (request id {rid})"), shape_of(request.path)
                 )
             if not response.prepared:
-                _answer_headers(request, response, rid)
+                _answer_headers(request, response, rid, keyed)
             gone = isinstance(response, RelayResponse) and response.client_gone
             code = CLIENT_CLOSED if gone else response.status
             if gone:
@@ -165,11 +165,17 @@ async def unmatched(allowed: Mapping[str, str], request: web.Request) -> web.Str
     )
 
 
-def _answer_headers(request: web.Request, response: web.StreamResponse, rid: str) -> None:
-    """The request id; on an error also as ``request-id`` on the Messages API, where the anthropic
-    SDK reads it, and the model it is about (a rejection). A reply relayed from an engine has both
-    already (:func:`gateway.server.exchange.forward`): only the id is set on it, as cheaply as can be."""
+def _answer_headers(request: web.Request, response: web.StreamResponse, rid: str, keyed: bool) -> None:
+    """The request id, and a key's x-ratelimit-* headers where the answer has none of the name
+    (an error of the key's limits has its own; a stream has them as it begins:
+    :func:`gateway.server.exchange.forward`); on an error also the id as ``request-id`` on the
+    Messages API, where the anthropic SDK reads it, and the model it is about (a rejection). A
+    reply relayed from an engine has both already: only the id is set on it, as cheaply as can be."""
     response.headers[REQUEST_ID] = rid
+    if keyed and (limits := request.get(RATE_HEADERS_KEY)):
+        answer = response.headers
+        for name, value in limits.items():
+            answer.setdefault(name, value)
     if response.status < 400:
         return
     if shape_of(request.path) == "anthropic":
@@ -236,15 +242,6 @@ async def _with_key(request: web.Request, handler: Handler, services: Services, 
         raise
 
 
-async def rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """``on_response_prepare``: the key's x-ratelimit-* headers on every answer to it."""
-    headers = request.get(RATE_HEADERS_KEY)
-    if headers:
-        answer = response.headers
-        for name, value in headers.items():
-            answer.setdefault(name, value)
-
-
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     """``Expect: 100-continue``: say 413 instead of 100 when the declared body is over the limit,
     so a client does not send 32 MB to be refused (aiohttp's default handler always says 100).
@@ -275,7 +272,7 @@ async def _send_and_close(request: web.Request, response: web.Response) -> None:
     trickles in (408), or one whose sender waits for a 100 Continue that was refused. aiohttp would
     linger up to 10 s for it; that stays right for a plain 413, whose client may still be sending
     and must get to read the answer."""
-    _answer_headers(request, response, request[REQUEST_ID_KEY])
+    _answer_headers(request, response, request[REQUEST_ID_KEY], API_KEY_KEY in request)
     try:
         await response.prepare(request)
         await response.write_eof()

@@ -154,9 +154,11 @@ async def _relay_stream(
         missed = consumer.missed(model, upstream.status, first)
         if missed is not None:
             return Relayed(None, outcome, False, missed)
-    response = RelayResponse(
-        status=upstream.status, reason=upstream.reason, headers=_client_headers(upstream, gateway_headers)
-    )
+    headers = _client_headers(upstream, gateway_headers)
+    if dispatch.answer_headers:
+        for name, value in dispatch.answer_headers.items():
+            headers.setdefault(name, value)
+    response = RelayResponse(status=upstream.status, reason=upstream.reason, headers=headers)
     if length is not None:
         response.content_length = length
     await response.prepare(request)

@@ -138,6 +138,7 @@ async def test_the_rate_limit_is_429_with_retry_after_and_the_openai_headers(gat
     assert gw.sample("gateway_rate_limited_total", key="team-a", reason="rate") == 1
     assert gw.sample("gateway_requests_total", code="429", key="team-a") == 1
     assert len(upstream.received) == 2
+    assert not [name for r in upstream.received for name in r.headers if name.lower().startswith("x-ratelimit")]
 
 
 async def test_the_rate_limit_refills(gateway_factory, upstream) -> None:
