@@ -66,8 +66,10 @@ async def read_body(request: web.Request, *, timeout_s: float, max_bytes: int) -
         raise body_too_large(max_bytes)
     codings = _codings(request.headers.get("Content-Encoding", ""))
     try:
-        if request.content.is_eof():  # all of it came with the headers (most chats): no timer to set
-            raw = await _read_all(request.content, max_bytes)
+        if request.content.is_eof():  # all of it came with the headers (most chats): taken as it lies
+            raw = request.content.read_nowait()
+            if len(raw) > max_bytes:  # (chunked: no length declared)
+                raise body_too_large(max_bytes)
         else:
             async with asyncio.timeout(timeout_s):
                 raw = await _read_all(request.content, max_bytes)

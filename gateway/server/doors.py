@@ -29,8 +29,11 @@ def door(api: Api) -> Handler:
         ex.serve_with(requested)
         plan = admit(ex.config, ex.parsed, ex.visible, requested=requested, api=api, deferred=ex.deferred)
         ex.admitted(plan)  # served by plan.model; the model label stays the one requested
-        await exchange.convert(ex)
-        data = await exchange.encode(ex)
+        if exchange.text_alone(ex):  # nothing to count, convert or encode: no coroutine of theirs
+            data = exchange.written(ex)
+        else:
+            await exchange.convert(ex)
+            data = await exchange.encode(ex)
         affinity = api.affinity(ex.body) if plan.model.balance == "affinity" else None
         return await exchange.forward(ex, data, affinity_key=affinity)
 

@@ -197,25 +197,43 @@ async def convert(ex: Exchange) -> None:
         await ex.counted(plan)
 
 
+def text_alone(ex: Exchange) -> bool:
+    """Whether the request is text alone, to a model that counts nothing of it: :func:`convert`
+    and :func:`encode` have nothing to do, and its body is :func:`written` at once (a door skips
+    their coroutines)."""
+    plan = ex.plan
+    assert plan is not None
+    return plan.visual is None and not plan.classification.media
+
+
 async def encode(ex: Exchange) -> bytes:
     """The body to send upstream: the plan applied, its images encoded (``X-Gateway-Encoded``
     says how many) or primed on vLLM's encoder instances (``ex.primed``)."""
     plan = ex.plan
     assert plan is not None
-    text_alone = not plan.classification.media and not plan.normalized and not ex.ask_usage
-    if text_alone and ex.parsed.get("model") == plan.model.upstream_name:
-        return ex.raw  # the client's own bytes: nothing to encode, nothing to write again
-    encoded = Encoded(ex.converted, dict(ex.ask_usage))
-    if plan.encode_parts or plan.encodes_frames or plan.encodes_pages:
-        kind = ex.config.encoders[plan.encoder or ""].kind
-        name = "gateway.prime" if kind == "vllm" else "gateway.encode"
-        with stage(ex.services.tracing, name, {"gateway.encoder": plan.encoder or ""}):
-            images = await ex.services.encoder.encode_or_pass(
-                plan, ex.body, request_id=ex.request[REQUEST_ID_KEY], config=ex.config, frames=ex.converted
-            )
-        ex.headers["X-Gateway-Encoded"] = str(images.images)
-        encoded = Encoded(ex.converted | images.replacements, {**images.fields, **encoded.fields})
-        ex.primed = bool(images.replacements) and kind == "vllm"
+    if not (plan.encode_parts or plan.encodes_frames or plan.encodes_pages):
+        return written(ex)
+    kind = ex.config.encoders[plan.encoder or ""].kind
+    name = "gateway.prime" if kind == "vllm" else "gateway.encode"
+    with stage(ex.services.tracing, name, {"gateway.encoder": plan.encoder or ""}):
+        images = await ex.services.encoder.encode_or_pass(
+            plan, ex.body, request_id=ex.request[REQUEST_ID_KEY], config=ex.config, frames=ex.converted
+        )
+    ex.headers["X-Gateway-Encoded"] = str(images.images)
+    ex.primed = bool(images.replacements) and kind == "vllm"
+    return written(ex, Encoded(ex.converted | images.replacements, {**images.fields, **ex.ask_usage}))
+
+
+def written(ex: Exchange, encoded: Encoded | None = None) -> bytes:
+    """The body to send upstream, the plan applied with what the stages made (``encoded``;
+    default: the media converted, and the fields that ask for a stream's usage)."""
+    plan = ex.plan
+    assert plan is not None
+    if encoded is None:
+        if not plan.classification.media and not plan.normalized and not ex.ask_usage:
+            if ex.parsed.get("model") == plan.model.upstream_name:
+                return ex.raw  # the client's own bytes: nothing to encode, nothing to write again
+        encoded = Encoded(ex.converted, dict(ex.ask_usage))
     if encoded.replacements:
         check_grown_size(ex.config.server.max_upstream_body_bytes, ex.raw, encoded.replacements, encoded.fields)
     if not encoded.replacements and not encoded.fields and not plan.needs_rewrite(ex.parsed):

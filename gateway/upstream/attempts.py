@@ -77,6 +77,17 @@ class Attempts:
             assert self._retries is not None
             await self._retries.sleep(self._delay)
             self._delay = 0.0
+        return self.take()
+
+    @property
+    def waits(self) -> bool:
+        """Whether the next try waits for a retry's backoff first (:meth:`next`); without one,
+        :meth:`take` gives it at once (on a request's path: no coroutine of ``next``'s)."""
+        return self._delay > 0
+
+    def take(self) -> Lease | None:
+        """The lease for the next try now, no backoff waited; None when no replica is left to
+        try, or the deadline passed."""
         if self.expired:
             return None
         lease = self.pool.lease(exclude=self.tried, key=self.key, panic=self.panic, prefer=self.prefer)

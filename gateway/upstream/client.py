@@ -122,7 +122,7 @@ class UpstreamClient:
         self, request: web.Request, dispatch: Dispatch, attempts: Attempts, sending: _Sending
     ) -> web.StreamResponse:
         model = dispatch.model
-        while (lease := await attempts.next()) is not None:
+        while (lease := await attempts.next() if attempts.waits else attempts.take()) is not None:
             if dispatch.continues is not None and len(attempts.tried) == 1:
                 self._stored(model, attempts.prefer, lease.replica)
             with lease:

@@ -7,6 +7,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 from aiohttp import web
 
@@ -365,6 +366,31 @@ async def test_body_over_the_limit_is_413(gateway_factory, upstream) -> None:
             assert resp.status == 413
             error = (await resp.json())["error"]
     assert error["code"] == "payload_too_large" and "2048" in error["message"]
+    assert not upstream.received
+
+
+async def test_a_chunked_body_over_the_limit_is_413_though_it_came_whole_with_its_head(
+    gateway_factory, upstream
+) -> None:
+    """No length declared, every byte in one write with the head: the body is taken as it lies
+    (no read loop), and held to the limit all the same."""
+    gw = await gateway_factory(
+        routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}", server="{max_body_bytes: 2048}")
+    )
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 4096}]})
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
+    writer.write(head.encode() + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+    await writer.drain()
+    answer = b""
+    async with asyncio.timeout(30):  # a bound, not a bet: the answer is waited for
+        while b"payload_too_large" not in answer and (more := await reader.read(65536)):
+            answer += more
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"payload_too_large" in answer
     assert not upstream.received
 
 
