@@ -106,7 +106,8 @@ def _policy(policy: Policy) -> str | dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        # a field made from the others (init=False: ServerConfig.content_bounds) is not config
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, Mapping):

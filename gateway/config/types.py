@@ -94,6 +94,12 @@ class ServerConfig:
     # key limits shared by every gateway process pointing at it; None: per process. Read at start
     limits_store: LimitsStoreConfig | None = None
     tracing: TracingConfig | None = None  # None: no traces. Read at start
+    # max_messages, max_content_parts and max_text_chars together: made once, read by every request
+    content_bounds: ContentBounds = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        bounds = ContentBounds(self.max_messages, self.max_content_parts, self.max_text_chars)
+        object.__setattr__(self, "content_bounds", bounds)
 
     @property
     def admin_address(self) -> tuple[str, int] | None:
@@ -102,10 +108,6 @@ class ServerConfig:
             return None
         host, _, port = self.admin_listen.rpartition(":")
         return host.strip("[]"), int(port)
-
-    @property
-    def content_bounds(self) -> ContentBounds:
-        return ContentBounds(self.max_messages, self.max_content_parts, self.max_text_chars)
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,6 +91,7 @@ def front(handler: Handler) -> Handler:
                 _check_port(request, services)
                 keyring = services.store.live.keyring
                 if keyring is None or not is_api(request.path):
+                    request[API_KEY_KEY] = None  # (read by every model endpoint: a miss would raise inside)
                     response = await handler(request)
                 else:
                     keyed = True
@@ -272,7 +273,7 @@ async def _send_and_close(request: web.Request, response: web.Response) -> None:
     trickles in (408), or one whose sender waits for a 100 Continue that was refused. aiohttp would
     linger up to 10 s for it; that stays right for a plain 413, whose client may still be sending
     and must get to read the answer."""
-    _answer_headers(request, response, request[REQUEST_ID_KEY], API_KEY_KEY in request)
+    _answer_headers(request, response, request[REQUEST_ID_KEY], request.get(API_KEY_KEY) is not None)
     try:
         await response.prepare(request)
         await response.write_eof()

@@ -77,7 +77,7 @@ REQUEST_ID_KEY = web.RequestKey("request_id", str)
 MODEL_LABEL_KEY = web.RequestKey("model_label", str)
 # The client's API key (auth on), set by the auth middleware for /v1/* requests; its name labels
 # gateway_requests_total ("-" when auth is off).
-API_KEY_KEY = web.RequestKey("api_key", ApiKey)
+API_KEY_KEY: web.RequestKey[ApiKey | None] = web.RequestKey("api_key")  # None: no key asked (auth off, or not an API)
 KEY_LABEL_KEY = web.RequestKey("key_label", str)
 RATE_HEADERS_KEY = web.RequestKey("rate_headers", dict)  # x-ratelimit-* for the response
 SPENT_KEY = web.RequestKey("spent", int)  # the tokens the request's reply cost, spent of its key's budgets at its end
