@@ -75,7 +75,7 @@ SERVICES_KEY = web.AppKey("services", Services)
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
 # The model label of gateway_requests_total; set by handlers that serve a model.
 MODEL_LABEL_KEY = web.RequestKey("model_label", str)
-# The client's API key (auth on), set by the auth middleware for /v1/* requests; its name labels
+# The client's API key (auth on), set by the front door (middlewares.front) for /v1/* requests; its name labels
 # gateway_requests_total ("-" when auth is off).
 API_KEY_KEY: web.RequestKey[ApiKey | None] = web.RequestKey("api_key")  # None: no key asked (auth off, or not an API)
 KEY_LABEL_KEY = web.RequestKey("key_label", str)
