@@ -251,6 +251,21 @@ def encoded_dimensions(text: str, start: int = 0, *, base64: bool = True, whole:
     first part of the data only (gateway.admission.strings' Deferred), and a read that would
     reach its end raises :class:`NeedMore` before it is made: the whole might read otherwise
     (a percent escape cut in two decodes as two other bytes)."""
+    if base64:  # an image sent again (a conversation sends its images with every turn): sized once
+        first = text[start : start + _FIRST_CHARS]
+        seen = _SEEN.get(first)
+        if seen is not None:
+            return seen
+        if (whole or len(first) == _FIRST_CHARS) and (head := _strict(first)) is not None:
+            try:
+                found = read_dimensions(head[:FIRST_READ])
+            except NeedMore:
+                pass  # (BadImage: raised as it would be below)
+            else:
+                if len(_SEEN) >= SEEN_MOST:
+                    _SEEN.clear()
+                _SEEN[first] = found
+                return found
     want = FIRST_READ
     while True:
         if not whole and start + _reach(want, base64) > len(text):  # a read would run into its end
@@ -264,6 +279,19 @@ def encoded_dimensions(text: str, start: int = 0, *, base64: bool = True, whole:
             if want >= MAX_HEADER_BYTES:
                 raise BadImage(f"the image's header goes on past its first {MAX_HEADER_BYTES} bytes") from None
             want = min(MAX_HEADER_BYTES, max(more.at_least, 4 * want))
+
+
+_FIRST_CHARS = (FIRST_READ + 2) // 3 * 4  # the base64 characters of FIRST_READ bytes
+SEEN_MOST = 1024  # the headers read from their first characters kept, by those characters
+_SEEN: dict[str, Dimensions] = {}
+
+
+def _strict(chars: str) -> bytes | None:
+    """``chars`` as strict base64 (whole groups of four), or None where they are not."""
+    try:
+        return binascii.a2b_base64(chars[: len(chars) // 4 * 4], strict_mode=True)
+    except (binascii.Error, ValueError):  # ValueError: not ASCII
+        return None
 
 
 def _reach(size: int, is_base64: bool) -> int:

@@ -217,3 +217,32 @@ def test_an_apng_frame_past_its_canvas_hides_no_pixels() -> None:
     with pytest.raises(Image.UnidentifiedImageError):
         Image.open(io.BytesIO(apng))
     assert read_dimensions(apng).pixels == 256
+
+
+def test_an_image_sent_again_is_sized_from_its_first_characters_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header read from a data URL's first characters is kept by those characters: the same
+    image again (each turn of a conversation) is not decoded again; a header that goes on past
+    them (a JPEG with a long EXIF) is read in full each time; the cache is bounded."""
+    from gateway.admission import dimensions
+
+    monkeypatch.setattr(dimensions, "_SEEN", {})
+    monkeypatch.setattr(dimensions, "SEEN_MOST", 2)
+    png = "data:image/png;base64," + base64.b64encode(encode((640, 480), "PNG")).decode()
+    first = data_url_dimensions(png)
+    assert (first.width, first.height, first.format) == (640, 480, "png")
+
+    def decode(data: bytes) -> dimensions.Dimensions:
+        raise AssertionError("decoded again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(dimensions, "read_dimensions", decode)
+        assert data_url_dimensions(png) is first  # from the cache: nothing decoded
+    exif = Image.Exif()
+    exif[0x010E] = "x" * 4000  # ImageDescription: the frame header lies past the first bytes
+    jpeg = "data:image/jpeg;base64," + base64.b64encode(encode((30, 20), "JPEG", exif=exif.tobytes())).decode()
+    before = dict(dimensions._SEEN)
+    assert (data_url_dimensions(jpeg).width, data_url_dimensions(jpeg).height) == (30, 20)
+    assert dimensions._SEEN == before  # read in full, not kept
+    for side in (1, 2, 3):
+        data_url_dimensions("data:image/png;base64," + base64.b64encode(encode((side, side), "PNG")).decode())
+    assert len(dimensions._SEEN) <= 2
