@@ -132,21 +132,28 @@ def test_goals_check_the_gateways_rows_against_the_issues_targets() -> None:
 
     checked = hop.goals(
         [
-            row("text chat", 32, "gateway", 0.91),
+            row("text chat", 32, "gateway", 1.11),
             row("image, 2 MiB body", 32, "gateway", 0.8),
             row("image, 100 KiB body", 32, "gateway", 0.9),
             row("stream, 20 chunks", 1, "gateway", 0.95, added=0.25),
             row("rejection", 32, "gateway, rejected (400)", 3.2),
             row("text chat", 32, "minimal proxy", 1.0),
+            row("sweep: text chat", 1, "minimal proxy", 1.0, added=0.15),
+            row("sweep: text chat", 1, "gateway", 0.9, added=0.18),
+            row("tenants: text chat", 32, hop.GATEWAY_KEYS, 0.91),
+            row("tenants: text chat", 32, hop.GATEWAY_SAMPLED, 0.8),
         ]
     )
     assert [(g.what, g.met) for g in checked] == [
-        ("text chat, c=32, x minimal proxy", True),
+        ("text chat, c=32, x minimal proxy", True),  # issue 42's target: 1.10
         ("image, 2 MiB body, x minimal proxy", False),
         ("image, 100 KiB body, x minimal proxy", True),
         ("image, 100 KiB body, counted, x minimal proxy", False),  # issue 23's target: 0.95
         ("stream, 20 chunks, c=1, added p50 ms", True),
         ("rejections, x forwarded through the gateway", True),
+        ("text chat, c=1, added p50 ms", False),  # more than the proxy's 0.15
+        (f"{hop.GATEWAY_KEYS}, x the plain gateway", True),
+        (f"{hop.GATEWAY_SAMPLED}, x the plain gateway", False),
     ]
 
 
