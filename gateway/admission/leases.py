@@ -175,21 +175,23 @@ class Leases:
         read), and ahead of need otherwise, off the request's path."""
         loop = asyncio.get_running_loop()
         lease = self._lease(key)
-        lease.count(loop.time())
+        now = loop.time()  # (read again after each wait)
+        lease.count(now)
         rpm = limit.requests_per_minute
         for _ in range(2):  # (a lease under way for the key of an earlier generation may not read them)
-            if not budgets or (lease.knows(limit) and loop.time() - lease.synced_at <= TRUSTED_S):
+            if not budgets or (lease.knows(limit) and now - lease.synced_at <= TRUSTED_S):
                 break
             if not await self._renewed(key, lease):
                 return self._store.failed()
+            now = loop.time()
         # the store asked again while it has requests that others waiting took first, and the
         # key's token budgets hold (a spent one refuses below)
-        while rpm is not None and lease.held < 1 and loop.time() >= lease.empty_until:
-            if budgets and lease.spent(limit, loop.time()):
+        while rpm is not None and lease.held < 1 and now >= lease.empty_until:
+            if budgets and lease.spent(limit, now):
                 break
             if not await self._renewed(key, lease):
                 return self._store.failed()
-        now = loop.time()
+            now = loop.time()
         if lease.syncing is None and (
             now - lease.synced_at > SYNC_S
             or (

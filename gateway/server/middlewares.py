@@ -167,16 +167,20 @@ async def unmatched(allowed: Mapping[str, str], request: web.Request) -> web.Str
 
 
 def _answer_headers(request: web.Request, response: web.StreamResponse, rid: str, keyed: bool) -> None:
-    """The request id, and a key's x-ratelimit-* headers where the answer has none of the name
-    (an error of the key's limits has its own; a stream has them as it begins:
-    :func:`gateway.server.exchange.forward`); on an error also the id as ``request-id`` on the
-    Messages API, where the anthropic SDK reads it, and the model it is about (a rejection). A
-    reply relayed from an engine has both already: only the id is set on it, as cheaply as can be."""
+    """The request id, and a key's x-ratelimit-* headers: on an answer (a reply relayed whole
+    too: the client's limits are its key's, not whatever an engine's own say), or where an error
+    has none of the name (one of the key's limits has its own, newer); a stream has them as it
+    begins (:func:`gateway.server.exchange.forward`). On an error, also the id as ``request-id``
+    on the Messages API, where the anthropic SDK reads it, and the model it is about (a
+    rejection). A reply relayed from an engine has both already."""
     response.headers[REQUEST_ID] = rid
     if keyed and (limits := request.get(RATE_HEADERS_KEY)):
         answer = response.headers
-        for name, value in limits.items():
-            answer.setdefault(name, value)
+        if response.status < 400:
+            answer.update(limits)  # one call, in C
+        else:
+            for name, value in limits.items():
+                answer.setdefault(name, value)
     if response.status < 400:
         return
     if shape_of(request.path) == "anthropic":

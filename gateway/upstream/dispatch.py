@@ -53,6 +53,6 @@ class Dispatch:
     hide_usage: bool = False
     content_type: str = "application/json"  # of the body (an audio upload: its multipart type, boundary included)
     on_usage: Callable[[Usage | None], None] | None = None
-    # for the client only, where the upstream's answer has none of the name: a key's x-ratelimit-*
+    # for the client only, over any of the name the upstream's answer has: a key's x-ratelimit-*
     # (a stream's, whose head goes before the front door sees it)
     answer_headers: Mapping[str, str] | None = None

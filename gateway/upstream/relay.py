@@ -155,9 +155,8 @@ async def _relay_stream(
         if missed is not None:
             return Relayed(None, outcome, False, missed)
     headers = _client_headers(upstream, gateway_headers)
-    if dispatch.answer_headers:
-        for name, value in dispatch.answer_headers.items():
-            headers.setdefault(name, value)
+    if dispatch.answer_headers:  # the client's limits are its key's, not whatever the engine's say
+        headers.update(dispatch.answer_headers)
     response = RelayResponse(status=upstream.status, reason=upstream.reason, headers=headers)
     if length is not None:
         response.content_length = length

@@ -9,6 +9,7 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from gateway.config import parse_config
 from gateway.errors import ConfigError
@@ -115,6 +116,35 @@ async def test_a_key_sees_only_its_models_and_others_are_404_as_if_absent(gatewa
     assert gw.sample("gateway_requests_total", model="_unknown", code="404", key="team-a") == 3
     async with client(gw, TEAM_B) as c:  # no models list: every model
         assert len((await c.models.list()).data) == 4
+
+
+async def test_a_keys_headers_win_over_an_engines_own(gateway_factory, upstream_factory) -> None:
+    """An engine that answers with x-ratelimit-* of its own (a hosted API behind the gateway):
+    the client's limits are its key's at the gateway, whole or streamed."""
+
+    async def engine(request: web.Request) -> web.StreamResponse:
+        own = {"x-ratelimit-remaining-requests": "7", "x-ratelimit-limit-tokens": "5"}
+        if (await request.json()).get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **own})
+            await response.prepare(request)
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        body = {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": []}
+        return web.json_response(body, headers=own)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", engine)
+    up = await upstream_factory("engine", app)
+    limits = "{requests_per_minute: 60, burst: 10, tokens_per_minute: 1000}"
+    gw = await gateway_factory(with_auth(up.url, key_a(rate_limit=limits)))
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TEAM_A}"}) as session:
+        for stream in (False, True):
+            body = {"model": "m", "messages": HI, "stream": stream}
+            async with session.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-ratelimit-remaining-requests"] == ("9" if not stream else "8")
+                assert resp.headers["x-ratelimit-limit-tokens"] == "1000"
+                assert len(resp.headers.getall("x-ratelimit-remaining-requests")) == 1
 
 
 async def test_the_rate_limit_is_429_with_retry_after_and_the_openai_headers(gateway_factory, upstream) -> None:
