@@ -21,8 +21,12 @@ held so, in each process:
   ``on_failure`` answers) are read before the request. A budget holds across processes to what
   they spent in the last SYNC_S (they are spent after each reply anyway).
 
-A key with ``max_concurrency`` keeps one script a request (admission, then the end), and a
-request's visual tokens are one script when known (gateway.admission.shared)."""
+A request's visual tokens, once known, are held to those budgets here too (:meth:`Leases.budgets`),
+unless the key has a ``visual_tokens_per_minute``: that bucket is spent by one script a request
+(gateway.admission.shared). A key with ``max_concurrency`` keeps one script a request (admission,
+then the end): a slot kept by a process between its requests would refuse another process's
+request while it sat unused (a key of ``max_concurrency: 1`` used by one client in turn over two
+processes would be refused half the time)."""
 
 from __future__ import annotations
 
@@ -213,6 +217,24 @@ class Leases:
             lease.held -= 1
             left -= 1
         return key_headers(limit, left, minute, day)
+
+    async def budgets(self, key: ApiKey, limit: RateLimit, need: int) -> dict[str, str]:
+        """A request's visual tokens, once known, held to the key's token budgets as this process
+        knows them (read first where older than TRUSTED_S, as for a request): their headers, or
+        TokensRateLimitedError. Nothing is spent: the reply spends what it cost."""
+        loop = asyncio.get_running_loop()
+        lease = self._lease(key)
+        now = loop.time()
+        for _ in range(2):
+            if lease.knows(limit) and now - lease.synced_at <= TRUSTED_S:
+                break
+            if lease.syncing is None:
+                self._renew(key, lease, "visual", 0)
+            assert lease.syncing is not None
+            if not await asyncio.shield(lease.syncing):
+                return self._store.failed()
+            now = loop.time()
+        return tokens_verdict(limit, *lease.levels(limit, now), need)
 
     async def _renewed(self, key: ApiKey, lease: Lease) -> bool:
         """The lease renewed (one renewal for every request that waits on it, with a request for

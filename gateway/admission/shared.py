@@ -12,8 +12,9 @@ step is one Lua script, atomic on the server, whose clock (``TIME``) every proce
   request bucket has a request, the key is under its ``max_concurrency``; if all do, a request
   is spent and a slot taken (a lease: a gateway that dies mid-request frees its slots when they
   lapse);
-- **visual tokens** (a request with counted images, to a key with a visual or token budget: a
-  second round trip, once they are known);
+- **visual tokens** (a request with counted images, to a key with a ``visual_tokens_per_minute``, or
+  with ``max_concurrency`` and a token budget: a second round trip, once they are known; a key's
+  token budgets alone hold them from its lease);
 - **the end** (after the last byte, off the request's path): its tokens spent, its slot given back
   (a key without ``max_concurrency``: written with the next lease, within SYNC_S);
 - **the heartbeat** (every second, off every request's path): this process counted among the live
@@ -274,6 +275,8 @@ class SharedLimits:
             limit.tokens_per_minute is None and limit.tokens_per_day is None and limit.visual_tokens_per_minute is None
         ):
             return {}
+        if key.max_concurrency is None and limit.visual_tokens_per_minute is None:  # the budgets alone: leased
+            return await self._leases.budgets(key, limit, tokens)
         keys = self._keys(key, "tokens_minute", "tokens_day", "visual")
         args = [arg(limit.tokens_per_minute), arg(limit.tokens_per_day), arg(limit.visual_tokens_per_minute),
                 str(tokens)]  # fmt: skip

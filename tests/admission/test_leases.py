@@ -193,3 +193,25 @@ def test_tokens_being_written_are_still_spent_here_until_the_store_answers() -> 
     assert lease.levels(limit, 10.0) == (30.0, 0.0)
     lease.unsynced, lease.sending = 0, 20  # a lease under way carries them: not yet in the store's level
     assert lease.levels(limit, 10.0) == (30.0, 0.0)
+
+
+async def test_a_requests_visual_tokens_are_held_to_the_budgets_the_process_leased(
+    processes: list[SharedLimits],
+) -> None:
+    """A key with token budgets (no visual_tokens_per_minute): a request's visual tokens are held
+    to them as the process knows them, with no round trip; what a reply cost in another process
+    refuses them once read."""
+    one, other = processes
+    key = ApiKey("eyes", key_sha256="0" * 64, rate_limit=RateLimit(600, 100, tokens_per_minute=10_000))
+    _, slot = await one.admit(key)
+    before = one.round_trips
+    held = await one.visual(key, 4_000)
+    assert one.round_trips == before  # from the lease
+    assert held["x-ratelimit-remaining-tokens"] == "10000"  # held, not spent: the reply spends
+    one.finish(key, 8_000, slot)
+    await one.settle()  # written: 2,000 left in the store
+    _, slot = await other.admit(key)  # the other process reads the levels as it leases
+    with pytest.raises(TokensRateLimitedError) as short:
+        await other.visual(key, 4_000)
+    assert int(short.value.headers["x-ratelimit-remaining-tokens"]) < 4_000
+    other.finish(key, 0, slot)
