@@ -1,5 +1,6 @@
-"""What a trace says of an admitted request (its admission span, gateway.tracing): the media it
-holds, by modality, and each one's hash, never its content; its route; its visual tokens."""
+"""What a trace says of an admitted request (attributes of its span, gateway.tracing): the media
+it holds, by modality, and each one's hash, never its content; its visual tokens. (Its route is
+said as it goes upstream, after any conversion changed it: gateway.server.exchange.forward.)"""
 
 from __future__ import annotations
 
@@ -13,13 +14,12 @@ from .route import RoutePlan
 
 
 def admission_attributes(plan: RoutePlan, body: dict[str, Any]) -> Attributes:
-    """The admission span's attributes: the media a request holds, by modality, and each one's
-    hash (never its content); its route and its visual tokens."""
+    """Admission's attributes of a request's span: the media it holds, by modality, and each
+    one's hash (never its content); its visual tokens."""
     held = Counter(p.modality.value for p in plan.classification.parts)
     attributes: dict[str, str | int | list[str]] = {f"gateway.media.{m}.count": n for m, n in sorted(held.items())}
     for modality, hashes in _media_hashes(plan, body).items():
         attributes[f"gateway.media.{modality}.sha256"] = hashes
-    attributes["gateway.route"] = plan.route
     if plan.visual is not None:
         attributes["gateway.visual_tokens"] = plan.visual.tokens
     return attributes
