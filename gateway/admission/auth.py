@@ -126,8 +126,13 @@ class KeyLimits:
         if limit is not None and tokens > 0 and limit.budgets_tokens:
             held = self._key(key.name)
             held.budgets(limit, self.clock())
-            held.minute -= tokens  # a budget may go below 0 (a reply costs what it costs): the
-            held.day -= tokens  # key's next requests wait until it refills past 0
+            # a budget may go below 0 (a reply costs what it costs): the key's next requests wait
+            # until it refills past 0. Only those the key has now (a budget a reload took away
+            # keeps its level, and is full again if it comes back)
+            if limit.tokens_per_minute is not None:
+                held.minute -= tokens
+            if limit.tokens_per_day is not None:
+                held.day -= tokens
         if slot is not None:
             self._key(key.name).active -= 1
 

@@ -50,7 +50,9 @@ GC_YOUNG = 20_000
 def settle_heap() -> None:
     """Once the app is set up: what startup made (modules, the config, the app) moved out of the
     collector's sight (``gc.freeze``: no later collection walks it), and the youngest generation
-    collected less often (GC_YOUNG). vLLM's API server freezes its startup heap alike."""
+    collected less often (GC_YOUNG). vLLM's API server freezes its startup heap alike. What
+    startup made is still freed when nothing refers to it (a generation a reload replaced); only
+    a cycle among it would never be collected: at most once, what one generation holds."""
     gc.collect()
     gc.freeze()
     _, middle, old = gc.get_threshold()

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
+from yarl import URL
 
 from ..admission.apis.catalog import BY_PATH, is_api, shape_of
 from ..admission.body import body_too_large
@@ -150,14 +151,40 @@ def add_routes(app: web.Application, gets: Mapping[str, Handler], posts: Mapping
     for route in app.router.routes():
         methods.setdefault(route.resource.canonical if route.resource is not None else "", []).append(route.method)
     allowed = {path: ", ".join(sorted(names)) for path, names in methods.items()}
-    app.router.add_route(
-        "*", "/{path:.*}", front(functools.partial(unmatched, allowed)), expect_handler=expect_continue
-    )
+    everything = _Everything()
+    app.router.register_resource(everything)
+    everything.add_route("*", front(functools.partial(unmatched, allowed)), expect_handler=expect_continue)
+
+
+class _Everything(web.Resource):
+    """The last resource: whatever the request-target (a path of any bytes, ``*``, one no route
+    serves), so that aiohttp never answers one itself (its 404 is plain text, without the
+    request id). Indexed under ``/``, where aiohttp's router looks last."""
+
+    @property
+    def canonical(self) -> str:
+        return "/{path}"
+
+    def _match(self, path: str) -> dict[str, str]:
+        return {"path": path}
+
+    def raw_match(self, path: str) -> bool:
+        return True
+
+    def get_info(self) -> dict[str, str]:  # type: ignore[override]
+        return {"formatter": "/{path}"}
+
+    def url_for(self) -> URL:  # type: ignore[override]
+        raise NotImplementedError("the catch-all names no URL")
+
+    def add_prefix(self, prefix: str) -> None:
+        raise NotImplementedError("the catch-all takes no prefix")
 
 
 async def unmatched(allowed: Mapping[str, str], request: web.Request) -> web.StreamResponse:
-    """A path no route serves (404), or a method its route does not take (405 with ``Allow``)."""
-    methods = allowed.get(request.path)
+    """A path no route serves (404), or a method its route does not take (405 with ``Allow``);
+    looked up as the router matched it (``%2F`` still encoded: not a ``/``)."""
+    methods = allowed.get(request.rel_url.path_safe)
     if methods is None:
         raise NotFoundError(f"Unknown endpoint: {request.method} {clip(request.path)}")
     raise MethodNotAllowedError(

@@ -156,7 +156,11 @@ async def _relay_stream(
             return Relayed(None, outcome, False, missed)
     headers = _client_headers(upstream, gateway_headers)
     if dispatch.answer_headers:  # the client's limits are its key's, not whatever the engine's say
-        headers.update(dispatch.answer_headers)
+        if upstream.status < 400:
+            headers.update(dispatch.answer_headers)
+        else:  # an engine's refusal: its own say when to come back, as a reply relayed whole's do
+            for name, value in dispatch.answer_headers.items():
+                headers.setdefault(name, value)
     response = RelayResponse(status=upstream.status, reason=upstream.reason, headers=headers)
     if length is not None:
         response.content_length = length

@@ -124,7 +124,11 @@ async def test_a_keys_headers_win_over_an_engines_own(gateway_factory, upstream_
 
     async def engine(request: web.Request) -> web.StreamResponse:
         own = {"x-ratelimit-remaining-requests": "7", "x-ratelimit-limit-tokens": "5"}
-        if (await request.json()).get("stream"):
+        asked = await request.json()
+        if asked.get("user") == "refuse":  # the engine's own 429: its own word on when to come back
+            error = {"error": {"message": "slow down", "type": "rate_limit_error", "code": None, "param": None}}
+            return web.json_response(error, status=429, headers=own)
+        if asked.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **own})
             await response.prepare(request)
             await response.write(b"data: [DONE]\n\n")
@@ -142,9 +146,34 @@ async def test_a_keys_headers_win_over_an_engines_own(gateway_factory, upstream_
             body = {"model": "m", "messages": HI, "stream": stream}
             async with session.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200
-                assert resp.headers["x-ratelimit-remaining-requests"] == ("9" if not stream else "8")
+                assert resp.headers["x-ratelimit-remaining-requests"] == (
+                    "9" if not stream else "7"
+                )  # (the 429 between spent one too)
                 assert resp.headers["x-ratelimit-limit-tokens"] == "1000"
                 assert len(resp.headers.getall("x-ratelimit-remaining-requests")) == 1
+            async with session.post(f"{gw.url}/v1/chat/completions", json={**body, "user": "refuse"}) as resp:
+                assert resp.status == 429 and resp.headers["x-ratelimit-remaining-requests"] == "7"
+                assert resp.headers["x-ratelimit-limit-tokens"] == "5"  # the engine's, streamed or not
+
+
+async def test_a_budget_a_reload_took_away_is_not_spent_and_is_full_if_it_comes_back() -> None:
+    from gateway.admission.auth import KeyLimits
+    from gateway.config import ApiKey, RateLimit
+
+    now = [0.0]
+    limits = KeyLimits(clock=lambda: now[0])
+    both = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(None, 1, tokens_per_minute=1000, tokens_per_day=1e7))
+    day_only = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(None, 1, tokens_per_day=1e7))
+    _, slot = await limits.admit(both)
+    limits.finish(both, 10, slot)
+    for _ in range(10):  # reloaded without tokens_per_minute: replies spend the day's budget only
+        now[0] += 60
+        _, slot = await limits.admit(day_only)
+        limits.finish(day_only, 100_000, slot)
+    now[0] += 60  # tokens_per_minute back
+    headers, _ = await limits.admit(both)
+    assert headers["x-ratelimit-remaining-tokens"] == "1000"
+    assert int(headers["x-ratelimit-remaining-tokens-day"]) < 1e7 - 900_000
 
 
 async def test_the_rate_limit_is_429_with_retry_after_and_the_openai_headers(gateway_factory, upstream) -> None:
