@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import Gateway, Upstream, error_body, routing
+from tests.test_hardening import raw_exchange
 
 # run against the gateway's own upstream client and aiohttp's
 
@@ -394,29 +395,13 @@ async def test_a_chunked_body_over_the_limit_is_413_though_it_came_whole_with_it
     assert not upstream.received
 
 
-async def raw_answer(gw: Gateway, request: bytes) -> bytes:
-    """``request`` as sent, on a connection of its own; the answer's head and body (waited for
-    whole: the head's Content-Length, within a 30 s bound)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", int(gw.url.rsplit(":", 1)[1]))
-    try:
-        writer.write(request)
-        async with asyncio.timeout(30):
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next(
-                int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
-            )
-            return head + await reader.readexactly(length)
-    finally:
-        writer.close()
-
-
 @pytest.mark.parametrize(
     "target", [b"/foo%0Abar", b"*", b"/v1/chat%2Fcompletions"], ids=["a-line-feed", "asterisk", "an-encoded-slash"]
 )
 async def test_a_request_target_no_route_serves_is_the_gateways_own_404(gw: Gateway, target: bytes) -> None:
     """Whatever the request-target (one of any bytes, ``*``, a ``%2F`` that is no ``/``), the
     answer is the gateway's: JSON in the API's shape, with the request id; never aiohttp's text."""
-    answer = await raw_answer(gw, b"OPTIONS " + target + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    answer = await raw_exchange(gw, b"OPTIONS " + target + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 404 "), answer
     assert b"X-Request-Id: " in answer and b'"code":"not_found"' in answer
 
