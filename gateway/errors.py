@@ -52,9 +52,9 @@ first byte ends with each API's own error event (its ``stream_error``: :func:`op
 :func:`responses_stream_error`, :func:`anthropic_stream_error`). The encoder backend's
 errors (backends/vision_encoder/errors.py) are GatewayErrors too.
 
-Errors are raised anywhere and rendered only by :func:`render` (called by
-``middlewares.front_middleware``, and by the encoder backend's middleware). An error that rejects
-part of a request's content carries a :class:`Rejection`, which the middleware counts in
+Errors are raised anywhere and rendered only by :func:`render` (called by ``middlewares.front``,
+the front door of every route, and by the encoder backend's middleware). An error that rejects
+part of a request's content carries a :class:`Rejection`, which the front door counts in
 ``gateway_modality_rejections_total``.
 
 ``ConfigError`` stands apart: it describes a bad routing.yaml and never reaches HTTP.

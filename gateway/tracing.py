@@ -120,7 +120,7 @@ class Tracing:
 
     def open(self, headers: Mapping[str, str], operation: str, method: str, path: str, request_id: str) -> Traced:
         """A request's span, the client's ``traceparent`` its parent, made current until
-        :meth:`close` (no context manager: the front middleware keeps one frame); ``operation``:
+        :meth:`close` (no context manager: the front door keeps one frame); ``operation``:
         the GenAI semantic conventions' ``gen_ai.operation.name`` of its API (gateway.admission.apis).
 
         Sampled here, once: at ``sample_ratio``, by a draw of the gateway's own (a ratio of the
