@@ -59,14 +59,17 @@ class _Key:
         """The token budgets' levels (0 for a budget the key has not), refilled to ``now``."""
         minute = day = 0.0
         if (budget := limit.tokens_per_minute) is not None:
-            level = self.minute
-            minute = budget if level != level else min(budget, level + (now - self.minute_at) * budget / 60.0)
-            self.minute, self.minute_at = minute, now
+            self.minute = minute = _refilled(self.minute, now - self.minute_at, budget, budget / 60.0)
+            self.minute_at = now
         if (budget := limit.tokens_per_day) is not None:
-            level = self.day
-            day = budget if level != level else min(budget, level + (now - self.day_at) * budget / DAY_S)
-            self.day, self.day_at = day, now
+            self.day = day = _refilled(self.day, now - self.day_at, budget, budget / DAY_S)
+            self.day_at = now
         return minute, day
+
+
+def _refilled(level: float, elapsed: float, capacity: float, per_s: float) -> float:
+    """A bucket's level after ``elapsed`` seconds of refill (``nan``: never asked for, so full)."""
+    return capacity if level != level else min(capacity, level + elapsed * per_s)
 
 
 class KeyLimits:
@@ -86,7 +89,7 @@ class KeyLimits:
     async def admit(self, key: ApiKey) -> tuple[dict[str, str], str | None]:
         """A request of the key admitted (its token budgets hold, a request spent, a slot taken):
         its x-ratelimit-* headers and its slot (None: none), or the key's RateLimitedError."""
-        held = self._keys.get(key.name) or self._key(key.name)
+        held = self._key(key.name)
         limit, most = key.rate_limit, key.max_concurrency
         headers: dict[str, str] = {}
         if limit is not None:
@@ -98,8 +101,7 @@ class KeyLimits:
                 raise concurrency_refusal(most)
             left: float | None = None
             if (rpm := limit.requests_per_minute) is not None:
-                burst, level = float(limit.burst), held.requests
-                left = burst if level != level else min(burst, level + (now - held.requests_at) * rpm / 60.0)
+                left = _refilled(held.requests, now - held.requests_at, float(limit.burst), rpm / 60.0)
                 held.requests_at = now
                 if left < 1:
                     held.requests = left
@@ -146,8 +148,7 @@ class KeyLimits:
         if limit is None or limit.visual_tokens_per_minute is None:
             return {}
         per_minute, now, held = limit.visual_tokens_per_minute, self.clock(), self._key(key.name)
-        level = held.visual
-        left = per_minute if level != level else min(per_minute, level + (now - held.visual_at) * per_minute / 60.0)
+        left = _refilled(held.visual, now - held.visual_at, per_minute, per_minute / 60.0)
         held.visual_at = now
         allowed = left >= tokens
         if allowed:
@@ -169,22 +170,22 @@ class KeyLimits:
 SLOT = "local"  # the slot KeyLimits.admit took (the process's count of the key's requests in flight)
 
 
-def key_headers(limit: RateLimit, requests: float | None, minute: float, day: float) -> dict[str, str]:
+def key_headers(limit: RateLimit, requests: float | None, minute: float | None, day: float | None) -> dict[str, str]:
     """The x-ratelimit-* headers OpenAI's clients read, of a key's request bucket with
-    ``requests`` left (None: not limited) and its token budgets with ``minute`` and ``day`` left
-    (of those it has). One function, straight through: every request to a limited key makes them."""
+    ``requests`` left and its token budgets with ``minute`` and ``day`` left (of those it has;
+    None: not said). One function, straight through: every request to a limited key makes them."""
     headers: dict[str, str] = {}
     if requests is not None and (rpm := limit.requests_per_minute) is not None:
         headers["x-ratelimit-limit-requests"] = _number(rpm)
-        headers["x-ratelimit-remaining-requests"] = str(int(requests)) if requests >= 1 else "0"
+        headers["x-ratelimit-remaining-requests"] = _remaining(requests)
         headers["x-ratelimit-reset-requests"] = _duration((limit.burst - requests) * 60.0 / rpm)
-    if (budget := limit.tokens_per_minute) is not None:
+    if minute is not None and (budget := limit.tokens_per_minute) is not None:
         headers["x-ratelimit-limit-tokens"] = _number(budget)
-        headers["x-ratelimit-remaining-tokens"] = str(int(minute)) if minute >= 1 else "0"
+        headers["x-ratelimit-remaining-tokens"] = _remaining(minute)
         headers["x-ratelimit-reset-tokens"] = _duration((budget - minute) * 60.0 / budget)
-    if (budget := limit.tokens_per_day) is not None:
+    if day is not None and (budget := limit.tokens_per_day) is not None:
         headers["x-ratelimit-limit-tokens-day"] = _number(budget)
-        headers["x-ratelimit-remaining-tokens-day"] = str(int(day)) if day >= 1 else "0"
+        headers["x-ratelimit-remaining-tokens-day"] = _remaining(day)
         headers["x-ratelimit-reset-tokens-day"] = _duration((budget - day) * DAY_S / budget)
     return headers
 
@@ -194,11 +195,7 @@ def requests_verdict(limit: RateLimit, left: float, allowed: bool) -> dict[str, 
     one's, if ``allowed``), or its RateLimitedError."""
     rpm = limit.requests_per_minute
     assert rpm is not None
-    headers = {
-        "x-ratelimit-limit-requests": _number(rpm),
-        "x-ratelimit-remaining-requests": _remaining(left),
-        "x-ratelimit-reset-requests": _duration((limit.burst - left) * 60.0 / rpm),
-    }
+    headers = key_headers(limit, left, None, None)
     if not allowed:
         wait = math.ceil((1 - left) * 60.0 / rpm)
         raise RateLimitedError(

@@ -287,7 +287,8 @@ _SEEN: dict[str, Dimensions] = {}
 
 
 def _strict(chars: str) -> bytes | None:
-    """``chars`` as strict base64 (whole groups of four), or None where they are not."""
+    """``chars`` as strict base64 (whole groups of four), or None where they are not: a byte
+    outside the alphabet is an error, as b64decode(validate=True) has it (without its regex)."""
     try:
         return binascii.a2b_base64(chars[: len(chars) // 4 * 4], strict_mode=True)
     except (binascii.Error, ValueError):  # ValueError: not ASCII
@@ -304,13 +305,9 @@ def _head(url: str, start: int, size: int, is_base64: bool) -> bytes:
     if not is_base64:
         return unquote_to_bytes(url[start : start + 3 * size])[:size]
     n = (size + 2) // 3 * 4
-    chars = url[start : start + n]
-    try:  # strict: a byte outside the alphabet is an error, as b64decode(validate=True) has it (without its regex)
-        return binascii.a2b_base64(chars[: len(chars) // 4 * 4], strict_mode=True)[:size]
-    except (binascii.Error, ValueError):  # ValueError: not ASCII
-        pass
-    chars = "".join(url[start : start + 2 * n].split())[:n]  # base64 in lines (RFC 2045)
-    try:
-        return binascii.a2b_base64(chars[: len(chars) // 4 * 4], strict_mode=True)[:size]
-    except (binascii.Error, ValueError):
-        raise BadImage("the data URL is not valid base64") from None
+    head = _strict(url[start : start + n])
+    if head is None:
+        head = _strict("".join(url[start : start + 2 * n].split())[:n])  # base64 in lines (RFC 2045)
+    if head is None:
+        raise BadImage("the data URL is not valid base64")
+    return head[:size]

@@ -29,9 +29,7 @@ def door(api: Api) -> Handler:
         ex.serve_with(requested)
         plan = admit(ex.config, ex.parsed, ex.visible, requested=requested, api=api, deferred=ex.deferred)
         ex.admitted(plan)  # served by plan.model; the model label stays the one requested
-        if exchange.at_once(ex):  # nothing to convert or encode: no coroutine of theirs
-            if plan.visual is not None:
-                ex.count(plan)
+        if exchange.text_alone(ex):  # nothing to count, convert or encode: no coroutine of theirs
             data = exchange.written(ex)
         else:
             await exchange.convert(ex)

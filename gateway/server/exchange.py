@@ -138,13 +138,8 @@ class Exchange:
             spent = await self.services.limits.visual(key, tokens)  # held to its token budgets too
             if spent:
                 self.request[RATE_HEADERS_KEY] = {**self.request.get(RATE_HEADERS_KEY, {}), **spent}
-        self.count(plan)
-
-    def count(self, plan: RoutePlan) -> None:
-        """The request's visual tokens counted as admitted (of no key's budgets: :meth:`counted`)."""
-        assert plan.visual is not None
-        if plan.model.visual_tokens is not None and plan.api.spends:
-            metrics, tokens = self.services.metrics, plan.visual.tokens
+        if plan.model.visual_tokens is not None:
+            metrics = self.services.metrics
             metrics.child(metrics.visual_tokens, plan.model.name).inc(tokens)
             metrics.child(metrics.request_visual_tokens, plan.model.name).observe(tokens)
 
@@ -202,20 +197,13 @@ async def convert(ex: Exchange) -> None:
         await ex.counted(plan)
 
 
-def at_once(ex: Exchange) -> bool:
-    """Whether nothing of :func:`convert` and :func:`encode` waits on anything: text alone, or
-    media counted at admission, of no key's budget, that nothing converts or encodes. Its
-    visual tokens are then :meth:`Exchange.count`-ed and its body :func:`written` at once (a
-    door skips their coroutines)."""
+def text_alone(ex: Exchange) -> bool:
+    """Whether the request is text alone, to a model that counts nothing of it: :func:`convert`
+    and :func:`encode` have nothing to do, and its body is :func:`written` at once (a door skips
+    their coroutines)."""
     plan = ex.plan
     assert plan is not None
-    if not plan.classification.media:
-        return plan.visual is None
-    return (
-        (plan.visual is None or (ex.key is None and not counted_later(plan)))
-        and not converters.wanted(plan)
-        and not (plan.encode_parts or plan.encodes_frames or plan.encodes_pages)
-    )
+    return plan.visual is None and not plan.classification.media
 
 
 async def encode(ex: Exchange) -> bytes:

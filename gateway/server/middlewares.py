@@ -41,7 +41,7 @@ from ..errors import (
     render,
 )
 from ..metrics import NO_KEY, UNKNOWN_MODEL
-from ..upstream.relay import RelayResponse
+from ..upstream.relay import RelayResponse, with_key_limits
 from .state import (
     API_KEY_KEY,
     KEY_LABEL_KEY,
@@ -202,12 +202,7 @@ def _answer_headers(request: web.Request, response: web.StreamResponse, rid: str
     rejection). A reply relayed from an engine has both already."""
     response.headers[REQUEST_ID] = rid
     if keyed and (limits := request.get(RATE_HEADERS_KEY)):
-        answer = response.headers
-        if response.status < 400:
-            answer.update(limits)  # one call, in C
-        else:
-            for name, value in limits.items():
-                answer.setdefault(name, value)
+        with_key_limits(response.headers, limits, response.status)
     if response.status < 400:
         return
     if shape_of(request.path) == "anthropic":
@@ -315,14 +310,7 @@ async def _send_and_close(request: web.Request, response: web.Response) -> None:
 
 
 def _from_http_exception(request: web.Request, exc: web.HTTPException, services: Services) -> GatewayError:
-    if isinstance(exc, web.HTTPNotFound):
-        return NotFoundError(f"Unknown endpoint: {request.method} {clip(request.path)}")
-    if isinstance(exc, web.HTTPMethodNotAllowed):
-        allowed = ", ".join(sorted(exc.allowed_methods))
-        return MethodNotAllowedError(
-            f"Method {request.method} is not allowed on {clip(request.path)} (allowed: {allowed})",
-            headers={"Allow": allowed},
-        )
+    """One of aiohttp's own (its router's 404 and 405 never come: :func:`unmatched` answers them)."""
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return body_too_large(services.max_body_bytes)
     return HTTPStatusError(exc.status, exc.reason)

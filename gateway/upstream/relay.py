@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping, MutableMapping
 from types import TracebackType
 from typing import Any, NamedTuple, Protocol
 
@@ -155,12 +155,8 @@ async def _relay_stream(
         if missed is not None:
             return Relayed(None, outcome, False, missed)
     headers = _client_headers(upstream, gateway_headers)
-    if dispatch.answer_headers:  # the client's limits are its key's, not whatever the engine's say
-        if upstream.status < 400:
-            headers.update(dispatch.answer_headers)
-        else:  # an engine's refusal: its own say when to come back, as a reply relayed whole's do
-            for name, value in dispatch.answer_headers.items():
-                headers.setdefault(name, value)
+    if dispatch.answer_headers:
+        with_key_limits(headers, dispatch.answer_headers, upstream.status)
     response = RelayResponse(status=upstream.status, reason=upstream.reason, headers=headers)
     if length is not None:
         response.content_length = length
@@ -385,6 +381,17 @@ async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
         await response.write(data)
     except ConnectionResetError:
         pass
+
+
+def with_key_limits(headers: MutableMapping[str, str], limits: Mapping[str, str], status: int) -> None:
+    """A key's x-ratelimit-* on an answer to it: over any of the name on a reply (the client's
+    limits are its key's, not whatever an engine's own say); on a refusal only where it has none
+    (an engine's, or one of the key's limits, newer, says when to come back)."""
+    if status < 400:
+        headers.update(limits)
+        return
+    for name, value in limits.items():
+        headers.setdefault(name, value)
 
 
 def _client_headers(upstream: UpstreamReply, gateway_headers: Mapping[str, str]) -> CIMultiDict[str]:
