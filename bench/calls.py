@@ -98,9 +98,13 @@ KEYED = (
     "{requests_per_minute: 1000000000, burst: 1000000, tokens_per_minute: 1000000000000, tokens_per_day: "
     "1000000000000}}\n"
 )
+KEY_ALONE = f"auth:\n  keys:\n    - {{name: bench, key_sha256: {hashlib.sha256(KEY.encode()).hexdigest()}}}\n"
 FEATURES: dict[str, tuple[str, str, dict[str, str]]] = {  # scenario: server keys, auth section, headers
     "keyed": ("", KEYED, {"Authorization": f"Bearer {KEY}"}),
+    "key-alone": ("", KEY_ALONE, {"Authorization": f"Bearer {KEY}"}),  # a key without limits
     "unsampled": (", tracing: {otlp_endpoint: 'http://127.0.0.1:9', sample_ratio: 0}", "", {}),
+    # every request sampled: the calls on the loop (the exporter's thread is not counted)
+    "traced": (", tracing: {otlp_endpoint: 'http://127.0.0.1:9', sample_ratio: 1}", "", {}),
 }
 
 
@@ -110,7 +114,7 @@ def config_text(upstream: str, scenario: str = "text") -> str:
     return CONFIG.format(upstream=upstream, server=server, auth=auth)
 
 
-SCENARIOS["keyed"] = SCENARIOS["unsampled"] = TEXT
+SCENARIOS["keyed"] = SCENARIOS["key-alone"] = SCENARIOS["unsampled"] = SCENARIOS["traced"] = TEXT
 SCENARIOS["text-counted"] = {**TEXT, "model": "counted"}  # text alone, to a model that counts images
 
 

@@ -3,11 +3,12 @@
 Off unless ``server.tracing`` names an OTLP/HTTP endpoint; then every request to a model
 endpoint is a trace (or a part of the client's, from its ``traceparent``), sampled at
 ``sample_ratio`` (or as the client's sampled flag says, with ``trust_client_sampling``), once, as
-it arrives: a request not sampled never reaches the SDK (:meth:`Tracing.open`). The SDK and its
-exporter are the ``tracing`` extra (``pip install 'modality-gateway[tracing]'``): this module
-imports them only when tracing is on, and without it the gateway runs as it always did (the
-config refuses ``server.tracing`` where they are not installed). Spans are batched and sent by
-the SDK's own thread, never on the event loop. No global of OpenTelemetry's is set: the
+it arrives: a request not sampled never reaches the SDK (:meth:`Tracing.open`). The SDK is the
+``tracing`` extra (``pip install 'modality-gateway[tracing]'``): this module imports it only when
+tracing is on, and without it the gateway runs as it always did (the config refuses
+``server.tracing`` where it is not installed). Spans are batched by the SDK's own thread, never on
+the event loop, and sent from it as OTLP/HTTP protobuf that gateway.otlp writes itself (a third
+of the SDK exporter's CPU). No global of OpenTelemetry's is set: the
 gateway's provider is its own, and so is its propagator.
 
 The span tree of one request (names fixed: dashboards and queries rely on them)::
@@ -66,8 +67,8 @@ UNSAMPLED: ContextVar[dict[str, str] | None] = ContextVar("gateway_unsampled_con
 
 
 def available() -> bool:
-    """Whether the SDK and its OTLP/HTTP exporter are installed here."""
-    return find_spec("opentelemetry.sdk") is not None and find_spec("opentelemetry.exporter.otlp") is not None
+    """Whether the SDK is installed here (the OTLP it sends is written by gateway.otlp)."""
+    return find_spec("opentelemetry.sdk") is not None
 
 
 def traces_url(endpoint: str) -> str:
@@ -93,7 +94,6 @@ class Tracing:
         import random
 
         from opentelemetry import context, trace
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -112,7 +112,9 @@ class Tracing:
         )
         self._ids = self._provider.id_generator
         self._root = context.Context()  # the context of a request without a traceparent: no parent
-        sending = exporter if exporter is not None else OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=10)
+        from gateway.otlp import SpanSender
+
+        sending = exporter if exporter is not None else SpanSender(traces_url(endpoint), timeout=10)
         self._provider.add_span_processor(BatchSpanProcessor(sending))
         self._tracer = self._provider.get_tracer("modality-gateway", version)
         self._propagator = TraceContextTextMapPropagator()

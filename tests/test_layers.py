@@ -16,7 +16,8 @@ GATEWAY = Path(__file__).resolve().parent.parent / "gateway"
 # top to bottom; a stage imports only those after it (and itself)
 STAGES = ("server", "encode", "media", "upstream", "admission", "config")
 ROOT = ("errors", "fanout", "metrics", "modalities", "tracing", "values")  # beneath every stage, importing none
-BOTTOM = ("meters",)  # beneath the root: the metric types gateway.metrics declares its metrics with
+# beneath the root: the metric types gateway.metrics declares its metrics with, the OTLP gateway.tracing sends
+BOTTOM = ("meters", "otlp")
 
 
 def _layer(module: str) -> int:
