@@ -20,6 +20,7 @@ import pytest
 from bench import hop, procstat, report, wrk
 from bench.report import Run, Series
 from bench.wrk import WrkResult
+from gateway.tracing import available as tracing_available
 
 # wrk 4.1 (Debian) against the stand-in, with the script bench.wrk writes: its own lines, then ours.
 RECORDED = """\
@@ -334,3 +335,13 @@ def test_the_stages_are_timed_inside_a_live_gateway_and_put_back_after(capsys: p
     assert text == 0 and counted > 0 and plain == 0  # only the model that counts its images measures them
     assert all(float(c) > 0 for c in rows["`admit`"]) and float(rows["`process`"][1]) > 0
     assert (plan.admit, vars(doors)["admit"], tokens.count) == before
+
+
+@pytest.mark.skipif(not tracing_available(), reason="needs the tracing extra: pip install -e '.[tracing]'")
+def test_the_otlp_bench_times_both_encodings_of_one_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import otlp
+
+    assert len(otlp.request_spans(6)) == 6  # two a request
+    otlp.main(["--spans", "4", "--rounds", "1", "--repeat", "1"])
+    out = capsys.readouterr().out
+    assert "4 spans a batch" in out and "gateway.otlp.encode" in out and "encode_spans" in out and "ratio:" in out
