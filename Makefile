@@ -11,23 +11,48 @@ CONFIG ?= routing.yaml
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
 
+# The gateway alone (its base dependencies: what `serve` imports), for `make serve` and `make demo`;
+# then only the extras $(CONFIG) asks for (`modality-gateway check --extras`): torch for a local
+# encoder, PyAV for video frames, the OpenTelemetry SDK for traces. Each extra once (its stamp).
+GATEWAY_STAMP := $(VENV)/.installed-gateway
+
+$(GATEWAY_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.installed-extra-*
+	$(PY) -m pip install -q -e .
+	touch $@
+
+extras: $(GATEWAY_STAMP) ## install the extras $(CONFIG) needs, and no more (serve and demo do this first)
+	@needed=$$($(VENV)/bin/modality-gateway check --extras $(CONFIG)) || exit 2; \
+	for extra in $$needed; do \
+	  [ -f $(VENV)/.installed-extra-$$extra ] && continue; \
+	  case $$extra in \
+	    encoder) echo "$(CONFIG) runs a local encoder backend (encoders: kind: local): installing torch and the backend, ~1.2 GB";; \
+	    *) echo "$(CONFIG) needs the $$extra extra: installing it";; \
+	  esac; \
+	  $(PY) -m pip install -q -e ".[$$extra]" && touch $(VENV)/.installed-extra-$$extra || exit 1; \
+	done
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,encoder,video,tracing]'
-	touch $@
+	touch $@ $(GATEWAY_STAMP) $(VENV)/.installed-extra-encoder $(VENV)/.installed-extra-video $(VENV)/.installed-extra-tracing
 
 install: $(STAMP) ## create .venv and install the gateway with its dev tools
 
-serve: $(STAMP) ## run the gateway on $(CONFIG) (default routing.yaml)
-	$(VENV)/bin/modality-gateway serve --config $(CONFIG)
+# PORT=8081 (and HOST=0.0.0.0) override routing.yaml's server.port (server.host)
+SERVE_FLAGS = --config $(CONFIG) $(if $(PORT),--port $(PORT)) $(if $(HOST),--host $(HOST))
 
-demo: $(STAMP) ## run the gateway plus stand-in upstreams on :8000 (vLLM), :30000 (SGLang) and :8001 (Whisper)
+serve: extras ## run the gateway on $(CONFIG) (default routing.yaml; PORT=, HOST= override its own): installs the gateway alone, then what $(CONFIG) needs
+	$(VENV)/bin/modality-gateway serve $(SERVE_FLAGS)
+
+demo: extras ## run the gateway plus stand-in upstreams on :8000 (vLLM), :30000 (SGLang) and :8001 (Whisper)
 	@trap 'kill 0' EXIT INT TERM; \
 	$(PY) -m tools.standin --port 8000 --name vllm & \
 	$(PY) -m tools.standin --port 30000 --name sglang & \
 	$(PY) -m tools.standin --port 8001 --name whisper & \
-	$(VENV)/bin/modality-gateway serve --config $(CONFIG)
+	$(VENV)/bin/modality-gateway serve $(SERVE_FLAGS)
 
 cluster-demo: $(STAMP) test-deps ## 2 gateways x 2 encoders on loopback: spread, one killed, a ConfigMap edit, Prometheus
 	$(PY) -m tools.cluster_demo
@@ -82,12 +107,12 @@ $(MIN_STAMP): pyproject.toml
 test-minimal: $(MIN_STAMP) test-deps ## every test again on the gateway alone, without the video, encoder and tracing extras (CI runs it)
 	$(MIN_VENV)/bin/python -m pytest -q
 
-test-deps: ## system packages the tests use: Debian's prometheus (promtool and the server), wrk (the bench harness's test), curl (the README's quick start), redis-server (shared key limits)
+test-deps: ## system packages the tests use: Debian's prometheus (promtool and the server), wrk (the bench harness's test), curl (the README's quick start), redis-server (shared key limits), chromium (the status page, headless)
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null && command -v wrk >/dev/null \
-	  && command -v curl >/dev/null && command -v redis-server >/dev/null || { \
+	  && command -v curl >/dev/null && command -v redis-server >/dev/null && command -v chromium >/dev/null || { \
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	  $$SUDO apt-get install -y -qq --no-install-recommends prometheus wrk curl redis-server >/dev/null; }
+	  $$SUDO apt-get install -y -qq --no-install-recommends prometheus wrk curl redis-server chromium >/dev/null; }
 
 bench: $(STAMP) bench-deps ## the gateway hop vs direct and a minimal proxy, wrk (~7 min): table, docs/bench-hop.png
 	$(PY) -m bench.hop --plot docs/bench-hop.png --profile
@@ -106,4 +131,4 @@ fmt: $(STAMP) ## format and fix what ruff can
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-.PHONY: help install serve demo cluster-demo test test-minimal conformance test-deps bench bench-deps check fmt
+.PHONY: extras help install serve demo cluster-demo test test-minimal conformance test-deps bench bench-deps check fmt

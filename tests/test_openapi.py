@@ -98,7 +98,7 @@ def test_every_route_of_the_app_is_documented_and_every_documented_route_exists(
 def _security(path: str) -> list[dict[str, list[str]]]:
     if is_api(path):
         return [{"bearerAuth": []}]
-    if path == "/metrics":  # open, or the admin token with auth on and no admin_listen
+    if path in ("/metrics", "/status"):  # open, or the admin token with auth on
         return [{}, {"adminAuth": []}]
     return [{"adminAuth": []}] if path.startswith("/admin/") else []
 

@@ -46,7 +46,7 @@ from .types import (
     TimeoutConfig,
     TracingConfig,
 )
-from .validate import missing_software, validate, validate_host
+from .validate import extras, missing_software, validate, validate_host
 
 __all__ = [
     "BALANCE_POLICIES",
@@ -71,6 +71,7 @@ __all__ = [
     "TracingConfig",
     "as_dict",
     "env_secret",
+    "extras",
     "load_config",
     "missing_software",
     "parse_config",

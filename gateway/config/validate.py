@@ -210,7 +210,7 @@ def missing_software(config: GatewayConfig) -> list[tuple[str, str]]:
     problems = []
     if config.server.tracing is not None and not tracing_available():
         problems.append(
-            ("server.tracing", "needs the OpenTelemetry SDK and its OTLP/HTTP exporter, which are not installed here: "
+            ("server.tracing", "needs the OpenTelemetry SDK, which is not installed here: "
              "pip install 'modality-gateway[tracing]'")
         )  # fmt: skip
     if find_spec("av") is not None:
@@ -223,6 +223,23 @@ def missing_software(config: GatewayConfig) -> list[tuple[str, str]]:
         if model.video_sample is not None:
             problems.append((f"models[{i}].video.sample", f"pre-sampled video frames {missing}"))
     return problems
+
+
+def extras(config: GatewayConfig) -> tuple[str, ...]:
+    """The pip extras of modality-gateway that running ``config`` takes (``make serve`` installs
+    these and no more): ``encoder`` (torch) for a local encoder backend, ``video`` (PyAV) for
+    video sampled into frames, ``tracing`` (the OpenTelemetry SDK) for ``server.tracing``."""
+    needed = []
+    if any(spec.kind == "local" for spec in config.encoders.values()):
+        needed.append("encoder")
+    if any(
+        model.video_sample is not None or any(p.action == "frames" for p in model.on_unsupported.values())
+        for model in config.models
+    ):
+        needed.append("video")
+    if config.server.tracing is not None:
+        needed.append("tracing")
+    return tuple(needed)
 
 
 def validate_host(config: GatewayConfig, p: MarkedDocument) -> None:

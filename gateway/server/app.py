@@ -33,7 +33,7 @@ from ..upstream.collector import PoolCollector
 from ..upstream.concurrency import Gates
 from ..upstream.health import HealthChecker
 from ..upstream.replicas import ReplicaSet
-from . import doors, handlers
+from . import doors, handlers, status
 from .access_log import quiet_parser_errors
 from .middlewares import add_routes
 from .state import SERVICES_KEY, Services
@@ -117,6 +117,8 @@ def create_app(
         app.cleanup_ctx.append(_config_watcher)
 
     gets = {
+        "/": status.page,
+        "/status": status.endpoint(scrape),
         "/v1/models": handlers.list_models,
         "/healthz": handlers.healthz,
         "/readyz": handlers.readyz,

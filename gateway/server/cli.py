@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from collections.abc import Coroutine, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,7 +22,7 @@ from ..admission.apis import CHAT
 from ..admission.apis.catalog import BY_NAME, BY_PATH
 from ..admission.plan import admit
 from ..admission.route import RoutePlan
-from ..config import GatewayConfig, load_config
+from ..config import GatewayConfig, extras, load_config
 from ..encode import epd
 from ..encode.client import image_url
 from ..errors import ConfigError, GatewayError
@@ -44,8 +45,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="modality-gateway", description="OpenAI-compatible gateway that routes requests by modality."
+        prog="modality-gateway",
+        description="The front door of multimodal inference clusters: every content part of every request checked "
+        "against routing.yaml's table of what each model takes, before any engine sees it.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the gateway")
@@ -74,6 +80,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also check what only this machine can: local encoders' model directories (serve always does)",
     )
+    check.add_argument(
+        "--extras",
+        action="store_true",
+        help="print only the pip extras the files need (encoder, video, tracing), as `make serve` installs them",
+    )
     check.set_defaults(command=_check)
 
     explain = sub.add_parser("explain", help="print the routing decision for a request, sending nothing")
@@ -88,6 +99,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     explain.set_defaults(command=_explain)
     return parser
+
+
+EXAMPLES = """examples:
+  modality-gateway serve --config routing.yaml            # the gateway, its status page at http://127.0.0.1:8080/
+  modality-gateway serve --workers 4                      # four processes on one port, about one per core
+  modality-gateway check routing.yaml                     # every problem of a table, with its file:line
+  modality-gateway explain --config routing.yaml req.json # what would happen to a request, sending nothing
+  modality-gateway explain --api responses - < body.json  # a Responses body from stdin
+
+docs: README.md, docs/routing.md (the table), docs/operations.md (running it)"""
+
+
+def _version() -> str:
+    try:
+        return metadata.version("modality-gateway")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 def _positive(text: str) -> int:
@@ -111,12 +139,17 @@ def _load(path: str, *, here: bool = False, worker_of: str | None = None) -> Gat
 
 
 def _check(args: argparse.Namespace) -> int:
-    status = 0
+    status, needed = 0, []
     for path in args.files:
-        if _load(path, here=args.here) is None:
+        config = _load(path, here=args.here)
+        if config is None:
             status = 2
+        elif args.extras:
+            needed += [extra for extra in extras(config) if extra not in needed]
         else:
             print(f"{path}: ok")
+    if args.extras and status == 0:
+        print(" ".join(needed))
     return status
 
 

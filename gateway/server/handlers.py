@@ -44,11 +44,11 @@ async def list_models(request: web.Request) -> web.Response:
         for m in store.current.models
         if visible is None or visible(m.name)
     ]
-    return _json({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data})
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return _json({"status": "ok"})
+    return json_response({"status": "ok"})
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -65,7 +65,7 @@ async def readyz(request: web.Request) -> web.Response:
         "status": "draining" if draining else "ready" if ready else "starting",
         "config_generation": services.store.generation,
     }
-    if _is_admin(request, services):
+    if is_admin(request, services):
         encoders: dict[str, Any] = {
             name: {"kind": spec.kind, "urls": list(spec.urls), "backends": services.encoder.backends(spec.urls)}
             for name, spec in services.store.current.encoders.items()
@@ -77,12 +77,12 @@ async def readyz(request: web.Request) -> web.Response:
         payload["upstreams"] = services.store.replicas.snapshot()
         if services.lifecycle.worker is not None:  # serve --workers N: which one answered
             payload["worker"] = {"index": services.lifecycle.worker, "pid": os.getpid()}
-    return _json(payload, status=200 if ready else 503)
+    return json_response(payload, status=200 if ready else 503)
 
 
 async def admin_reload(request: web.Request) -> web.Response:
     services = request.app[SERVICES_KEY]
-    _check_admin(request, services)
+    check_admin(request, services)
     if services.store.path is None:
         raise InvalidRequestError("This gateway was started without a config file; there is nothing to reload")
     try:
@@ -91,16 +91,18 @@ async def admin_reload(request: web.Request) -> web.Response:
         raise InvalidConfigError(f"routing.yaml is invalid; the running config is unchanged:\n{exc}") from None
     if services.lifecycle.reload_others is not None:  # serve --workers N: the other workers too
         services.lifecycle.reload_others()
-    return _json({"status": "reloaded", "config_generation": services.store.generation, "models": len(config.models)})
+    return json_response(
+        {"status": "reloaded", "config_generation": services.store.generation, "models": len(config.models)}
+    )
 
 
 async def admin_config(request: web.Request) -> web.Response:
     """The live config as the gateway understood it, every default filled in. It holds no secret
     (keys are named by their environment variables, never read into the config)."""
     services = request.app[SERVICES_KEY]
-    _check_admin(request, services)
+    check_admin(request, services)
     live = services.store.live
-    return _json(
+    return json_response(
         {
             "config_generation": live.number,
             "sha256": live.config.sha256,
@@ -122,7 +124,7 @@ def metrics_endpoint(scrape: Handler) -> Handler:
         services = request.app[SERVICES_KEY]
         if services.store.live.keyring is not None:
             env = services.store.current.server.admin_token_env
-            _check_admin(
+            check_admin(
                 request,
                 services,
                 disabled=f"With auth: on, /metrics needs the admin token: set the {env} environment variable "
@@ -137,21 +139,21 @@ def _admin_token(services: Services) -> str:
     return env_secret(services.store.current.server.admin_token_env)
 
 
-def _is_admin(request: web.Request, services: Services) -> bool:
+def is_admin(request: web.Request, services: Services) -> bool:
     token = _admin_token(services)
     return bool(token) and is_bearer(request.headers.get(hdrs.AUTHORIZATION), token)
 
 
-def _check_admin(request: web.Request, services: Services, *, disabled: str | None = None) -> None:
+def check_admin(request: web.Request, services: Services, *, disabled: str | None = None) -> None:
     """401 unless the request carries the admin token; 403 ``disabled`` while none is set."""
     if not _admin_token(services):
         env = services.store.current.server.admin_token_env
         raise PermissionDeniedError(
             disabled or f"Admin endpoints are disabled: set the {env} environment variable to enable them"
         )
-    if not _is_admin(request, services):
+    if not is_admin(request, services):
         raise AuthenticationError("Missing or wrong admin token (send 'Authorization: Bearer <token>')")
 
 
-def _json(payload: Any, status: int = 200) -> web.Response:
+def json_response(payload: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(payload), content_type=JSON)

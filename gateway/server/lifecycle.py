@@ -95,7 +95,7 @@ async def serve(
         if (admin := server.admin_address) is not None:
             await web.TCPSite(runner, *admin, reuse_port=reuse_port).start()
             app[SERVICES_KEY].lifecycle.admin_port = admin[1]
-            log.info("admin endpoints and /metrics on http://%s only", server.admin_listen)
+            log.info("admin endpoints, /metrics and the status page on http://%s only", server.admin_listen)
         first = await signals.get()
         await _drain(app, signals, first, server)
     finally:

@@ -228,15 +228,19 @@ def api_of(path: str) -> str:
     return api.name if api is not None else "-"
 
 
+OPERATORS = frozenset({"/metrics", "/status", "/"})  # with /admin/*: on server.admin_listen alone, when set
+
+
 def _check_port(request: web.Request, services: Services) -> None:
-    """With ``server.admin_listen``: /admin/* and /metrics only there, /v1/* only on the main port
-    (health on both). A path on the wrong port is a plain 404, as if it did not exist."""
+    """With ``server.admin_listen``: /admin/*, /metrics and the status page (/ and /status) only
+    there, /v1/* only on the main port (health on both). A path on the wrong port is a plain 404,
+    as if it did not exist."""
     admin_port = services.lifecycle.admin_port
     if admin_port is None or request.path in ("/healthz", "/readyz"):
         return
     sockname = request.get_extra_info("sockname")
     on_admin = isinstance(sockname, tuple) and len(sockname) >= 2 and sockname[1] == admin_port
-    if on_admin != (request.path.startswith("/admin/") or request.path == "/metrics"):
+    if on_admin != (request.path.startswith("/admin/") or request.path in OPERATORS):
         raise NotFoundError(f"Unknown endpoint: {request.method} {clip(request.path)}")
 
 

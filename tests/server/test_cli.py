@@ -59,6 +59,50 @@ def test_check_valid_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert (out, err) == (f"{ROUTING}: ok\n", "")
 
 
+@pytest.mark.parametrize(
+    ("files", "needed"),
+    [
+        # the shipped table runs a local encoder and samples videos into frames
+        ([ROUTING], "encoder video"),
+        # the example of the quick start needs the gateway alone
+        ([str(ROOT / "docs" / "examples" / "text-and-images.yaml")], ""),
+        # several files: what any of them needs, once
+        ([ROUTING, str(ROOT / "docs" / "examples" / "text-and-images.yaml")], "encoder video"),
+    ],
+)
+def test_check_extras_says_what_make_serve_installs(
+    capsys: pytest.CaptureFixture[str], files: list[str], needed: str
+) -> None:
+    assert main(["check", "--extras", *files]) == 0
+    assert capsys.readouterr() == (f"{needed}\n", "")
+
+
+def test_check_extras_of_a_table_with_traces(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    table = tmp_path / "routing.yaml"
+    table.write_text(
+        "version: 1\nserver: {tracing: {otlp_endpoint: 'http://127.0.0.1:4318'}}\n"
+        "models:\n  - {name: m, upstreams: ['http://127.0.0.1:8000'], accepts: [text]}\n"
+    )
+    assert main(["check", "--extras", str(table)]) == 0
+    assert capsys.readouterr().out == "tracing\n"
+
+
+def test_check_extras_of_an_invalid_table_says_its_problems(capsys: pytest.CaptureFixture[str], bad_yaml: Path) -> None:
+    assert main(["check", "--extras", str(bad_yaml)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "bad.yaml:" in err
+
+
+def test_version_and_help_with_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.startswith("modality-gateway 0.")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "examples:" in out and "modality-gateway check routing.yaml" in out and "docs/routing.md" in out
+
+
 def test_check_invalid_file_lists_every_problem(capsys: pytest.CaptureFixture[str], bad_yaml: Path) -> None:
     assert main(["check", str(bad_yaml)]) == 2
     out, err = capsys.readouterr()

@@ -196,7 +196,7 @@ async def test_admin_listen_serves_admin_and_metrics_apart_from_the_api(upstream
                 assert resp.status == 200
             async with session.post(f"{side}/v1/chat/completions", json=body) as resp:
                 assert resp.status == 404  # the API is not on the admin port
-            for path in ("/metrics", "/admin/config"):
+            for path in ("/metrics", "/admin/config", "/status", "/"):  # the status page too: it names every model
                 async with session.get(f"{main}{path}", headers=token) as resp:
                     assert resp.status == 404, path  # nor admin on the public one
                 async with session.get(f"{side}{path}", headers=token) as resp:
@@ -208,7 +208,7 @@ async def test_admin_listen_serves_admin_and_metrics_apart_from_the_api(upstream
         assert await asyncio.wait_for(process.wait(), timeout=15) == 0
     finally:
         output = await finish(process)
-    assert f"admin endpoints and /metrics on http://127.0.0.1:{admin} only" in output
+    assert f"admin endpoints, /metrics and the status page on http://127.0.0.1:{admin} only" in output
     assert "no 'auth:' section: anyone who reaches" in output
     assert " rid=" not in output  # server.access_log: false
 
