@@ -102,7 +102,7 @@ $(MIN_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(MIN_VENV)
 	$(MIN_VENV)/bin/python -m pip install -q --upgrade pip
 	$(MIN_VENV)/bin/python -m pip install -q -e '.[dev]'
-	touch $@
+	touch $@ $(MIN_VENV)/.installed-gateway
 
 test-minimal: $(MIN_STAMP) test-deps ## every test again on the gateway alone, without the video, encoder and tracing extras (CI runs it)
 	$(MIN_VENV)/bin/python -m pytest -q

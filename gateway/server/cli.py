@@ -108,7 +108,8 @@ EXAMPLES = """examples:
   modality-gateway explain --config routing.yaml req.json # what would happen to a request, sending nothing
   modality-gateway explain --api responses - < body.json  # a Responses body from stdin
 
-docs: README.md, docs/routing.md (the table), docs/operations.md (running it)"""
+docs: README.md, docs/routing.md (the table), docs/reference.md (endpoints, errors, metrics),
+      docs/operations.md (running it)"""
 
 
 def _version() -> str:

@@ -1,5 +1,5 @@
-"""README's layout table names every module of gateway/ in its package's row, and no module that
-is not there (it named one that did not exist and omitted 22)."""
+"""docs/architecture.md's layout table names every module of gateway/ in its package's row, and no
+module that is not there (it named one that did not exist and omitted 22, when README held it)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def table() -> dict[str, set[str]]:
     """The layout table's rows: package (``server``; ``""`` for the root) -> the names it says."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    body = readme.split("| package | what it holds |", 1)[1].split("\n\n", 1)[0]
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    body = page.split("| package | what it holds |", 1)[1].split("\n\n", 1)[0]
     rows: dict[str, set[str]] = {}
     for line in body.splitlines()[2:]:
         cells = line.split("|")
