@@ -28,7 +28,7 @@ from ..encode.client import image_url
 from ..errors import ConfigError, GatewayError
 from ..media.fetch import decode_data_url, is_data_url
 from .app import create_app
-from .lifecycle import reload_on_sighup, serve
+from .lifecycle import CannotListen, reload_on_sighup, serve
 from .workers import MULTIPROC_ENV, Master, worker_app, worker_config
 
 DEFAULT_CONFIG = "routing.yaml"
@@ -242,10 +242,13 @@ def _serve(args: argparse.Namespace) -> int:
         )
     if args.workers > 1:
         return _serve_master(args, config, host, port)
-    log.info("serving %d models from %s on http://%s:%d", len(config.models), args.config, host, port)
     app = create_app(config, config_path=args.config)
     app.cleanup_ctx.append(reload_on_sighup)
-    run(serve(app, (host, port), config.server, access_log=config.server.access_log))
+    try:
+        run(serve(app, (host, port), config.server, access_log=config.server.access_log))
+    except CannotListen as exc:
+        print(f"modality-gateway: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -255,18 +258,14 @@ def _serve_master(args: argparse.Namespace, config: GatewayConfig, host: str, po
     if admin is not None and admin[1] == 0:
         print("server.admin_listen needs a fixed port with --workers", file=sys.stderr)
         return 2
-    log.info(
-        "serving %d models from %s on http://%s:%d with %d workers",
-        len(config.models),
-        args.config,
-        host,
-        port,
-        args.workers,
-    )
     master = Master(
         config, config_path=args.config, host=host, port=port, workers=args.workers, log_level=args.log_level
     )
-    return run(master.run())
+    try:
+        return run(master.run())
+    except CannotListen as exc:
+        print(f"modality-gateway: {exc}", file=sys.stderr)
+        return 1
 
 
 def _serve_worker(args: argparse.Namespace, config: GatewayConfig, index: int, host: str, port: int) -> int:

@@ -10,7 +10,9 @@ SIGTERM (or SIGINT) starts the drain::
     exit 0
 
 A second signal during the grace period ends it at once (the listener closes, requests in flight
-still get their ``drain_timeout_s``); a signal after it is logged and changes nothing.
+still get their ``drain_timeout_s``); a signal after it is logged and changes nothing. SIGINT (a
+Ctrl-C at a terminal, where no load balancer is to be waited for) has no grace period: an idle
+gateway stops at once, and requests in flight still finish.
 
 A worker of ``serve --workers N`` is served the same way, on a port it shares with the others
 (``reuse_port``); it drains too when its master is gone (``parent_pid``), so no worker outlives it.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -91,9 +94,12 @@ async def serve(
     if parent_pid is not None:
         orphaned = asyncio.create_task(_watch_parent(parent_pid, signals), name="parent watch")
     try:
-        await web.TCPSite(runner, *address, reuse_port=reuse_port).start()
+        await listen(web.TCPSite(runner, *address, reuse_port=reuse_port), address)
+        if parent_pid is None:  # a worker's master says it for all of them
+            store = app[SERVICES_KEY].store
+            log.info("serving %d models from %s on http://%s:%d", len(store.current.models), store.path, *address)
         if (admin := server.admin_address) is not None:
-            await web.TCPSite(runner, *admin, reuse_port=reuse_port).start()
+            await listen(web.TCPSite(runner, *admin, reuse_port=reuse_port), admin)
             app[SERVICES_KEY].lifecycle.admin_port = admin[1]
             log.info("admin endpoints, /metrics and the status page on http://%s only", server.admin_listen)
         first = await signals.get()
@@ -114,6 +120,27 @@ async def serve(
     log.info("stopped")
 
 
+class CannotListen(Exception):
+    """An address the gateway cannot listen on (a port in use, an address not of this machine):
+    said in one line by the CLI, not a traceback."""
+
+    def __init__(self, address: tuple[str, int], exc: OSError) -> None:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)  # not uvloop's sentence around it
+        super().__init__(
+            f"cannot listen on http://{address[0]}:{address[1]}: {reason.lower()}"
+            + (" (another process has the port: serve on another with --port N, or make serve PORT=N)"
+               if exc.errno == errno.EADDRINUSE else "")
+        )  # fmt: skip
+
+
+async def listen(site: web.BaseSite, address: tuple[str, int]) -> None:
+    """``site`` listening, or :class:`CannotListen`."""
+    try:
+        await site.start()
+    except OSError as exc:
+        raise CannotListen(address, exc) from None
+
+
 async def _watch_parent(pid: int, signals: asyncio.Queue[signal.Signals]) -> None:
     while os.getppid() == pid:
         await asyncio.sleep(PARENT_CHECK_S)
@@ -125,17 +152,20 @@ async def _drain(
     app: web.Application, signals: asyncio.Queue[signal.Signals], first: signal.Signals, server: ServerConfig
 ) -> None:
     app[SERVICES_KEY].lifecycle.draining = True
-    log.info(
-        "%s: draining; /readyz answers 503, new connections are served %gs more, then requests in flight "
-        "have %gs to finish",
-        first.name,
-        server.drain_grace_s,
-        server.drain_timeout_s,
-    )
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(server.drain_grace_s):
-            second = await signals.get()
-            log.info("%s: grace period cut short", second.name)
+    if first == signal.SIGINT:  # a Ctrl-C: nobody's load balancer to wait for
+        log.info("SIGINT: stopping; requests in flight have %gs to finish", server.drain_timeout_s)
+    else:
+        log.info(
+            "%s: draining; /readyz answers 503, new connections are served %gs more, then requests in flight "
+            "have %gs to finish",
+            first.name,
+            server.drain_grace_s,
+            server.drain_timeout_s,
+        )
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(server.drain_grace_s):
+                second = await signals.get()
+                log.info("%s: grace period cut short", second.name)
     log.info("closing the listener")
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:  # later signals: said, not obeyed

@@ -46,7 +46,7 @@ from ..encode.supervisor import Supervisor, SupervisorView
 from ..errors import ConfigError
 from ..metrics import GatewayMetrics
 from .app import create_app
-from .lifecycle import STOP_SIGNALS, reload_on_sighup, reload_quietly
+from .lifecycle import STOP_SIGNALS, CannotListen, reload_on_sighup, reload_quietly
 from .state import SERVICES_KEY
 from .store import ConfigStore
 
@@ -91,11 +91,11 @@ class Master:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self) -> int:
-        try:
-            held = await self._hold_ports()
-        except OSError as exc:
-            log.error("cannot listen on %s:%d: %s", self._host, self._port, exc.strerror or exc)
-            return 1
+        held = await self._hold_ports()  # or CannotListen, said by the CLI
+        log.info(
+            "serving %d models from %s on http://%s:%d with %d workers",
+            len(self._config.models), self._config_path, self._host, self._port, self._workers,
+        )  # fmt: skip
         run_dir = Path(tempfile.mkdtemp(prefix="modality-gateway-"))
         read_fd, write_fd = os.pipe()
         try:
@@ -112,16 +112,21 @@ class Master:
         """Bind host:port (and server.admin_listen) with SO_REUSEPORT without listening: a port in
         use fails here, once, and no other program can take the port while workers restart."""
         loop = asyncio.get_running_loop()
-        main = await loop.create_server(asyncio.Protocol, self._host, self._port, reuse_port=True, start_serving=False)
+        try:
+            main = await loop.create_server(
+                asyncio.Protocol, self._host, self._port, reuse_port=True, start_serving=False
+            )
+        except OSError as exc:
+            raise CannotListen((self._host, self._port), exc) from None
         held = [main]
         if self._port == 0:
             self._port = main.sockets[0].getsockname()[1]
         if (admin := self._config.server.admin_address) is not None:
             try:
                 held.append(await loop.create_server(asyncio.Protocol, *admin, reuse_port=True, start_serving=False))
-            except OSError:
+            except OSError as exc:
                 main.close()
-                raise
+                raise CannotListen(admin, exc) from None
         return held
 
     async def _run(self, run_dir: Path, read_fd: int, write_fd: int) -> int:

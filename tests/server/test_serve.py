@@ -228,3 +228,47 @@ async def test_a_served_heap_is_frozen_after_startup_and_collected_less_often() 
     )
     output, _ = await process.communicate()
     assert process.returncode == 0, output.decode()
+
+
+async def test_a_port_in_use_is_one_line_and_exit_1_not_a_traceback(upstream: Upstream, tmp_path: Path) -> None:
+    """Another process on the port (a gateway left running, an engine): one line that says so and
+    what to do, for one process and for --workers alike."""
+    import socket
+
+    config = tmp_path / "routing.yaml"
+    config.write_text(routing(f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for workers in ("1", "2"):
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", str(port),
+                "--workers", workers, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            _, err = await asyncio.wait_for(process.communicate(), timeout=60)
+            said = err.decode()
+            assert process.returncode == 1, said
+            assert f"modality-gateway: cannot listen on http://127.0.0.1:{port}: address already in use (" in said
+            assert "Traceback" not in said and "serving 1 models from" not in said  # it is not serving
+
+
+async def test_ctrl_c_stops_an_idle_gateway_without_the_grace_period(upstream: Upstream, tmp_path: Path) -> None:
+    """SIGINT (a Ctrl-C at a terminal) skips drain_grace_s, which is for load balancers (an hour
+    here: the test would time out waiting, were it kept)."""
+    port = free_port()
+    config = tmp_path / "routing.yaml"
+    config.write_text(
+        routing(
+            f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}",
+            server="{reload_interval_s: 0, drain_grace_s: 3600}",
+        )
+    )
+    process = await start(config, port)
+    try:
+        await wait_healthy(f"http://127.0.0.1:{port}", process)
+        process.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(process.wait(), timeout=120) == 0
+    finally:
+        output = await finish(process)
+    assert "SIGINT: stopping; requests in flight have" in output and "stopped" in output
