@@ -62,7 +62,8 @@ part of a request's content carries a :class:`Rejection`, which the front door c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import difflib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -409,6 +410,14 @@ def responses_stream_error(error: GatewayError, response_id: str | None = None, 
 def anthropic_stream_error(error: GatewayError, response_id: str | None = None, model: str | None = None) -> bytes:
     """Anthropic's ``event: error`` (the anthropic SDK and Claude Code raise it)."""
     return b"event: error\ndata: " + orjson.dumps(error.to_anthropic()) + b"\n\n"
+
+
+def did_you_mean(value: str, choices: Iterable[str]) -> str:
+    """``; did you mean 'X'?`` for the choice closest to ``value`` (a typo's fix), or nothing. The
+    value is client text on an error's path: matched on its first 64 characters, so its cost is
+    bounded whatever it is."""
+    close = difflib.get_close_matches(value[:64], list(choices), n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def clip(text: str, limit: int = 64) -> str:

@@ -54,6 +54,21 @@ class _Key:
     visual: float = math.nan  # visual_tokens_per_minute's
     visual_at: float = 0.0
     active: int = 0
+    limit: RateLimit | None = None  # what the buckets were last refilled under (a reload makes another)
+
+    def settle(self, limit: RateLimit, now: float) -> None:
+        """Under ``limit`` from ``now`` on: the time before it refilled at the rates it had then (a
+        reload that lowers a key's rate does not take back what the key earned before it)."""
+        old, self.limit = self.limit, limit
+        if old is None:
+            return
+        if (rpm := old.requests_per_minute) is not None and self.requests == self.requests:
+            self.requests = _refilled(self.requests, now - self.requests_at, float(old.burst), rpm / 60.0)
+            self.requests_at = now
+        self.budgets(old, now)
+        if (per_minute := old.visual_tokens_per_minute) is not None and self.visual == self.visual:
+            self.visual = _refilled(self.visual, now - self.visual_at, per_minute, per_minute / 60.0)
+            self.visual_at = now
 
     def budgets(self, limit: RateLimit, now: float) -> tuple[float, float]:
         """The token budgets' levels (0 for a budget the key has not), refilled to ``now``."""
@@ -94,6 +109,8 @@ class KeyLimits:
         headers: dict[str, str] = {}
         if limit is not None:
             now = self.clock()
+            if held.limit is not limit:  # a reload since the key's last request
+                held.settle(limit, now)
             minute, day = held.budgets(limit, now)  # before a request is spent: a refusal costs none
             if (limit.tokens_per_minute is not None and minute < 1) or (limit.tokens_per_day is not None and day < 1):
                 tokens_verdict(limit, minute, day, 1)  # raises
@@ -126,8 +143,10 @@ class KeyLimits:
         """The request's end: the tokens its reply cost spent, its slot given back."""
         limit = key.rate_limit
         if limit is not None and tokens > 0 and limit.budgets_tokens:
-            held = self._key(key.name)
-            held.budgets(limit, self.clock())
+            held, now = self._key(key.name), self.clock()
+            if held.limit is not limit:
+                held.settle(limit, now)
+            held.budgets(limit, now)
             # a budget may go below 0 (a reply costs what it costs): the key's next requests wait
             # until it refills past 0. Only those the key has now (a budget a reload took away
             # keeps its level, and is full again if it comes back)
@@ -148,6 +167,8 @@ class KeyLimits:
         if limit is None or limit.visual_tokens_per_minute is None:
             return {}
         per_minute, now, held = limit.visual_tokens_per_minute, self.clock(), self._key(key.name)
+        if held.limit is not limit:
+            held.settle(limit, now)
         left = _refilled(held.visual, now - held.visual_at, per_minute, per_minute / 60.0)
         held.visual_at = now
         allowed = left >= tokens
@@ -164,7 +185,10 @@ class KeyLimits:
         limit = key.rate_limit
         if limit is None or not limit.budgets_tokens:
             return {}
-        return tokens_verdict(limit, *self._key(key.name).budgets(limit, self.clock()), need)
+        held, now = self._key(key.name), self.clock()
+        if held.limit is not limit:
+            held.settle(limit, now)
+        return tokens_verdict(limit, *held.budgets(limit, now), need)
 
 
 SLOT = "local"  # the slot KeyLimits.admit took (the process's count of the key's requests in flight)

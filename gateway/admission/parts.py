@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config.types import DEFAULT_BOUNDS, ContentBounds
-from ..errors import InvalidContentPartError, InvalidRequestError, Rejection, clip
+from ..errors import InvalidContentPartError, InvalidRequestError, Rejection, clip, did_you_mean
 from ..modalities import MODALITIES, Modality
 from ..values import record
 
@@ -405,7 +405,8 @@ def _classify_part(walk: _Walk, i: int, j: int, where: str, part: object) -> Par
         raise _invalid(
             walk,
             (i, j, where),
-            f"unknown content part type '{clip(part_type)}' (expected one of: {', '.join(table.types)})",
+            f"unknown content part type '{clip(part_type)}' (expected one of: {', '.join(table.types)})"
+            + did_you_mean(part_type, table.types),
         )
     else:
         modality, check = entry

@@ -40,6 +40,7 @@ from ..errors import (
     UnsupportedApiError,
     UnsupportedModalityError,
     clip,
+    did_you_mean,
 )
 from ..modalities import Modality
 from .apis import CHAT, Api
@@ -59,8 +60,12 @@ def lookup(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = No
         raise InvalidRequestError("'model' is required and must be a non-empty string", param="model")
     model = config.model(name)
     if model is None or (visible is not None and not visible(name)):
-        known = ", ".join(m.name for m in config.models if visible is None or visible(m.name)) or "none"
-        raise ModelNotFoundError(f"The model '{clip(name)}' does not exist (models: {known})", param="model")
+        names = [m.name for m in config.models if visible is None or visible(m.name)]  # never one it may not see
+        raise ModelNotFoundError(
+            f"The model '{clip(name)}' does not exist (models: {', '.join(names) or 'none'})"
+            + did_you_mean(name, names),
+            param="model",
+        )
     if api not in model.apis:
         raise UnsupportedApiError(
             f"Model '{model.name}' is not served on the {api} API here (it serves: {', '.join(model.apis)})",

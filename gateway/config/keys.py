@@ -68,7 +68,7 @@ MEDIA_KEYS = (
     "cache_bytes",
 )
 ENCODER_KEYS = {
-    "local": ("kind", "model", "device", "max_batch_size", "max_batch_delay_ms", "timeout_s"),
+    "local": ("kind", "model", "device", "max_batch_size", "max_batch_delay_ms", "timeout_s", "port"),
     "http": ("kind", "urls", "timeout_s"),
     "vllm": ("kind", "urls", "timeout_s", "max_batch_size"),
 }

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
+from ..errors import did_you_mean
 from ..modalities import MODALITY_NAMES, Modality
 from .keys import BUILTIN_TOWERS, ENV_NAME, HOST_NAME
 from .loader import MISSING, MarkedDocument, join_path
@@ -218,11 +218,7 @@ def show(value: Any) -> str:
 
 def unknown_message(value: Any, allowed: tuple[str, ...], what: str) -> str:
     message = f"unknown {what} {show(value)} (expected one of: {', '.join(allowed)})"
-    if isinstance(value, str):
-        close = difflib.get_close_matches(value, allowed, n=1)
-        if close:
-            message += f"; did you mean '{close[0]}'?"
-    return message
+    return message + did_you_mean(value, allowed) if isinstance(value, str) else message
 
 
 def fields(raw: dict[str, Any], path: str, defaults: object) -> Callable[[str], tuple[Any, str, Any]]:

@@ -235,6 +235,7 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
             max_batch_size=self.integer(*get("max_batch_size"), minimum=1),
             max_batch_delay_ms=self.number(*get("max_batch_delay_ms"), positive=False),
             timeout_s=timeout,
+            port=self.integer(*get("port"), minimum=0, maximum=65535),
         )
 
     def device(self, value: Any, path: str) -> str:

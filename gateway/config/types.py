@@ -138,6 +138,7 @@ class EncoderConfig:
     max_batch_delay_ms: float = 0.0
     timeout_s: float = 30.0
     urls: tuple[str, ...] = ()
+    port: int = 0  # local: the loopback port it listens on; 0, a free one at each start
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,12 +71,19 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
             elif policy.action == "extract" and policy.page_images and Modality.IMAGE not in model.accepts:
                 p.problem(f"{where}.extract.page_images", "page images are images: the model must accept image")
             if policy.action == "transcribe":
+                transcriber = config.model(policy.target or "")
                 if m != Modality.AUDIO:
                     p.problem(f"{where}.transcribe", f"only audio can be transcribed, not '{m}'")
-                elif config.model(policy.target or "") is None:
+                elif transcriber is None:
                     names = ", ".join(mm.name for mm in config.models)
                     p.problem(
                         f"{where}.transcribe", f"transcription model '{policy.target}' is not a model here ({names})"
+                    )
+                elif Modality.AUDIO not in transcriber.accepts:
+                    p.problem(
+                        f"{where}.transcribe",
+                        f"transcription model '{transcriber.name}' must accept audio (it accepts: "
+                        f"{transcriber.accepts_text()})",
                     )
                 continue
             if policy.action != "redirect":

@@ -176,7 +176,7 @@ class Supervisor:
             await asyncio.sleep(delay)
 
     async def _run_once(self, name: str, encoder: LocalEncoder) -> None:
-        port = _free_port()
+        port = encoder.spec.port or _free_port()  # encoders.NAME.port, else any free one
         argv = [*self._command, "--port", str(port)] if self._command else encoder_command(encoder.spec, port)
         process = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL)
         encoder.pid, encoder.url, encoder.ready = process.pid, f"http://127.0.0.1:{port}", False

@@ -93,8 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--api",
         choices=[name for name, api in BY_NAME.items() if api.door == "parts"],
-        default=CHAT.name,
-        help="the API the body is for, or its path (/v1/responses); default: %(default)s",
+        help="the API the body is for, or its path (/v1/responses); default: read from the body (input: responses; "
+        "messages with Anthropic's blocks or a top-level system: messages; else chat)",
         type=_api_name,
     )
     explain.set_defaults(command=_explain)
@@ -160,6 +160,28 @@ def _api_name(value: str) -> str:
     return api.name if api is not None else value
 
 
+# content blocks of Anthropic's Messages API that a chat completion has no part of that name for
+ANTHROPIC_BLOCKS = frozenset({"image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+
+
+def guess_api(body: dict[str, Any]) -> str:
+    """The API a request body is for, read from its shape: ``input`` without ``messages`` is a
+    Responses body; ``messages`` with a top-level ``system`` or a block only Anthropic's Messages
+    API has (``image`` with its ``source``, ``document``, ``tool_result``...) is a Messages body;
+    anything else, chat."""
+    messages = body.get("messages")
+    if messages is None and "input" in body:
+        return "responses"
+    if "system" in body:
+        return "messages"
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for block in content if isinstance(content, list) else ():
+            if isinstance(block, dict) and block.get("type") in ANTHROPIC_BLOCKS:
+                return "messages"
+    return CHAT.name
+
+
 def _explain(args: argparse.Namespace) -> int:
     config = _load(args.config)
     if config is None:
@@ -174,7 +196,7 @@ def _explain(args: argparse.Namespace) -> int:
         print(f"{args.request}: the request must be a JSON object", file=sys.stderr)
         return 2
     try:
-        api = BY_NAME[args.api]
+        api = BY_NAME[args.api or guess_api(body)]
         plan = admit(config, body, api=api)
         decision = {"api": api.name, **plan.explain()}
         if plan.encoder is not None:

@@ -176,6 +176,31 @@ async def test_a_budget_a_reload_took_away_is_not_spent_and_is_full_if_it_comes_
     assert int(headers["x-ratelimit-remaining-tokens-day"]) < 1e7 - 900_000
 
 
+async def test_a_reload_that_lowers_a_rate_takes_nothing_back_from_before_it() -> None:
+    """What a key earned before a reload, at the rate it had then, is kept: the new rate counts
+    from the reload on (it was applied to the whole time since the key's last request)."""
+    from gateway.admission.auth import KeyLimits
+    from gateway.config import ApiKey, RateLimit
+    from gateway.errors import RateLimitedError
+
+    now = [0.0]
+    limits = KeyLimits(clock=lambda: now[0])
+    fast = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(60.0, 10))  # one a second, 10 at once
+    slow = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(6.0, 10))  # the same key reloaded: one in 10 s
+    for _ in range(10):
+        await limits.admit(fast)
+    with pytest.raises(RateLimitedError):
+        await limits.admit(fast)  # empty
+    now[0] = 5.0  # 5 earned at one a second; then the reload
+    headers, _ = await limits.admit(slow)
+    assert headers["x-ratelimit-remaining-requests"] == "4"  # at 0.1 a second it would have been refused
+    for _ in range(4):
+        await limits.admit(slow)
+    now[0] = 10.0  # from the reload on: 5 s at 0.1 a second, half a request
+    with pytest.raises(RateLimitedError):
+        await limits.admit(slow)
+
+
 async def test_the_rate_limit_is_429_with_retry_after_and_the_openai_headers(gateway_factory, upstream) -> None:
     gw = await gateway_factory(with_auth(upstream.url, key_a(rate_limit="{requests_per_minute: 6, burst: 2}")))
     async with client(gw, TEAM_A) as c:

@@ -391,7 +391,14 @@ KEYS = "image_url, image_embeds, image_pil, video_url, video_embeds, input_audio
             {"type": "document", "file": {"file_id": "f"}},
             f"unknown content part type 'document' (expected one of: {ALL_TYPES})",
         ),
-        ({"type": "Text", "text": "hi"}, f"unknown content part type 'Text' (expected one of: {ALL_TYPES})"),
+        (  # a typo: the type it is closest to
+            {"type": "Text", "text": "hi"},
+            f"unknown content part type 'Text' (expected one of: {ALL_TYPES}); did you mean 'text'?",
+        ),
+        (
+            {"type": "imag_url", "imag_url": {"url": "x"}},
+            f"unknown content part type 'imag_url' (expected one of: {ALL_TYPES}); did you mean 'image_url'?",
+        ),
         ({"type": "", "text": "hi"}, f"unknown content part type '' (expected one of: {ALL_TYPES})"),
         ({"type": 3}, "'type' must be a string"),
         ({"type": ["text"], "text": "hi"}, "'type' must be a string"),

@@ -118,6 +118,17 @@ def test_unknown_model_lists_models() -> None:
     assert error.message == "The model 'gpt-4o' does not exist (models: vision, omni, texty)"
 
 
+def test_an_unknown_model_close_to_one_says_which_and_never_one_the_key_may_not_see() -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        admit(TABLE, request("vison", user(txt())))
+    assert (
+        info.value.message == "The model 'vison' does not exist (models: vision, omni, texty); did you mean 'vision'?"
+    )
+    with pytest.raises(ModelNotFoundError) as info:
+        admit(TABLE, request("vison", user(txt())), visible=lambda name: name != "vision")
+    assert info.value.message == "The model 'vison' does not exist (models: omni, texty)"
+
+
 def test_model_is_looked_up_before_messages() -> None:
     with pytest.raises(ModelNotFoundError):
         admit(TABLE, {"model": "nope", "messages": "not a list"})

@@ -101,7 +101,7 @@ UNKNOWN_KEYS = [
         doc("version: 1", "encoders:", "  v:", "    kind: local", "    max_batch: 4", *MODELS),
         [
             "r.yaml:5:5: encoders.v.max_batch: unknown key 'max_batch' (expected one of: kind, model, device, "
-            "max_batch_size, max_batch_delay_ms, timeout_s); did you mean 'max_batch_size'?"
+            "max_batch_size, max_batch_delay_ms, timeout_s, port); did you mean 'max_batch_size'?"
         ],
         id="encoder-local",
     ),
@@ -122,7 +122,7 @@ UNKNOWN_KEYS = [
         doc("version: 1", "encoders:", "  v: {kind: local, urls: [http://e:1]}", *MODELS),
         [
             "r.yaml:3:20: encoders.v.urls: unknown key 'urls' (expected one of: kind, model, device, "
-            "max_batch_size, max_batch_delay_ms, timeout_s)"
+            "max_batch_size, max_batch_delay_ms, timeout_s, port)"
         ],
         id="encoder-local-with-http-key",
     ),

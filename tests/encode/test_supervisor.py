@@ -227,3 +227,25 @@ async def test_a_reload_starts_and_stops_local_encoders(gateway_factory, upstrea
         return False
 
     await wait_for(stopped, seconds=30)
+
+
+async def test_a_local_encoder_listens_on_the_port_its_table_names(upstream_factory, tmp_path) -> None:
+    """``encoders.NAME.port``: a known loopback port (for a scrape of its /metrics), not a free one."""
+    from tests.conftest import free_port
+
+    upstream, port, said = await upstream_factory("up"), free_port(), tmp_path / "argv"
+    config = parse_config(local_config(upstream).replace("timeout_s: 60}", f"timeout_s: 60, port: {port}}}"))
+    assert config.encoders["vision"].port == port
+    record = f"import sys; open({str(said)!r}, 'w').write(' '.join(sys.argv[1:])); sys.exit(3)"
+    supervisor = Supervisor(config, command=[sys.executable, "-c", record])
+    await supervisor.start()
+    try:
+
+        async def started() -> bool:
+            return said.exists() and said.read_text() != ""
+
+        await wait_for(started, seconds=30)
+        assert said.read_text() == f"--port {port}"
+        assert supervisor.encoders["vision"].url == f"http://127.0.0.1:{port}"
+    finally:
+        await supervisor.close()

@@ -402,3 +402,34 @@ def test_explain_with_an_unknown_api_is_a_usage_error(capsys: pytest.CaptureFixt
         main(["explain", "--api", "/v1/nope", write_request(tmp_path, chat("kimi-k3"))])
     assert exited.value.code == 2
     assert "invalid choice: '/v1/nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("body", "api"),
+    [
+        ({"model": "kimi-k3", "input": "hi"}, "responses"),
+        ({"model": "kimi-k3", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}, "responses"),
+        (
+            {"model": "kimi-k3", "max_tokens": 8, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]},
+            "messages",
+        ),
+        ({"model": "kimi-k3", "system": "be brief", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
+        ({"model": "kimi-k3", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "chat"),
+        ({"model": "kimi-k3", "messages": "not a list"}, "chat"),  # chat's own error says what is wrong
+    ],
+)  # fmt: skip
+def test_explain_reads_the_api_from_the_body_unless_told(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, body: dict[str, Any], api: str
+) -> None:
+    """A Responses body without --api is explained as one, not refused for its missing 'messages'."""
+    from gateway.server.cli import guess_api
+
+    assert guess_api(body) == api
+    status = main(["explain", "--config", ROUTING, write_request(tmp_path, body)])
+    out, _ = capsys.readouterr()
+    decision = json.loads(out)
+    if status == 0:
+        assert decision["api"] == api
+    else:
+        assert "'messages' must be" in decision["error"]["message"] and api == "chat"
