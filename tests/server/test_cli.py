@@ -408,7 +408,10 @@ def test_explain_with_an_unknown_api_is_a_usage_error(capsys: pytest.CaptureFixt
     ("body", "api"),
     [
         ({"model": "kimi-k3", "input": "hi"}, "responses"),
-        ({"model": "kimi-k3", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]}, "responses"),
+        (
+            {"model": "kimi-k3", "input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]},
+            "responses",
+        ),
         (
             {"model": "kimi-k3", "max_tokens": 8, "messages": [{"role": "user", "content": [
                 {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]},
