@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -89,6 +90,12 @@ def load_config(path: str | Path, *, here: bool = False) -> GatewayConfig:
     return parse_config(text, filename=str(path), here=here)
 
 
+def _whole(document: Any, config: GatewayConfig) -> bool:
+    """Whether every model of the document was read, each with its name."""
+    listed = document.get("models") if isinstance(document, dict) else None
+    return isinstance(listed, list) and len(listed) == len(config.models) and all(m.name for m in config.models)
+
+
 def parse_config(text: str, *, filename: str = "routing.yaml", here: bool = False) -> GatewayConfig:
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -109,9 +116,12 @@ def parse_config(text: str, *, filename: str = "routing.yaml", here: bool = Fals
         what = str(exc) if isinstance(exc, TooLargeError) else "nesting too deep (a recursive alias?)"
         raise ConfigError([ConfigProblem(filename, 0, 0, "", f"cannot read this file: {what}")]) from None
     config = parser.config(document, source=filename, sha256=hashlib.sha256(text.encode()).hexdigest())
-    if config is not None and not parser.problems:
+    if config is not None and (not parser.problems or _whole(document, config)):
+        # the checks across sections run despite a wrong value: every problem of a table is said
+        # at once, not one model's after another's are fixed (but not where a model or its name
+        # could not be read: what refers to it, and where, would be wrong)
         validate(config, parser)
-        if here:
+        if here and not parser.problems:
             validate_host(config, parser)
     if parser.problems:
         # one problem per place: the first found says most (an unreadable value is also a wrong one)

@@ -935,6 +935,31 @@ def test_every_problem_of_every_section_is_reported() -> None:
     ]
 
 
+def test_a_wrong_value_hides_no_problem_across_models() -> None:
+    """The checks across models (targets, limits, encoders) run beside a value that did not
+    parse, so one check says every problem; not where a model or its name could not be read."""
+    text = doc(
+        "version: 1",
+        "models:",
+        "  - {name: a, upstreams: [http://h:1], accepts: [text, imagee], on_unsupported: {audio: {transcribe: zz}}}",
+        "  - {name: b, upstreams: [notaurl], accepts: [text], on_unsupported: {audio: {transcribe: a}}}",
+    )
+    assert problems(text) == [
+        f"r.yaml:3:56: models[0].accepts[1]: unknown modality 'imagee' {MODALITIES}; did you mean 'image'?",
+        "r.yaml:3:102: models[0].on_unsupported.audio.transcribe: transcription model 'zz' is not a model here (a, b)",
+        "r.yaml:4:27: models[1].upstreams[0]: bad URL 'notaurl': must be an http:// or https:// URL",
+        "r.yaml:4:91: models[1].on_unsupported.audio.transcribe: transcription model 'a' must accept audio "
+        "(it accepts: text)",
+    ]
+    unnamed = doc(
+        "version: 1",
+        "models:",
+        "  - {upstreams: [http://h:1], accepts: [text]}",
+        "  - {name: b, upstreams: [http://h:1], accepts: [text], on_unsupported: {video: {redirect: nope}}}",
+    )
+    assert problems(unnamed) == ["r.yaml:3:5: models[0].name: is required"]  # what refers to which is unknown
+
+
 def test_config_error_message_joins_the_problems() -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(doc("version: 2", "models: []"), filename="r.yaml")
