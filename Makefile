@@ -47,12 +47,21 @@ SERVE_FLAGS = --config $(CONFIG) $(if $(PORT),--port $(PORT)) $(if $(HOST),--hos
 serve: extras ## run the gateway on $(CONFIG) (default routing.yaml; PORT=, HOST= override its own): installs the gateway alone, then what $(CONFIG) needs
 	$(VENV)/bin/modality-gateway serve $(SERVE_FLAGS)
 
-demo: extras ## run the gateway plus stand-in upstreams on :8000 (vLLM), :30000 (SGLang) and :8001 (Whisper)
+# the stand-ins' ports (routing.yaml's); other ones serve a copy of $(CONFIG) that points at them
+VLLM_PORT ?= 8000
+SGLANG_PORT ?= 30000
+WHISPER_PORT ?= 8001
+DEMO_CONFIG := $(if $(filter-out 8000 30000 8001,$(VLLM_PORT) $(SGLANG_PORT) $(WHISPER_PORT)),$(VENV)/demo-routing.yaml,$(CONFIG))
+
+demo: extras ## the gateway plus stand-in engines on :8000 (vLLM), :30000 (SGLang), :8001 (Whisper); PORT=, VLLM_PORT=, SGLANG_PORT=, WHISPER_PORT= move them
 	@trap 'kill 0' EXIT INT TERM; \
-	$(PY) -m tools.standin --port 8000 --name vllm & \
-	$(PY) -m tools.standin --port 30000 --name sglang & \
-	$(PY) -m tools.standin --port 8001 --name whisper & \
-	$(VENV)/bin/modality-gateway serve $(SERVE_FLAGS)
+	if [ "$(DEMO_CONFIG)" != "$(CONFIG)" ]; then \
+	  sed -e 's#127.0.0.1:8000\b#127.0.0.1:$(VLLM_PORT)#g' -e 's#127.0.0.1:30000\b#127.0.0.1:$(SGLANG_PORT)#g' \
+	      -e 's#127.0.0.1:8001\b#127.0.0.1:$(WHISPER_PORT)#g' $(CONFIG) > $(DEMO_CONFIG); fi; \
+	$(PY) -m tools.standin --port $(VLLM_PORT) --name vllm & \
+	$(PY) -m tools.standin --port $(SGLANG_PORT) --name sglang & \
+	$(PY) -m tools.standin --port $(WHISPER_PORT) --name whisper & \
+	$(VENV)/bin/modality-gateway serve --config $(DEMO_CONFIG) $(if $(PORT),--port $(PORT)) $(if $(HOST),--host $(HOST))
 
 cluster-demo: $(STAMP) test-deps ## 2 gateways x 2 encoders on loopback: spread, one killed, a ConfigMap edit, Prometheus
 	$(PY) -m tools.cluster_demo

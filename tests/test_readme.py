@@ -238,3 +238,32 @@ async def _until(url: str, done: Callable[[dict[str, Any]], bool]) -> dict[str, 
                 return status
             assert time.monotonic() < deadline, status
             await asyncio.sleep(0.1)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+async def test_make_demo_moves_to_the_ports_it_is_given() -> None:
+    """``make demo`` with every port its own (the gateway's and the three stand-ins'): the table
+    served points at the stand-ins where they are, so a request to each engine is answered."""
+    ports = {name: _free_port() for name in ("PORT", "VLLM_PORT", "SGLANG_PORT", "WHISPER_PORT")}
+    venv = Path(sys.executable).parent.parent
+    process = await asyncio.create_subprocess_exec(
+        "make", "--no-print-directory", "demo", *(f"{k}={v}" for k, v in ports.items()), f"VENV={venv}",
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{ports['PORT']}"
+    try:
+        await _until_answered(f"{url}/v1/models", process)
+        async with aiohttp.ClientSession() as session:
+            for model in ("kimi-k3", "qwen-omni"):  # SGLang's stand-in, vLLM's
+                body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+                for _ in range(600):  # the stand-ins may start after the gateway: bounded
+                    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+                        if resp.status != 502:
+                            break
+                    await asyncio.sleep(0.1)
+                assert resp.status == 200, (model, await resp.text())
+    finally:
+        if process.returncode is None:
+            os.killpg(process.pid, signal.SIGINT)
+        await asyncio.wait_for(process.communicate(), timeout=60)
+    assert not (venv / "demo-routing.yaml").read_text().count("127.0.0.1:8000")

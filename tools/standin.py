@@ -565,7 +565,12 @@ def main() -> None:
     parser.add_argument("--no-record", action="store_true", help="keep no copy of the requests (benchmarks)")
     args = parser.parse_args()
     print(f"stand-in upstream '{args.name}' on http://{args.host}:{args.port} ({time.strftime('%X')})", flush=True)
-    web.run_app(StandIn(args.name, record=not args.no_record).app(), host=args.host, port=args.port, print=None)
+    try:
+        web.run_app(StandIn(args.name, record=not args.no_record).app(), host=args.host, port=args.port, print=None)
+    except OSError as exc:  # a port in use: one line, not a traceback (make demo VLLM_PORT=...)
+        raise SystemExit(
+            f"stand-in {args.name}: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
+        ) from None
 
 
 if __name__ == "__main__":
