@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..config import ApiKey, RateLimit
+from ..config import ApiKey, GatewayConfig, RateLimit
 from ..errors import (
     ConcurrencyLimitError,
     RateLimitedError,
@@ -100,6 +100,16 @@ class KeyLimits:
         if held is None:
             held = self._keys[name] = _Key()
         return held
+
+    def reloaded(self, config: GatewayConfig) -> None:
+        """A new generation is live: each key's buckets refilled to now at the rates they had, and
+        under the key's new limits from now on (a rate a reload lowered applies from the reload on,
+        not to the time before it; a key's next request would settle it too, later)."""
+        now = self.clock()
+        limits = {key.name: key.rate_limit for key in config.auth.keys} if config.auth is not None else {}
+        for name, held in self._keys.items():
+            if (limit := limits.get(name)) is not None and held.limit is not limit:
+                held.settle(limit, now)
 
     async def admit(self, key: ApiKey) -> tuple[dict[str, str], str | None]:
         """A request of the key admitted (its token budgets hold, a request spent, a slot taken):

@@ -108,6 +108,7 @@ def create_app(
         tracing=tracing,
     )
 
+    store.subscribe(services.key_limits.reloaded)  # a key's rate changed: from the reload on
     app = web.Application(client_max_size=config.server.max_body_bytes)  # no middleware: see add_routes
     app[SERVICES_KEY] = services
     for lifetime in _lifetimes(services):  # each its own: one that fails to start stops those started

@@ -201,6 +201,31 @@ async def test_a_reload_that_lowers_a_rate_takes_nothing_back_from_before_it() -
         await limits.admit(slow)
 
 
+async def test_a_reload_settles_each_key_when_it_happens_not_at_its_next_request() -> None:
+    """The store's reload settles every key at once: the time after the reload counts at the new
+    rate even for a key idle since before it."""
+    from gateway.admission.auth import KeyLimits
+    from gateway.config import parse_config as parse
+
+    def table(rpm: int) -> str:
+        return (
+            "version: 1\nauth:\n  keys:\n    - {name: k, key_sha256: '" + "0" * 64 + "', rate_limit: "
+            f"{{requests_per_minute: {rpm}, burst: 10}}}}\nmodels:\n  - {{name: m, upstreams: [http://h:1], accepts: [text]}}\n"
+        )
+
+    now = [0.0]
+    limits = KeyLimits(clock=lambda: now[0])
+    fast, slow = parse(table(60)), parse(table(6))
+    assert fast.auth is not None and slow.auth is not None
+    for _ in range(10):
+        await limits.admit(fast.auth.keys[0])
+    now[0] = 2.0  # 2 earned at one a second
+    limits.reloaded(slow)
+    now[0] = 12.0  # 10 s at 0.1 a second: 1 more, 3 in all (a settle at this request: 12)
+    headers, _ = await limits.admit(slow.auth.keys[0])
+    assert headers["x-ratelimit-remaining-requests"] == "2"
+
+
 async def test_the_rate_limit_is_429_with_retry_after_and_the_openai_headers(gateway_factory, upstream) -> None:
     gw = await gateway_factory(with_auth(upstream.url, key_a(rate_limit="{requests_per_minute: 6, burst: 2}")))
     async with client(gw, TEAM_A) as c:
