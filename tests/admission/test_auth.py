@@ -210,7 +210,8 @@ async def test_a_reload_settles_each_key_when_it_happens_not_at_its_next_request
     def table(rpm: int) -> str:
         return (
             "version: 1\nauth:\n  keys:\n    - {name: k, key_sha256: '" + "0" * 64 + "', rate_limit: "
-            f"{{requests_per_minute: {rpm}, burst: 10}}}}\nmodels:\n  - {{name: m, upstreams: [http://h:1], accepts: [text]}}\n"
+            f"{{requests_per_minute: {rpm}, burst: 10}}}}\n"
+            "models:\n  - {name: m, upstreams: [http://h:1], accepts: [text]}\n"
         )
 
     now = [0.0]
