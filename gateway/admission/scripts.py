@@ -9,24 +9,29 @@ def arg(value: float | int | None) -> str:
     return "" if value is None else repr(value)
 
 
-# The buckets: a hash {t: tokens left, u: when (the store's clock, seconds)}; refilled to now,
-# never over capacity; kept until they would be full again.
+# The buckets: a hash {t: tokens left, u: when (the store's clock, seconds), r: the rate a second
+# they fill at since then}; refilled to now, never over capacity; kept until they would be full
+# again. A call with another rate (a reload changed the key's limit) first settles the bucket at the
+# rate it had: what the key earned before is not taken back, and the new rate counts from then on.
 FILL = """
 local now
 do local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1000000 end
-local function fill(key, capacity, per_s)
-  local v = redis.call('HMGET', key, 't', 'u')
-  local tokens = tonumber(v[1]) or capacity
-  local updated = tonumber(v[2]) or now
-  return math.min(capacity, tokens + math.max(0, now - updated) * per_s)
-end
 -- written in full: Lua's tostring keeps 14 digits, which rounds the clock (10 digits of
 -- seconds) to 100 us; a rounding past the next call's clock was forgiven (max(0, ...)), and a
 -- key refused thousands of times a second was let through a few percent more than its rate
 local function exact(x) return string.format('%.17g', x) end
 local function keep(key, tokens, capacity, per_s)
-  redis.call('HSET', key, 't', exact(tokens), 'u', exact(now))
+  redis.call('HSET', key, 't', exact(tokens), 'u', exact(now), 'r', exact(per_s))
   redis.call('EXPIRE', key, math.min(math.ceil((capacity - tokens) / per_s) + 1, 2592000))  -- 30 days at most
+end
+local function fill(key, capacity, per_s)
+  local v = redis.call('HMGET', key, 't', 'u', 'r')
+  local tokens = tonumber(v[1]) or capacity
+  local updated = tonumber(v[2]) or now
+  local rate = tonumber(v[3]) or per_s
+  local level = math.min(capacity, tokens + math.max(0, now - updated) * rate)
+  if v[1] and rate ~= per_s then keep(key, level, capacity, per_s) end
+  return level
 end
 local function opt(x) if x == '' then return nil end return tonumber(x) end
 """

@@ -415,3 +415,26 @@ async def test_a_store_that_does_not_answer_times_out_even_on_a_loop_held_every_
     finally:
         holding = False
     assert turns >= TICKS
+
+
+async def test_a_rate_a_reload_lowered_takes_nothing_back_from_before_it(redis_server: RedisServer) -> None:
+    """The store's bucket keeps the rate it fills at: a call with a lower one (the key reloaded)
+    first settles it at the old rate, then fills at the new one."""
+    import redis.asyncio as aioredis
+
+    from gateway.admission import scripts
+
+    store = aioredis.from_url(redis_server.url)
+    try:
+        seconds, micros = await store.time()
+        now = seconds + micros / 1e6
+        bucket = "test:requests"
+        # empty 5 s ago, filling at one a second (60 a minute) since: 5 earned
+        await store.hset(bucket, mapping={"t": "0", "u": repr(now - 5), "r": "1"})
+        admit = store.register_script(scripts.ADMIT)
+        keys = [bucket, "test:minute", "test:day", "test:slots"]
+        refused, left, _, _ = await admit(keys=keys, args=["6.0", "10", "", "", "", "m", "60"])  # now 6 a minute
+        assert refused == b"" and 3.9 <= float(left) < 4.1  # at 0.1 a second it would have been refused
+        assert float(await store.hget(bucket, "r")) == 0.1  # the new rate from here on
+    finally:
+        await store.aclose()
