@@ -267,3 +267,19 @@ async def test_make_demo_moves_to_the_ports_it_is_given() -> None:
             os.killpg(process.pid, signal.SIGINT)
         await asyncio.wait_for(process.communicate(), timeout=60)
     assert not (venv / "demo-routing.yaml").read_text().count("127.0.0.1:8000")
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_every_make_target_the_readme_names_is_one_make_help_lists() -> None:
+    """The targets the README names (`make test`, `make conformance`, ...) exist: what CI and the
+    tests above do not run here (the suite, conformance, the benchmarks) is at least a real target."""
+    import subprocess
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"\bmake ([a-z][a-z-]*)\b", readme))
+    assert {"serve", "test", "demo", "check", "conformance", "bench", "help", "test-minimal"} <= named
+    listed = subprocess.run(
+        ["make", "--no-print-directory", "help"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    targets = set(re.findall(r"^  make ([a-z-]+) ", listed.stdout, flags=re.M))
+    assert named <= targets, named - targets
