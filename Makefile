@@ -22,15 +22,24 @@ $(GATEWAY_STAMP): pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
-extras: $(GATEWAY_STAMP) ## install the extras $(CONFIG) needs, and no more (serve and demo do this first)
+# Where torch's wheel comes from for a local encoder: the package index pip is set up for, or with
+# TORCH_INDEX=<an index of torch wheels> that one too (PyTorch's CPU index on a machine without a
+# GPU: its CPU wheel is ~200 MB, the default index's Linux wheel brings CUDA, several GB)
+TORCH_INDEX ?=
+
+extras: $(GATEWAY_STAMP) ## install the extras $(CONFIG) needs, and no more (serve and demo do this first); TORCH_INDEX= for torch's
 	@needed=$$($(VENV)/bin/modality-gateway check --extras $(CONFIG)) || exit 2; \
 	for extra in $$needed; do \
 	  [ -f $(VENV)/.installed-extra-$$extra ] && continue; \
+	  flags=""; \
 	  case $$extra in \
-	    encoder) echo "$(CONFIG) runs a local encoder backend (encoders: kind: local): installing torch and the backend, ~1.2 GB";; \
+	    encoder) echo "$(CONFIG) runs a local encoder backend (encoders: kind: local): installing torch and the backend, ~1.2 GB"; \
+	      if [ -n "$(TORCH_INDEX)" ]; then flags="--extra-index-url $(TORCH_INDEX)"; \
+	      elif ! command -v nvidia-smi >/dev/null; then \
+	        echo "  no GPU here: TORCH_INDEX=<PyTorch's CPU wheel index> installs its CPU wheel, if this index's torch brings CUDA"; fi;; \
 	    *) echo "$(CONFIG) needs the $$extra extra: installing it";; \
 	  esac; \
-	  $(PY) -m pip install -q -e ".[$$extra]" && touch $(VENV)/.installed-extra-$$extra || exit 1; \
+	  $(PY) -m pip install -q $$flags -e ".[$$extra]" && touch $(VENV)/.installed-extra-$$extra || exit 1; \
 	done
 
 $(STAMP): pyproject.toml
