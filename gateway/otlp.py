@@ -15,6 +15,9 @@ exporter's environment as the SDK's OTLP/HTTP exporter does: ``OTEL_EXPORTER_OTL
 ``…_CLIENT_CERTIFICATE`` and ``…_CLIENT_KEY``. A collector that answers 429, 502, 503 or 504, or
 cannot be reached, is tried again with backoff (or its ``Retry-After``) until the export's
 timeout; the batch is then dropped and said in the log, never a request's concern.
+
+Imported by gateway.tracing only when tracing is on, so only where the SDK (the ``tracing``
+extra) is installed.
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ def _any(value: Any) -> bytes:
     if isinstance(value, bool):
         return b"\x10\x01" if value else b"\x10\x00"
     if isinstance(value, int):
+        if not -(1 << 63) <= value < 1 << 63:
+            raise ValueError(f"{value} is outside int64")  # the attribute is left out, as the SDK's encoder does
         return b"\x18" + _varint(value & _MASK64)  # int64: a negative one as its 64-bit complement
     if isinstance(value, float):
         return b"\x21" + _D(value)
@@ -109,14 +114,20 @@ def _pair(key: str, value: Any) -> bytes:
     return written
 
 
-_SCALARS = frozenset({str, int, bool, float})
+_SCALARS = frozenset({str, int, bool})  # not float: 0.0 == -0.0, and a NaN is never found again
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, Any] | None) -> bytes:
     """Each attribute a ``KeyValue`` under ``tag``."""
     if not attributes:
         return b""
-    return b"".join([_field(tag, _pair(key, value)) for key, value in attributes.items()])
+    written = []
+    for key, value in attributes.items():
+        try:
+            written.append(_field(tag, _pair(key, value)))
+        except ValueError as exc:
+            log.warning("span attribute %r left out: %s", key, exc)
+    return b"".join(written)
 
 
 def _dropped(tag: bytes, count: int) -> bytes:
@@ -220,11 +231,8 @@ def encode(spans: Sequence[ReadableSpan]) -> bytes:
     return _Heads().request(spans)
 
 
-RETRIED = frozenset({429, 502, 503, 504})
-_COMPRESSIONS: dict[str, Callable[[bytes], bytes]] = {
-    "gzip": gzip.compress,
-    "deflate": zlib.compress,
-}  # what OTLP/HTTP says a client tries again
+RETRIED = frozenset({429, 502, 503, 504})  # what OTLP/HTTP says a client tries again
+_COMPRESSIONS: dict[str, Callable[[bytes], bytes]] = {"gzip": gzip.compress, "deflate": zlib.compress}
 
 
 def _setting(name: str) -> str | None:
@@ -238,7 +246,8 @@ class SpanSender(SpanExporter):
     def __init__(self, url: str, *, timeout: float = 10.0, headers: Mapping[str, str] | None = None) -> None:
         parts = urlsplit(url)
         self._https = parts.scheme == "https"
-        self._host, self._port = parts.hostname or "localhost", parts.port
+        self._host = parts.hostname or "localhost"
+        self._port = parts.port or (443 if self._https else 80)  # http.client would read "::1" as a host:port
         self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         self._timeout = timeout
         compression = (_setting("COMPRESSION") or "none").strip().lower()
@@ -269,18 +278,30 @@ class SpanSender(SpanExporter):
                 self._connection = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
         return self._connection
 
-    def _post(self, body: bytes) -> tuple[int, str | None]:
-        """One POST: the collector's status and its ``Retry-After`` (the connection closed on an error)."""
-        connection = self._connect()
-        try:
-            connection.request("POST", self._path, body=body, headers=self._headers)
-            response = connection.getresponse()
-            response.read()  # the connection kept for the next batch
-            return response.status, response.getheader("Retry-After")
-        except BaseException:
-            connection.close()
-            self._connection = None
-            raise
+    def _post(self, body: bytes, timeout: float) -> tuple[int, str | None]:
+        """One POST within ``timeout`` seconds: the collector's status and its ``Retry-After`` (the
+        connection closed on an error). A kept connection the collector (or a balancer before it)
+        closed while idle is found out by the request: that one goes again at once on a new one."""
+        for fresh in (self._connection is None, True):
+            connection = self._connect()
+            connection.timeout = timeout
+            if connection.sock is not None:
+                connection.sock.settimeout(timeout)
+            try:
+                connection.request("POST", self._path, body=body, headers=self._headers)
+                response = connection.getresponse()
+                response.read()  # the connection kept for the next batch
+                return response.status, response.getheader("Retry-After")
+            except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+                connection.close()
+                self._connection = None
+                if fresh:
+                    raise
+            except BaseException:
+                connection.close()
+                self._connection = None
+                raise
+        raise AssertionError("unreachable: a fresh connection's failure is raised")
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self._stopping.is_set():
@@ -294,7 +315,7 @@ class SpanSender(SpanExporter):
                 reason: str
                 retry_after: str | None = None
                 try:
-                    status, retry_after = self._post(body)
+                    status, retry_after = self._post(body, max(0.001, deadline - time.monotonic()))
                 except (OSError, http.client.HTTPException) as exc:
                     reason = f"{type(exc).__name__}: {exc}"
                 else:

@@ -28,11 +28,18 @@ TYPES = {"invalid_request_error", "authentication_error", "permission_error", "r
 TREE_LINE = re.compile(r"^\s*[├└│─ ]*(\w+Error)\s+(\d{3})\s+(?:(\w+_error)\s+)?(\w+)$", re.M)
 
 
+OPTIONAL = ("opentelemetry", "av", "torch")  # the extras' packages: a module of one is imported only with it
+
+
 def _every_error_anywhere() -> set[type[GatewayError]]:
     """Every GatewayError subclass of every gateway module (each imported), wherever defined."""
     for info in pkgutil.walk_packages(gateway.__path__, "gateway."):
         if info.name != "gateway.__main__":
-            importlib.import_module(info.name)
+            try:
+                importlib.import_module(info.name)
+            except ModuleNotFoundError as exc:  # an extra's module (gateway.otlp: the SDK) without it
+                if (exc.name or "").split(".")[0] not in OPTIONAL:
+                    raise
     found, stack = set(), [GatewayError]
     while stack:
         for sub in stack.pop().__subclasses__():

@@ -96,11 +96,32 @@ def test_an_attribute_kept_written_is_told_apart_by_its_type() -> None:
     assert [v.WhichOneof("value") for v in written] == ["int_value", "bool_value", "double_value", "string_value"]
 
 
-class _Collector:
-    """An OTLP/HTTP receiver on 127.0.0.1 in a thread: what it got, and the answers it gives in turn."""
+def test_an_int_outside_int64_is_left_out_and_said(caplog: pytest.LogCaptureFixture) -> None:
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    def __init__(self, answers: list[tuple[int, dict[str, str]]]) -> None:
-        self.answers = answers
+    from gateway.otlp import encode
+
+    span = _spans()[0]
+    span._attributes = {"big": 1 << 63, "fine": (1 << 63) - 1, "low": -(1 << 63), "also": [1, 1 << 64]}
+    written = ExportTraceServiceRequest.FromString(encode([span]))
+    (kept,) = [s for r in written.resource_spans for sc in r.scope_spans for s in sc.spans]
+    assert {a.key: a.value.int_value for a in kept.attributes} == {"fine": (1 << 63) - 1, "low": -(1 << 63)}
+    assert "span attribute 'big' left out" in caplog.text and "span attribute 'also' left out" in caplog.text
+
+
+def test_a_collector_without_a_port_in_its_url_is_asked_on_the_schemes() -> None:
+    from gateway.otlp import SpanSender
+
+    assert (SpanSender("http://[::1]/v1/traces")._host, SpanSender("http://[::1]/v1/traces")._port) == ("::1", 80)
+    assert SpanSender("https://collector/v1/traces")._port == 443
+
+
+class _Collector:
+    """An OTLP/HTTP receiver on 127.0.0.1 in a thread: what it got, and the answers it gives in turn
+    (``drop``: the connection closed after each answer, without saying so, as an idle timeout does)."""
+
+    def __init__(self, answers: list[tuple[int, dict[str, str]]], drop: bool = False) -> None:
+        self.answers, self.drop = answers, drop
         self.got: list[tuple[dict[str, str], bytes]] = []  # (headers, body) of each POST
         self.asked = threading.Event()
         collector = self
@@ -117,6 +138,8 @@ class _Collector:
                     self.send_header(name, value)
                 self.end_headers()
                 collector.asked.set()
+                if collector.drop:
+                    self.close_connection = True
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -136,8 +159,8 @@ def collector() -> Iterator[Callable[..., _Collector]]:
     """A collector that gives these answers (status, headers) first, then 200s; closed after."""
     made: list[_Collector] = []
 
-    def make(*answers: tuple[int, dict[str, str]]) -> _Collector:
-        made.append(_Collector(list(answers)))
+    def make(*answers: tuple[int, dict[str, str]], drop: bool = False) -> _Collector:
+        made.append(_Collector(list(answers), drop))
         return made[-1]
 
     yield make
@@ -233,3 +256,20 @@ def test_a_collector_not_there_costs_the_batch_within_the_timeout(caplog: pytest
     assert sender.export(_spans()) is SpanExportResult.FAILURE
     sender.shutdown()
     assert "not exported to the collector (ConnectionRefusedError" in caplog.text
+
+
+def test_a_kept_connection_the_collector_closed_is_replaced_at_once(collector: Callable[..., _Collector]) -> None:
+    """Its request fails as it is sent: sent again on a new connection, not after a backoff (the
+    timeout here leaves no room for one)."""
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from gateway.otlp import SpanSender
+
+    received = collector(drop=True)
+    sender = SpanSender(received.url, timeout=0.5)
+    try:
+        for n in (3, 2, 1):
+            assert sender.export(_spans()[:n]) is SpanExportResult.SUCCESS
+    finally:
+        sender.shutdown()
+    assert [_spans_in(body) for _, body in received.got] == [3, 2, 1]

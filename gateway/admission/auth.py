@@ -154,8 +154,9 @@ class KeyLimits:
         limit = key.rate_limit
         if limit is not None and tokens > 0 and limit.budgets_tokens:
             held, now = self._key(key.name), self.clock()
-            if held.limit is not limit:
-                held.settle(limit, now)
+            # under the newest limits the key was admitted or reloaded under: a request admitted
+            # before a reload ends after it, and must not bring the older rates back
+            limit = held.limit or limit
             held.budgets(limit, now)
             # a budget may go below 0 (a reply costs what it costs): the key's next requests wait
             # until it refills past 0. Only those the key has now (a budget a reload took away
@@ -176,9 +177,11 @@ class KeyLimits:
         limit = key.rate_limit
         if limit is None or limit.visual_tokens_per_minute is None:
             return {}
-        per_minute, now, held = limit.visual_tokens_per_minute, self.clock(), self._key(key.name)
-        if held.limit is not limit:
-            held.settle(limit, now)
+        held = self._key(key.name)
+        limit = held.limit or limit  # the newest (finish says why)
+        if limit.visual_tokens_per_minute is None:
+            return {}
+        per_minute, now = limit.visual_tokens_per_minute, self.clock()
         left = _refilled(held.visual, now - held.visual_at, per_minute, per_minute / 60.0)
         held.visual_at = now
         allowed = left >= tokens
@@ -195,10 +198,9 @@ class KeyLimits:
         limit = key.rate_limit
         if limit is None or not limit.budgets_tokens:
             return {}
-        held, now = self._key(key.name), self.clock()
-        if held.limit is not limit:
-            held.settle(limit, now)
-        return tokens_verdict(limit, *held.budgets(limit, now), need)
+        held = self._key(key.name)
+        limit = held.limit or limit  # the newest (finish says why)
+        return tokens_verdict(limit, *held.budgets(limit, self.clock()), need)
 
 
 SLOT = "local"  # the slot KeyLimits.admit took (the process's count of the key's requests in flight)

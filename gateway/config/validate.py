@@ -109,8 +109,23 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                 )
     if config.auth is not None:
         _check_keys(config, p)
+    _check_encoder_ports(config, p)
     if not p.problems:
         _check_redirect_loops(config, p)
+
+
+def _check_encoder_ports(config: GatewayConfig, p: MarkedDocument) -> None:
+    """A local encoder's fixed port is its own: not another's, nor the gateway's."""
+    taken = {config.server.port: "server.port"}
+    if (admin := config.server.admin_address) is not None:
+        taken[admin[1]] = "server.admin_listen"
+    for name, spec in config.encoders.items():
+        if spec.kind != "local" or not spec.port:
+            continue
+        if (other := taken.get(spec.port)) is not None:
+            p.problem(f"encoders.{name}.port", f"port {spec.port} is {other}'s already")
+        else:
+            taken[spec.port] = f"encoders.{name}.port"
 
 
 # the APIs whose requests carry content parts (the others: text, or an upload of the model's own modality)
@@ -229,18 +244,27 @@ def missing_software(config: GatewayConfig) -> list[tuple[str, str]]:
                 problems.append((f"models[{i}].on_unsupported.{m}.frames", f"video frames {missing}"))
         if model.video_sample is not None:
             problems.append((f"models[{i}].video.sample", f"pre-sampled video frames {missing}"))
+        if _counts_videos(model):  # a video's container read for its frames and size
+            problems.append((f"models[{i}].visual_tokens.video", f"a video's tokens counted {missing}"))
     return problems
+
+
+def _counts_videos(model: ModelConfig) -> bool:
+    return model.visual_tokens is not None and model.visual_tokens.video is not None and Modality.VIDEO in model.accepts
 
 
 def extras(config: GatewayConfig) -> tuple[str, ...]:
     """The pip extras of modality-gateway that running ``config`` takes (``make serve`` installs
     these and no more): ``encoder`` (torch) for a local encoder backend, ``video`` (PyAV) for
-    video sampled into frames, ``tracing`` (the OpenTelemetry SDK) for ``server.tracing``."""
+    video sampled into frames or a video's tokens counted, ``tracing`` (the OpenTelemetry SDK)
+    for ``server.tracing``."""
     needed = []
     if any(spec.kind == "local" for spec in config.encoders.values()):
         needed.append("encoder")
     if any(
-        model.video_sample is not None or any(p.action == "frames" for p in model.on_unsupported.values())
+        model.video_sample is not None
+        or _counts_videos(model)
+        or any(p.action == "frames" for p in model.on_unsupported.values())
         for model in config.models
     ):
         needed.append("video")

@@ -160,26 +160,30 @@ def _api_name(value: str) -> str:
     return api.name if api is not None else value
 
 
-# content blocks of Anthropic's Messages API that a chat completion has no part of that name for
-ANTHROPIC_BLOCKS = frozenset({"image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking"})
+# the content blocks of one of the two APIs with "messages" that the other has no part of that name for
+MESSAGES_ONLY = frozenset({*BY_NAME["messages"].table.types, "tool_use", "tool_result"} - set(CHAT.table.types))
+CHAT_ONLY = frozenset(set(CHAT.table.types) - set(BY_NAME["messages"].table.types))
 
 
 def guess_api(body: dict[str, Any]) -> str:
     """The API a request body is for, read from its shape: ``input`` without ``messages`` is a
-    Responses body; ``messages`` with a top-level ``system`` or a block only Anthropic's Messages
-    API has (``image`` with its ``source``, ``document``, ``tool_result``...) is a Messages body;
-    anything else, chat."""
+    Responses body; ``messages`` with a part only chat has (``image_url``, ``input_audio``...) is
+    a chat body, with a top-level ``system`` or a block only Anthropic's Messages API has
+    (``image`` with its ``source``, ``document``, ``tool_result``...) a Messages body; anything
+    else, chat."""
     messages = body.get("messages")
     if messages is None and "input" in body:
         return "responses"
-    if "system" in body:
-        return "messages"
-    for message in messages if isinstance(messages, list) else ():
-        content = message.get("content") if isinstance(message, dict) else None
-        for block in content if isinstance(content, list) else ():
-            if isinstance(block, dict) and block.get("type") in ANTHROPIC_BLOCKS:
-                return "messages"
-    return CHAT.name
+    types = {
+        block.get("type")
+        for message in (messages if isinstance(messages, list) else ())
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for block in message["content"]
+        if isinstance(block, dict)
+    }
+    if types & CHAT_ONLY:
+        return CHAT.name
+    return "messages" if "system" in body or types & MESSAGES_ONLY else CHAT.name
 
 
 def _explain(args: argparse.Namespace) -> int:

@@ -94,13 +94,14 @@ async def serve(
     if parent_pid is not None:
         orphaned = asyncio.create_task(_watch_parent(parent_pid, signals), name="parent watch")
     try:
+        if (admin := server.admin_address) is not None:  # before any request: the operators' paths are not public
+            app[SERVICES_KEY].lifecycle.admin_port = admin[1]
         await listen(web.TCPSite(runner, *address, reuse_port=reuse_port), address)
         if parent_pid is None:  # a worker's master says it for all of them
             store = app[SERVICES_KEY].store
             log.info("serving %d models from %s on http://%s:%d", len(store.current.models), store.path, *address)
-        if (admin := server.admin_address) is not None:
-            await listen(web.TCPSite(runner, *admin, reuse_port=reuse_port), admin)
-            app[SERVICES_KEY].lifecycle.admin_port = admin[1]
+        if admin is not None:
+            await listen(web.TCPSite(runner, *admin, reuse_port=reuse_port), admin, admin=True)
             log.info("admin endpoints, /metrics and the status page on http://%s only", server.admin_listen)
         first = await signals.get()
         await _drain(app, signals, first, server)
@@ -124,21 +125,22 @@ class CannotListen(Exception):
     """An address the gateway cannot listen on (a port in use, an address not of this machine):
     said in one line by the CLI, not a traceback."""
 
-    def __init__(self, address: tuple[str, int], exc: OSError) -> None:
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)  # not uvloop's sentence around it
+    def __init__(self, address: tuple[str, int], exc: OSError, *, admin: bool = False) -> None:
+        # not uvloop's sentence around it; a name that does not resolve has a negative errno
+        reason = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else (exc.strerror or str(exc))
+        move = "change server.admin_listen" if admin else "serve on another with --port N, or make serve PORT=N"
         super().__init__(
             f"cannot listen on http://{address[0]}:{address[1]}: {reason.lower()}"
-            + (" (another process has the port: serve on another with --port N, or make serve PORT=N)"
-               if exc.errno == errno.EADDRINUSE else "")
-        )  # fmt: skip
+            + (f" (another process has the port: {move})" if exc.errno == errno.EADDRINUSE else "")
+        )
 
 
-async def listen(site: web.BaseSite, address: tuple[str, int]) -> None:
-    """``site`` listening, or :class:`CannotListen`."""
+async def listen(site: web.BaseSite, address: tuple[str, int], *, admin: bool = False) -> None:
+    """``site`` listening, or :class:`CannotListen` (``admin``: server.admin_listen's)."""
     try:
         await site.start()
     except OSError as exc:
-        raise CannotListen(address, exc) from None
+        raise CannotListen(address, exc, admin=admin) from None
 
 
 async def _watch_parent(pid: int, signals: asyncio.Queue[signal.Signals]) -> None:

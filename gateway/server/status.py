@@ -45,6 +45,7 @@ COUNTED = {
 
 
 ROW = ("answered", "refused", "failed", "rejected_for_content", "redirected", "converted")
+CLIENT_LEFT = 499  # gateway_requests_total's code for a client that left before its answer
 
 
 def cell(model: ModelConfig, modality: Modality, encoders: Mapping[str, str]) -> dict[str, Any]:
@@ -114,7 +115,8 @@ def capabilities(config: GatewayConfig) -> list[dict[str, Any]]:
 
 
 def counts(registry: CollectorRegistry, models: Iterable[str]) -> dict[str, dict[str, float]]:
-    """Per model: requests answered (below 400), refused (4xx), failed (5xx); of them refused for
+    """Per model: requests answered (below 400), refused (4xx), failed (5xx), not those whose client
+    left first (499); of them refused for
     their content, redirected to another model, and the parts converted (stripped, described,
     extracted, downscaled), as gateway_*_total count them."""
     totals = {name: dict.fromkeys(ROW, 0.0) for name in models}
@@ -130,7 +132,8 @@ def counts(registry: CollectorRegistry, models: Iterable[str]) -> dict[str, dict
                 continue  # a model no longer in the table, or _unknown
             if what == "requests":
                 code = int(sample.labels.get("code", "0") or 0)
-                row["answered" if code < 400 else "refused" if code < 500 else "failed"] += sample.value
+                if code != CLIENT_LEFT:  # the client left first: neither refused nor failed
+                    row["answered" if code < 400 else "refused" if code < 500 else "failed"] += sample.value
             else:
                 row[what] += sample.value
     return totals

@@ -126,7 +126,7 @@ class Master:
                 held.append(await loop.create_server(asyncio.Protocol, *admin, reuse_port=True, start_serving=False))
             except OSError as exc:
                 main.close()
-                raise CannotListen(admin, exc) from None
+                raise CannotListen(admin, exc, admin=True) from None
         return held
 
     async def _run(self, run_dir: Path, read_fd: int, write_fd: int) -> int:

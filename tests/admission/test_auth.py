@@ -201,6 +201,27 @@ async def test_a_reload_that_lowers_a_rate_takes_nothing_back_from_before_it() -
         await limits.admit(slow)
 
 
+async def test_a_request_admitted_before_a_reload_and_ending_after_it_brings_no_old_rate_back() -> None:
+    from gateway.admission.auth import KeyLimits
+    from gateway.config import ApiKey, RateLimit
+    from gateway.errors import RateLimitedError
+
+    now = [0.0]
+    limits = KeyLimits(clock=lambda: now[0])
+    fast = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(600.0, 10, tokens_per_minute=1e9))
+    slow = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(6.0, 10, tokens_per_minute=1e9))
+    _, slot = await limits.admit(fast)  # a long stream, admitted at 10 a second
+    for _ in range(9):
+        await limits.admit(fast)
+    with pytest.raises(RateLimitedError):
+        await limits.admit(slow)  # reloaded: its first request settles the key (empty, 0.1 a second from now)
+    limits.finish(fast, 100, slot)  # the stream ends, admitted under the old limits
+    limits.check_tokens(fast)
+    now[0] = 1.0  # one second at 0.1 a second: nothing to admit (at the old rate, 10)
+    with pytest.raises(RateLimitedError):
+        await limits.admit(slow)
+
+
 async def test_a_reload_settles_each_key_when_it_happens_not_at_its_next_request() -> None:
     """The store's reload settles every key at once: the time after the reload counts at the new
     rate even for a key idle since before it."""

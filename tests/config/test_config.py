@@ -960,6 +960,23 @@ def test_a_wrong_value_hides_no_problem_across_models() -> None:
     assert problems(unnamed) == ["r.yaml:3:5: models[0].name: is required"]  # what refers to which is unknown
 
 
+def test_a_local_encoders_port_is_its_own() -> None:
+    text = doc(
+        "version: 1",
+        "server: {port: 8080}",
+        "encoders:",
+        "  v: {kind: local, port: 9001}",
+        "  w: {kind: local, port: 9001}",
+        "  x: {kind: local, port: 8080}",
+        "models:",
+        "  - {name: a, upstreams: [http://h:1], accepts: [text]}",
+    )
+    assert problems(text) == [
+        "r.yaml:5:26: encoders.w.port: port 9001 is encoders.v.port's already",
+        "r.yaml:6:26: encoders.x.port: port 8080 is server.port's already",
+    ]
+
+
 def test_config_error_message_joins_the_problems() -> None:
     with pytest.raises(ConfigError) as info:
         parse_config(doc("version: 2", "models: []"), filename="r.yaml")

@@ -87,6 +87,18 @@ def test_check_extras_of_a_table_with_traces(capsys: pytest.CaptureFixture[str],
     assert capsys.readouterr().out == "tracing\n"
 
 
+def test_check_extras_of_a_table_that_counts_videos_names_pyav(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    table = tmp_path / "routing.yaml"
+    table.write_text(
+        "version: 1\nmodels:\n  - {name: m, upstreams: ['http://127.0.0.1:8000'], accepts: [text, video],\n"
+        "     visual_tokens: {preset: qwen2.5-vl, video: {frames: 8}}}\n"
+    )
+    assert main(["check", "--extras", str(table)]) == 0
+    assert capsys.readouterr().out == "video\n"
+
+
 def test_check_extras_of_an_invalid_table_says_its_problems(capsys: pytest.CaptureFixture[str], bad_yaml: Path) -> None:
     assert main(["check", "--extras", str(bad_yaml)]) == 2
     out, err = capsys.readouterr()
@@ -420,6 +432,13 @@ def test_explain_with_an_unknown_api_is_a_usage_error(capsys: pytest.CaptureFixt
         ({"model": "kimi-k3", "system": "be brief", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
         ({"model": "kimi-k3", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "chat"),
         ({"model": "kimi-k3", "messages": "not a list"}, "chat"),  # chat's own error says what is wrong
+        (  # thinking is a block of both; image_url of chat alone
+            {"model": "kimi-k3", "messages": [
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": "..."}]},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]},
+            ]},
+            "chat",
+        ),
     ],
 )  # fmt: skip
 def test_explain_reads_the_api_from_the_body_unless_told(

@@ -189,7 +189,8 @@ async def test_the_page_in_a_browser_shows_the_table_and_the_counts(
     omni = dom.split('<th scope="row">omni</th>', 1)[1].split("</tr>", 1)[0]  # its row of counts
     assert omni.count('<td class="num">2</td>') == 2  # refused, of them for content
     assert "replica 2 healthy" in omni and "127.0.0.1" not in omni  # no address without the admin token
-    assert '<form id="gate" aria-label="Admin token" style="display: none;">' in dom
+    assert '<form id="gate" aria-label="Admin token">' in dom  # not shown (its style): nothing asks for it
+    assert '<button id="ask" type="button">admin token</button>' in dom  # offered, for the replicas' addresses
     # the screenshot: the table drawn, each kind of cell in its colour
     shot = tmp_path / "status.png"
     await _chromium(f"{gw.url}/", tmp_path / "profile2", f"--screenshot={shot}")
