@@ -5,6 +5,7 @@ The tree (status, OpenAI ``type``, stable ``code``)::
     GatewayError                          500 server_error          internal_error
     ├── InvalidRequestError               400 invalid_request_error invalid_request
     │   ├── UnsupportedModalityError      400                       unsupported_modality
+    │   ├── UnsupportedOutputModalityError 400                      unsupported_output_modality
     │   ├── UnsupportedApiError           400                       unsupported_api
     │   ├── InvalidPriorityError          400                       invalid_priority
     │   ├── TooManyItemsError             400                       too_many_items
@@ -74,7 +75,8 @@ from aiohttp import web
 @dataclass(frozen=True, slots=True)
 class Rejection:
     """What a rejection counts as: ``reason`` is one of unsupported, too_many_items,
-    invalid_content, media_refused, too_many_visual_tokens, image_too_large."""
+    invalid_content, media_refused, too_many_visual_tokens, image_too_large, unsupported_output
+    (an output the model does not produce: ``modality`` is the output's)."""
 
     model: str
     modality: str
@@ -163,6 +165,10 @@ class UnreadableBodyError(InvalidRequestError, closes_connection=True):
 
 
 class UnsupportedModalityError(InvalidRequestError, code="unsupported_modality"): ...
+
+
+class UnsupportedOutputModalityError(InvalidRequestError, code="unsupported_output_modality"):
+    """An output (audio, image) the request asks of a model that does not produce it (``produces:``)."""
 
 
 class InvalidPriorityError(InvalidRequestError, code="invalid_priority"):

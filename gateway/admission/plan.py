@@ -43,6 +43,7 @@ from ..errors import (
     did_you_mean,
 )
 from ..modalities import Modality
+from . import outputs
 from .apis import CHAT, Api
 from .parts import Classification, Content, Part
 from .route import Redirect, RoutePlan, Visible
@@ -89,12 +90,17 @@ def admit(
     first characters only (gateway.admission.strings): put back if a header goes on past them."""
     if requested is None:
         requested = lookup(config, body, visible, api.name)
+    model = requested
+    redirects: list[Redirect] = []
+    if api.outputs is not None and (asked := api.outputs(body)):  # audio or images out, not text alone
+        model, moved = outputs.decide(
+            config, model, asked, lambda name: _may_use(visible, name) and _serves(config, name, api.name)
+        )
+        redirects = [Redirect(*r) for r in moved]
     bounds = config.server.content_bounds
     contents = api.contents(body, bounds)  # the API's view: classified, and its images sized
     classification = api.classify(body, model=requested.name, bounds=bounds, contents=contents)
     present = classification.present
-    model = requested
-    redirects: list[Redirect] = []
     normalized = classification.normalized
     lacking = model.dialect.lacking(api.name)  # model.takes_on(api.name), without building it
     if all(m in model.accepts and m not in lacking for m in present):  # nothing to redirect, reject or strip
@@ -102,7 +108,9 @@ def admit(
             _check_shapes(model, contents)
         _enforce_limits(model, classification, frozenset())
         visual = _measure(model, classification, contents, deferred=deferred) if model.counts_images else None
-        return RoutePlan(requested.name, model, classification, api=api, normalized=normalized, visual=visual)
+        return RoutePlan(
+            requested.name, model, classification, tuple(redirects), api=api, normalized=normalized, visual=visual
+        )
     configured = model.accepts  # the model's own, before its engine narrows them on this API
     model = _on_api(model, api.name)
     while True:

@@ -25,6 +25,7 @@ def as_dict(config: GatewayConfig) -> dict[str, Any]:
         raw["upstreams"] = [{"url": u, "weight": w} for u, w in zip(model.upstreams, weights, strict=True)]
         del raw["weights"]
         raw["on_unsupported"] = {m.value: _policy(p) for m, p in model.on_unsupported.items()}
+        raw["on_unsupported_output"] = {m.value: _policy(p) for m, p in model.on_unsupported_output.items()}
         _visual(model, raw)
     return data
 

@@ -94,7 +94,13 @@ MODEL_KEYS = (
     "video",
     "visual_tokens",
     "on_oversize",
+    "produces",
+    "on_unsupported_output",
 )
+# What a model may be said to produce (routing.yaml `produces:`), and what becomes of an output a
+# request asks of a model that does not produce it (`on_unsupported_output:`)
+OUTPUT_MODALITIES = ("text", "audio", "image")
+OUTPUT_ACTIONS = ("reject",)  # and {redirect: MODEL}
 # The APIs a model's upstreams may serve (routing.yaml `apis:`), and what a generative model
 # served by vLLM or SGLang serves when the key is left out.
 API_NAMES = ("chat", "completions", "responses", "messages", "embeddings", "score", "rerank", "transcriptions",

@@ -409,6 +409,10 @@ class ModelConfig:
     max_visual_tokens: int | None = None  # limits.visual_tokens: a request's images, in all
     max_image_pixels: int | None = None  # limits.image_pixels: each image
     on_oversize: Oversize = Oversize()
+    # what it answers with (text; audio: chat's modalities/audio; image: Responses' image_generation),
+    # and what becomes of an output asked of it that it does not produce: reject (400), or a redirect
+    produces: tuple[Modality, ...] = (Modality.TEXT,)
+    on_unsupported_output: Mapping[Modality, Policy] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def counts_images(self) -> bool:
@@ -430,6 +434,9 @@ class ModelConfig:
 
     def policy(self, modality: Modality) -> Policy:
         return self.on_unsupported.get(modality, REJECT)
+
+    def output_policy(self, modality: Modality) -> Policy:
+        return self.on_unsupported_output.get(modality, REJECT)
 
     def accepts_text(self) -> str:
         return ", ".join(self.accepts)

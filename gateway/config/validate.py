@@ -11,7 +11,7 @@ from pathlib import Path
 from ..modalities import Modality
 from ..tracing import available as tracing_available
 from .environment import env_secret
-from .keys import BUILTIN_TOWERS, ENCODABLE
+from .keys import BUILTIN_TOWERS, ENCODABLE, OUTPUT_MODALITIES
 from .loader import MarkedDocument
 from .types import GatewayConfig, ModelConfig
 
@@ -107,11 +107,46 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                     f"{', '.join(target.apis)}), which '{model.name}' does: add them to its apis or remove them "
                     f"from this model's",
                 )
+        _check_outputs(config, model, path, p)
     if config.auth is not None:
         _check_keys(config, p)
     _check_encoder_ports(config, p)
     if not p.problems:
         _check_redirect_loops(config, p)
+
+
+# the APIs a request asks for each output on (gateway.admission.outputs): a redirect for it must serve them
+ASKED_ON = {Modality.AUDIO: ("chat",), Modality.IMAGE: ("responses",)}
+
+
+def _check_outputs(config: GatewayConfig, model: ModelConfig, path: str, p: MarkedDocument) -> None:
+    """``on_unsupported_output``: for outputs the model does not produce; a redirect to a model of
+    the table that produces it and serves its APIs (a redirect of a redirect is not followed)."""
+    for m, policy in model.on_unsupported_output.items():
+        where = f"{path}.on_unsupported_output.{m}"
+        if m.value not in OUTPUT_MODALITIES or m is Modality.TEXT:
+            p.problem(where, f"'{m}' is no output a request asks for (audio, image)", at_key=True)
+            continue
+        if m in model.produces:
+            p.problem(where, f"the model produces '{m}', so this policy would never apply", at_key=True)
+            continue
+        if policy.action != "redirect":
+            continue
+        target = config.model(policy.target or "")
+        if target is None:
+            names = ", ".join(mm.name for mm in config.models)
+            p.problem(f"{where}.redirect", f"redirect target '{policy.target}' is not a model here ({names})")
+        elif m not in target.produces:
+            p.problem(
+                f"{where}.redirect",
+                f"redirect target '{target.name}' does not produce '{m}' (it produces: {', '.join(target.produces)})",
+            )
+        elif missing := [a for a in model.apis if a in ASKED_ON[m] and a not in target.apis]:
+            p.problem(
+                f"{where}.redirect",
+                f"redirect target '{target.name}' does not serve {', '.join(missing)} (its apis: "
+                f"{', '.join(target.apis)}), which '{model.name}' does",
+            )
 
 
 def _check_encoder_ports(config: GatewayConfig, p: MarkedDocument) -> None:

@@ -202,7 +202,8 @@ def _explain(args: argparse.Namespace) -> int:
     try:
         api = BY_NAME[args.api or guess_api(body)]
         plan = admit(config, body, api=api)
-        decision = {"api": api.name, **plan.explain()}
+        asked = api.outputs(body) if api.outputs is not None else []
+        decision = {"api": api.name, "outputs": ["text", *(str(m) for m, _ in asked)], **plan.explain()}
         if plan.encoder is not None:
             decision["encoding"] = _encoding(config, plan, body)
         status = 0

@@ -38,7 +38,9 @@ async def list_models(request: web.Request) -> web.Response:
             "object": "model",
             "created": created,
             "owned_by": "modality-gateway",
-            "input_modalities": [str(x) for x in m.accepts],
+            "input_modalities": (taken := [str(x) for x in m.accepts]),
+            "output_modalities": (made := [str(x) for x in m.produces]),
+            "architecture": {"input_modalities": taken, "output_modalities": made},  # as OpenRouter says them
             "apis": list(m.apis),
         }
         for m in store.current.models

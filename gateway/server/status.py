@@ -30,7 +30,7 @@ from .handlers import Handler, check_admin, is_admin, json_response
 from .state import SERVICES_KEY
 
 PAGE = files("gateway.server").joinpath("status.html").read_bytes()  # read once: the page is static
-OUTPUTS = ("text",)  # what every model produces, for now
+OUTPUTS = (Modality.TEXT, Modality.AUDIO, Modality.IMAGE)  # what a model may produce (produces:)
 
 # the counters a model's row sums, by family (without _total) and how: what the page calls each
 COUNTED = {
@@ -98,6 +98,16 @@ def said(policy: Policy) -> str:
             return f"text and page images ({policy.dpi} dpi)" if policy.page_images else "text extracted"
 
 
+def output_cell(model: ModelConfig, modality: Modality) -> dict[str, Any]:
+    """What becomes of a request that asks ``model`` for ``modality`` out."""
+    if modality in model.produces:
+        return {"verdict": "accepted", "text": "produced", "notes": []}
+    policy = model.output_policy(modality)
+    if policy.action == "redirect":
+        return {"verdict": "converted", "text": f"redirected to {policy.target}", "target": policy.target, "notes": []}
+    return {"verdict": "rejected", "text": "rejected (400)", "notes": []}
+
+
 def capabilities(config: GatewayConfig) -> list[dict[str, Any]]:
     """Each model's row: its cells in and out, its engine and APIs."""
     encoders = {name: spec.kind for name, spec in config.encoders.items()}
@@ -108,7 +118,7 @@ def capabilities(config: GatewayConfig) -> list[dict[str, Any]]:
             "upstream_model": model.upstream_name,
             "apis": list(model.apis),
             "in": {str(m): cell(model, m, encoders) for m in MODALITIES},
-            "out": {name: {"verdict": "accepted", "text": "produced", "notes": []} for name in OUTPUTS},
+            "out": {str(m): output_cell(model, m) for m in OUTPUTS},
         }
         for model in config.models
     ]
@@ -194,7 +204,7 @@ def endpoint(scrape: CollectorRegistry) -> Handler:
                 "config_generation": live.number,
                 "loaded_at": services.store.loaded_at,
                 "modalities": [str(m) for m in MODALITIES],
-                "outputs": list(OUTPUTS),
+                "outputs": [str(m) for m in OUTPUTS],
                 "models": capabilities(config),
                 "replicas": replicas(config, services.store.replicas.snapshot(), admin),
                 "encoders": encoders,

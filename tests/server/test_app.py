@@ -282,6 +282,10 @@ async def test_models_list_carries_input_modalities(gw: Gateway) -> None:
         page = await client.models.list()
     models = {m.id: (m.model_extra or {})["input_modalities"] for m in page.data}
     assert models == {"vision": ["text", "image"], "omni": ["text", "image", "video", "audio"], "texty": ["text"]}
+    for m in page.data:  # what each produces (text, unless produces: says more), and both as OpenRouter has them
+        extra = m.model_extra or {}
+        assert extra["output_modalities"] == ["text"]
+        assert extra["architecture"] == {"input_modalities": models[m.id], "output_modalities": ["text"]}
 
 
 BAD_BODIES = [

@@ -200,6 +200,7 @@ def test_explain_direct(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
     assert (status, err) == (0, "")
     assert decision == {
         "api": "chat",
+        "outputs": ["text"],
         "decision": "accept",
         "requested_model": "kimi-k3",
         "model": "kimi-k3",

@@ -43,6 +43,7 @@ models:
   - name: ears
     upstreams: [{upstream}]
     accepts: [text, audio]
+    produces: [text, audio]
     apis: [chat, transcriptions]
   - name: texty
     upstreams: [{upstream}]
@@ -51,6 +52,8 @@ models:
       image: {{describe: vision}}
       audio: strip
       video: {{history: strip}}
+    on_unsupported_output:
+      audio: {{redirect: ears}}
 {extra}"""
 
 
@@ -72,9 +75,19 @@ def test_each_cell_says_what_becomes_of_such_a_part() -> None:
     assert texty["video"]["verdict"] == "rejected"
     assert texty["video"]["notes"] == ["in earlier turns and tool results: stripped"]
     assert rows["ears"]["apis"] == ["chat", "transcriptions"] and rows["vision"]["upstream_model"] == "org/vision-7b"
-    assert all(
-        row["out"] == {"text": {"verdict": "accepted", "text": "produced", "notes": []}} for row in rows.values()
-    )
+    produced, rejected = {"verdict": "accepted", "text": "produced", "notes": []}, "rejected (400)"
+    assert rows["ears"]["out"] == {
+        "text": produced,
+        "audio": produced,
+        "image": {**produced, "verdict": "rejected", "text": rejected},
+    }
+    assert rows["texty"]["out"]["audio"] == {
+        "verdict": "converted",
+        "text": "redirected to ears",
+        "target": "ears",
+        "notes": [],
+    }
+    assert rows["vision"]["out"]["audio"]["text"] == rejected and rows["vision"]["out"]["text"] == produced
 
 
 async def _get(url: str, token: str | None = None) -> tuple[int, dict[str, str], Any]:
@@ -110,7 +123,11 @@ async def test_the_page_and_its_data_without_auth(gateway_factory, upstream_fact
     status, _, data = await _get(f"{gw.url}/status")
     assert status == 200 and data["status"] == "ready" and data["admin"] is False
     assert [m["name"] for m in data["models"]] == ["vision", "omni", "ears", "texty"]
-    assert data["modalities"] == ["text", "image", "video", "audio", "file"] and data["outputs"] == ["text"]
+    assert data["modalities"] == ["text", "image", "video", "audio", "file"] and data["outputs"] == [
+        "text",
+        "audio",
+        "image",
+    ]
     assert data["counts"]["omni"] == {
         "answered": 1, "refused": 3, "failed": 0, "rejected_for_content": 3, "redirected": 0, "converted": 0,
     }  # fmt: skip
@@ -185,7 +202,8 @@ async def test_the_page_in_a_browser_shows_the_table_and_the_counts(
     for said in ("redirected to omni", "transcribed by ears", "described by vision", "text and page images (72 dpi)",
                  "stripped", "on responses (no such part there): rejected (400)", "at most 1.0 MP each"):  # fmt: skip
         assert said in dom, said
-    assert dom.count('<td class="rejected">') == 6 and dom.count('<td class="converted">') == 5
+    # in: 6 rejected, 5 converted; out (audio, image): 6 rejected, texty's audio redirected
+    assert dom.count('<td class="rejected">') == 12 and dom.count('<td class="converted">') == 6
     omni = dom.split('<th scope="row">omni</th>', 1)[1].split("</tr>", 1)[0]  # its row of counts
     assert omni.count('<td class="num">2</td>') == 2  # refused, of them for content
     assert "replica 2 healthy" in omni and "127.0.0.1" not in omni  # no address without the admin token

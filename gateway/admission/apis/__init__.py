@@ -41,7 +41,9 @@ from typing import Any, Literal
 
 from ...config.types import ContentBounds
 from ...errors import StreamError, openai_stream_error
+from ...modalities import Modality
 from ..affinity import chat_key, prompt_key
+from ..outputs import chat_outputs
 from ..parts import CHAT_PARTS, Classification, Content, PartTable, audio_in_video, chat_contents, classify_contents
 
 ErrorShape = Literal["openai", "anthropic"]
@@ -96,6 +98,9 @@ class Api:
     # sent); None: an API without turns (pooling, transcriptions). {history: strip} refuses these
     # parts alone and strips the rest (gateway.admission.plan)
     newest: Callable[[Mapping[str, Any]], frozenset[int]] | None = None
+    # the outputs a request asks for beside text, each with the param that asks (gateway.admission.outputs);
+    # None: an API that answers in text alone
+    outputs: Callable[[Mapping[str, Any]], list[tuple[Modality, str]]] | None = None
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -166,6 +171,7 @@ CHAT = Api(
     transcribes=True,
     leaves_notes=True,
     newest=chat_newest,
+    outputs=chat_outputs,
 )
 
 

@@ -23,6 +23,7 @@ from ...config.types import ContentBounds
 from ...errors import InvalidRequestError, responses_stream_error
 from ...modalities import Modality
 from ..affinity import responses_key
+from ..outputs import responses_outputs
 from ..parts import CHAT_PARTS, TEXT_FIELDS, Content, PartTable, check_messages, str_field
 from . import Api, after_last
 
@@ -157,4 +158,5 @@ RESPONSES = Api(
     normalizes=frozenset({"input_image", "input_audio"}),
     image_part=image,
     newest=newest,
+    outputs=responses_outputs,
 )

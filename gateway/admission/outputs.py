@@ -1,0 +1,89 @@
+"""What a request asks a model to produce beside text, and what becomes of an output the model
+does not produce (routing.yaml ``produces:`` and ``on_unsupported_output:``).
+
+Each API says where its requests ask for an output (:attr:`gateway.admission.apis.Api.outputs`):
+chat in ``modalities`` (``["text", "audio"]``) and ``audio`` (``{voice, format}``), the Responses
+API in its ``tools`` (``{"type": "image_generation"}``). Asked of a model that does not produce
+it, the request is redirected where ``on_unsupported_output`` says to a model that does (and that
+the key may use, on this API), or refused: 400 ``unsupported_output_modality`` naming the param
+that asked, before any engine is touched (engines fail late here: vLLM-Omni answered 200 with no
+choices to an output it could not make). A request that asks for text alone pays one look a place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..config import GatewayConfig, ModelConfig
+from ..errors import InvalidRequestError, Rejection, UnsupportedOutputModalityError, clip, did_you_mean
+from ..modalities import MODALITY_NAMES, Modality
+
+Asked = list[tuple[Modality, str]]  # each output asked beside text, with the param that asks for it
+Moved = tuple[str, Modality, str]  # a redirect: from the model, for the output, to the model
+
+
+def chat_outputs(body: Mapping[str, Any]) -> Asked:
+    """Chat's: each of ``modalities`` but text, and ``audio`` (its voice and format: audio out)."""
+    modalities, audio = body.get("modalities"), body.get("audio")
+    if modalities is None and audio is None:
+        return []
+    asked: Asked = []
+    if modalities is not None:
+        if not isinstance(modalities, list):
+            raise InvalidRequestError("'modalities' must be a list of strings", param="modalities")
+        for i, name in enumerate(modalities):
+            if name == "text":
+                continue
+            if not isinstance(name, str) or name not in MODALITY_NAMES:
+                shown = clip(name) if isinstance(name, str) else type(name).__name__
+                raise InvalidRequestError(
+                    f"unknown output modality '{shown}' in 'modalities' (expected text, audio or image)"
+                    + (did_you_mean(name, ("text", "audio", "image")) if isinstance(name, str) else ""),
+                    param=f"modalities[{i}]",
+                )
+            asked.append((Modality(name), f"modalities[{i}]"))
+    if audio is not None and all(m is not Modality.AUDIO for m, _ in asked):
+        asked.append((Modality.AUDIO, "audio"))
+    return asked
+
+
+def responses_outputs(body: Mapping[str, Any]) -> Asked:
+    """The Responses API's: an ``image_generation`` tool asks for images."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return []  # none, or not a list: the engine's own validation says so
+    return [
+        (Modality.IMAGE, f"tools[{i}]")
+        for i, tool in enumerate(tools)
+        if isinstance(tool, dict) and tool.get("type") == "image_generation"
+    ]
+
+
+def decide(
+    config: GatewayConfig, model: ModelConfig, asked: Asked, may_use: Callable[[str], bool]
+) -> tuple[ModelConfig, list[Moved]]:
+    """The model that serves a request asking for ``asked``, and the redirects that led there; or
+    :class:`UnsupportedOutputModalityError` for the first output no model it may go to produces.
+    ``may_use``: whether the caller may send this request to a model (its key's list, and the API)."""
+    redirects: list[Moved] = []
+    for m, param in asked:
+        if m in model.produces:
+            continue
+        policy = model.output_policy(m)
+        target = config.model(policy.target or "") if policy.action == "redirect" else None
+        if (
+            target is not None
+            and target.name not in (source for source, _, _ in redirects)
+            and may_use(target.name)
+            and all(o in target.produces for o, _ in asked)
+        ):
+            redirects.append((model.name, m, target.name))
+            model = target
+            continue
+        raise UnsupportedOutputModalityError(
+            f"Model '{model.name}' does not produce {m} output (it produces: {', '.join(model.produces)})",
+            param=param,
+            rejection=Rejection(model.name, m.value, "unsupported_output"),
+        )
+    return model, redirects

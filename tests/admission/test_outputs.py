@@ -1,0 +1,152 @@
+"""gateway.admission.outputs: what a request asks a model to produce, read where each API asks it,
+and what becomes of an output the model does not produce; through the gateway, with the openai
+SDK as its client: produced, refused with the param named, redirected."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from gateway.admission.outputs import chat_outputs, responses_outputs
+from gateway.admission.plan import admit
+from gateway.config import parse_config
+from gateway.errors import InvalidRequestError, UnsupportedOutputModalityError
+from gateway.modalities import Modality
+from tests.conftest import Gateway, Upstream, error_body
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def table(upstream: str = "http://127.0.0.1:1") -> str:
+    return f"""
+version: 1
+models:
+  - name: talker
+    upstreams: [{upstream}]
+    accepts: [text, audio]
+    produces: [text, audio]
+  - name: painter
+    upstreams: [{upstream}]
+    accepts: [text, image]
+    produces: [text, image]
+  - name: texty
+    upstreams: [{upstream}]
+    accepts: [text]
+    on_unsupported_output:
+      audio: {{redirect: talker}}
+  - name: plain
+    upstreams: [{upstream}]
+    accepts: [text, image]
+"""
+
+
+@pytest.mark.parametrize(
+    ("body", "asked"),
+    [
+        ({"messages": HI}, []),
+        ({"modalities": ["text"]}, []),
+        ({"modalities": ["text", "audio"], "audio": {"voice": "alloy"}}, [(Modality.AUDIO, "modalities[1]")]),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, [(Modality.AUDIO, "audio")]),
+        ({"modalities": ["image"]}, [(Modality.IMAGE, "modalities[0]")]),
+        ({"modalities": ["video"]}, [(Modality.VIDEO, "modalities[0]")]),  # no model produces it: refused by all
+    ],
+)  # fmt: skip
+def test_chat_asks_in_modalities_and_audio(body: dict[str, Any], asked: list[tuple[Modality, str]]) -> None:
+    assert chat_outputs(body) == asked
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"modalities": "audio"}, "modalities", "'modalities' must be a list of strings"),
+        ({"modalities": ["text", "auido"]}, "modalities[1]", "unknown output modality 'auido' in 'modalities' "
+         "(expected text, audio or image); did you mean 'audio'?"),
+        ({"modalities": [7]}, "modalities[0]", "unknown output modality 'int' in 'modalities'"),
+    ],
+)  # fmt: skip
+def test_chat_modalities_that_name_nothing_are_a_400(body: dict[str, Any], param: str, message: str) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        chat_outputs(body)
+    assert refused.value.param == param and refused.value.message.startswith(message)
+
+
+def test_the_responses_api_asks_for_images_with_its_image_generation_tool() -> None:
+    tools = [{"type": "function", "name": "f"}, {"type": "image_generation", "size": "1024x1024"}]
+    assert responses_outputs({"tools": tools}) == [(Modality.IMAGE, "tools[1]")]
+    assert responses_outputs({"input": "hi"}) == [] and responses_outputs({"tools": "x"}) == []
+
+
+def test_a_model_that_does_not_produce_it_refuses_naming_the_param_or_redirects() -> None:
+    config = parse_config(table())
+    audio = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}, "messages": HI}
+    assert admit(config, {"model": "talker", **audio}).model.name == "talker"
+    with pytest.raises(UnsupportedOutputModalityError) as refused:
+        admit(config, {"model": "plain", **audio})
+    error = refused.value
+    assert (error.status, error.code, error.param) == (400, "unsupported_output_modality", "modalities[1]")
+    assert error.message == "Model 'plain' does not produce audio output (it produces: text)"
+    assert error.rejection is not None and error.rejection.reason == "unsupported_output"
+    plan = admit(config, {"model": "texty", **audio})
+    assert (plan.model.name, plan.route, [r.target for r in plan.redirects]) == ("talker", "redirect", ["talker"])
+    # a key that may not use the target: refused as the model's own
+    with pytest.raises(UnsupportedOutputModalityError):
+        admit(config, {"model": "texty", **audio}, visible=lambda name: name != "talker")
+
+
+def test_check_holds_outputs_to_what_models_produce() -> None:
+    from gateway.errors import ConfigError
+
+    bad = table().replace("audio: {redirect: talker}", "audio: {redirect: painter}\n      image: reject")
+    bad = bad.replace(
+        "    accepts: [text, image]\n    produces: [text, image]",
+        "    accepts: [text, image]\n    produces: [text, image, smell]",
+    )
+    with pytest.raises(ConfigError) as refused:
+        parse_config(bad, filename="r.yaml")
+    said = str(refused.value)
+    assert "models[1].produces[2]: unknown output modality 'smell' (expected one of: text, audio, image)" in said
+    assert "models[2].on_unsupported_output.audio.redirect: redirect target 'painter' does not produce 'audio'" in said
+
+
+# -- through the gateway, with the openai SDK --------------------------------------------------
+
+
+async def _gateway(gateway_factory: Any, upstream: Upstream) -> Gateway:
+    gw: Gateway = await gateway_factory(table(upstream.url))
+    return gw
+
+
+async def test_chat_with_audio_out_is_produced_refused_or_redirected(gateway_factory, upstream: Upstream) -> None:
+    gw = await _gateway(gateway_factory, upstream)
+    audio: dict[str, Any] = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}
+    async with gw.client() as client:
+        made = await client.chat.completions.with_raw_response.create(model="talker", messages=HI, **audio)
+        assert made.headers["X-Gateway-Route"] == "direct"
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="plain", messages=HI, **audio)
+        moved = await client.chat.completions.with_raw_response.create(model="texty", messages=HI, **audio)
+    sent = upstream.received[0].json()
+    assert sent["modalities"] == ["text", "audio"] and sent["audio"] == {"voice": "alloy", "format": "wav"}
+    body = error_body(refused.value)
+    assert (body["code"], body["param"]) == ("unsupported_output_modality", "modalities[1]")
+    assert (moved.headers["X-Gateway-Route"], moved.headers["X-Gateway-Model"]) == ("redirect", "talker")
+    assert upstream.received[-1].json()["model"] == "talker" and len(upstream.received) == 2  # the refusal sent nothing
+    labels = {"model": "plain", "modality": "audio", "reason": "unsupported_output", "api": "chat"}
+    assert gw.sample("gateway_modality_rejections_total", **labels) == 1
+    assert gw.sample("gateway_modality_redirects_total", model="texty", modality="audio", target="talker") == 1
+
+
+async def test_a_responses_image_generation_tool_is_refused_by_a_model_that_makes_no_images(
+    gateway_factory, upstream: Upstream
+) -> None:
+    gw = await _gateway(gateway_factory, upstream)
+    tool: Any = {"type": "image_generation"}
+    async with gw.client() as client:
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.responses.create(model="plain", input="a cat", tools=[tool])
+        await client.responses.create(model="painter", input="a cat", tools=[tool])
+    body = error_body(refused.value)
+    assert (body["code"], body["param"]) == ("unsupported_output_modality", "tools[0]")
+    assert [r.json()["model"] for r in upstream.received] == ["painter"]
