@@ -55,7 +55,11 @@ MODELS = ("qwen-omni", "kimi-k3", "kimi-k3-text")
 MAX_EXAMPLES = 40  # drawn cases per operation, after the examples and boundary cases
 LIMITED_KEY = "sk-openapi-test-limited"  # one request a minute
 MAX_BODY_BYTES = 1 << 20
-APIS = "[chat, completions, responses, messages, embeddings, score, rerank, transcriptions, translations]"  # every door
+# every door
+APIS = (
+    "[chat, completions, responses, messages, embeddings, score, rerank, transcriptions, translations, images, speech]"
+)
+PRODUCES = "[text, audio, image]"  # every output: a schema-valid request to images or speech is served
 
 
 # --- the description itself ---------------------------------------------------------------------
@@ -215,13 +219,14 @@ auth:
     - {{name: limited, key_sha256: {limited}, rate_limit: {{requests_per_minute: 1}}}}
 models:
   - {{name: qwen-omni, upstreams: ['{upstream}'], engine: openai, accepts: [text, image, video, audio, file],
-     apis: {APIS}}}
+     apis: {APIS}, produces: {PRODUCES}}}
   - name: kimi-k3
     upstreams: ['{upstream}']
     upstream_model: moonshotai/Kimi-K3
     engine: openai
     accepts: [text, image]
     apis: {APIS}
+    produces: {PRODUCES}
     on_unsupported: {{video: {{redirect: qwen-omni}}, audio: {{redirect: qwen-omni}}, file: {{redirect: qwen-omni}}}}
   - name: kimi-k3-text
     upstreams: ['{upstream}']
@@ -229,6 +234,7 @@ models:
     engine: openai
     accepts: [text]
     apis: {APIS}
+    produces: {PRODUCES}
     on_unsupported: {{image: strip, video: strip, audio: {{redirect: qwen-omni}}, file: strip}}
 """
 

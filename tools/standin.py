@@ -56,6 +56,8 @@ from aiohttp import BodyPartReader, web
 from multidict import CIMultiDict
 
 CREATED = 1_700_000_000  # fixed, so replies are byte-for-byte repeatable
+# a generated image: a 1x1 PNG (what the images API answers inline, base64)
+TINY_PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
 
 
 @dataclass
@@ -98,6 +100,8 @@ class StandIn:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/audio/transcriptions", self._transcribe)
         app.router.add_post("/v1/audio/translations", self._transcribe)
+        app.router.add_post("/v1/images/generations", self._images)
+        app.router.add_post("/v1/audio/speech", self._speech)
         app.router.add_get("/health", self._health)
         return app
 
@@ -397,6 +401,30 @@ class StandIn:
         results = [{"index": 0, "document": {"text": "d"}, "relevance_score": 0.5}]
         return web.json_response({"id": f"rerank-{self.name}", "model": payload.get("model"), "usage": usage,
                                   "results": results})  # fmt: skip
+
+    async def _images(self, request: web.Request) -> web.StreamResponse:
+        """An image generation model's answer (OpenAI's images API, as vLLM-Omni's and SGLang's
+        diffusion servers serve it): ``n`` images, inline (``b64_json``), each a 1x1 PNG."""
+        payload, error = await self._record(request)
+        if error is not None:
+            return error
+        count = payload.get("n", 1) if isinstance(payload.get("n", 1), int) else 1
+        data = [{"b64_json": TINY_PNG, "revised_prompt": payload.get("prompt")} for _ in range(max(1, count))]
+        return web.json_response({"created": CREATED, "data": data})
+
+    async def _speech(self, request: web.Request) -> web.StreamResponse:
+        """A text-to-speech model's answer (OpenAI's speech API): audio bytes, a WAV of silence
+        as long as the input has words (a tenth of a second each)."""
+        payload, error = await self._record(request)
+        if error is not None:
+            return error
+        words = len(str(payload.get("input", "")).split())
+        samples = 1600 * max(1, words)  # 16 kHz, 16-bit mono
+        data = b"\x00\x00" * samples
+        head = b"RIFF" + (36 + len(data)).to_bytes(4, "little") + b"WAVEfmt " + (16).to_bytes(4, "little")
+        head += (1).to_bytes(2, "little") + (1).to_bytes(2, "little") + (16000).to_bytes(4, "little")
+        head += (32000).to_bytes(4, "little") + (2).to_bytes(2, "little") + (16).to_bytes(2, "little")
+        return web.Response(body=head + b"data" + len(data).to_bytes(4, "little") + data, content_type="audio/wav")
 
     def _break_after(self, request: web.Request) -> int:
         return int(request.headers.get("X-Standin-Break-After", self.break_after))

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..config import GatewayConfig, ModelConfig
 from ..config.engines import DIALECTS
+from ..config.keys import PRODUCING_APIS
 from ..config.types import Policy
 from ..errors import (
     GatewayError,
@@ -39,6 +40,7 @@ from ..errors import (
     TooManyItemsError,
     UnsupportedApiError,
     UnsupportedModalityError,
+    UnsupportedOutputModalityError,
     clip,
     did_you_mean,
 )
@@ -66,6 +68,12 @@ def lookup(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = No
             f"The model '{clip(name)}' does not exist (models: {', '.join(names) or 'none'})"
             + did_you_mean(name, names),
             param="model",
+        )
+    if (made := PRODUCING_APIS.get(api)) is not None and Modality(made) not in model.produces:
+        raise UnsupportedOutputModalityError(
+            f"Model '{model.name}' does not produce {made} output (it produces: {', '.join(model.produces)})",
+            param="model",
+            rejection=Rejection(model.name, made, "unsupported_output"),
         )
     if api not in model.apis:
         raise UnsupportedApiError(

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..modalities import Modality
 from ..tracing import available as tracing_available
 from .environment import env_secret
-from .keys import BUILTIN_TOWERS, ENCODABLE, OUTPUT_MODALITIES
+from .keys import BUILTIN_TOWERS, ENCODABLE, OUTPUT_MODALITIES, PRODUCING_APIS
 from .loader import MarkedDocument
 from .types import GatewayConfig, ModelConfig
 
@@ -108,6 +108,9 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                     f"from this model's",
                 )
         _check_outputs(config, model, path, p)
+        for api, made in PRODUCING_APIS.items():
+            if api in model.apis and Modality(made) not in model.produces:
+                p.problem(f"{path}.apis", f"the {api} API answers with {made}: the model must produce it (produces:)")
     if config.auth is not None:
         _check_keys(config, p)
     _check_encoder_ports(config, p)

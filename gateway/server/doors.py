@@ -1,9 +1,10 @@
 """The doors of the gateway's APIs, and the table of routes the app registers (:data:`ROUTES`),
 made from the APIs' catalog (gateway.admission.apis.catalog): each API's routes taken by the door
 its ``door`` names: ``parts`` for those whose requests carry content parts (chat, Responses,
-Messages, the pooling APIs: every part admitted), ``text`` for the text-only completions,
-``upload`` for audio uploads (gateway.server.audio). Each reads as the stages of its exchange
-(gateway.server.exchange)."""
+Messages, the pooling APIs: every part admitted), ``text`` for the text-only completions and
+``output`` for the APIs whose answer is one output (image generation, speech: the model must
+produce it, gateway.admission.plan.lookup), ``upload`` for audio uploads (gateway.server.audio).
+Each reads as the stages of its exchange (gateway.server.exchange)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def text_door(api: Api) -> Handler:
     return handler
 
 
-DOORS = {"parts": door, "text": text_door, "upload": audio.door}
+DOORS = {"parts": door, "text": text_door, "upload": audio.door, "output": text_door}
 # every route the app registers: path -> (its handler, its API)
 ROUTES: dict[str, tuple[Handler, Api]] = {
     path: (handler, api) for api, handler in ((a, DOORS[a.door](a)) for a in APIS) for path in api.paths

@@ -27,10 +27,12 @@ models:
     upstreams: [{upstream}]
     accepts: [text, audio]
     produces: [text, audio]
+    apis: [chat, responses, speech]
   - name: painter
     upstreams: [{upstream}]
     accepts: [text, image]
     produces: [text, image]
+    apis: [chat, responses, images]
   - name: texty
     upstreams: [{upstream}]
     accepts: [text]
@@ -108,6 +110,14 @@ def test_check_holds_outputs_to_what_models_produce() -> None:
     said = str(refused.value)
     assert "models[1].produces[2]: unknown output modality 'smell' (expected one of: text, audio, image)" in said
     assert "models[2].on_unsupported_output.audio.redirect: redirect target 'painter' does not produce 'audio'" in said
+    mute = table().replace(
+        "    produces: [text, audio]\n    apis: [chat, responses, speech]", "    apis: [chat, speech]"
+    )
+    with pytest.raises(ConfigError) as refused:
+        parse_config(mute, filename="r.yaml")
+    assert "models[0].apis: the speech API answers with audio: the model must produce it (produces:)" in str(
+        refused.value
+    )
 
 
 # -- through the gateway, with the openai SDK --------------------------------------------------
@@ -150,3 +160,30 @@ async def test_a_responses_image_generation_tool_is_refused_by_a_model_that_make
     body = error_body(refused.value)
     assert (body["code"], body["param"]) == ("unsupported_output_modality", "tools[0]")
     assert [r.json()["model"] for r in upstream.received] == ["painter"]
+
+
+async def test_the_images_and_speech_apis_are_served_by_models_that_make_them(
+    gateway_factory, upstream: Upstream
+) -> None:
+    from tools.standin import TINY_PNG
+
+    gw = await _gateway(gateway_factory, upstream)
+    async with gw.client() as client:
+        images = await client.images.generate(model="painter", prompt="a cat in a hat", n=2)
+        speech = await client.audio.speech.create(model="talker", input="hello there", voice="alloy")
+        refusals = []
+        for call in (
+            client.images.generate(model="plain", prompt="a cat"),
+            client.audio.speech.create(model="plain", input="hi", voice="alloy"),
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await call
+            refusals.append(error_body(refused.value))
+    assert [d.b64_json for d in images.data or []] == [TINY_PNG, TINY_PNG]
+    assert speech.content.startswith(b"RIFF") and speech.response.headers["X-Gateway-Model"] == "talker"
+    assert [(r["code"], r["param"]) for r in refusals] == [("unsupported_output_modality", "model")] * 2
+    assert [r.path for r in upstream.received] == ["/v1/images/generations", "/v1/audio/speech"]
+    assert gw.sample("gateway_requests_total", model="painter", api="images", code="200") == 1
+    labels = {"model": "plain", "reason": "unsupported_output"}
+    assert gw.sample("gateway_modality_rejections_total", modality="image", api="images", **labels) == 1
+    assert gw.sample("gateway_modality_rejections_total", modality="audio", api="speech", **labels) == 1

@@ -47,7 +47,7 @@ from ..outputs import chat_outputs
 from ..parts import CHAT_PARTS, Classification, Content, PartTable, audio_in_video, chat_contents, classify_contents
 
 ErrorShape = Literal["openai", "anthropic"]
-Door = Literal["parts", "text", "upload"]  # how its requests are taken (gateway.server.doors)
+Door = Literal["parts", "text", "upload", "output"]  # how its requests are taken (gateway.server.doors)
 AffinityKey = Callable[[Mapping[str, Any]], bytes | None]  # gateway.admission.affinity
 
 
@@ -101,6 +101,7 @@ class Api:
     # the outputs a request asks for beside text, each with the param that asks (gateway.admission.outputs);
     # None: an API that answers in text alone
     outputs: Callable[[Mapping[str, Any]], list[tuple[Modality, str]]] | None = None
+    makes: Modality | None = None  # its answer, for an API that answers in one output (images, speech)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -178,6 +179,15 @@ CHAT = Api(
 def _no_view(body: dict[str, Any], bounds: ContentBounds) -> list[Content]:
     return []  # no content parts: its body passes through (completions), or is a form (uploads)
 
+
+# an output of its own (door "output"): the model must produce it; the body passes through, renamed
+IMAGES = Api(
+    "images", "/v1/images/generations", CHAT_PARTS, _no_view, door="output", operation="image_generation",
+    makes=Modality.IMAGE,
+)  # fmt: skip
+SPEECH = Api(
+    "speech", "/v1/audio/speech", CHAT_PARTS, _no_view, door="output", operation="speech", makes=Modality.AUDIO
+)
 
 # text only: the model must exist; the body passes through, renamed for its upstream
 COMPLETIONS = Api(
