@@ -92,8 +92,7 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
             if policy.target == model.name:
                 p.problem(f"{where}.redirect", f"model '{model.name}' redirects to itself")
             elif target is None:
-                names = ", ".join(mm.name for mm in config.models)
-                p.problem(f"{where}.redirect", f"redirect target '{policy.target}' is not a model here ({names})")
+                _not_here(config, p, f"{where}.redirect", policy.target)
             elif m not in target.accepts:
                 p.problem(
                     f"{where}.redirect",
@@ -122,6 +121,11 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
 ASKED_ON = {Modality.AUDIO: ("chat",), Modality.IMAGE: ("responses",)}
 
 
+def _not_here(config: GatewayConfig, p: MarkedDocument, where: str, target: str | None) -> None:
+    names = ", ".join(mm.name for mm in config.models)
+    p.problem(where, f"redirect target '{target}' is not a model here ({names})")
+
+
 def _check_outputs(config: GatewayConfig, model: ModelConfig, path: str, p: MarkedDocument) -> None:
     """``on_unsupported_output``: for outputs the model does not produce; a redirect to a model of
     the table that produces it and serves its APIs (a redirect of a redirect is not followed)."""
@@ -137,8 +141,7 @@ def _check_outputs(config: GatewayConfig, model: ModelConfig, path: str, p: Mark
             continue
         target = config.model(policy.target or "")
         if target is None:
-            names = ", ".join(mm.name for mm in config.models)
-            p.problem(f"{where}.redirect", f"redirect target '{policy.target}' is not a model here ({names})")
+            _not_here(config, p, f"{where}.redirect", policy.target)
         elif m not in target.produces:
             p.problem(
                 f"{where}.redirect",

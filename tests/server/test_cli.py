@@ -77,26 +77,28 @@ def test_check_extras_says_what_make_serve_installs(
     assert capsys.readouterr() == (f"{needed}\n", "")
 
 
-def test_check_extras_of_a_table_with_traces(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    table = tmp_path / "routing.yaml"
-    table.write_text(
-        "version: 1\nserver: {tracing: {otlp_endpoint: 'http://127.0.0.1:4318'}}\n"
-        "models:\n  - {name: m, upstreams: ['http://127.0.0.1:8000'], accepts: [text]}\n"
-    )
-    assert main(["check", "--extras", str(table)]) == 0
-    assert capsys.readouterr().out == "tracing\n"
-
-
-def test_check_extras_of_a_table_that_counts_videos_names_pyav(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+@pytest.mark.parametrize(
+    ("table", "needed"),
+    [
+        (  # traces: the OpenTelemetry SDK
+            "server: {tracing: {otlp_endpoint: 'http://127.0.0.1:4318'}}\n"
+            "models:\n  - {name: m, upstreams: ['http://127.0.0.1:8000'], accepts: [text]}\n",
+            "tracing",
+        ),
+        (  # a video's tokens counted: PyAV reads its container
+            "models:\n  - {name: m, upstreams: ['http://127.0.0.1:8000'], accepts: [text, video],\n"
+            "     visual_tokens: {preset: qwen2.5-vl, video: {frames: 8}}}\n",
+            "video",
+        ),
+    ],
+)
+def test_check_extras_names_what_a_table_asks_for(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, table: str, needed: str
 ) -> None:
-    table = tmp_path / "routing.yaml"
-    table.write_text(
-        "version: 1\nmodels:\n  - {name: m, upstreams: ['http://127.0.0.1:8000'], accepts: [text, video],\n"
-        "     visual_tokens: {preset: qwen2.5-vl, video: {frames: 8}}}\n"
-    )
-    assert main(["check", "--extras", str(table)]) == 0
-    assert capsys.readouterr().out == "video\n"
+    path = tmp_path / "routing.yaml"
+    path.write_text("version: 1\n" + table)
+    assert main(["check", "--extras", str(path)]) == 0
+    assert capsys.readouterr().out == f"{needed}\n"
 
 
 def test_check_extras_of_an_invalid_table_says_its_problems(capsys: pytest.CaptureFixture[str], bad_yaml: Path) -> None:
