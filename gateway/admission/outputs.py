@@ -12,39 +12,39 @@ choices to an output it could not make). A request that asks for text alone pays
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..config import GatewayConfig, ModelConfig
+from ..config.keys import OUTPUT_MODALITIES
 from ..errors import InvalidRequestError, Rejection, UnsupportedOutputModalityError, clip, did_you_mean
-from ..modalities import MODALITY_NAMES, Modality
+from ..modalities import Modality
 
 Asked = list[tuple[Modality, str]]  # each output asked beside text, with the param that asks for it
 Moved = tuple[str, Modality, str]  # a redirect: from the model, for the output, to the model
 
 
 def chat_outputs(body: Mapping[str, Any]) -> Asked:
-    """Chat's: each of ``modalities`` but text, and ``audio`` (its voice and format: audio out)."""
+    """Chat's: each of ``modalities`` but text; without ``modalities``, ``audio`` (its voice and
+    format) asks for audio. With ``modalities``, it decides: ``audio`` only sets the voice of the
+    audio it asks for (OpenAI's API: a client may always send its voice settings)."""
     modalities, audio = body.get("modalities"), body.get("audio")
-    if modalities is None and audio is None:
-        return []
+    if modalities is None:
+        return [] if audio is None else [(Modality.AUDIO, "audio")]
+    if not isinstance(modalities, list):
+        raise InvalidRequestError("'modalities' must be a list of strings", param="modalities")
     asked: Asked = []
-    if modalities is not None:
-        if not isinstance(modalities, list):
-            raise InvalidRequestError("'modalities' must be a list of strings", param="modalities")
-        for i, name in enumerate(modalities):
-            if name == "text":
-                continue
-            if not isinstance(name, str) or name not in MODALITY_NAMES:
-                shown = clip(name) if isinstance(name, str) else type(name).__name__
-                raise InvalidRequestError(
-                    f"unknown output modality '{shown}' in 'modalities' (expected text, audio or image)"
-                    + (did_you_mean(name, ("text", "audio", "image")) if isinstance(name, str) else ""),
-                    param=f"modalities[{i}]",
-                )
-            asked.append((Modality(name), f"modalities[{i}]"))
-    if audio is not None and all(m is not Modality.AUDIO for m, _ in asked):
-        asked.append((Modality.AUDIO, "audio"))
+    for i, name in enumerate(modalities):
+        if name == "text":
+            continue
+        if not isinstance(name, str) or name not in OUTPUT_MODALITIES:
+            shown = clip(name) if isinstance(name, str) else type(name).__name__
+            raise InvalidRequestError(
+                f"unknown output modality '{shown}' in 'modalities' (expected text, audio or image)"
+                + (did_you_mean(name, OUTPUT_MODALITIES) if isinstance(name, str) else ""),
+                param=f"modalities[{i}]",
+            )
+        asked.append((Modality(name), f"modalities[{i}]"))
     return asked
 
 
@@ -58,6 +58,19 @@ def responses_outputs(body: Mapping[str, Any]) -> Asked:
         for i, tool in enumerate(tools)
         if isinstance(tool, dict) and tool.get("type") == "image_generation"
     ]
+
+
+def check(model: ModelConfig, asked: Asked, redirects: Sequence[Any]) -> None:
+    """The model a request ends at (after its input redirects) produces what it asks, or
+    :class:`UnsupportedOutputModalityError` naming the first output it does not."""
+    for m, param in asked:
+        if m not in model.produces:
+            via = " (redirected " + ", then ".join(f"from '{r.source}'" for r in redirects) + ")" if redirects else ""
+            raise UnsupportedOutputModalityError(
+                f"Model '{model.name}'{via} does not produce {m} output (it produces: {', '.join(model.produces)})",
+                param=param,
+                rejection=Rejection(model.name, m.value, "unsupported_output"),
+            )
 
 
 def decide(

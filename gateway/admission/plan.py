@@ -100,11 +100,12 @@ def admit(
         requested = lookup(config, body, visible, api.name)
     model = requested
     redirects: list[Redirect] = []
-    if api.outputs is not None and (asked := api.outputs(body)):  # audio or images out, not text alone
+    asked = api.outputs(body) if api.outputs is not None else None
+    if asked:  # audio or images out, not text alone
         model, moved = outputs.decide(
             config, model, asked, lambda name: _may_use(visible, name) and _serves(config, name, api.name)
         )
-        redirects = [Redirect(*r) for r in moved]
+        redirects = [Redirect(*r, output=True) for r in moved]
     bounds = config.server.content_bounds
     contents = api.contents(body, bounds)  # the API's view: classified, and its images sized
     classification = api.classify(body, model=requested.name, bounds=bounds, contents=contents)
@@ -126,6 +127,8 @@ def admit(
         if redirect is None:
             break
         if any(r.source == redirect.target for r in redirects) or redirect.target == requested.name:
+            if any(r.output for r in redirects):  # back to the model an output redirect left: the part is refused here
+                break
             # validation forbids cycles; this guards a config built in code without it
             raise GatewayError(f"redirect loop at model '{model.name}'")
         redirects.append(redirect)
@@ -134,6 +137,8 @@ def admit(
             raise GatewayError(f"model '{model.name}' redirects to '{redirect.target}', which does not exist")
         configured = target.accepts
         model = _on_api(target, api.name)
+    if asked:  # an input redirect may have led away from a model that produces them
+        outputs.check(model, asked, redirects)
     if api.engine_shapes:
         _check_shapes(model, contents)
     unsupported = [m for m in present if m not in model.accepts]
@@ -386,7 +391,13 @@ def _reject_unsupported(
     modality = next(m for m in part.modalities if m in rejected)
     via = ""
     if redirects:
-        via = " (redirected " + ", then ".join(f"from '{r.source}' for {r.modality} input" for r in redirects) + ")"
+        via = (
+            " (redirected "
+            + ", then ".join(
+                f"from '{r.source}' for {r.modality} {'output' if r.output else 'input'}" for r in redirects
+            )
+            + ")"
+        )
     carried = "" if part.modality is modality else f" ({part.type} with use_audio_in_video)"
     api, configured = on
     why = f" on the {api} API: {model.dialect.why(api, modality)}" if modality in configured else ""

@@ -33,6 +33,7 @@ class Redirect:
     source: str
     modality: Modality
     target: str
+    output: bool = False  # for an output the request asked of the source (on_unsupported_output), not a part
 
 
 @record
@@ -231,7 +232,15 @@ class RoutePlan:
             "route": self.route,
             "encoder": self.encoder,
             "encode_decision": self.encode_decision,
-            "redirects": [{"from": r.source, "modality": r.modality.value, "to": r.target} for r in self.redirects],
+            "redirects": [
+                {
+                    "from": r.source,
+                    "modality": r.modality.value,
+                    "to": r.target,
+                    "for": "output" if r.output else "input",
+                }
+                for r in self.redirects
+            ],
             "counts": {m.value: n for m, n in self.classification.counts.items()},
             "parts": [
                 {

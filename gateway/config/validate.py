@@ -98,7 +98,7 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                     f"{where}.redirect",
                     f"redirect target '{target.name}' does not accept '{m}' (it accepts: {target.accepts_text()})",
                 )
-            elif missing := [a for a in model.apis if a != "completions" and a not in target.apis]:
+            elif missing := [a for a in model.apis if a not in NOT_REDIRECTED and a not in target.apis]:
                 # a request on an API the target does not serve could not be redirected there
                 p.problem(
                     f"{where}.redirect",
@@ -107,6 +107,8 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                     f"from this model's",
                 )
         _check_outputs(config, model, path, p)
+        if Modality.TEXT not in model.produces and (serving := [a for a in model.apis if a in TEXT_APIS]):
+            p.problem(f"{path}.produces", f"must include 'text': the model serves {', '.join(serving)}")
         for api, made in PRODUCING_APIS.items():
             if api in model.apis and Modality(made) not in model.produces:
                 p.problem(f"{path}.apis", f"the {api} API answers with {made}: the model must produce it (produces:)")
@@ -117,6 +119,9 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
         _check_redirect_loops(config, p)
 
 
+# the APIs whose requests an input redirect never moves: text alone, or one output of its own
+NOT_REDIRECTED = frozenset({"completions", *PRODUCING_APIS})
+TEXT_APIS = ("chat", "completions", "responses", "messages")  # what a model that serves one answers with
 # the APIs a request asks for each output on (gateway.admission.outputs): a redirect for it must serve them
 ASKED_ON = {Modality.AUDIO: ("chat",), Modality.IMAGE: ("responses",)}
 

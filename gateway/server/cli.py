@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import orjson
 
-from ..admission.apis import CHAT
+from ..admission.apis import CHAT, Api
 from ..admission.apis.catalog import BY_NAME, BY_PATH
 from ..admission.plan import admit
 from ..admission.route import RoutePlan
@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("request", metavar="REQUEST.json", help="a request body ('-' for stdin)")
     explain.add_argument(
         "--api",
-        choices=[name for name, api in BY_NAME.items() if api.door == "parts"],
+        choices=[name for name, api in BY_NAME.items() if api.door in ("parts", "output")],
         help="the API the body is for, or its path (/v1/responses); default: read from the body (input: responses; "
         "messages with Anthropic's blocks or a top-level system: messages; else chat)",
         type=_api_name,
@@ -172,6 +172,8 @@ def guess_api(body: dict[str, Any]) -> str:
     (``image`` with its ``source``, ``document``, ``tool_result``...) a Messages body; anything
     else, chat."""
     messages = body.get("messages")
+    if messages is None and "voice" in body and isinstance(body.get("input"), str):
+        return "speech"  # OpenAI's speech body: input and voice
     if messages is None and "input" in body:
         return "responses"
     types = {
@@ -202,8 +204,7 @@ def _explain(args: argparse.Namespace) -> int:
     try:
         api = BY_NAME[args.api or guess_api(body)]
         plan = admit(config, body, api=api)
-        asked = api.outputs(body) if api.outputs is not None else []
-        decision = {"api": api.name, "outputs": ["text", *(str(m) for m, _ in asked)], **plan.explain()}
+        decision = {"api": api.name, "outputs": _outputs(api, body), **plan.explain()}
         if plan.encoder is not None:
             decision["encoding"] = _encoding(config, plan, body)
         status = 0
@@ -212,6 +213,17 @@ def _explain(args: argparse.Namespace) -> int:
         status = 1
     sys.stdout.buffer.write(orjson.dumps(decision, option=orjson.OPT_INDENT_2) + b"\n")
     return status
+
+
+def _outputs(api: Api, body: dict[str, Any]) -> list[str]:
+    """What the request asks to be answered with: its API's one output (images, speech), or text
+    and what it asks beside (chat's modalities, a Responses image_generation tool)."""
+    if api.makes is not None:
+        return [str(api.makes)]
+    asked = [str(m) for m, _ in api.outputs(body)] if api.outputs is not None else []
+    modalities = body.get("modalities")
+    said_text = not isinstance(modalities, list) or "text" in modalities
+    return (["text"] if said_text else []) + asked
 
 
 def _encoding(config: GatewayConfig, plan: RoutePlan, body: dict[str, Any]) -> dict[str, Any]:

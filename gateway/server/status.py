@@ -103,9 +103,23 @@ def output_cell(model: ModelConfig, modality: Modality) -> dict[str, Any]:
     if modality in model.produces:
         return {"verdict": "accepted", "text": "produced", "notes": []}
     policy = model.output_policy(modality)
-    if policy.action == "redirect":
-        return {"verdict": "converted", "text": f"redirected to {policy.target}", "target": policy.target, "notes": []}
+    if policy.action == "redirect":  # where a request asks for it beside text; the images and speech APIs refuse
+        asked, api = ASKED_BY[modality]
+        notes = [f"asked by {asked}; on the {api} API: rejected (400)"]
+        return {
+            "verdict": "converted",
+            "text": f"redirected to {policy.target}",
+            "target": policy.target,
+            "notes": notes,
+        }
     return {"verdict": "rejected", "text": "rejected (400)", "notes": []}
+
+
+# what asks a model for an output beside text (gateway.admission.outputs), and the API of that output alone
+ASKED_BY = {
+    Modality.AUDIO: ("chat's modalities or audio", "speech"),
+    Modality.IMAGE: ("a Responses image_generation tool", "images"),
+}
 
 
 def capabilities(config: GatewayConfig) -> list[dict[str, Any]]:

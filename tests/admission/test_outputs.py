@@ -52,7 +52,7 @@ models:
         ({"modalities": ["text", "audio"], "audio": {"voice": "alloy"}}, [(Modality.AUDIO, "modalities[1]")]),
         ({"audio": {"voice": "alloy", "format": "wav"}}, [(Modality.AUDIO, "audio")]),
         ({"modalities": ["image"]}, [(Modality.IMAGE, "modalities[0]")]),
-        ({"modalities": ["video"]}, [(Modality.VIDEO, "modalities[0]")]),  # no model produces it: refused by all
+        ({"modalities": ["text"], "audio": {"voice": "alloy"}}, []),  # modalities decides; audio sets a voice
     ],
 )  # fmt: skip
 def test_chat_asks_in_modalities_and_audio(body: dict[str, Any], asked: list[tuple[Modality, str]]) -> None:
@@ -66,6 +66,7 @@ def test_chat_asks_in_modalities_and_audio(body: dict[str, Any], asked: list[tup
         ({"modalities": ["text", "auido"]}, "modalities[1]", "unknown output modality 'auido' in 'modalities' "
          "(expected text, audio or image); did you mean 'audio'?"),
         ({"modalities": [7]}, "modalities[0]", "unknown output modality 'int' in 'modalities'"),
+        ({"modalities": ["video"]}, "modalities[0]", "unknown output modality 'video' in 'modalities'"),
     ],
 )  # fmt: skip
 def test_chat_modalities_that_name_nothing_are_a_400(body: dict[str, Any], param: str, message: str) -> None:
@@ -187,3 +188,55 @@ async def test_the_images_and_speech_apis_are_served_by_models_that_make_them(
     labels = {"model": "plain", "reason": "unsupported_output"}
     assert gw.sample("gateway_modality_rejections_total", modality="image", api="images", **labels) == 1
     assert gw.sample("gateway_modality_rejections_total", modality="audio", api="speech", **labels) == 1
+
+
+def test_an_input_redirect_is_held_to_the_outputs_asked_and_never_loops_back() -> None:
+    """Both kinds in one request: the model it ends at must produce what was asked; an input
+    redirect back to the model an output redirect left is not taken (a 400, never a 500)."""
+    config = parse_config(
+        """
+version: 1
+models:
+  - {name: c, upstreams: ['http://h:1'], accepts: [text], produces: [text, audio],
+     on_unsupported: {video: {redirect: d}}}
+  - {name: d, upstreams: ['http://h:1'], accepts: [text, video]}
+  - {name: a, upstreams: ['http://h:1'], accepts: [text, image], on_unsupported_output: {audio: {redirect: b}}}
+  - {name: b, upstreams: ['http://h:1'], accepts: [text], produces: [text, audio],
+     on_unsupported: {image: {redirect: a}}}
+"""
+    )
+    audio = {"modalities": ["text", "audio"]}
+    clip = {"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}}
+    with pytest.raises(UnsupportedOutputModalityError) as refused:
+        admit(config, {"model": "c", **audio, "messages": [{"role": "user", "content": [clip]}]})
+    assert refused.value.param == "modalities[1]"
+    assert refused.value.message == "Model 'd' (redirected from 'c') does not produce audio output (it produces: text)"
+    picture = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    from gateway.errors import UnsupportedModalityError
+
+    with pytest.raises(UnsupportedModalityError) as looped:
+        admit(config, {"model": "a", **audio, "messages": [{"role": "user", "content": [picture]}]})
+    assert looped.value.message.startswith(
+        "Model 'b' (redirected from 'a' for audio output) does not accept image input"
+    )
+
+
+def test_check_lets_an_input_redirect_skip_the_output_apis_and_wants_text_where_text_is_served() -> None:
+    from gateway.errors import ConfigError
+
+    fine = parse_config(
+        "version: 1\nmodels:\n"
+        "  - {name: omni, upstreams: ['http://h:1'], accepts: [text, audio], apis: [chat, speech],\n"
+        "     produces: [text, audio], on_unsupported: {video: {redirect: vl}}}\n"
+        "  - {name: vl, upstreams: ['http://h:1'], accepts: [text, video], apis: [chat]}\n"
+        "  - {name: img, upstreams: ['http://h:1'], accepts: [text], apis: [images], produces: [image]}\n"
+    )
+    assert fine.model("img") is not None and fine.model("img").produces == (Modality.IMAGE,)  # type: ignore[union-attr]
+    with pytest.raises(ConfigError) as refused:
+        parse_config(
+            "version: 1\nmodels:\n  - {name: bad, upstreams: ['http://h:1'], accepts: [text], produces: [image]}\n",
+            filename="r.yaml",
+        )
+    assert "models[0].produces: must include 'text': the model serves chat, completions, responses, messages" in str(
+        refused.value
+    )

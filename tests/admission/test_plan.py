@@ -531,7 +531,7 @@ def test_explain_redirect_and_strip() -> None:
         "route": "redirect, strip",
         "encoder": None,
         "encode_decision": None,
-        "redirects": [{"from": "a", "modality": "video", "to": "b"}],
+        "redirects": [{"from": "a", "modality": "video", "to": "b", "for": "input"}],
         "counts": {"text": 2, "video": 1, "audio": 1},
         "parts": [
             {"location": "messages[0].content", "type": "string", "modalities": ["text"], "action": "accept"},

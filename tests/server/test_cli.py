@@ -226,7 +226,7 @@ def test_explain_redirect(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert decision["decision"] == "accept"
     assert (decision["requested_model"], decision["model"], decision["route"]) == ("kimi-k3", "qwen-omni", "redirect")
     assert decision["upstream_model"] == "Qwen/Qwen2.5-Omni-7B"
-    assert decision["redirects"] == [{"from": "kimi-k3", "modality": "video", "to": "qwen-omni"}]
+    assert decision["redirects"] == [{"from": "kimi-k3", "modality": "video", "to": "qwen-omni", "for": "input"}]
     assert [p["action"] for p in decision["parts"]] == ["accept", "accept"]
 
 
@@ -458,3 +458,28 @@ def test_explain_reads_the_api_from_the_body_unless_told(
         assert decision["api"] == api
     else:
         assert "'messages' must be" in decision["error"]["message"] and api == "chat"
+
+
+def test_explain_says_what_a_request_asks_to_be_answered_with(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from gateway.server.cli import guess_api
+
+    table = tmp_path / "routing.yaml"
+    table.write_text(
+        "version: 1\nmodels:\n"
+        "  - {name: talker, upstreams: ['http://h:1'], accepts: [text], produces: [text, audio],\n"
+        "     apis: [chat, speech]}\n"
+        "  - {name: texty, upstreams: ['http://h:1'], accepts: [text]}\n"
+    )
+    speech = {"model": "talker", "input": "hello there", "voice": "alloy"}
+    assert guess_api(speech) == "speech"
+    said = []
+    for body in (speech, {"model": "talker", "modalities": ["audio"], "messages": [{"role": "user", "content": "hi"}]}):
+        assert main(["explain", "--config", str(table), write_request(tmp_path, body)]) == 0
+        decision = json.loads(capsys.readouterr().out)
+        said.append((decision["api"], decision["outputs"]))
+    assert said == [("speech", ["audio"]), ("chat", ["audio"])]
+    refused = {"model": "texty", "input": "hi", "voice": "alloy"}
+    assert main(["explain", "--config", str(table), write_request(tmp_path, refused)]) == 1
+    assert json.loads(capsys.readouterr().out)["error"]["code"] == "unsupported_output_modality"

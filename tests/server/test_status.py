@@ -85,7 +85,7 @@ def test_each_cell_says_what_becomes_of_such_a_part() -> None:
         "verdict": "converted",
         "text": "redirected to ears",
         "target": "ears",
-        "notes": [],
+        "notes": ["asked by chat's modalities or audio; on the speech API: rejected (400)"],
     }
     assert rows["vision"]["out"]["audio"]["text"] == rejected and rows["vision"]["out"]["text"] == produced
 
