@@ -57,7 +57,8 @@ LIMITED_KEY = "sk-openapi-test-limited"  # one request a minute
 MAX_BODY_BYTES = 1 << 20
 # every door
 APIS = (
-    "[chat, completions, responses, messages, embeddings, score, rerank, transcriptions, translations, images, speech]"
+    "[chat, completions, responses, messages, embeddings, score, rerank, transcriptions, translations, images, edits, "
+    "speech]"
 )
 PRODUCES = "[text, audio, image]"  # every output: a schema-valid request to images or speech is served
 
@@ -235,7 +236,8 @@ models:
     accepts: [text]
     apis: {APIS}
     produces: {PRODUCES}
-    on_unsupported: {{image: strip, video: strip, audio: {{redirect: qwen-omni}}, file: strip}}
+    # an image to edit cannot be stripped: images go where they are taken (video and files are stripped)
+    on_unsupported: {{image: {{redirect: qwen-omni}}, video: strip, audio: {{redirect: qwen-omni}}, file: strip}}
 """
 
 

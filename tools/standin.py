@@ -53,6 +53,7 @@ from typing import Any
 
 import orjson
 from aiohttp import BodyPartReader, web
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
 CREATED = 1_700_000_000  # fixed, so replies are byte-for-byte repeatable
@@ -101,6 +102,7 @@ class StandIn:
         app.router.add_post("/v1/audio/transcriptions", self._transcribe)
         app.router.add_post("/v1/audio/translations", self._transcribe)
         app.router.add_post("/v1/images/generations", self._images)
+        app.router.add_post("/v1/images/edits", self._edits)
         app.router.add_post("/v1/audio/speech", self._speech)
         app.router.add_get("/health", self._health)
         return app
@@ -411,6 +413,31 @@ class StandIn:
         count = payload.get("n", 1) if isinstance(payload.get("n", 1), int) else 1
         data = [{"b64_json": TINY_PNG, "revised_prompt": payload.get("prompt")} for _ in range(max(1, count))]
         return web.json_response({"created": CREATED, "data": data})
+
+    async def _edits(self, request: web.Request) -> web.StreamResponse:
+        """An image edit (OpenAI's images API, multipart): the edited image, inline; what it was
+        sent is recorded as a transcription's form is (each field's name, file name, type and size)."""
+
+        def text(value: str | None) -> str | None:  # a form's names may hold anything: recorded as UTF-8 can
+            return None if value is None else value.encode("utf-8", "replace").decode()
+
+        fields: list[list[Any]] = []
+        try:
+            async for part in await request.multipart():
+                if isinstance(part, BodyPartReader) and part.name:
+                    data = await part.read()
+                    small = data.decode(errors="replace") if part.filename is None and len(data) < 4096 else None
+                    fields.append(
+                        [text(part.name), text(part.filename), part.headers.get("Content-Type"), len(data), small]
+                    )
+        except (ValueError, HttpProcessingError) as exc:  # a form it cannot read: a 400, as an engine answers
+            error = {"message": f"malformed form: {exc}", "type": "BadRequestError", "param": None, "code": 400}
+            return web.json_response({"error": error}, status=400)
+        if self.record:
+            self.received.append(
+                Received(request.method, request.path_qs, CIMultiDict(request.headers), orjson.dumps(fields))
+            )
+        return web.json_response({"created": CREATED, "data": [{"b64_json": TINY_PNG}]})
 
     async def _speech(self, request: web.Request) -> web.StreamResponse:
         """A text-to-speech model's answer (OpenAI's speech API): audio bytes, a WAV of silence

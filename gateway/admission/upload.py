@@ -16,7 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import GatewayConfig, ModelConfig
-from ..errors import InvalidRequestError, MediaRefusedError, Rejection, UnsupportedModalityError, clip
+from ..errors import (
+    InvalidRequestError,
+    MediaRefusedError,
+    Rejection,
+    TooManyItemsError,
+    UnsupportedModalityError,
+    clip,
+)
 from ..modalities import Modality
 from .apis import Api
 from .parts import CHAT_PARTS, Classification, Content, Part
@@ -71,7 +78,7 @@ class Form:
 def parse_form(body: bytes, content_type: str) -> Form:
     """The parts of a multipart/form-data body; 400 for anything else or a malformed one."""
     if not content_type.lower().startswith("multipart/form-data"):
-        raise InvalidRequestError("An audio upload is multipart/form-data, with the audio as its 'file' part")
+        raise InvalidRequestError("An upload is multipart/form-data (an audio's 'file' part, an edit's 'image')")
     match = _BOUNDARY.search(content_type)
     if match is None:
         raise InvalidRequestError("multipart/form-data without a boundary")
@@ -121,6 +128,11 @@ def _no_view(body: dict[str, Any], bounds: Any) -> list[Content]:
 
 TRANSCRIPTIONS = Api("transcriptions", "/v1/audio/transcriptions", CHAT_PARTS, _no_view, door="upload")
 TRANSLATIONS = Api("translations", "/v1/audio/translations", CHAT_PARTS, _no_view, door="upload")
+# an image edit: images in (its `image` parts, and a `mask`), an image out (the model must produce it)
+EDITS = Api(
+    "edits", "/v1/images/edits", CHAT_PARTS, _no_view, door="upload", operation="image_edit", makes=Modality.IMAGE
+)
+IMAGE_FIELDS = ("image", "image[]", "mask")  # as the OpenAI SDK sends one image, several, and the mask
 _AUDIO = Classification((Part(0, None, "file", (Modality.AUDIO,), "file"),), {Modality.AUDIO: 1}, False)
 
 
@@ -132,7 +144,10 @@ def lookup_upload(config: GatewayConfig, form: Form, visible: Visible, api: Api)
 
 def admit_upload(config: GatewayConfig, form: Form, visible: Visible, *, requested: ModelConfig, api: Api) -> RoutePlan:
     """The plan of an audio upload: its model takes audio, or redirects audio to one that does
-    (and serves this API); the file within media.max_audio_bytes. Nothing else is converted."""
+    (and serves this API); the file within media.max_audio_bytes. Nothing else is converted.
+    An image edit's: :func:`admit_edit`."""
+    if api.makes is Modality.IMAGE:
+        return admit_edit(config, form, visible, requested=requested, api=api)
     audio = form.field("file")
     if audio is None:
         raise InvalidRequestError("The form has no 'file' part (the audio)", param="file")
@@ -158,3 +173,50 @@ def admit_upload(config: GatewayConfig, form: Form, visible: Visible, *, request
             )
         model, redirects = target, (Redirect(requested.name, Modality.AUDIO, target.name),)
     return RoutePlan(requested.name, model, _AUDIO, redirects, api=api)
+
+
+def admit_edit(config: GatewayConfig, form: Form, visible: Visible, *, requested: ModelConfig, api: Api) -> RoutePlan:
+    """The plan of an image edit (``/v1/images/edits``): its model produces images (its lookup
+    says so) and takes them in, or redirects images to one that does both (and serves this API);
+    each image and the mask within media.max_image_bytes, its images within the model's
+    ``limits.image``; forwarded as sent."""
+    images = [f for f in form.fields if f.name in IMAGE_FIELDS]
+    if not any(f.name != "mask" for f in images):
+        raise InvalidRequestError("The form has no 'image' part (the image to edit)", param="image")
+    model = requested
+    redirects: tuple[Redirect, ...] = ()
+    if Modality.IMAGE not in model.accepts:
+        policy = model.policy(Modality.IMAGE)
+        target = config.model(policy.target or "") if policy.action == "redirect" else None
+        if not (
+            target is not None
+            and (visible is None or visible(target.name))
+            and api.name in target.apis
+            and Modality.IMAGE in target.accepts
+            and Modality.IMAGE in target.produces
+        ):
+            raise UnsupportedModalityError(
+                f"Model '{model.name}' does not accept image input: 'image' is an image to edit. It accepts: "
+                f"{model.accepts_text()}.",
+                param="image",
+                rejection=Rejection(model.name, "image", "unsupported"),
+            )
+        model, redirects = target, (Redirect(requested.name, Modality.IMAGE, target.name),)
+    most = config.media.max_image_bytes
+    for f in images:
+        if f.end - f.start > most:
+            raise MediaRefusedError(
+                f"{f.name}: the image is {f.end - f.start} bytes, over media.max_image_bytes ({most} bytes)",
+                param=f.name,
+                rejection=Rejection(requested.name, "image", "media_refused"),
+            )
+    edited = [f for f in images if f.name != "mask"]
+    if (limit := model.limits.get(Modality.IMAGE)) is not None and len(edited) > limit:
+        raise TooManyItemsError(
+            f"Model '{model.name}' takes at most {limit} image(s) per request; the form has {len(edited)}",
+            param="image",
+            rejection=Rejection(model.name, "image", "too_many_items"),
+        )
+    parts = tuple(Part(0, i, "image", (Modality.IMAGE,), f.name) for i, f in enumerate(images))
+    classification = Classification(parts, {Modality.IMAGE: len(images)}, False)
+    return RoutePlan(requested.name, model, classification, redirects, api=api)

@@ -104,9 +104,9 @@ OUTPUT_ACTIONS = ("reject",)  # and {redirect: MODEL}
 # The APIs a model's upstreams may serve (routing.yaml `apis:`), and what a generative model
 # served by vLLM or SGLang serves when the key is left out.
 API_NAMES = ("chat", "completions", "responses", "messages", "embeddings", "score", "rerank", "transcriptions",
-             "translations", "images", "speech")  # fmt: skip
+             "translations", "images", "edits", "speech")  # fmt: skip
 # the APIs whose answer is an output of its own: a model served on one must produce it
-PRODUCING_APIS = {"images": "image", "speech": "audio"}
+PRODUCING_APIS = {"images": "image", "edits": "image", "speech": "audio"}
 DEFAULT_APIS = API_NAMES[:4]  # a generative model's; a pooling model lists embeddings, score or rerank
 ENCODER_ERROR_ACTIONS = ("fail", "passthrough")
 UPSTREAM_CLIENTS = ("http1",)  # the gateway's own HTTP/1.1 client; aiohttp's was removed (issue 41)

@@ -3,7 +3,8 @@ made from the APIs' catalog (gateway.admission.apis.catalog): each API's routes 
 its ``door`` names: ``parts`` for those whose requests carry content parts (chat, Responses,
 Messages, the pooling APIs: every part admitted), ``text`` for the text-only completions and
 ``output`` for the APIs whose answer is one output (image generation, speech: the model must
-produce it, gateway.admission.plan.lookup), ``upload`` for audio uploads (gateway.server.audio).
+produce it, gateway.admission.plan.lookup), ``upload`` for uploads (gateway.server.uploads: audio,
+an image to edit).
 Each reads as the stages of its exchange (gateway.server.exchange)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from ..admission.apis import Api
 from ..admission.apis.catalog import APIS
 from ..admission.body import dump_body, exact
 from ..admission.plan import admit, lookup
-from . import audio, exchange
+from . import exchange, uploads
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -62,7 +63,7 @@ def text_door(api: Api) -> Handler:
     return handler
 
 
-DOORS = {"parts": door, "text": text_door, "upload": audio.door, "output": text_door}
+DOORS = {"parts": door, "text": text_door, "upload": uploads.door, "output": text_door}
 # every route the app registers: path -> (its handler, its API)
 ROUTES: dict[str, tuple[Handler, Api]] = {
     path: (handler, api) for api, handler in ((a, DOORS[a.door](a)) for a in APIS) for path in api.paths

@@ -32,7 +32,8 @@ models:
     upstreams: [{upstream}]
     accepts: [text, image]
     produces: [text, image]
-    apis: [chat, responses, images]
+    limits: {{image: 2}}
+    apis: [chat, responses, images, edits]
   - name: texty
     upstreams: [{upstream}]
     accepts: [text]
@@ -240,3 +241,67 @@ def test_check_lets_an_input_redirect_skip_the_output_apis_and_wants_text_where_
     assert "models[0].produces: must include 'text': the model serves chat, completions, responses, messages" in str(
         refused.value
     )
+
+
+async def test_an_image_edit_is_admitted_as_its_images_are_and_as_its_model_produces(
+    gateway_factory, upstream: Upstream
+) -> None:
+    """``images.edit`` (multipart): the model produces images and takes them in, each image within
+    media.max_image_bytes, the images within limits.image; forwarded as the SDK sent it."""
+    import orjson
+
+    from tests.images import png
+
+    gw = await _gateway(gateway_factory, upstream)
+    picture = ("in.png", png(), "image/png")
+    async with gw.client() as client:
+        edited = await client.images.edit(model="painter", image=picture, prompt="add a hat", mask=picture)
+        refusals = []
+        for model, images in (("plain", [picture]), ("talker", [picture]), ("painter", [picture] * 3)):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.images.edit(model=model, image=images, prompt="add a hat")
+            refusals.append(error_body(refused.value))
+    assert edited.data is not None and edited.data[0].b64_json
+    sent = {name: (filename, small) for name, filename, _, _, small in orjson.loads(upstream.received[0].body)}
+    assert sent["image"][0] == "in.png" and sent["mask"][0] == "in.png"
+    assert (sent["prompt"][1], sent["model"][1]) == ("add a hat", "painter")
+    assert [(r["code"], r["param"]) for r in refusals] == [
+        ("unsupported_output_modality", "model"),  # plain makes no images
+        ("unsupported_output_modality", "model"),  # talker neither
+        ("too_many_items", "image"),  # painter: 2 a request
+    ]
+    assert len(upstream.received) == 1  # no refusal reached the engine
+
+
+def test_an_edit_to_a_model_that_takes_no_images_in_is_refused_at_the_image() -> None:
+    from gateway.admission.upload import EDITS, admit_edit, parse_form
+    from gateway.errors import UnsupportedModalityError
+
+    config = parse_config(
+        "version: 1\nmodels:\n  - {name: drawer, upstreams: ['http://h:1'], accepts: [text], produces: [text, image],"
+        " apis: [edits]}\n"
+    )
+    body = (
+        b'--b\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n\r\nPNG\r\n'
+        b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\ndrawer\r\n--b--\r\n'
+    )
+    form = parse_form(body, "multipart/form-data; boundary=b")
+    drawer = config.model("drawer")
+    assert drawer is not None
+    with pytest.raises(UnsupportedModalityError) as refused:
+        admit_edit(config, form, None, requested=drawer, api=EDITS)
+    assert refused.value.param == "image" and "does not accept image input" in refused.value.message
+    # one that sends images to a model that takes and makes them: the edit goes there
+    sends = parse_config(
+        "version: 1\nmodels:\n"
+        "  - {name: drawer, upstreams: ['http://h:1'], accepts: [text], produces: [text, image], apis: [edits],\n"
+        "     on_unsupported: {image: {redirect: painter}}}\n"
+        "  - {name: painter, upstreams: ['http://h:1'], accepts: [text, image], produces: [text, image],\n"
+        "     apis: [edits]}\n"
+    )
+    first = sends.model("drawer")
+    assert first is not None
+    plan = admit_edit(sends, form, None, requested=first, api=EDITS)
+    assert (plan.model.name, plan.route) == ("painter", "redirect")
+    with pytest.raises(UnsupportedModalityError):  # not where the key may not go
+        admit_edit(sends, form, lambda name: name != "painter", requested=first, api=EDITS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from ..upload import TRANSCRIPTIONS, TRANSLATIONS
+from ..upload import EDITS, TRANSCRIPTIONS, TRANSLATIONS
 from . import CHAT, COMPLETIONS, IMAGES, SPEECH, Api, ErrorShape
 from .messages import COUNT_TOKENS, MESSAGES
 from .pooling import EMBEDDINGS, RERANK, SCORE
@@ -14,7 +14,7 @@ from .responses import RESPONSES
 
 APIS: tuple[Api, ...] = (
     CHAT, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS, EMBEDDINGS, SCORE, RERANK, TRANSCRIPTIONS, TRANSLATIONS,
-    IMAGES, SPEECH,
+    IMAGES, EDITS, SPEECH,
 )  # fmt: skip
 BY_PATH = MappingProxyType({path: api for api in APIS for path in api.paths})
 BY_NAME = MappingProxyType({api.name: api for api in reversed(APIS)})  # messages: MESSAGES, not COUNT_TOKENS

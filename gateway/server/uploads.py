@@ -1,8 +1,8 @@
-"""The doors of audio uploads: ``/v1/audio/transcriptions`` and ``/v1/audio/translations``
-(multipart/form-data, as the OpenAI SDK and vLLM's Whisper serving speak them). The form is
-admitted under the table (gateway.admission.upload) and forwarded as sent, its ``model`` renamed
-for the upstream where it must be; a streamed transcription (``stream=true``) is relayed event
-by event."""
+"""The doors of uploads (multipart/form-data, as the OpenAI SDK and the engines speak them):
+``/v1/audio/transcriptions`` and ``/v1/audio/translations`` (vLLM's Whisper serving), and
+``/v1/images/edits`` (an image to edit, and its mask). The form is admitted under the table
+(gateway.admission.upload) and forwarded as sent, its ``model`` renamed for the upstream where it
+must be; a streamed transcription (``stream=true``) is relayed event by event."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ async def _upload(request: web.Request, api: Api) -> web.StreamResponse:
 
 
 def door(api: Api) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    """The handler of an upload API (transcriptions, translations)."""
+    """The handler of an upload API (transcriptions, translations, edits)."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
         return await _upload(request, api)
@@ -42,7 +42,7 @@ def door(api: Api) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
 
 
 async def _begin(request: web.Request) -> tuple[Exchange, Form]:
-    """The exchange of an audio upload (multipart/form-data), its form read where its parts lie."""
+    """The exchange of an upload (multipart/form-data), its form read where its parts lie."""
     services = request.app[SERVICES_KEY]
     live = services.store.live
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
