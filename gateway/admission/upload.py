@@ -158,21 +158,41 @@ def admit_upload(config: GatewayConfig, form: Form, visible: Visible, *, request
             param="file",
             rejection=Rejection(requested.name, "audio", "media_refused"),
         )
-    model = requested
-    redirects: tuple[Redirect, ...] = ()
-    if Modality.AUDIO not in model.accepts:
-        policy = model.policy(Modality.AUDIO)
-        target = config.model(policy.target or "") if policy.action == "redirect" else None
-        usable = target is not None and (visible is None or visible(target.name)) and api.name in target.apis
-        if target is None or not usable or Modality.AUDIO not in target.accepts:
-            raise UnsupportedModalityError(
-                f"Model '{model.name}' does not accept audio input: 'file' is audio. It accepts: "
-                f"{model.accepts_text()}.",
-                param="file",
-                rejection=Rejection(model.name, "audio", "unsupported"),
-            )
-        model, redirects = target, (Redirect(requested.name, Modality.AUDIO, target.name),)
+    model, redirects = _taken(config, requested, Modality.AUDIO, (visible, api.name), ("file", "'file' is audio"))
     return RoutePlan(requested.name, model, _AUDIO, redirects, api=api)
+
+
+def _taken(
+    config: GatewayConfig,
+    requested: ModelConfig,
+    modality: Modality,
+    caller: tuple[Visible, str],
+    where: tuple[str, str],
+    produces: bool = False,
+) -> tuple[ModelConfig, tuple[Redirect, ...]]:
+    """The model that takes an upload's ``modality``: the one named, or the one its policy
+    redirects it to (a model the ``caller``'s key may use, that serves its API, takes it, and with
+    ``produces`` makes it too); else 400 ``unsupported_modality`` at ``where`` (its param, and what
+    it is)."""
+    if modality in requested.accepts:
+        return requested, ()
+    (visible, api), (param, said) = caller, where
+    policy = requested.policy(modality)
+    target = config.model(policy.target or "") if policy.action == "redirect" else None
+    if (
+        target is None
+        or not (visible is None or visible(target.name))
+        or api not in target.apis
+        or modality not in target.accepts
+        or (produces and modality not in target.produces)
+    ):
+        raise UnsupportedModalityError(
+            f"Model '{requested.name}' does not accept {modality} input: {said}. It accepts: "
+            f"{requested.accepts_text()}.",
+            param=param,
+            rejection=Rejection(requested.name, modality.value, "unsupported"),
+        )
+    return target, (Redirect(requested.name, modality, target.name),)
 
 
 def admit_edit(config: GatewayConfig, form: Form, visible: Visible, *, requested: ModelConfig, api: Api) -> RoutePlan:
@@ -183,25 +203,8 @@ def admit_edit(config: GatewayConfig, form: Form, visible: Visible, *, requested
     images = [f for f in form.fields if f.name in IMAGE_FIELDS]
     if not any(f.name != "mask" for f in images):
         raise InvalidRequestError("The form has no 'image' part (the image to edit)", param="image")
-    model = requested
-    redirects: tuple[Redirect, ...] = ()
-    if Modality.IMAGE not in model.accepts:
-        policy = model.policy(Modality.IMAGE)
-        target = config.model(policy.target or "") if policy.action == "redirect" else None
-        if not (
-            target is not None
-            and (visible is None or visible(target.name))
-            and api.name in target.apis
-            and Modality.IMAGE in target.accepts
-            and Modality.IMAGE in target.produces
-        ):
-            raise UnsupportedModalityError(
-                f"Model '{model.name}' does not accept image input: 'image' is an image to edit. It accepts: "
-                f"{model.accepts_text()}.",
-                param="image",
-                rejection=Rejection(model.name, "image", "unsupported"),
-            )
-        model, redirects = target, (Redirect(requested.name, Modality.IMAGE, target.name),)
+    caller, where = (visible, api.name), ("image", "'image' is an image to edit")
+    model, redirects = _taken(config, requested, Modality.IMAGE, caller, where, produces=True)
     most = config.media.max_image_bytes
     for f in images:
         if f.end - f.start > most:
