@@ -60,43 +60,38 @@ def responses_outputs(body: Mapping[str, Any]) -> Asked:
     ]
 
 
+def unproduced(model: ModelConfig, modality: Modality, param: str, via: str = "") -> UnsupportedOutputModalityError:
+    """The refusal of an output ``model`` does not produce, at the ``param`` that asked for it."""
+    return UnsupportedOutputModalityError(
+        f"Model '{model.name}'{via} does not produce {modality} output (it produces: {', '.join(model.produces)})",
+        param=param,
+        rejection=Rejection(model.name, modality.value, "unsupported_output"),
+    )
+
+
 def check(model: ModelConfig, asked: Asked, redirects: Sequence[Any]) -> None:
     """The model a request ends at (after its input redirects) produces what it asks, or
     :class:`UnsupportedOutputModalityError` naming the first output it does not."""
     for m, param in asked:
         if m not in model.produces:
             via = " (redirected " + ", then ".join(f"from '{r.source}'" for r in redirects) + ")" if redirects else ""
-            raise UnsupportedOutputModalityError(
-                f"Model '{model.name}'{via} does not produce {m} output (it produces: {', '.join(model.produces)})",
-                param=param,
-                rejection=Rejection(model.name, m.value, "unsupported_output"),
-            )
+            raise unproduced(model, m, param, via)
 
 
 def decide(
     config: GatewayConfig, model: ModelConfig, asked: Asked, may_use: Callable[[str], bool]
-) -> tuple[ModelConfig, list[Moved]]:
-    """The model that serves a request asking for ``asked``, and the redirects that led there; or
-    :class:`UnsupportedOutputModalityError` for the first output no model it may go to produces.
-    ``may_use``: whether the caller may send this request to a model (its key's list, and the API)."""
-    redirects: list[Moved] = []
+) -> tuple[ModelConfig, Moved | None]:
+    """The model that serves a request asking for ``asked``, and the redirect that led there (None:
+    the model asked); or :class:`UnsupportedOutputModalityError` for the first output it does not
+    produce and may not be sent for. A redirect's target produces every output asked, so one is
+    the most a request takes. ``may_use``: whether the caller may send this request to a model
+    (its key's list, and the API)."""
     for m, param in asked:
         if m in model.produces:
             continue
         policy = model.output_policy(m)
         target = config.model(policy.target or "") if policy.action == "redirect" else None
-        if (
-            target is not None
-            and target.name not in (source for source, _, _ in redirects)
-            and may_use(target.name)
-            and all(o in target.produces for o, _ in asked)
-        ):
-            redirects.append((model.name, m, target.name))
-            model = target
-            continue
-        raise UnsupportedOutputModalityError(
-            f"Model '{model.name}' does not produce {m} output (it produces: {', '.join(model.produces)})",
-            param=param,
-            rejection=Rejection(model.name, m.value, "unsupported_output"),
-        )
-    return model, redirects
+        if target is None or not may_use(target.name) or any(o not in target.produces for o, _ in asked):
+            raise unproduced(model, m, param)
+        return target, (model.name, m, target.name)
+    return model, None

@@ -40,7 +40,6 @@ from ..errors import (
     TooManyItemsError,
     UnsupportedApiError,
     UnsupportedModalityError,
-    UnsupportedOutputModalityError,
     clip,
     did_you_mean,
 )
@@ -70,11 +69,7 @@ def lookup(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = No
             param="model",
         )
     if (made := PRODUCING_APIS.get(api)) is not None and Modality(made) not in model.produces:
-        raise UnsupportedOutputModalityError(
-            f"Model '{model.name}' does not produce {made} output (it produces: {', '.join(model.produces)})",
-            param="model",
-            rejection=Rejection(model.name, made, "unsupported_output"),
-        )
+        raise outputs.unproduced(model, Modality(made), "model")
     if api not in model.apis:
         raise UnsupportedApiError(
             f"Model '{model.name}' is not served on the {api} API here (it serves: {', '.join(model.apis)})",
@@ -105,7 +100,8 @@ def admit(
         model, moved = outputs.decide(
             config, model, asked, lambda name: _may_use(visible, name) and _serves(config, name, api.name)
         )
-        redirects = [Redirect(*r, output=True) for r in moved]
+        if moved is not None:
+            redirects.append(Redirect(*moved, output=True))
     bounds = config.server.content_bounds
     contents = api.contents(body, bounds)  # the API's view: classified, and its images sized
     classification = api.classify(body, model=requested.name, bounds=bounds, contents=contents)

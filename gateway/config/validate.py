@@ -88,17 +88,11 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
                 continue
             if policy.action != "redirect":
                 continue
-            target = config.model(policy.target or "")
             if policy.target == model.name:
                 p.problem(f"{where}.redirect", f"model '{model.name}' redirects to itself")
-            elif target is None:
-                _not_here(config, p, f"{where}.redirect", policy.target)
-            elif m not in target.accepts:
-                p.problem(
-                    f"{where}.redirect",
-                    f"redirect target '{target.name}' does not accept '{m}' (it accepts: {target.accepts_text()})",
-                )
-            elif missing := [a for a in model.apis if a not in NOT_REDIRECTED and a not in target.apis]:
+            elif (target := _target(config, p, f"{where}.redirect", policy.target, (m, "accept"))) is not None and (
+                missing := [a for a in model.apis if a not in NOT_REDIRECTED and a not in target.apis]
+            ):
                 # a request on an API the target does not serve could not be redirected there
                 p.problem(
                     f"{where}.redirect",
@@ -126,9 +120,22 @@ TEXT_APIS = ("chat", "completions", "responses", "messages")  # what a model tha
 ASKED_ON = {Modality.AUDIO: ("chat",), Modality.IMAGE: ("responses",)}
 
 
-def _not_here(config: GatewayConfig, p: MarkedDocument, where: str, target: str | None) -> None:
-    names = ", ".join(mm.name for mm in config.models)
-    p.problem(where, f"redirect target '{target}' is not a model here ({names})")
+def _target(
+    config: GatewayConfig, p: MarkedDocument, where: str, name: str | None, offers: tuple[Modality, str]
+) -> ModelConfig | None:
+    """A redirect's target: a model of the table that does what ``offers`` says (a modality, and
+    ``accept`` or ``produce``) with it; else None, its problem said at ``where``."""
+    target = config.model(name or "")
+    if target is None:
+        names = ", ".join(mm.name for mm in config.models)
+        p.problem(where, f"redirect target '{name}' is not a model here ({names})")
+        return None
+    m, verb = offers
+    offered = target.accepts if verb == "accept" else target.produces
+    if m not in offered:
+        p.problem(where, f"redirect target '{target.name}' does not {verb} '{m}' (it {verb}s: {', '.join(offered)})")
+        return None
+    return target
 
 
 def _check_outputs(config: GatewayConfig, model: ModelConfig, path: str, p: MarkedDocument) -> None:
@@ -144,15 +151,8 @@ def _check_outputs(config: GatewayConfig, model: ModelConfig, path: str, p: Mark
             continue
         if policy.action != "redirect":
             continue
-        target = config.model(policy.target or "")
-        if target is None:
-            _not_here(config, p, f"{where}.redirect", policy.target)
-        elif m not in target.produces:
-            p.problem(
-                f"{where}.redirect",
-                f"redirect target '{target.name}' does not produce '{m}' (it produces: {', '.join(target.produces)})",
-            )
-        elif missing := [a for a in model.apis if a in ASKED_ON[m] and a not in target.apis]:
+        target = _target(config, p, f"{where}.redirect", policy.target, (m, "produce"))
+        if target is not None and (missing := [a for a in model.apis if a in ASKED_ON[m] and a not in target.apis]):
             p.problem(
                 f"{where}.redirect",
                 f"redirect target '{target.name}' does not serve {', '.join(missing)} (its apis: "

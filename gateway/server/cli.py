@@ -40,7 +40,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     command: Any = args.command
-    return int(command(args))
+    try:
+        return int(command(args))
+    except CannotListen as exc:  # serve's port in use: one line, not a traceback
+        print(f"modality-gateway: {exc}", file=sys.stderr)
+        return 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -283,11 +287,7 @@ def _serve(args: argparse.Namespace) -> int:
         return _serve_master(args, config, host, port)
     app = create_app(config, config_path=args.config)
     app.cleanup_ctx.append(reload_on_sighup)
-    try:
-        run(serve(app, (host, port), config.server, access_log=config.server.access_log))
-    except CannotListen as exc:
-        print(f"modality-gateway: {exc}", file=sys.stderr)
-        return 1
+    run(serve(app, (host, port), config.server, access_log=config.server.access_log))
     return 0
 
 
@@ -300,11 +300,7 @@ def _serve_master(args: argparse.Namespace, config: GatewayConfig, host: str, po
     master = Master(
         config, config_path=args.config, host=host, port=port, workers=args.workers, log_level=args.log_level
     )
-    try:
-        return run(master.run())
-    except CannotListen as exc:
-        print(f"modality-gateway: {exc}", file=sys.stderr)
-        return 1
+    return run(master.run())
 
 
 def _serve_worker(args: argparse.Namespace, config: GatewayConfig, index: int, host: str, port: int) -> int:

@@ -61,12 +61,8 @@ async def readyz(request: web.Request) -> web.Response:
     encoders and every upstream replica with its health and last error: addresses and errors are
     for operators, never for clients (the port is public)."""
     services = request.app[SERVICES_KEY]
-    draining = services.lifecycle.draining
-    ready = services.supervisor.ready and not draining
-    payload: dict[str, Any] = {
-        "status": "draining" if draining else "ready" if ready else "starting",
-        "config_generation": services.store.generation,
-    }
+    state = readiness(services)
+    payload: dict[str, Any] = {"status": state, "config_generation": services.store.generation}
     if is_admin(request, services):
         encoders: dict[str, Any] = {
             name: {"kind": spec.kind, "urls": list(spec.urls), "backends": services.encoder.backends(spec.urls)}
@@ -79,7 +75,14 @@ async def readyz(request: web.Request) -> web.Response:
         payload["upstreams"] = services.store.replicas.snapshot()
         if services.lifecycle.worker is not None:  # serve --workers N: which one answered
             payload["worker"] = {"index": services.lifecycle.worker, "pid": os.getpid()}
-    return json_response(payload, status=200 if ready else 503)
+    return json_response(payload, status=200 if state == "ready" else 503)
+
+
+def readiness(services: Services) -> str:
+    """``draining`` from SIGTERM on, ``ready`` while every local encoder is, else ``starting``."""
+    if services.lifecycle.draining:
+        return "draining"
+    return "ready" if services.supervisor.ready else "starting"
 
 
 async def admin_reload(request: web.Request) -> web.Response:
@@ -123,18 +126,23 @@ def metrics_endpoint(scrape: Handler) -> Handler:
     Without ``auth:`` the gateway is open, /metrics too."""
 
     async def metrics(request: web.Request) -> web.StreamResponse:
-        services = request.app[SERVICES_KEY]
-        if services.store.live.keyring is not None:
-            env = services.store.current.server.admin_token_env
-            check_admin(
-                request,
-                services,
-                disabled=f"With auth: on, /metrics needs the admin token: set the {env} environment variable "
-                "and scrape with it ('Authorization: Bearer <token>')",
-            )
+        check_operator(request, request.app[SERVICES_KEY], "/metrics needs", "scrape with it")
         return await scrape(request)
 
     return metrics
+
+
+def check_operator(request: web.Request, services: Services, needs: str, use: str) -> None:
+    """What names every model, key and replica (/metrics, /status): open without ``auth:``; with
+    it, the admin token's (403 ``needs`` while none is set, saying to ``use`` it; 401 without it)."""
+    if services.store.live.keyring is not None:
+        env = services.store.current.server.admin_token_env
+        check_admin(
+            request,
+            services,
+            disabled=f"With auth: on, {needs} the admin token: set the {env} environment variable "
+            f"and {use} ('Authorization: Bearer <token>')",
+        )
 
 
 def _admin_token(services: Services) -> str:

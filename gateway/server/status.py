@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from ..config import GatewayConfig, ModelConfig, Policy
 from ..modalities import MODALITIES, Modality
-from .handlers import Handler, check_admin, is_admin, json_response
+from .handlers import Handler, check_operator, is_admin, json_response, readiness
 from .state import SERVICES_KEY
 
 PAGE = files("gateway.server").joinpath("status.html").read_bytes()  # read once: the page is static
@@ -140,9 +140,8 @@ def capabilities(config: GatewayConfig) -> list[dict[str, Any]]:
 
 def counts(registry: CollectorRegistry, models: Iterable[str]) -> dict[str, dict[str, float]]:
     """Per model: requests answered (below 400), refused (4xx), failed (5xx), not those whose client
-    left first (499); of them refused for
-    their content, redirected to another model, and the parts converted (stripped, described,
-    extracted, downscaled), as gateway_*_total count them."""
+    left first (499); of them refused for their content, redirected to another model, and the
+    parts converted (stripped, described, extracted, downscaled), as gateway_*_total count them."""
     totals = {name: dict.fromkeys(ROW, 0.0) for name in models}
     for family in registry.collect():
         what = COUNTED.get(family.name)
@@ -190,15 +189,8 @@ def endpoint(scrape: CollectorRegistry) -> Handler:
 
     async def status(request: web.Request) -> web.Response:
         services = request.app[SERVICES_KEY]
+        check_operator(request, services, "the status needs", "send it")  # as /metrics
         live = services.store.live
-        if live.keyring is not None:  # auth on: as /metrics
-            env = live.config.server.admin_token_env
-            check_admin(
-                request,
-                services,
-                disabled=f"With auth: on, the status needs the admin token: set the {env} environment variable "
-                "and send it ('Authorization: Bearer <token>')",
-            )
         config = live.config
         admin = is_admin(request, services)
         encoders: dict[str, Any] = {name: {"kind": spec.kind} for name, spec in config.encoders.items()}
@@ -210,11 +202,7 @@ def endpoint(scrape: CollectorRegistry) -> Handler:
         names = [m.name for m in config.models]
         return json_response(
             {
-                "status": "draining"
-                if services.lifecycle.draining
-                else "ready"
-                if services.supervisor.ready
-                else "starting",
+                "status": readiness(services),
                 "config_generation": live.number,
                 "loaded_at": services.store.loaded_at,
                 "modalities": [str(m) for m in MODALITIES],
