@@ -242,34 +242,49 @@ def test_shutting_down_ends_a_wait_to_ask_again(collector: Callable[..., _Collec
     assert len(received.got) == 1
 
 
-def test_a_collector_not_there_costs_the_batch_within_the_timeout(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_collector_not_there_costs_the_batch_within_the_timeout(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import socket
 
     from opentelemetry.sdk.trace.export import SpanExportResult
 
+    from gateway import otlp
     from gateway.otlp import SpanSender
 
     with socket.socket() as closed:  # a port nothing listens on
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    sender = SpanSender(f"http://127.0.0.1:{port}/v1/traces", timeout=0.5)  # no second try fits in it
+    monkeypatch.setattr(otlp, "_delay", lambda attempt, retry_after: 3600.0)  # the next try past the timeout
+    sender = SpanSender(f"http://127.0.0.1:{port}/v1/traces", timeout=30)  # no second try fits in it
     assert sender.export(_spans()) is SpanExportResult.FAILURE
     sender.shutdown()
     assert "not exported to the collector (ConnectionRefusedError" in caplog.text
 
 
-def test_a_kept_connection_the_collector_closed_is_replaced_at_once(collector: Callable[..., _Collector]) -> None:
-    """Its request fails as it is sent: sent again on a new connection, not after a backoff (the
-    timeout here leaves no room for one)."""
+def test_a_kept_connection_the_collector_closed_is_replaced_at_once(
+    collector: Callable[..., _Collector], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its request fails as it is sent: sent again on a new connection, not after a backoff (no
+    wait before another try is ever asked for: counted, not timed)."""
     from opentelemetry.sdk.trace.export import SpanExportResult
 
+    from gateway import otlp
     from gateway.otlp import SpanSender
 
+    waits: list[int] = []
+
+    def delay(attempt: int, retry_after: str | None) -> float:
+        waits.append(attempt)
+        return 0.0
+
+    monkeypatch.setattr(otlp, "_delay", delay)
     received = collector(drop=True)
-    sender = SpanSender(received.url, timeout=0.5)
+    sender = SpanSender(received.url, timeout=30)
     try:
         for n in (3, 2, 1):
             assert sender.export(_spans()[:n]) is SpanExportResult.SUCCESS
     finally:
         sender.shutdown()
     assert [_spans_in(body) for _, body in received.got] == [3, 2, 1]
+    assert waits == []
