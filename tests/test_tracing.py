@@ -312,24 +312,25 @@ async def test_a_clients_tracestate_and_baggage_go_upstream_within_w3cs_bounds(u
 
 @needs_tracing
 @pytest.mark.parametrize("trust", [False, True])
-def test_a_request_not_sampled_never_reaches_the_sdk_yet_its_context_goes_on(monkeypatch, trust: bool) -> None:
+def test_a_request_not_sampled_makes_no_span_yet_its_context_goes_on(monkeypatch, trust: bool) -> None:
     """Sampling is decided once, as the request opens: one not sampled costs its context alone (no
     span of the SDK's, no attributes), and what it passes upstream says not sampled, in the
     client's trace where it came with one."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+    import gateway.tracing
     from gateway.tracing import Tracing, stage
 
     exported = InMemorySpanExporter()
     tracing = Tracing("http://127.0.0.1:9", 0.0, exporter=exported, trust_client_sampling=trust)
     made: list[str] = []
-    real = tracing._tracer.start_span
 
-    def start_span(name: str, *args: Any, **named: Any) -> Any:
-        made.append(name)
-        return real(name, *args, **named)
+    class Counted(gateway.tracing.Span):
+        def __init__(self, tracing: Tracing, name: str, *args: Any) -> None:
+            made.append(name)
+            super().__init__(tracing, name, *args)
 
-    monkeypatch.setattr(tracing._tracer, "start_span", start_span)
+    monkeypatch.setattr(gateway.tracing, "Span", Counted)
     sent = []
     for headers in ({}, {"traceparent": CLIENT_PARENT.removesuffix("01") + "00"}, {"traceparent": CLIENT_PARENT}):
         opened = tracing.open(headers, "chat", "POST", "/v1/chat/completions", "rid")
@@ -347,4 +348,48 @@ def test_a_request_not_sampled_never_reaches_the_sdk_yet_its_context_goes_on(mon
     assert new is not None and new.group(1) != CLIENT_TRACE and new.group(3) == "00"
     assert unsampled is not None and unsampled.group(1) == CLIENT_TRACE and unsampled.group(3) == "00"
     assert sampled is not None and sampled.group(1) == CLIENT_TRACE and sampled.group(3) == ("01" if trust else "00")
+    tracing.shutdown()
+
+
+@needs_tracing
+def test_spans_made_here_keep_the_sdks_environment_limits_and_a_stages_failure(monkeypatch) -> None:
+    """The spans are the gateway's, handed to the SDK's batch processor: the environment the SDK
+    reads still holds (the resource's OTEL_RESOURCE_ATTRIBUTES, OTEL_SPAN_ATTRIBUTE_* limits); a
+    stage that fails is marked; an ended span takes nothing more (its attributes are the export's)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    from gateway.tracing import Tracing
+
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test")
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "4")
+    exported = InMemorySpanExporter()
+    tracing = Tracing("http://127.0.0.1:9", 1.0, exporter=exported, version="9.9")
+    opened = tracing.open({"traceparent": CLIENT_PARENT, "tracestate": "a=1"}, "chat", "POST", "/p", "rid")
+    with pytest.raises(ValueError), tracing.stage("gateway.decode", {"gateway.media": "video"}):
+        raise ValueError("not shown")
+    attempt = tracing.start("gateway.upstream", {"server.port": 8000}, kind="client")
+    sent: dict[str, str] = {}
+    tracing.inject(sent, attempt)
+    attempt.end()
+    attempt.set_attribute("late", "x")
+    tracing.close(opened, 502, None, "m")
+    assert tracing.flush()
+    decode, upstream, request = exported.get_finished_spans()
+    assert request.resource.attributes["deployment.environment"] == "test"
+    assert request.resource.attributes["service.version"] == "9.9"
+    assert request.instrumentation_scope is not None and request.instrumentation_scope.name == "modality-gateway"
+    assert (request.name, request.kind, request.status.status_code) == ("chat m", SpanKind.SERVER, StatusCode.ERROR)
+    assert (
+        request.parent is not None and request.parent.is_remote and f"{request.context.trace_id:032x}" == CLIENT_TRACE
+    )
+    assert request.attributes is not None and request.attributes["url.path"] == "/p"
+    assert request.attributes["error.type"] == "502" and request.attributes["gateway.request_id"] == "rid"
+    assert decode.attributes == {"gateway.media": "vide", "error.type": "Valu"}  # every value held to 4
+    assert decode.status.status_code == StatusCode.ERROR and decode.parent == request.context
+    assert upstream.kind == SpanKind.CLIENT and upstream.attributes == {"server.port": 8000}
+    assert (
+        upstream.start_time is not None and upstream.end_time is not None and upstream.start_time <= upstream.end_time
+    )
+    assert sent == {"traceparent": f"00-{CLIENT_TRACE}-{upstream.context.span_id:016x}-01", "tracestate": "a=1"}
     tracing.shutdown()

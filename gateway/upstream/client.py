@@ -17,6 +17,7 @@ untouched.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import urllib.parse
@@ -286,14 +287,16 @@ class UpstreamClient:
         if not self._tracing.recording():
             self._tracing.inject(sending.headers)
             return None
-        url = urllib.parse.urlsplit(replica.url)
-        host, port = url.hostname or "", url.port or (443 if url.scheme == "https" else 80)
         span = self._tracing.start(
             "gateway.upstream",
-            {"server.address": host, "server.port": port, "url.path": sending.path, "gateway.attempt": attempt,
-             "http.request.method": "POST"},
+            {
+                **_address(replica.url),
+                "url.path": sending.path,
+                "gateway.attempt": attempt,
+                "http.request.method": "POST",
+            },
             kind="client",
-        )  # fmt: skip
+        )
         self._tracing.inject(sending.headers, span)
         return span
 
@@ -304,6 +307,13 @@ class UpstreamClient:
         if dispatch.timeouts.stream_idle is None:
             return None
         return self._tracing.start("gateway.relay", {"gateway.stream": True}, parent=attempt)
+
+
+@functools.lru_cache(maxsize=1024)
+def _address(replica: str) -> dict[str, str | int]:
+    """An attempt span's ``server.address`` and ``server.port``: a replica's, read from its URL once."""
+    url = urllib.parse.urlsplit(replica)
+    return {"server.address": url.hostname or "", "server.port": url.port or (443 if url.scheme == "https" else 80)}
 
 
 @record
