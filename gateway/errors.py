@@ -76,7 +76,8 @@ from aiohttp import web
 class Rejection:
     """What a rejection counts as: ``reason`` is one of unsupported, too_many_items,
     invalid_content, media_refused, too_many_visual_tokens, image_too_large, unsupported_output
-    (an output the model does not produce: ``modality`` is the output's)."""
+    (an output the model does not produce: ``modality`` is the output's), output_limit (images
+    asked past the model's ``output_limits``)."""
 
     model: str
     modality: str

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import re
 import time
 from collections import Counter
@@ -84,6 +85,7 @@ class StandIn:
     healthy: bool = True  # GET /health: 200, or 503 when False
     record: bool = True  # False: keep nothing in ``received`` (a benchmark's millions of requests)
     stored: set[str] = field(default_factory=set)  # ids of the responses it stores, as vLLM's store keeps them
+    images_made: int = 0  # generations answered: each one's id, and the file a URL of it names
     hold: asyncio.Event | None = None  # each request, once recorded, waits for it (a test's saturated engine)
     # the engine's own check of a JSON body, (path, body) -> its refusal's message or None (see above)
     check: Callable[[str, Any], str | None] | None = None
@@ -103,6 +105,7 @@ class StandIn:
         app.router.add_post("/v1/audio/translations", self._transcribe)
         app.router.add_post("/v1/images/generations", self._images)
         app.router.add_post("/v1/images/edits", self._edits)
+        app.router.add_get("/v1/images/{id}/content", self._image_file)
         app.router.add_post("/v1/audio/speech", self._speech)
         app.router.add_get("/health", self._health)
         return app
@@ -405,14 +408,47 @@ class StandIn:
                                   "results": results})  # fmt: skip
 
     async def _images(self, request: web.Request) -> web.StreamResponse:
-        """An image generation model's answer (OpenAI's images API, as vLLM-Omni's and SGLang's
-        diffusion servers serve it): ``n`` images, inline (``b64_json``), each a 1x1 PNG."""
+        """An image generation model's answer, as SGLang's diffusion server gives it (its
+        ImageResponse; tests/conformance holds it to SGLang's model): ``n`` images (1 to 10, as
+        SGLang clamps it), each a 1x1 PNG, inline (``b64_json``) or, as SGLang answers when the
+        request says no ``response_format``, a URL of a file on this replica alone
+        (``/v1/images/{id}/content``, relative: the client resolves it against where it asked).
+        A ``response_format`` or ``size`` SGLang refuses is a 400 in FastAPI's shape."""
         payload, error = await self._record(request)
         if error is not None:
             return error
-        count = payload.get("n", 1) if isinstance(payload.get("n", 1), int) else 1
-        data = [{"b64_json": TINY_PNG, "revised_prompt": payload.get("prompt")} for _ in range(max(1, count))]
-        return web.json_response({"created": CREATED, "data": data})
+        fmt = payload.get("response_format") or "url"
+        if not isinstance(fmt, str) or fmt.lower() not in ("url", "b64_json"):
+            return web.json_response({"detail": "response_format must be 'url' or 'b64_json'"}, status=400)
+        size = payload.get("size")
+        if size and not re.fullmatch(r"[1-9][0-9]*x[1-9][0-9]*", str(size).lower().replace(" ", "")):
+            return web.json_response({"detail": "size must be formatted as positive WIDTHxHEIGHT"}, status=400)
+        n = payload.get("n")
+        count = max(1, min(n if isinstance(n, int) and not isinstance(n, bool) else 1, 10))
+        self.images_made += 1
+        made = f"img-{self.name}-{self.images_made}"
+        inline = fmt.lower() == "b64_json"
+        data = [
+            {
+                "b64_json": TINY_PNG if inline else None,
+                "url": None if inline else f"/v1/images/{made}/content" + (f"?variant={i}" if count > 1 else ""),
+                "revised_prompt": payload.get("prompt"),
+                "file_path": None,
+                "resize": None,
+            }
+            for i in range(count)
+        ]
+        return web.json_response(
+            {"id": made, "created": CREATED, "data": data, "peak_memory_mb": None, "inference_time_s": None,
+             "usage": None}
+        )  # fmt: skip
+
+    async def _image_file(self, request: web.Request) -> web.StreamResponse:
+        """A generated image's file, on the replica that made it only (SGLang's ``/content``)."""
+        made = request.match_info["id"]
+        if not made.startswith(f"img-{self.name}-"):
+            return web.json_response({"detail": f"image {made} not found"}, status=404)
+        return web.Response(body=base64.b64decode(TINY_PNG), content_type="image/png")
 
     async def _edits(self, request: web.Request) -> web.StreamResponse:
         """An image edit (OpenAI's images API, multipart): the edited image, inline; what it was

@@ -16,8 +16,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..config import GatewayConfig, ModelConfig
-from ..config.keys import OUTPUT_MODALITIES
-from ..errors import InvalidRequestError, Rejection, UnsupportedOutputModalityError, clip, did_you_mean
+from ..config.keys import OUTPUT_MODALITIES, PRODUCING_APIS
+from ..config.outputs import parse_size
+from ..config.types import OutputLimits
+from ..errors import (
+    InvalidRequestError,
+    Rejection,
+    TooManyItemsError,
+    UnsupportedOutputModalityError,
+    clip,
+    did_you_mean,
+)
 from ..modalities import Modality
 
 Asked = list[tuple[Modality, str]]  # each output asked beside text, with the param that asks for it
@@ -95,3 +104,118 @@ def decide(
             raise unproduced(model, m, param)
         return target, (model.name, m, target.name)
     return model, None
+
+
+def serving(config: GatewayConfig, model: ModelConfig, api: str, may_use: Callable[[str], bool]) -> ModelConfig:
+    """The model that serves a request of an API whose answer is an output (images, edits,
+    speech): the one it names, which produces it, or the one its ``on_unsupported_output``
+    redirects the output to (that the caller may use, that produces it and serves ``api``); else
+    400 ``unsupported_output_modality`` at ``model``."""
+    made = Modality(PRODUCING_APIS[api])
+    if made in model.produces:
+        return model
+    policy = model.output_policy(made)
+    target = config.model(policy.target or "") if policy.action == "redirect" else None
+    if target is None or made not in target.produces or api not in target.apis or not may_use(target.name):
+        raise unproduced(model, made, "model")
+    return target
+
+
+Values = Callable[[str], Any]  # a request's field by name: a JSON body's value, or a form's text (None: absent)
+
+
+def generation(model: ModelConfig, value: Values, form: bool = False) -> dict[str, str]:
+    """An images or edits request (``value`` reads its fields; a form's are text) held to the
+    model's ``output_limits`` (its ``n``; its ``size``, or SGLang's ``width`` and ``height``), and
+    the fields to set for it: ``response_format: b64_json`` where the model's images come back
+    inline and the request names none (engines differ: SGLang answers a URL, vLLM-Omni base64). A
+    URL asked of such a model is refused: the URL an engine writes names a file on the replica
+    that made it (SGLang's ``/v1/images/{id}/content``), which no other replica, and not the
+    gateway, can serve."""
+    limits = model.output_limits
+    if limits is not None:
+        if limits.images is not None and (n := _whole(value("n"), "n", form)) is not None and n > limits.images:
+            raise TooManyItemsError(
+                f"Model '{model.name}' makes at most {limits.images} image(s) per request; 'n' asks {n}",
+                param="n",
+                rejection=Rejection(model.name, "image", "output_limit"),
+            )
+        if limits.sizes or limits.pixels is not None:
+            _sized(model, limits, value, form)
+    if model.image_urls == "shared":
+        return {}
+    asked = value("response_format")
+    if asked is None:
+        return {"response_format": "b64_json"}
+    if asked == "url":
+        raise InvalidRequestError(
+            f"Model '{model.name}' returns the images it makes inline: ask 'b64_json' (or no response_format). A URL "
+            "would name a file on the replica that made it; the table says image_urls: shared where its replicas "
+            "share storage every client reaches",
+            param="response_format",
+        )
+    return {}
+
+
+def tool_sizes(model: ModelConfig, body: Mapping[str, Any], asked: Asked) -> None:
+    """The size each Responses ``image_generation`` tool asks for, held to the serving model's
+    ``output_limits`` (as an images request's is)."""
+    limits, tools = model.output_limits, body.get("tools")
+    if limits is None or not (limits.sizes or limits.pixels is not None) or not isinstance(tools, list):
+        return
+    for m, param in asked:
+        if m is Modality.IMAGE and param.startswith("tools["):
+            tool = tools[int(param[6:-1])]
+            _sized(model, limits, tool.get, False, f"{param}.")
+
+
+def _whole(raw: Any, param: str, form: bool) -> int | None:
+    """A field that counts (``n``, ``width``): a whole number (a form's, its digits), None when absent."""
+    if raw is None:
+        return None
+    if form and isinstance(raw, str) and raw.strip().isdigit():
+        return int(raw.strip())
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    raise InvalidRequestError(f"'{param}' must be a whole number", param=param)
+
+
+def _sized(model: ModelConfig, limits: OutputLimits, value: Values, form: bool, at: str = "") -> None:
+    """The size asked is one the model's ``output_limits`` list, within their ``image_pixels``:
+    ``size``, and SGLang's ``width`` and ``height``, each of which wins over its side of ``size``
+    (as SGLang reads them); ``auto`` (the engine's choice), an empty one and none pass. ``at``:
+    where the fields lie (``tools[1].``: a Responses tool's)."""
+    width, height = _whole(value("width"), f"{at}width", form), _whole(value("height"), f"{at}height", form)
+    raw = value("size")
+    sides: tuple[int | None, int | None] = (None, None)
+    if raw is not None and raw not in ("", "auto"):
+        parsed = parse_size(raw) if isinstance(raw, str) else None
+        if parsed is None:
+            raise InvalidRequestError(f"'{at}size' must be WIDTHxHEIGHT (1024x1024) or auto", param=f"{at}size")
+        sides = parsed
+    w = width if width is not None else sides[0]
+    h = height if height is not None else sides[1]
+    if w is None and h is None:
+        return
+    if w is None or h is None:
+        missing = f"{at}width" if w is None else f"{at}height"
+        raise InvalidRequestError(
+            f"'{missing}' is needed with the other side for model '{model.name}' (its output_limits hold the size)",
+            param=missing,
+        )
+    size = (w, h)
+    param = f"{at}width" if width is not None else f"{at}height" if height is not None else f"{at}size"
+    shown = f"{w}x{h}"
+    if limits.sizes and size not in limits.sizes:
+        listed = ", ".join(f"{a}x{b}" for a, b in limits.sizes)
+        raise InvalidRequestError(
+            f"Model '{model.name}' makes images of the sizes {listed}; the request asks {shown}",
+            param=param,
+            rejection=Rejection(model.name, "image", "output_limit"),
+        )
+    if limits.pixels is not None and w * h > limits.pixels:
+        raise InvalidRequestError(
+            f"Model '{model.name}' makes images of at most {limits.pixels} pixels; the request asks {shown}",
+            param=param,
+            rejection=Rejection(model.name, "image", "output_limit"),
+        )

@@ -56,7 +56,10 @@ from .visual import VisualCount, measure
 def lookup(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = None, api: str = "chat") -> ModelConfig:
     """The model a request names; 400 when it names none, 404 when the table lacks it or
     ``visible`` (the caller's API key) does not show it: the two are the same answer; 400
-    ``unsupported_api`` when its upstreams do not serve ``api`` (the engine is not asked)."""
+    ``unsupported_api`` when its upstreams do not serve ``api`` (the engine is not asked). On an
+    API whose answer is an output (images, edits, speech), a model that does not produce it is
+    refused at ``model``, unless its ``on_unsupported_output`` redirects the output: the model
+    is then the one asked, and :func:`gateway.admission.outputs.serving` decides."""
     name = body.get("model")
     if not isinstance(name, str) or not name:
         raise InvalidRequestError("'model' is required and must be a non-empty string", param="model")
@@ -69,6 +72,8 @@ def lookup(config: GatewayConfig, body: Mapping[str, Any], visible: Visible = No
             param="model",
         )
     if (made := PRODUCING_APIS.get(api)) is not None and Modality(made) not in model.produces:
+        if model.output_policy(Modality(made)).action == "redirect":
+            return model
         raise outputs.unproduced(model, Modality(made), "model")
     if api not in model.apis:
         raise UnsupportedApiError(
@@ -102,6 +107,7 @@ def admit(
         )
         if moved is not None:
             redirects.append(Redirect(*moved, output=True))
+        outputs.tool_sizes(model, body, asked)
     bounds = config.server.content_bounds
     contents = api.contents(body, bounds)  # the API's view: classified, and its images sized
     classification = api.classify(body, model=requested.name, bounds=bounds, contents=contents)
@@ -328,6 +334,23 @@ def too_many_images(model: ModelConfig, part: Part, message: str) -> TooManyItem
     return TooManyItemsError(
         message, param=part.location, rejection=Rejection(model.name, Modality.IMAGE.value, "too_many_items")
     )
+
+
+NOTHING = Classification((), {}, False)  # a request of no content parts
+
+
+def admit_output(
+    config: GatewayConfig, body: Mapping[str, Any], visible: Visible, *, requested: ModelConfig, api: Api
+) -> tuple[RoutePlan, dict[str, str]]:
+    """The plan of a request whose answer is an output of its own (images, speech): the model
+    that produces it (the one named, or its output's redirect target), and, for images, the
+    request held to that model's ``output_limits`` and the fields to set of it
+    (:func:`gateway.admission.outputs.generation`)."""
+    model = outputs.serving(config, requested, api.name, lambda name: _may_use(visible, name))
+    made = Modality(PRODUCING_APIS[api.name])
+    moved = () if model is requested else (Redirect(requested.name, made, model.name, output=True),)
+    setting = outputs.generation(model, body.get) if made is Modality.IMAGE else {}
+    return RoutePlan(requested.name, model, NOTHING, moved, api=api), setting
 
 
 def _may_use(visible: Visible, model: str) -> bool:

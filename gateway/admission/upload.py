@@ -52,6 +52,8 @@ class Form:
 
     body: bytes
     fields: tuple[Field, ...]
+    delimiter: bytes = b""  # --BOUNDARY
+    closing: int = 0  # where the closing delimiter (--BOUNDARY--) begins
 
     def field(self, name: str) -> Field | None:
         return next((f for f in self.fields if f.name == name), None)
@@ -70,9 +72,22 @@ class Form:
 
     def with_value(self, name: str, value: str) -> bytes:
         """The body with one field's content replaced (the rest as sent)."""
-        found = self.field(name)
-        assert found is not None
-        return self.body[: found.start] + value.encode() + self.body[found.end :]
+        return self.with_values({name: value})
+
+    def with_values(self, values: Mapping[str, str]) -> bytes:
+        """The body with these fields' contents: each replaced where the form has it, added as a
+        part of its own before the closing delimiter where it has not (the rest as sent)."""
+        pieces, at = [], 0
+        for f in sorted((f for f in self.fields if f.name in values), key=lambda f: f.start):
+            pieces += [self.body[at : f.start], values[f.name].encode()]
+            at = f.end
+        pieces.append(self.body[at : self.closing])
+        for name, value in values.items():
+            if self.field(name) is None:
+                head = f'\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
+                pieces += [self.delimiter, head, value.encode(), b"\r\n"]
+        pieces.append(self.body[self.closing :])
+        return b"".join(pieces)
 
 
 def parse_form(body: bytes, content_type: str) -> Form:
@@ -119,7 +134,7 @@ def parse_form(body: bytes, content_type: str) -> Form:
             )
         )
         pos = end + 2 + len(delimiter)
-    return Form(body, tuple(fields))
+    return Form(body, tuple(fields), delimiter, pos - len(delimiter))
 
 
 def _no_view(body: dict[str, Any], bounds: Any) -> list[Content]:

@@ -27,6 +27,10 @@ def as_dict(config: GatewayConfig) -> dict[str, Any]:
         raw["on_unsupported"] = {m.value: _policy(p) for m, p in model.on_unsupported.items()}
         raw["on_unsupported_output"] = {m.value: _policy(p) for m, p in model.on_unsupported_output.items()}
         _visual(model, raw)
+        if (made := model.output_limits) is not None:  # as routing.yaml spells them
+            sizes = [f"{w}x{h}" for w, h in made.sizes]
+            spelled = {"image": made.images, "image_sizes": sizes, "image_pixels": made.pixels}
+            raw["output_limits"] = {k: v for k, v in spelled.items() if v}
     return data
 
 

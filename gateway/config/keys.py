@@ -96,11 +96,17 @@ MODEL_KEYS = (
     "on_oversize",
     "produces",
     "on_unsupported_output",
+    "output_limits",
+    "image_urls",
 )
 # What a model may be said to produce (routing.yaml `produces:`), and what becomes of an output a
 # request asks of a model that does not produce it (`on_unsupported_output:`)
 OUTPUT_MODALITIES = ("text", "audio", "image")
 OUTPUT_ACTIONS = ("reject",)  # and {redirect: MODEL}
+OUTPUT_LIMIT_KEYS = ("image", "image_sizes", "image_pixels")  # output_limits: the images a request asks for
+# image_urls: how the images a model makes come back: inline (b64_json: a URL names a file on the
+# replica that made it) or as the URLs it writes (shared: storage every client reaches)
+IMAGE_URLS = ("inline", "shared")
 # The APIs a model's upstreams may serve (routing.yaml `apis:`), and what a generative model
 # served by vLLM or SGLang serves when the key is left out.
 API_NAMES = ("chat", "completions", "responses", "messages", "embeddings", "score", "rerank", "transcriptions",

@@ -28,8 +28,6 @@ from .keys import (
     MAX_JSON_DEPTH,
     MEDIA_KEYS,
     MODEL_KEYS,
-    OUTPUT_ACTIONS,
-    OUTPUT_MODALITIES,
     POLICY_ACTIONS,
     SERVER_KEYS,
     SUPPORTED_VERSION,
@@ -40,6 +38,7 @@ from .keys import (
     VISUAL_LIMITS,
 )
 from .loader import MISSING, join_path
+from .outputs import OutputReaders
 from .pools import PoolReaders
 from .readers import describe, fields, show, unknown_message
 from .types import (
@@ -55,7 +54,7 @@ from .types import (
 from .visual import VisualReaders
 
 
-class Parser(PoolReaders, AuthReaders, VisualReaders):
+class Parser(PoolReaders, AuthReaders, VisualReaders, OutputReaders):
     """Turns YAML nodes into config objects, collecting problems with their locations."""
 
     # --- sections --------------------------------------------------------------------------
@@ -302,14 +301,13 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
         if on_encoder_error not in ENCODER_ERROR_ACTIONS:
             self.problem(f"{path}.on_encoder_error", unknown_message(on_encoder_error, ENCODER_ERROR_ACTIONS, "action"))
             on_encoder_error = "fail"
-        produces = self.produces(raw.get("produces", MISSING), f"{path}.produces")
+        made = self.outputs(raw, path)
         outputs = self.modality_map(
             raw.get("on_unsupported_output", {}), f"{path}.on_unsupported_output", self.output_policy
         )
         if name is None or accepts is None:
             return None
         return ModelConfig(
-            produces=produces,
             on_unsupported_output=MappingProxyType(outputs),
             name=name,
             upstreams=tuple(upstreams),
@@ -326,6 +324,7 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
             weights=weights if any(w != 1 for w in weights) else (),
             **pool,
             **visual,
+            **made,
         )
 
     def apis(self, value: Any, path: str) -> tuple[str, ...]:
@@ -365,33 +364,6 @@ class Parser(PoolReaders, AuthReaders, VisualReaders):
         if seen and Modality.TEXT not in seen:
             self.problem(path, "must include 'text' (every chat request carries text)")
         return tuple(m for m in Modality if m in seen)
-
-    def produces(self, value: Any, path: str) -> tuple[Modality, ...]:
-        """``produces:``, the modalities a model answers with: text, audio, image (default text)."""
-        if value is MISSING:
-            return (Modality.TEXT,)
-        if not isinstance(value, list) or not value:
-            self.problem(path, f"must be a non-empty list of {', '.join(OUTPUT_MODALITIES)}, not {describe(value)}")
-            return (Modality.TEXT,)
-        seen: list[Modality] = []
-        for i, item in enumerate(value):
-            if item not in OUTPUT_MODALITIES:
-                self.problem(f"{path}[{i}]", unknown_message(item, OUTPUT_MODALITIES, "output modality"))
-            elif Modality(item) in seen:
-                self.problem(f"{path}[{i}]", f"modality '{item}' is listed twice")
-            else:
-                seen.append(Modality(item))
-        return tuple(m for m in Modality if m in seen) or (Modality.TEXT,)
-
-    def output_policy(self, value: Any, path: str) -> Policy | None:
-        """What becomes of an output a model does not produce: ``reject`` or ``{redirect: MODEL}``."""
-        if value in OUTPUT_ACTIONS:
-            return Policy("reject")
-        if isinstance(value, dict) and set(value) == {"redirect"}:
-            target = self.string(value["redirect"], f"{path}.redirect")
-            return Policy("redirect", target) if target else None
-        self.problem(path, f"unknown policy {show(value)} (expected reject or {{redirect: MODEL}})")
-        return None
 
     def modality_map(self, value: Any, path: str, read: Any) -> dict[Modality, Any]:
         if not isinstance(value, dict):

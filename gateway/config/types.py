@@ -378,6 +378,16 @@ class Oversize:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputLimits:
+    """``output_limits:``: the images a request may ask a model for (the images API's ``n``), the
+    sizes it may ask them in (none listed: any), and the most pixels of one."""
+
+    images: int | None = None
+    sizes: tuple[tuple[int, int], ...] = ()
+    pixels: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
     upstreams: tuple[str, ...]
@@ -413,6 +423,8 @@ class ModelConfig:
     # and what becomes of an output asked of it that it does not produce: reject (400), or a redirect
     produces: tuple[Modality, ...] = (Modality.TEXT,)
     on_unsupported_output: Mapping[Modality, Policy] = field(default_factory=lambda: MappingProxyType({}))
+    output_limits: OutputLimits | None = None
+    image_urls: Literal["inline", "shared"] = "inline"  # generated images: b64_json, or the engine's URLs
 
     @property
     def counts_images(self) -> bool:

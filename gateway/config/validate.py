@@ -140,7 +140,15 @@ def _target(
 
 def _check_outputs(config: GatewayConfig, model: ModelConfig, path: str, p: MarkedDocument) -> None:
     """``on_unsupported_output``: for outputs the model does not produce; a redirect to a model of
-    the table that produces it and serves its APIs (a redirect of a redirect is not followed)."""
+    the table that produces it and serves its APIs (a redirect of a redirect is not followed);
+    ``output_limits`` and ``image_urls`` for a model that makes images."""
+    if Modality.IMAGE not in model.produces:
+        for key, set_ in (
+            ("output_limits", model.output_limits is not None),
+            ("image_urls", model.image_urls != "inline"),
+        ):
+            if set_:
+                p.problem(f"{path}.{key}", "is for a model that makes images (produces: [..., image])", at_key=True)
     for m, policy in model.on_unsupported_output.items():
         where = f"{path}.on_unsupported_output.{m}"
         if m.value not in OUTPUT_MODALITIES or m is Modality.TEXT:

@@ -20,7 +20,7 @@ import orjson
 
 from ..admission.apis import CHAT, Api
 from ..admission.apis.catalog import BY_NAME, BY_PATH
-from ..admission.plan import admit
+from ..admission.plan import admit, admit_output, lookup
 from ..admission.route import RoutePlan
 from ..config import GatewayConfig, extras, load_config
 from ..encode import epd
@@ -207,8 +207,14 @@ def _explain(args: argparse.Namespace) -> int:
         return 2
     try:
         api = BY_NAME[args.api or guess_api(body)]
-        plan = admit(config, body, api=api)
+        setting: dict[str, str] = {}
+        if api.door == "output":  # images, speech: the model that makes the output, the fields set
+            plan, setting = admit_output(config, body, None, requested=lookup(config, body, None, api.name), api=api)
+        else:
+            plan = admit(config, body, api=api)
         decision = {"api": api.name, "outputs": _outputs(api, body), **plan.explain()}
+        if setting:
+            decision["sets"] = setting
         if plan.encoder is not None:
             decision["encoding"] = _encoding(config, plan, body)
         status = 0

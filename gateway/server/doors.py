@@ -16,7 +16,7 @@ from aiohttp import web
 from ..admission.apis import Api
 from ..admission.apis.catalog import APIS
 from ..admission.body import dump_body, exact
-from ..admission.plan import admit, lookup
+from ..admission.plan import admit, admit_output, lookup
 from . import exchange, uploads
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -63,7 +63,32 @@ def text_door(api: Api) -> Handler:
     return handler
 
 
-DOORS = {"parts": door, "text": text_door, "upload": uploads.door, "output": text_door}
+def output_door(api: Api) -> Handler:
+    """An API whose answer is an output (image generation, speech): its model produces it, or
+    the request goes where the model's ``on_unsupported_output`` sends it; an images request is
+    held to the model's ``output_limits`` and asks base64 where its images come back inline. The
+    body passes through, renamed for its upstream, those fields set."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        ex = await exchange.begin(request)
+        requested = lookup(ex.config, ex.parsed, ex.visible, api.name)  # top-level fields: read as parsed
+        ex.serve_with(requested)
+        plan, setting = admit_output(ex.config, ex.parsed, ex.visible, requested=requested, api=api)
+        ex.admitted(plan)
+        model = plan.model
+        data = ex.raw
+        if ex.parsed["model"] != model.upstream_name or setting:  # written again: the body whole
+            body = exact(ex.raw, ex.body)
+            body["model"] = model.upstream_name
+            body.update(setting)
+            data = dump_body(body)
+        return await exchange.forward(ex, data)
+
+    handler.__name__ = handler.__qualname__ = f"{api.name}_handler"
+    return handler
+
+
+DOORS = {"parts": door, "text": text_door, "upload": uploads.door, "output": output_door}
 # every route the app registers: path -> (its handler, its API)
 ROUTES: dict[str, tuple[Handler, Api]] = {
     path: (handler, api) for api, handler in ((a, DOORS[a.door](a)) for a in APIS) for path in api.paths

@@ -12,8 +12,10 @@ from aiohttp import web
 
 from ..admission.apis import Api
 from ..admission.body import read_body
+from ..admission.outputs import generation
 from ..admission.upload import Form, admit_upload, lookup_upload, parse_form
 from ..metrics import UNKNOWN_MODEL
+from ..modalities import Modality
 from . import exchange
 from .exchange import Exchange
 from .state import MODEL_LABEL_KEY, SERVICES_KEY, admitted_as
@@ -25,9 +27,10 @@ async def _upload(request: web.Request, api: Api) -> web.StreamResponse:
     ex.serve_with(requested)
     plan = admit_upload(ex.config, form, ex.visible, requested=requested, api=api)
     ex.admitted(plan)
-    data = form.body
+    setting = generation(plan.model, form.value, form=True) if api.makes is Modality.IMAGE else {}
     if form.value("model") != plan.model.upstream_name:
-        data = form.with_value("model", plan.model.upstream_name)
+        setting["model"] = plan.model.upstream_name
+    data = form.with_values(setting) if setting else form.body
     return await exchange.forward(ex, data, content_type=request.headers["Content-Type"])
 
 

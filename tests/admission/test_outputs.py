@@ -305,3 +305,199 @@ def test_an_edit_to_a_model_that_takes_no_images_in_is_refused_at_the_image() ->
     assert (plan.model.name, plan.route) == ("painter", "redirect")
     with pytest.raises(UnsupportedModalityError):  # not where the key may not go
         admit_edit(sends, form, lambda name: name != "painter", requested=first, api=EDITS)
+
+
+# -- the images a request asks for: output_limits, how they come back, redirects on the output APIs --
+
+
+def drawing_table(upstream: str) -> str:
+    return f"""
+version: 1
+models:
+  - name: painter
+    upstreams: [{upstream}]
+    accepts: [text, image]
+    produces: [text, image]
+    apis: [chat, responses, images, edits]
+    output_limits: {{image: 2, image_sizes: [1024x1024, 512x512], image_pixels: 1048576}}
+  - name: atelier                      # its replicas write to storage every client reaches
+    upstreams: [{upstream}]
+    accepts: [text, image]
+    produces: [image]
+    apis: [images, edits]
+    image_urls: shared
+  - name: talker
+    upstreams: [{upstream}]
+    accepts: [text]
+    produces: [text, audio]
+    apis: [chat, speech]
+  - name: texty
+    upstreams: [{upstream}]
+    accepts: [text]
+    on_unsupported_output:
+      image: {{redirect: painter}}
+      audio: {{redirect: talker}}
+  - name: sketchy
+    upstreams: [{upstream}]
+    accepts: [text]
+    apis: [chat]
+    on_unsupported_output: {{audio: {{redirect: talker}}}}
+"""
+
+
+async def test_images_asked_are_held_to_the_models_output_limits(gateway_factory, upstream: Upstream) -> None:
+    """``n`` and the size (``size``, or SGLang's ``width`` and ``height``, which win over it) within
+    ``output_limits``, on the images and edits APIs; each refusal a 400 naming its param before
+    the engine, counted as an output limit."""
+    from tests.images import png
+
+    gw: Gateway = await gateway_factory(drawing_table(upstream.url))
+    picture = ("in.png", png(), "image/png")
+    async with gw.client() as client:
+        await client.images.generate(model="painter", prompt="a cat", n=2, size="512x512")
+        await client.images.edit(model="painter", image=picture, prompt="a hat", n=2, size="1024x1024")
+        await client.responses.create(
+            model="painter", input="a cat", tools=[{"type": "image_generation", "size": "512x512"}]
+        )
+        refusals = []
+        for call in (
+            client.images.generate(model="painter", prompt="a cat", n=3),
+            client.images.generate(model="painter", prompt="a cat", size="1792x1024"),
+            client.images.generate(model="painter", prompt="a cat", size="big"),
+            client.images.generate(model="painter", prompt="a cat", extra_body={"width": 2048, "height": 2048}),
+            client.images.generate(model="painter", prompt="a cat", extra_body={"width": 512}),
+            client.images.generate(model="painter", prompt="a cat", extra_body={"n": "2"}),
+            client.images.edit(model="painter", image=picture, prompt="a hat", n=3),
+            client.images.edit(model="painter", image=picture, prompt="a hat", size="256x256"),
+            client.responses.create(
+                model="painter", input="a cat", tools=[{"type": "image_generation", "size": "1536x1024"}]
+            ),
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await call
+            refusals.append(error_body(refused.value))
+    assert [(r["code"], r["param"]) for r in refusals] == [
+        ("too_many_items", "n"),
+        ("invalid_request", "size"),
+        ("invalid_request", "size"),
+        ("invalid_request", "width"),
+        ("invalid_request", "height"),
+        ("invalid_request", "n"),
+        ("too_many_items", "n"),
+        ("invalid_request", "size"),
+        ("invalid_request", "tools[0].size"),
+    ]
+    assert refusals[0]["message"] == "Model 'painter' makes at most 2 image(s) per request; 'n' asks 3"
+    assert refusals[1]["message"] == (
+        "Model 'painter' makes images of the sizes 1024x1024, 512x512; the request asks 1792x1024"
+    )
+    assert refusals[3]["message"].startswith("Model 'painter' makes images of the sizes")
+    assert len(upstream.received) == 3  # no refusal reached the engine
+    labels = {"model": "painter", "modality": "image", "reason": "output_limit"}
+    assert gw.sample("gateway_modality_rejections_total", api="images", **labels) == 3
+    assert gw.sample("gateway_modality_rejections_total", api="responses", **labels) == 1
+    assert gw.sample("gateway_modality_rejections_total", api="edits", **labels) == 2
+
+
+async def test_generated_images_come_back_inline_unless_the_replicas_share_storage(
+    gateway_factory, upstream: Upstream
+) -> None:
+    """A model's replicas each keep the images they make (SGLang answers a URL of
+    ``/v1/images/{id}/content`` on itself): base64 is asked where the request says nothing, a URL
+    refused; a model whose replicas share storage (``image_urls: shared``) answers as asked."""
+    import orjson
+
+    from tests.images import png
+    from tools.standin import TINY_PNG
+
+    gw: Gateway = await gateway_factory(drawing_table(upstream.url))
+    async with gw.client() as client:
+        inline = await client.images.generate(model="painter", prompt="a cat")
+        edited = await client.images.edit(model="painter", image=("in.png", png(), "image/png"), prompt="a hat")
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.images.generate(model="painter", prompt="a cat", response_format="url")
+        shared = await client.images.generate(model="atelier", prompt="a cat", response_format="url")
+        unsaid = await client.images.generate(model="atelier", prompt="a cat")  # SGLang's default: a URL
+    assert inline.data is not None and inline.data[0].b64_json == TINY_PNG and inline.data[0].url is None
+    assert edited.data is not None and edited.data[0].b64_json == TINY_PNG
+    body = error_body(refused.value)
+    assert (body["code"], body["param"]) == ("invalid_request", "response_format")
+    assert "image_urls: shared" in body["message"]
+    assert shared.data is not None and shared.data[0].url is not None and shared.data[0].url.endswith("/content")
+    assert unsaid.data is not None and unsaid.data[0].url is not None
+    generated, edit, *others = upstream.received
+    assert generated.json()["response_format"] == "b64_json"
+    sent = {name: small for name, _, _, _, small in orjson.loads(edit.body)}
+    assert sent["response_format"] == "b64_json" and sent["model"] == "painter"
+    assert [r.json().get("response_format") for r in others] == ["url", None]  # atelier's: as the client sent
+
+
+async def test_the_output_apis_follow_a_models_redirect_for_the_output(gateway_factory, upstream: Upstream) -> None:
+    """A request on the images or speech API that names a model that makes no such output goes
+    where its ``on_unsupported_output`` sends it, a model that makes it and serves the API; none
+    (or one that does not serve the API): 400 at ``model``."""
+    gw: Gateway = await gateway_factory(drawing_table(upstream.url))
+    async with gw.client() as client:
+        images = await client.images.with_raw_response.generate(model="texty", prompt="a cat")
+        speech = await client.audio.speech.with_raw_response.create(model="texty", input="hi there", voice="alloy")
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.images.generate(model="talker", prompt="a cat")  # no redirect for images
+        with pytest.raises(openai.BadRequestError) as limited:
+            await client.images.generate(model="texty", prompt="a cat", n=5)  # the target's limits hold
+    for raw, target in ((images, "painter"), (speech, "talker")):
+        assert (raw.headers["X-Gateway-Model"], raw.headers["X-Gateway-Route"]) == (target, "redirect")
+    assert [r.json()["model"] for r in upstream.received] == ["painter", "talker"]
+    assert upstream.received[0].json()["response_format"] == "b64_json"
+    assert (error_body(refused.value)["code"], error_body(refused.value)["param"]) == (
+        "unsupported_output_modality",
+        "model",
+    )
+    assert error_body(limited.value)["message"].startswith("Model 'painter' makes at most 2 image(s)")
+    assert gw.sample("gateway_modality_redirects_total", model="texty", modality="image", target="painter") == 1
+    assert gw.sample("gateway_requests_total", model="texty", api="images", code="200") == 1
+
+
+def test_output_limits_and_image_urls_are_checked_with_their_line() -> None:
+    from gateway.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        parse_config(
+            "version: 1\nmodels:\n"
+            "  - {name: t, upstreams: ['http://h:1'], accepts: [text], output_limits: {image: 2}, image_urls: shared}\n"
+            "  - name: p\n    upstreams: ['http://h:1']\n    accepts: [text]\n    produces: [text, image]\n"
+            "    output_limits: {image: 0, image_sizes: [1024x1024, big, 1024X1024], image_pixels: 1000, images: 2}\n"
+            "    image_urls: sharde\n",
+            filename="r.yaml",
+        )
+    said = str(refused.value).splitlines()
+    assert said == [
+        "r.yaml:3:59: models[0].output_limits: is for a model that makes images (produces: [..., image])",
+        "r.yaml:3:86: models[0].image_urls: is for a model that makes images (produces: [..., image])",
+        "r.yaml:8:28: models[1].output_limits.image: must be between 1 and 1024, not 0",
+        "r.yaml:8:45: models[1].output_limits.image_sizes[0]: 1024x1024 is over image_pixels (1000): it could never "
+        "be asked",
+        "r.yaml:8:56: models[1].output_limits.image_sizes[1]: must be WIDTHxHEIGHT (1024x1024), not 'big'",
+        "r.yaml:8:61: models[1].output_limits.image_sizes[2]: 1024X1024 is over image_pixels (1000): it could never "
+        "be asked",
+        "r.yaml:8:93: models[1].output_limits.images: unknown key 'images' (expected one of: image, image_sizes, "
+        "image_pixels); did you mean 'image'?",
+        "r.yaml:9:17: models[1].image_urls: unknown value 'sharde' (expected one of: inline, shared); did you mean "
+        "'shared'?",
+    ]
+
+
+def test_a_forms_fields_are_replaced_where_they_lie_and_added_before_its_end() -> None:
+    from gateway.admission.upload import parse_form
+
+    body = (
+        b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nm\r\n'
+        b'--b\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n\r\nPNG\r\n--b--\r\n'
+    )
+    written = parse_form(body, "multipart/form-data; boundary=b").with_values({"model": "up", "response_format": "x"})
+    again = parse_form(written, "multipart/form-data; boundary=b")
+    assert [(f.name, f.filename, written[f.start : f.end]) for f in again.fields] == [
+        ("model", None, b"up"),
+        ("image", "a.png", b"PNG"),
+        ("response_format", None, b"x"),
+    ]
+    assert written.endswith(b"\r\n--b--\r\n")

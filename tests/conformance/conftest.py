@@ -63,6 +63,7 @@ SGLANG_ROUTES = {
     "/v1/score": "score",
     "/v1/rerank": "rerank",
     "/v1/audio/transcriptions": "transcription",
+    "/v1/images/generations": "image_generation",  # its diffusion server's (sglang.multimodal_gen)
 }
 
 

@@ -99,3 +99,33 @@ async def test_a_transcription_upload_is_what_sglang_takes(gateway_factory, sgla
     async with aiohttp.ClientSession() as session, session.post(f"{gw.url}/v1/audio/transcriptions", data=form) as resp:
         assert resp.status == 200, await resp.text()
     engine.last()
+
+
+async def test_an_image_generation_is_what_sglangs_diffusion_server_takes_and_answers(gateway_factory, sglang) -> None:
+    """``images.generate`` through the gateway: the body SGLang's diffusion server validates
+    (``ImageGenerationsRequest``), asking base64 of a model whose images come back inline, and
+    the answer the client reads held to its ``ImageResponse``; a model of ``image_urls: shared``
+    gets the request as sent (SGLang's default is then a URL)."""
+    from tests.conformance.engines import sglang_side
+
+    engine: Engine = await sglang()
+    gw = await gateway_factory(
+        routing(
+            f"  - {{name: flux, upstreams: [{engine.url}], engine: sglang, accepts: [text], produces: [image],"
+            " apis: [images], output_limits: {image: 4, image_sizes: [1024x1024]}}",
+            f"  - {{name: stored, upstreams: [{engine.url}], engine: sglang, accepts: [text], produces: [image],"
+            " apis: [images], image_urls: shared}",
+        )
+    )
+    async with gw.client() as client:
+        made = await client.images.generate(model="flux", prompt="a cat", n=2, size="1024x1024")
+        linked = await client.images.generate(model="stored", prompt="a cat")
+    inline, shared = (c for c in engine.checked if c.path == "/v1/images/generations")
+    assert inline.refused is None and shared.refused is None
+    assert inline.body["response_format"] == "b64_json" and "response_format" not in shared.body
+    for answer in (made, linked):
+        sglang_side.image_response(answer.model_dump())
+    assert made.data is not None and len(made.data) == 2 and made.data[0].b64_json
+    assert linked.data is not None and (linked.data[0].url or "").startswith("/v1/images/")
+    status, refused = await post(f"{gw.url}/v1/images/generations", {"model": "stored", "prompt": "a", "size": "big"})
+    assert status == 400 and refused["error"]["message"] == "size must be formatted as positive WIDTHxHEIGHT"

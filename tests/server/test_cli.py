@@ -483,3 +483,28 @@ def test_explain_says_what_a_request_asks_to_be_answered_with(
     refused = {"model": "texty", "input": "hi", "voice": "alloy"}
     assert main(["explain", "--config", str(table), write_request(tmp_path, refused)]) == 1
     assert json.loads(capsys.readouterr().out)["error"]["code"] == "unsupported_output_modality"
+
+
+def test_explain_follows_an_output_apis_redirect_and_says_the_fields_it_sets(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    table = tmp_path / "routing.yaml"
+    table.write_text(
+        "version: 1\nmodels:\n"
+        "  - {name: flux, upstreams: ['http://h:1'], accepts: [text], produces: [image], apis: [images],\n"
+        "     output_limits: {image: 2}}\n"
+        "  - {name: texty, upstreams: ['http://h:1'], accepts: [text], apis: [chat],\n"
+        "     on_unsupported_output: {image: {redirect: flux}}}\n"
+    )
+    asked = {"model": "texty", "prompt": "a cat"}
+    assert main(["explain", "--config", str(table), "--api", "images", write_request(tmp_path, asked)]) == 0
+    decision = json.loads(capsys.readouterr().out)
+    assert (decision["model"], decision["route"], decision["sets"]) == (
+        "flux",
+        "redirect",
+        {"response_format": "b64_json"},
+    )
+    assert decision["redirects"] == [{"from": "texty", "modality": "image", "to": "flux", "for": "output"}]
+    over = {"model": "flux", "prompt": "a cat", "n": 3}
+    assert main(["explain", "--config", str(table), "--api", "images", write_request(tmp_path, over)]) == 1
+    assert json.loads(capsys.readouterr().out)["error"]["param"] == "n"

@@ -19,7 +19,12 @@ function                      route                                     SGLang m
 :func:`rerank`                /v1/rerank (POST, PUT)                    V1RerankReqInput
 :func:`transcription`         /v1/audio/transcriptions (multipart)      form fields, then
                                                                         TranscriptionRequest
+:func:`image_generation`      /v1/images/generations (its diffusion     ImageGenerationsRequest
+                              server, ``sglang.multimodal_gen``)
 ============================  ========================================  ==========================
+
+:func:`image_response` holds an answer of the diffusion server's images API to its
+``ImageResponse``.
 
 SGLang serves no ``/score``, ``/rerank`` or ``/v2/rerank`` (those are vLLM's), no ``/pooling``
 and no translations route.
@@ -51,6 +56,8 @@ __all__ = [
     "Refused",
     "chat",
     "embeddings",
+    "image_generation",
+    "image_response",
     "messages",
     "rerank",
     "responses",
@@ -529,3 +536,57 @@ def transcription(fields: Mapping[str, Any]) -> Found:
         raise Refused("Only 'json', 'text', and 'verbose_json' formats supported")
     _validate(proto.TranscriptionRequest, {**values, "response_format": response_format, "audio_data": bytes(upload)})
     return Found(audio=1)
+
+
+# --- image generation (SGLang's diffusion server) -------------------------------------------------
+
+
+def _multimodal_gen() -> types.ModuleType:
+    """The diffusion server's OpenAI models, ``sglang/multimodal_gen/runtime/entrypoints/openai/protocol.py``:
+    the standard library and pydantic alone, loaded from its file (the packages above it import
+    the diffusion runtime: torch, triton)."""
+    name = "sglang_multimodal_gen_openai_protocol"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.submodule_search_locations is None:
+        raise ModuleNotFoundError("sglang is not installed", name="sglang")
+    root = next(iter(spec.submodule_search_locations))
+    path = f"{root}/multimodal_gen/runtime/entrypoints/openai/protocol.py"
+    loaded = importlib.util.spec_from_file_location(name, path)
+    assert loaded is not None and loaded.loader is not None
+    module = importlib.util.module_from_spec(loaded)
+    sys.modules[name] = module
+    loaded.loader.exec_module(module)
+    return module
+
+
+def _size(size: str) -> tuple[int, int] | None:
+    """``sglang/multimodal_gen/runtime/utils/common.py`` ``parse_size``, with ``_parse_size_or_raise``'s
+    positive sides (``entrypoints/openai/utils.py:71``)."""
+    parts = size.lower().replace(" ", "").split("x")
+    try:
+        width, height = (int(p) for p in parts) if len(parts) == 2 else (0, 0)
+    except ValueError:
+        return None
+    return (width, height) if width > 0 and height > 0 else None
+
+
+def image_generation(body: Mapping[str, Any]) -> Found:
+    """``POST /v1/images/generations`` (``entrypoints/openai/image_api.py`` ``generations``): the
+    body validated as ``ImageGenerationsRequest`` (extra fields kept), then the handler's own
+    refusals: a ``response_format`` that is neither ``url`` nor ``b64_json`` (its default, where
+    the request names none, is ``url``), a ``size`` that is not a positive WIDTHxHEIGHT. ``n`` is
+    clamped to 1-10, never refused."""
+    request = _validate(_multimodal_gen().ImageGenerationsRequest, body)
+    fmt = (request.response_format or "b64_json").lower()
+    if fmt not in ("url", "b64_json"):
+        raise Refused(f"response_format={fmt} is not supported")
+    if request.size and _size(request.size) is None:
+        raise Refused("size must be formatted as positive WIDTHxHEIGHT")
+    return Found()
+
+
+def image_response(answer: Mapping[str, Any]) -> Any:
+    """An images answer as the diffusion server's ``ImageResponse`` (its FastAPI response model)."""
+    return _validate(_multimodal_gen().ImageResponse, answer)
