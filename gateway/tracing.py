@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import time
 from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -180,6 +182,8 @@ class Tracing:
         # Whether a request is recorded is decided once, in open(): a request not sampled makes
         # no span, one sampled records every stage it goes through.
         self._ratio, self._trust, self._draw = sample_ratio, trust_client_sampling, random.Random().random
+        if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":  # as the SDK's provider reads it
+            self._ratio, self._trust = 0.0, False  # nothing recorded; the context still goes on
         self._trace, self._readable = trace, ReadableSpan
         self._resource = Resource.create({"service.name": service, "service.version": version})
         self._scope = InstrumentationScope("modality-gateway", version)
@@ -239,7 +243,7 @@ class Tracing:
         if span is None:  # not sampled: nothing to say, nothing to send
             UNSAMPLED.reset(traced.token)  # type: ignore[arg-type]
             return
-        CURRENT.reset(traced.token)  # type: ignore[arg-type]
+        _reset(traced.token)
         if model is not None:  # None: the request named no model the gateway knows
             span.name = f"{traced.operation} {model}"
             span.attributes["gen_ai.request.model"] = model
@@ -266,7 +270,7 @@ class Tracing:
             self.failed(span, exc)
             raise
         finally:
-            CURRENT.reset(token)
+            _reset(token)
             span.end()
 
     def start(
@@ -363,9 +367,9 @@ class Tracing:
             return
         if span is None:
             span = CURRENT.get()
-        if span is None or not span.is_recording():
+        context = getattr(span, "context", None)  # an ended span's too, as the SDK's propagator does
+        if context is None:
             return
-        context = span.context
         headers["traceparent"] = f"00-{context.trace_id:032x}-{context.span_id:016x}-01"
         if context.trace_state:
             headers["tracestate"] = context.trace_state.to_header()
@@ -377,6 +381,15 @@ class Tracing:
     def shutdown(self) -> None:
         """The spans left sent, the exporter closed (blocking: call it in a thread)."""
         self._processor.shutdown()  # type: ignore[no-untyped-call]
+
+
+def _reset(token: Any) -> None:
+    """The current span as it was before ``token``'s; one made current in another context (a task
+    the span's stage did not start in) is left, said in the log, as the SDK's ``detach`` does."""
+    try:
+        CURRENT.reset(token)
+    except ValueError:
+        logging.getLogger("gateway.tracing").warning("a span ended in another context than it began in")
 
 
 def stage(tracing: Tracing | None, name: str, attributes: Attributes | None = None) -> AbstractContextManager[Any]:

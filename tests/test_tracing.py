@@ -393,3 +393,24 @@ def test_spans_made_here_keep_the_sdks_environment_limits_and_a_stages_failure(m
     )
     assert sent == {"traceparent": f"00-{CLIENT_TRACE}-{upstream.context.span_id:016x}-01", "tracestate": "a=1"}
     tracing.shutdown()
+
+
+@needs_tracing
+def test_otel_sdk_disabled_records_nothing_yet_passes_the_context_on(monkeypatch) -> None:
+    """``OTEL_SDK_DISABLED=true``, as the SDK reads it: no span is made, and the engine still gets
+    a traceparent (not sampled)."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from gateway.tracing import Tracing
+
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    exported = InMemorySpanExporter()
+    tracing = Tracing("http://127.0.0.1:9", 1.0, exporter=exported, trust_client_sampling=True)
+    opened = tracing.open({"traceparent": CLIENT_PARENT}, "chat", "POST", "/p", "rid")
+    sent: dict[str, str] = {}
+    tracing.inject(sent)
+    tracing.close(opened, 200, None, "m")
+    assert tracing.flush() and exported.get_finished_spans() == ()
+    found = TRACEPARENT.fullmatch(sent["traceparent"])
+    assert found is not None and found.group(1) == CLIENT_TRACE and found.group(3) == "00"
+    tracing.shutdown()

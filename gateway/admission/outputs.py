@@ -125,13 +125,14 @@ Values = Callable[[str], Any]  # a request's field by name: a JSON body's value,
 
 
 def generation(model: ModelConfig, value: Values, form: bool = False) -> dict[str, str]:
-    """An images or edits request (``value`` reads its fields; a form's are text) held to the
-    model's ``output_limits`` (its ``n``; its ``size``, or SGLang's ``width`` and ``height``), and
-    the fields to set for it: ``response_format: b64_json`` where the model's images come back
-    inline and the request names none (engines differ: SGLang answers a URL, vLLM-Omni base64). A
-    URL asked of such a model is refused: the URL an engine writes names a file on the replica
-    that made it (SGLang's ``/v1/images/{id}/content``), which no other replica, and not the
-    gateway, can serve."""
+    """An images or edits request (``value`` reads its fields; ``form``: an edit's multipart form,
+    whose fields are text) held to the model's ``output_limits`` (its ``n``; its size), and the
+    fields to set for it: ``response_format: b64_json`` where the model's images come back inline
+    and the request names none (engines differ: SGLang answers a URL, vLLM-Omni base64), and the
+    first of ``image_sizes`` where it names no size. A URL asked of such a model is refused: the
+    URL an engine writes names a file on the replica that made it (SGLang's
+    ``/v1/images/{id}/content``), which no other replica, and not the gateway, can serve."""
+    setting: dict[str, str] = {}
     limits = model.output_limits
     if limits is not None:
         if limits.images is not None and (n := _whole(value("n"), "n", form)) is not None and n > limits.images:
@@ -141,62 +142,80 @@ def generation(model: ModelConfig, value: Values, form: bool = False) -> dict[st
                 rejection=Rejection(model.name, "image", "output_limit"),
             )
         if limits.sizes or limits.pixels is not None:
-            _sized(model, limits, value, form)
+            if limits.sizes and not any(value(f) is not None for f in ("size", "width", "height")):
+                w, h = limits.sizes[0]
+                setting["size"] = f"{w}x{h}"  # the engine's own default may be none the table lists
+            else:
+                # SGLang's generations read width and height over size, its edits size alone
+                _sized(model, limits, value, form, sides=not form)
     if model.image_urls == "shared":
-        return {}
+        return setting
     asked = value("response_format")
     if asked is None:
-        return {"response_format": "b64_json"}
-    if asked == "url":
+        setting["response_format"] = "b64_json"
+    elif isinstance(asked, str) and asked.lower() == "url":  # SGLang lower-cases it
         raise InvalidRequestError(
             f"Model '{model.name}' returns the images it makes inline: ask 'b64_json' (or no response_format). A URL "
             "would name a file on the replica that made it; the table says image_urls: shared where its replicas "
             "share storage every client reaches",
             param="response_format",
         )
-    return {}
+    return setting
 
 
 def tool_sizes(model: ModelConfig, body: Mapping[str, Any], asked: Asked) -> None:
-    """The size each Responses ``image_generation`` tool asks for, held to the serving model's
-    ``output_limits`` (as an images request's is)."""
+    """The ``size`` each Responses ``image_generation`` tool asks for, held to the serving
+    model's ``output_limits`` (as an images request's is)."""
     limits, tools = model.output_limits, body.get("tools")
     if limits is None or not (limits.sizes or limits.pixels is not None) or not isinstance(tools, list):
         return
     for m, param in asked:
         if m is Modality.IMAGE and param.startswith("tools["):
             tool = tools[int(param[6:-1])]
-            _sized(model, limits, tool.get, False, f"{param}.")
+            if isinstance(tool, dict):
+                _sized(model, limits, tool.get, False, f"{param}.", sides=False)
 
 
 def _whole(raw: Any, param: str, form: bool) -> int | None:
-    """A field that counts (``n``, ``width``): a whole number (a form's, its digits), None when absent."""
+    """A field that counts (``n``, ``width``): a whole number (a form's, its ASCII digits; a JSON
+    number of no fraction, as pydantic takes it), None when absent."""
     if raw is None:
         return None
-    if form and isinstance(raw, str) and raw.strip().isdigit():
-        return int(raw.strip())
+    if form and isinstance(raw, str) and (digits := raw.strip()).isascii() and digits.isdigit():
+        return int(digits)
     if isinstance(raw, int) and not isinstance(raw, bool):
         return raw
+    if isinstance(raw, float) and raw.is_integer():
+        return int(raw)
     raise InvalidRequestError(f"'{param}' must be a whole number", param=param)
 
 
-def _sized(model: ModelConfig, limits: OutputLimits, value: Values, form: bool, at: str = "") -> None:
+def _sized(
+    model: ModelConfig, limits: OutputLimits, value: Values, form: bool, at: str = "", *, sides: bool = True
+) -> None:
     """The size asked is one the model's ``output_limits`` list, within their ``image_pixels``:
-    ``size``, and SGLang's ``width`` and ``height``, each of which wins over its side of ``size``
-    (as SGLang reads them); ``auto`` (the engine's choice), an empty one and none pass. ``at``:
-    where the fields lie (``tools[1].``: a Responses tool's)."""
-    width, height = _whole(value("width"), f"{at}width", form), _whole(value("height"), f"{at}height", form)
+    ``size``, and with ``sides`` (SGLang's generations) ``width`` and ``height``, each of which
+    wins over its side of ``size``, a side not given taken from SGLang's default size
+    (1024x1024) on SGLang. ``auto`` passes (the engine's choice; SGLang refuses it), and a
+    request of no size, where SGLang makes its default. ``at``: where the fields lie
+    (``tools[1].``: a Responses tool's)."""
+    width = _whole(value("width"), f"{at}width", form) if sides else None
+    height = _whole(value("height"), f"{at}height", form) if sides else None
     raw = value("size")
-    sides: tuple[int | None, int | None] = (None, None)
-    if raw is not None and raw not in ("", "auto"):
+    default = SGLANG_SIZE if model.engine == "sglang" else (None, None)
+    parts: tuple[int | None, int | None] = default
+    if raw == "auto":
+        if width is None and height is None:
+            return
+    elif raw is not None and raw != "":
         parsed = parse_size(raw) if isinstance(raw, str) else None
         if parsed is None:
             raise InvalidRequestError(f"'{at}size' must be WIDTHxHEIGHT (1024x1024) or auto", param=f"{at}size")
-        sides = parsed
-    w = width if width is not None else sides[0]
-    h = height if height is not None else sides[1]
-    if w is None and h is None:
-        return
+        parts = parsed
+    elif width is None and height is None and model.engine != "sglang":
+        return  # the engine's own default, unknown here
+    w = width if width is not None else parts[0]
+    h = height if height is not None else parts[1]
     if w is None or h is None:
         missing = f"{at}width" if w is None else f"{at}height"
         raise InvalidRequestError(
@@ -219,3 +238,6 @@ def _sized(model: ModelConfig, limits: OutputLimits, value: Values, form: bool, 
             param=param,
             rejection=Rejection(model.name, "image", "output_limit"),
         )
+
+
+SGLANG_SIZE = (1024, 1024)  # ImageGenerationsRequest.size's default

@@ -107,7 +107,6 @@ def admit(
         )
         if moved is not None:
             redirects.append(Redirect(*moved, output=True))
-        outputs.tool_sizes(model, body, asked)
     bounds = config.server.content_bounds
     contents = api.contents(body, bounds)  # the API's view: classified, and its images sized
     classification = api.classify(body, model=requested.name, bounds=bounds, contents=contents)
@@ -118,6 +117,8 @@ def admit(
         if api.engine_shapes:
             _check_shapes(model, contents)
         _enforce_limits(model, classification, frozenset())
+        if asked:
+            outputs.tool_sizes(model, body, asked)  # the serving model's output_limits
         visual = _measure(model, classification, contents, deferred=deferred) if model.counts_images else None
         return RoutePlan(
             requested.name, model, classification, tuple(redirects), api=api, normalized=normalized, visual=visual
@@ -141,6 +142,7 @@ def admit(
         model = _on_api(target, api.name)
     if asked:  # an input redirect may have led away from a model that produces them
         outputs.check(model, asked, redirects)
+        outputs.tool_sizes(model, body, asked)  # the serving model's output_limits
     if api.engine_shapes:
         _check_shapes(model, contents)
     unsupported = [m for m in present if m not in model.accepts]

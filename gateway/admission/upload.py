@@ -25,6 +25,7 @@ from ..errors import (
     clip,
 )
 from ..modalities import Modality
+from . import outputs
 from .apis import Api
 from .parts import CHAT_PARTS, Classification, Content, Part
 from .plan import lookup
@@ -211,15 +212,20 @@ def _taken(
 
 
 def admit_edit(config: GatewayConfig, form: Form, visible: Visible, *, requested: ModelConfig, api: Api) -> RoutePlan:
-    """The plan of an image edit (``/v1/images/edits``): its model produces images (its lookup
-    says so) and takes them in, or redirects images to one that does both (and serves this API);
+    """The plan of an image edit (``/v1/images/edits``): its model produces images (or its
+    ``on_unsupported_output`` sends them to one that does) and takes them in, or redirects images
+    to one that does both (and serves this API);
     each image and the mask within media.max_image_bytes, its images within the model's
     ``limits.image``; forwarded as sent."""
     images = [f for f in form.fields if f.name in IMAGE_FIELDS]
     if not any(f.name != "mask" for f in images):
         raise InvalidRequestError("The form has no 'image' part (the image to edit)", param="image")
     caller, where = (visible, api.name), ("image", "'image' is an image to edit")
-    model, redirects = _taken(config, requested, Modality.IMAGE, caller, where, produces=True)
+    # a model that makes no images: where its on_unsupported_output sends them (else 400 at model)
+    maker = outputs.serving(config, requested, api.name, lambda name: visible is None or visible(name))
+    model, redirects = _taken(config, maker, Modality.IMAGE, caller, where, produces=True)
+    if maker is not requested:
+        redirects = (Redirect(requested.name, Modality.IMAGE, maker.name, output=True), *redirects)
     most = config.media.max_image_bytes
     for f in images:
         if f.end - f.start > most:

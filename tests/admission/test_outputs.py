@@ -501,3 +501,69 @@ def test_a_forms_fields_are_replaced_where_they_lie_and_added_before_its_end() -
         ("response_format", None, b"x"),
     ]
     assert written.endswith(b"\r\n--b--\r\n")
+
+
+async def test_what_sglang_reads_of_an_images_request_is_what_is_held_to_the_limits(
+    gateway_factory, upstream: Upstream
+) -> None:
+    """The size and format as SGLang reads them: ``response_format`` of any case; an edit's
+    ``size`` alone (its form has no width or height); a request of no size asked the first size
+    the table lists; a form's ``n`` of digits only; an edit follows the model's output redirect."""
+    import orjson
+
+    from tests.images import png
+
+    gw: Gateway = await gateway_factory(drawing_table(upstream.url))
+    picture = ("in.png", png(), "image/png")
+    async with gw.client() as client:
+        await client.images.generate(model="painter", prompt="a cat")  # no size: the first listed asked
+        edit = await client.images.with_raw_response.edit(model="texty", image=picture, prompt="a hat")
+        refusals = []
+        for call in (
+            client.images.generate(model="painter", prompt="a cat", response_format="URL"),  # type: ignore[arg-type]
+            client.images.edit(
+                model="painter",
+                image=picture,
+                prompt="a hat",
+                size="1536x1024",
+                extra_body={"width": 512, "height": 512},
+            ),
+            client.images.edit(model="painter", image=picture, prompt="a hat", extra_body={"n": "²"}),
+        ):
+            with pytest.raises(openai.BadRequestError) as refused:
+                await call
+            refusals.append(error_body(refused.value))
+    assert [(r["code"], r["param"]) for r in refusals] == [
+        ("invalid_request", "response_format"),
+        ("invalid_request", "size"),
+        ("invalid_request", "n"),
+    ]
+    generated, edited = upstream.received
+    assert generated.json()["size"] == "1024x1024"
+    assert (edit.headers["X-Gateway-Model"], edit.headers["X-Gateway-Route"]) == ("painter", "redirect")
+    sent = {name: small for name, _, _, _, small in orjson.loads(edited.body)}
+    assert (sent["model"], sent["size"], sent["response_format"]) == ("painter", "1024x1024", "b64_json")
+
+
+def test_a_responses_image_tool_is_held_to_the_limits_of_the_model_that_serves_it() -> None:
+    """An input redirect moves the request: the tool's size is held to the target's limits."""
+    from gateway.admission.apis.catalog import BY_NAME
+
+    config = parse_config(
+        "version: 1\nmodels:\n"
+        "  - {name: gen, upstreams: ['http://h:1'], accepts: [text], produces: [text, image],\n"
+        "     on_unsupported: {image: {redirect: painter}}}\n"
+        "  - {name: painter, upstreams: ['http://h:1'], accepts: [text, image], produces: [text, image],\n"
+        "     output_limits: {image_sizes: [512x512]}}\n"
+    )
+    picture = {"type": "input_image", "image_url": "https://example.com/a.png"}
+    body = {
+        "model": "gen",
+        "input": [{"role": "user", "content": [picture]}],
+        "tools": [{"type": "image_generation", "size": "1536x1024"}],
+    }
+    with pytest.raises(InvalidRequestError) as refused:
+        admit(config, body, api=BY_NAME["responses"])
+    assert refused.value.param == "tools[0].size" and "Model 'painter' makes images of the sizes 512x512" in str(
+        refused.value
+    )
