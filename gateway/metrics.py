@@ -319,6 +319,48 @@ class GatewayMetrics:
             buckets=DURATION_BUCKETS,
             registry=registry,
         )
+        self.realtime_open = Gauge(
+            "gateway_realtime_sessions_open",
+            "Realtime sessions (GET /v1/realtime, WebSocket) relayed now, by model.",
+            ["model"],
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.realtime_closed = Counter(
+            "gateway_realtime_sessions",
+            "Realtime sessions relayed, counted as they end, by model and the reason they ended: client (the "
+            "client closed), engine (the engine closed), engine_lost (its connection failed), idle, too_long "
+            "(realtime.max_session_s), draining (the gateway stopped), error.",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.realtime_events = Counter(
+            "gateway_realtime_events",
+            "Realtime events relayed, by model and where they came from (client, engine).",
+            ["model", "source"],
+            registry=registry,
+        )
+        self.realtime_bytes = Counter(
+            "gateway_realtime_bytes",
+            "Bytes of realtime events relayed, by model and where they came from (client, engine).",
+            ["model", "source"],
+            registry=registry,
+        )
+        self.realtime_refused = Counter(
+            "gateway_realtime_events_refused",
+            "Client events of realtime sessions answered with an error event and not passed on, by model and "
+            "reason: model (session.update naming another model), output (an output the model does not produce), "
+            "too_large (realtime.max_append_bytes), too_fast (audio_speed), invalid (not a JSON event, a binary "
+            "frame).",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.audio_seconds = Counter(
+            "gateway_audio_seconds",
+            "Seconds of audio the clients sent, by serving model and API (realtime: each append's PCM16 at 16 kHz).",
+            ["model", "api"],
+            registry=registry,
+        )
         self.config_info = Gauge(
             "gateway_config_info",
             "The live routing.yaml, by the sha256 of its text (1 for the live one; join on it in dashboards).",

@@ -279,6 +279,14 @@ def test_a_tiny_run_of_the_whole_harness(tmp_path: Path, capsys: pytest.CaptureF
     assert data["goals"][0]["what"] == "text chat, c=32, x minimal proxy"
 
 
+def test_a_tiny_run_of_the_realtime_relay_bench(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import realtime
+
+    assert realtime.main(["--rounds", "1", "--sessions", "2", "--appends", "3"]) == 0
+    table = capsys.readouterr().out
+    assert "| minimal WebSocket relay | " in table and "| gateway | " in table
+
+
 def test_a_baseline_checkout_runs_beside_this_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--baseline DIR``: the gateway of another checkout (here this one's own) is one more path,
     on its own modules, named by its commit."""

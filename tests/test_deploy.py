@@ -65,6 +65,18 @@ ROWS = (
         ("gateway_images_described_total", "gateway_image_describe_seconds_bucket", "gateway_files_extracted_total"),
         (),
     ),
+    (
+        "Realtime sessions",
+        (
+            "gateway_realtime_sessions_open",
+            "gateway_realtime_sessions_total",
+            "gateway_realtime_events_total",
+            "gateway_realtime_bytes_total",
+            "gateway_realtime_events_refused_total",
+            "gateway_audio_seconds_total",
+        ),
+        (),
+    ),
 )
 
 pytestmark = pytest.mark.skipif(

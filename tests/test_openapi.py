@@ -330,7 +330,9 @@ CONFIG = schemathesis.Config.from_dict(
         ],
     }
 )
-schema = schemathesis.openapi.from_path(SPEC_PATH, config=CONFIG)
+# GET /v1/realtime is a WebSocket upgrade: what follows the 101 is no HTTP answer to check, and a
+# request drawn without a handshake is refused (400) by design; tests/server/test_realtime.py has it
+schema = schemathesis.openapi.from_path(SPEC_PATH, config=CONFIG).exclude(path="/v1/realtime")
 
 
 @schema.hook

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from aiohttp import BodyPartReader, web
+from aiohttp import BodyPartReader, WSMsgType, web
 from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
@@ -86,6 +86,9 @@ class StandIn:
     record: bool = True  # False: keep nothing in ``received`` (a benchmark's millions of requests)
     stored: set[str] = field(default_factory=set)  # ids of the responses it stores, as vLLM's store keeps them
     images_made: int = 0  # generations answered: each one's id, and the file a URL of it names
+    sessions: int = 0  # realtime sessions opened (GET /v1/realtime)
+    # >= 0: a realtime session's connection is cut (no close frame) after this many client events
+    realtime_break_after: int = -1
     hold: asyncio.Event | None = None  # each request, once recorded, waits for it (a test's saturated engine)
     # the engine's own check of a JSON body, (path, body) -> its refusal's message or None (see above)
     check: Callable[[str, Any], str | None] | None = None
@@ -106,6 +109,7 @@ class StandIn:
         app.router.add_post("/v1/images/generations", self._images)
         app.router.add_post("/v1/images/edits", self._edits)
         app.router.add_get("/v1/images/{id}/content", self._image_file)
+        app.router.add_get("/v1/realtime", self._realtime)
         app.router.add_post("/v1/audio/speech", self._speech)
         app.router.add_get("/health", self._health)
         return app
@@ -474,6 +478,87 @@ class StandIn:
                 Received(request.method, request.path_qs, CIMultiDict(request.headers), orjson.dumps(fields))
             )
         return web.json_response({"created": CREATED, "data": [{"b64_json": TINY_PNG}]})
+
+    async def _realtime(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's realtime transcription (``vllm/entrypoints/speech_to_text/realtime/connection.py``):
+        ``session.created`` first; ``session.update`` names the model (required before a commit);
+        ``input_audio_buffer.commit`` starts a transcription, each ``append`` (base64 PCM16, 16
+        kHz) after it answered with a ``transcription.delta`` (a word a tenth of a second), a
+        ``commit`` with ``final: true`` with ``transcription.done`` (its text and usage); what
+        vLLM refuses, an ``error`` event ``{"error", "code"}`` as vLLM sends it. Each client event
+        is recorded (its text), and held to ``check`` where set."""
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        self.sessions += 1
+        number = self.sessions
+
+        async def send(event: dict[str, Any]) -> None:
+            await ws.send_str(orjson.dumps(event).decode())
+
+        async def error(message: str, code: str) -> None:
+            await send({"type": "error", "error": message, "code": code})
+
+        await send({"type": "session.created", "id": f"sess-{self.name}-{number}", "created": CREATED})
+        validated, generating, heard = False, False, 0
+        words: list[str] = []
+        events = 0
+        async for message in ws:
+            if message.type is not WSMsgType.TEXT:
+                await ws.close(code=1003, message=b"text frames only")  # starlette's receive_text
+                break
+            events += 1
+            if self.record:
+                self.received.append(
+                    Received("WS", request.path_qs, CIMultiDict(request.headers), message.data.encode())
+                )
+            if 0 <= self.realtime_break_after < events:
+                assert request.transport is not None
+                request.transport.abort()  # a replica gone mid-session: no close frame
+                break
+            try:
+                event = orjson.loads(message.data)
+            except orjson.JSONDecodeError:
+                await error("Invalid JSON", "invalid_json")
+                continue
+            refused = self.check(request.path, event) if self.check is not None else None
+            if refused is not None:
+                await error(refused, "processing_error")
+                continue
+            kind = event.get("type") if isinstance(event, dict) else None
+            if kind == "session.update":
+                if event.get("model") is None:
+                    await error("Missing required field: model", "invalid_event")
+                else:
+                    validated = True
+            elif kind == "input_audio_buffer.append":
+                try:
+                    audio = base64.b64decode(event["audio"], validate=True)
+                except (KeyError, TypeError, ValueError):
+                    audio = b""
+                if not audio:
+                    await error("Invalid audio data", "invalid_audio")
+                    continue
+                heard += len(audio)
+                if generating:
+                    word = f"w{len(words) + 1}"
+                    words.append(word)
+                    await send({"type": "transcription.delta", "delta": f" {word}" if len(words) > 1 else word})
+            elif kind == "input_audio_buffer.commit":
+                if not validated:
+                    await error(
+                        "Model not validated. Make sure to validate the model by sending a session.update event.",
+                        "model_not_validated",
+                    )
+                elif event.get("final"):
+                    usage = {"prompt_tokens": heard // 3200, "completion_tokens": len(words),
+                             "total_tokens": heard // 3200 + len(words)}  # fmt: skip
+                    await send({"type": "transcription.done", "text": " ".join(words), "usage": usage})
+                    generating, words, heard = False, [], 0
+                else:
+                    generating = True
+            else:
+                await error(f"Unknown event type: {kind}", "unknown_event")
+        return ws
 
     async def _speech(self, request: web.Request) -> web.StreamResponse:
         """A text-to-speech model's answer (OpenAI's speech API): audio bytes, a WAV of silence

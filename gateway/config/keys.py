@@ -98,7 +98,10 @@ MODEL_KEYS = (
     "on_unsupported_output",
     "output_limits",
     "image_urls",
+    "realtime",
 )
+# realtime: a WebSocket session's bounds (GET /v1/realtime, gateway.server.realtime)
+REALTIME_KEYS = ("max_session_s", "idle_s", "max_append_bytes", "audio_speed", "audio_burst_s")
 # What a model may be said to produce (routing.yaml `produces:`), and what becomes of an output a
 # request asks of a model that does not produce it (`on_unsupported_output:`)
 OUTPUT_MODALITIES = ("text", "audio", "image")
@@ -110,7 +113,7 @@ IMAGE_URLS = ("inline", "shared")
 # The APIs a model's upstreams may serve (routing.yaml `apis:`), and what a generative model
 # served by vLLM or SGLang serves when the key is left out.
 API_NAMES = ("chat", "completions", "responses", "messages", "embeddings", "score", "rerank", "transcriptions",
-             "translations", "images", "edits", "speech")  # fmt: skip
+             "translations", "images", "edits", "speech", "realtime")  # fmt: skip
 # the APIs whose answer is an output of its own: a model served on one must produce it
 PRODUCING_APIS = {"images": "image", "edits": "image", "speech": "audio"}
 DEFAULT_APIS = API_NAMES[:4]  # a generative model's; a pooling model lists embeddings, score or rerank

@@ -1,6 +1,7 @@
 """The keys of a model that say how its replicas are used: upstreams and their weights,
 ``balance``, ``retries``, ``breaker``, ``timeouts``, ``max_concurrency`` and its ``queue``,
-``health_check``, and the upstream key (``api_key_env``). Defaults that come from the ``server:``
+``health_check``, the bounds of its realtime sessions (``realtime``), and the upstream key
+(``api_key_env``). Defaults that come from the ``server:``
 section are resolved here, so a model's config holds every value it runs with."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from .keys import (
     BREAKER_KEYS,
     HEALTH_CHECK_KEYS,
     QUEUE_KEYS,
+    REALTIME_KEYS,
     RETRY_KEYS,
     RETRYABLE_STATUSES,
     TIMEOUT_KEYS,
@@ -19,7 +21,15 @@ from .keys import (
 )
 from .loader import MISSING
 from .readers import Readers, fields, show, unknown_message
-from .types import BreakerConfig, HealthCheckConfig, QueueConfig, RetryConfig, ServerConfig, TimeoutConfig
+from .types import (
+    BreakerConfig,
+    HealthCheckConfig,
+    QueueConfig,
+    RealtimeConfig,
+    RetryConfig,
+    ServerConfig,
+    TimeoutConfig,
+)
 
 MAX_WEIGHT = 100  # affinity places 64 ring points per unit of weight; a ratio of 100 is plenty
 
@@ -54,6 +64,7 @@ class PoolReaders(Readers):
             "timeouts": self.timeouts(raw.get("timeouts", {}), f"{path}.timeouts", server),
             "max_concurrency": limit,
             "queue": queue,
+            "realtime": self.realtime(raw.get("realtime", MISSING), f"{path}.realtime"),
             "health_check": None
             if health_check is MISSING
             else self.health_check(health_check, f"{path}.health_check"),
@@ -124,6 +135,23 @@ class PoolReaders(Readers):
             first_byte_s=self.number(*get("first_byte_s")),
             idle_s=self.number(*get("idle_s")),
             total_s=None if total is MISSING else self.number(total, total_path, 0.0, positive=False) or None,
+        )
+
+    def realtime(self, value: Any, path: str) -> RealtimeConfig:
+        """``realtime:``, the bounds of a model's WebSocket sessions."""
+        d = RealtimeConfig()
+        if value is MISSING:
+            return d
+        raw = self.mapping(value, path, REALTIME_KEYS, what="realtime")
+        if raw is None:
+            return d
+        get = fields(raw, path, d)
+        return RealtimeConfig(
+            max_session_s=self.number(*get("max_session_s")),
+            idle_s=self.number(*get("idle_s")),
+            max_append_bytes=self.integer(*get("max_append_bytes"), minimum=2, maximum=64 << 20),
+            audio_speed=self.number(*get("audio_speed")),
+            audio_burst_s=self.number(*get("audio_burst_s")),
         )
 
     def health_check(self, value: Any, path: str) -> HealthCheckConfig | None:

@@ -378,6 +378,18 @@ class Oversize:
 
 
 @dataclass(frozen=True, slots=True)
+class RealtimeConfig:
+    """``realtime:``: the bounds of one WebSocket session (``GET /v1/realtime``) of a model."""
+
+    max_session_s: float = 3600.0  # a session's whole length; then closed (1008, "session too long")
+    idle_s: float = 300.0  # no event either way this long: closed (1000, "idle")
+    max_append_bytes: int = 1 << 20  # an input_audio_buffer.append's audio, decoded (vLLM's PCM16 16 kHz mono)
+    # the audio a session may send: audio_burst_s seconds at once, then audio_speed seconds a second
+    audio_speed: float = 10.0
+    audio_burst_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
 class OutputLimits:
     """``output_limits:``: the images a request may ask a model for (the images API's ``n``), the
     sizes it may ask them in (none listed: any), and the most pixels of one."""
@@ -425,6 +437,7 @@ class ModelConfig:
     on_unsupported_output: Mapping[Modality, Policy] = field(default_factory=lambda: MappingProxyType({}))
     output_limits: OutputLimits | None = None
     image_urls: Literal["inline", "shared"] = "inline"  # generated images: b64_json, or the engine's URLs
+    realtime: RealtimeConfig = RealtimeConfig()
 
     @property
     def counts_images(self) -> bool:

@@ -103,6 +103,8 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
         _check_outputs(config, model, path, p)
         if Modality.TEXT not in model.produces and (serving := [a for a in model.apis if a in TEXT_APIS]):
             p.problem(f"{path}.produces", f"must include 'text': the model serves {', '.join(serving)}")
+        if "realtime" in model.apis and Modality.AUDIO not in model.accepts:
+            p.problem(f"{path}.apis", "the realtime API takes audio: the model must accept it (accepts:)")
         for api, made in PRODUCING_APIS.items():
             if api in model.apis and Modality(made) not in model.produces:
                 p.problem(f"{path}.apis", f"the {api} API answers with {made}: the model must produce it (produces:)")

@@ -114,6 +114,7 @@ def create_app(
     for lifetime in _lifetimes(services):  # each its own: one that fails to start stops those started
         app.cleanup_ctx.append(lifetime)
     app.cleanup_ctx.append(_health_checks)
+    app.cleanup_ctx.append(_realtime)
     if config_path is not None and watch:
         app.cleanup_ctx.append(_config_watcher)
 
@@ -126,8 +127,10 @@ def create_app(
         "/admin/config": handlers.admin_config,
         "/metrics": handlers.metrics_endpoint(make_aiohttp_handler(scrape)),
     }
-    # every API's routes (gateway.admission.apis.catalog)
-    posts = {path: handler for path, (handler, _) in doors.ROUTES.items()} | {"/admin/reload": handlers.admin_reload}
+    # every API's routes (gateway.admission.apis.catalog): a WebSocket session's a GET
+    gets |= {path: handler for path, (handler, api) in doors.ROUTES.items() if api.method == "GET"}
+    posts = {path: handler for path, (handler, api) in doors.ROUTES.items() if api.method == "POST"}
+    posts["/admin/reload"] = handlers.admin_reload
     add_routes(app, gets, posts)
     return app
 
@@ -230,6 +233,14 @@ async def _stop_tracing(tracing: Tracing) -> None:
     await asyncio.to_thread(stopping.join, TRACES_STOP_S)
     if stopping.is_alive():
         log.warning("the trace collector did not take the last spans within %gs; they may be lost", TRACES_STOP_S)
+
+
+async def _realtime(app: web.Application) -> AsyncIterator[None]:
+    """Realtime sessions still open when the app stops are closed, said why; then their client."""
+    hub = app[SERVICES_KEY].realtime
+    yield
+    hub.stop_all()
+    await hub.close()
 
 
 async def _health_checks(app: web.Application) -> AsyncIterator[None]:

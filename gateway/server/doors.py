@@ -17,7 +17,7 @@ from ..admission.apis import Api
 from ..admission.apis.catalog import APIS
 from ..admission.body import dump_body, exact
 from ..admission.plan import admit, admit_output, lookup
-from . import exchange, uploads
+from . import exchange, realtime, uploads
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -88,8 +88,13 @@ def output_door(api: Api) -> Handler:
     return handler
 
 
-DOORS = {"parts": door, "text": text_door, "upload": uploads.door, "output": output_door}
-# every route the app registers: path -> (its handler, its API)
+def realtime_door(api: Api) -> Handler:
+    """The realtime API's: a WebSocket session (GET), gateway.server.realtime."""
+    return realtime.handler
+
+
+DOORS = {"parts": door, "text": text_door, "upload": uploads.door, "output": output_door, "realtime": realtime_door}
+# every route the app registers: path -> (its handler, its API); a GET for the realtime door, else a POST
 ROUTES: dict[str, tuple[Handler, Api]] = {
     path: (handler, api) for api, handler in ((a, DOORS[a.door](a)) for a in APIS) for path in api.paths
 }

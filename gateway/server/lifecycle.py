@@ -5,6 +5,8 @@ SIGTERM (or SIGINT) starts the drain::
     /readyz -> 503 "draining"          load balancers stop sending new requests...
     drain_grace_s: still listening     ...but until they notice, new connections are served
     listener closed                    idle keep-alive connections closed
+    (realtime sessions open)           drain_timeout_s for them to end, requests in flight going
+                                       on; then each closed, 1001 "the gateway is shutting down"
     drain_timeout_s: in flight finish  requests and streams in flight run to their end
     app cleanup                        clients closed, supervised encoders stopped last
     exit 0
@@ -41,6 +43,7 @@ from .state import SERVICES_KEY
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PARENT_CHECK_S = 1.0
+CLOSE_WAIT_S = 5.0  # what a realtime session closed at the drain waits for its client's answer
 
 
 # Young objects a collection of the youngest generation waits for (CPython's default: 700). A
@@ -105,6 +108,7 @@ async def serve(
             log.info("admin endpoints, /metrics and the status page on http://%s only", server.admin_listen)
         first = await signals.get()
         await _drain(app, signals, first, server)
+        await _end_sessions(runner, app, server)
     finally:
         if orphaned is not None:
             orphaned.cancel()
@@ -173,6 +177,33 @@ async def _drain(
     for sig in STOP_SIGNALS:  # later signals: said, not obeyed
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, log.info, "%s: already draining; requests in flight finish first", sig.name)
+
+
+async def _end_sessions(runner: web.AppRunner, app: web.Application, server: ServerConfig) -> None:
+    """Realtime sessions open at the drain: the listener closed, they have ``drain_timeout_s`` to
+    end (requests in flight go on meanwhile), then those left are closed, told why. (Once aiohttp's
+    own shutdown begins it reads nothing more of any connection, a session's frames included: so
+    this comes before it.) The requests still in flight then have what is left of their
+    ``drain_timeout_s``, not another: the drain takes no longer with sessions than without."""
+    hub = app[SERVICES_KEY].realtime
+    if not hub.open:
+        return
+    loop = asyncio.get_running_loop()
+    closed = loop.time()
+    for site in list(runner.sites):
+        await site.stop()
+    log.info("%d realtime sessions open: they have %gs to end", len(hub.open), server.drain_timeout_s)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(server.drain_timeout_s):
+            await hub.idle()
+    if hub.open:
+        log.info("closing %d realtime sessions: the gateway is shutting down", len(hub.open))
+        hub.stop_all()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(CLOSE_WAIT_S):  # their clients' answers to the close
+                await hub.idle()
+    # aiohttp's runner takes its shutdown timeout once, when made: what is left of it, for the rest
+    runner._shutdown_timeout = max(0.0, server.drain_timeout_s - (loop.time() - closed))
 
 
 async def reload_on_sighup(app: web.Application) -> AsyncIterator[None]:

@@ -24,6 +24,7 @@ from ..metrics import GatewayMetrics
 from ..tracing import Tracing
 from ..upstream.client import UpstreamClient
 from ..upstream.concurrency import Gates
+from ..upstream.realtime import Hub
 from .store import ConfigStore
 
 
@@ -58,6 +59,7 @@ class Services:
     # apart from the default executor (DNS lookups, large data URLs); closed with the app
     decoders: DecoderPool = field(default_factory=DecoderPool)
     tracing: Tracing | None = None  # server.tracing: spans for each stage of a request (gateway.tracing)
+    realtime: Hub = field(default_factory=Hub)  # the realtime sessions relayed now (gateway.upstream.realtime)
 
     @property
     def tools(self) -> Tools:

@@ -520,7 +520,7 @@ async def test_what_sglang_reads_of_an_images_request_is_what_is_held_to_the_lim
         edit = await client.images.with_raw_response.edit(model="texty", image=picture, prompt="a hat")
         refusals = []
         for call in (
-            client.images.generate(model="painter", prompt="a cat", response_format="URL"),  # type: ignore[arg-type]
+            client.images.generate(model="painter", prompt="a cat", response_format="URL"),
             client.images.edit(
                 model="painter",
                 image=picture,

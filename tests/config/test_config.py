@@ -30,7 +30,7 @@ SERVER_KEYS = (
 MODEL_KEYS = (
     "(expected one of: name, upstreams, upstream_model, engine, accepts, apis, limits, encode, on_encoder_error, "
     "on_unsupported, api_key_env, balance, retries, breaker, timeouts, max_concurrency, queue, health_check, video, "
-    "visual_tokens, on_oversize, produces, on_unsupported_output, output_limits, image_urls)"
+    "visual_tokens, on_oversize, produces, on_unsupported_output, output_limits, image_urls, realtime)"
 )
 # A valid models section on two lines, for documents that test the sections above it.
 MODELS = ("models:", "  - {name: a, upstreams: ['http://h:1'], accepts: [text]}")

@@ -54,6 +54,7 @@ VLLM_ROUTES = {
     "/v2/rerank": "rerank",
     "/v1/audio/transcriptions": "transcription",
     "/v1/audio/translations": "translation",
+    "/v1/realtime": "realtime",  # each client event of a session
 }
 SGLANG_ROUTES = {
     "/v1/chat/completions": "chat",

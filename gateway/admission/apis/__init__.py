@@ -47,7 +47,7 @@ from ..outputs import chat_outputs
 from ..parts import CHAT_PARTS, Classification, Content, PartTable, audio_in_video, chat_contents, classify_contents
 
 ErrorShape = Literal["openai", "anthropic"]
-Door = Literal["parts", "text", "upload", "output"]  # how its requests are taken (gateway.server.doors)
+Door = Literal["parts", "text", "upload", "output", "realtime"]  # how its requests are taken (gateway.server.doors)
 AffinityKey = Callable[[Mapping[str, Any]], bytes | None]  # gateway.admission.affinity
 
 
@@ -71,6 +71,7 @@ class Api:
     contents: Callable[[dict[str, Any], ContentBounds], list[Content]]  # the view of a body, checked
     aliases: tuple[str, ...] = ()  # other routes of it (vLLM serves its pooling APIs outside /v1/ too)
     door: Door = "parts"
+    method: str = "POST"  # its route's (GET: the realtime API's WebSocket upgrade)
     operation: str = ""  # the GenAI semantic conventions' gen_ai.operation.name ("": its name)
     affinity: AffinityKey = no_affinity  # what keeps a conversation on one replica (balance: affinity)
     stores: bool = False  # its engine keeps the responses it makes (previous_response_id names one)
@@ -188,6 +189,8 @@ IMAGES = Api(
 SPEECH = Api(
     "speech", "/v1/audio/speech", CHAT_PARTS, _no_view, door="output", operation="speech", makes=Modality.AUDIO
 )
+# a WebSocket session (GET, upgraded): admitted before the upgrade, each event checked as it passes
+REALTIME = Api("realtime", "/v1/realtime", CHAT_PARTS, _no_view, door="realtime", method="GET", operation="realtime")
 
 # text only: the model must exist; the body passes through, renamed for its upstream
 COMPLETIONS = Api(

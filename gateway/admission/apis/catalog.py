@@ -7,14 +7,14 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from ..upload import EDITS, TRANSCRIPTIONS, TRANSLATIONS
-from . import CHAT, COMPLETIONS, IMAGES, SPEECH, Api, ErrorShape
+from . import CHAT, COMPLETIONS, IMAGES, REALTIME, SPEECH, Api, ErrorShape
 from .messages import COUNT_TOKENS, MESSAGES
 from .pooling import EMBEDDINGS, RERANK, SCORE
 from .responses import RESPONSES
 
 APIS: tuple[Api, ...] = (
     CHAT, COMPLETIONS, RESPONSES, MESSAGES, COUNT_TOKENS, EMBEDDINGS, SCORE, RERANK, TRANSCRIPTIONS, TRANSLATIONS,
-    IMAGES, EDITS, SPEECH,
+    IMAGES, EDITS, SPEECH, REALTIME,
 )  # fmt: skip
 BY_PATH = MappingProxyType({path: api for api in APIS for path in api.paths})
 BY_NAME = MappingProxyType({api.name: api for api in reversed(APIS)})  # messages: MESSAGES, not COUNT_TOKENS

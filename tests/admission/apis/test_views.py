@@ -177,7 +177,7 @@ def test_check_refuses_a_redirect_to_a_model_that_does_not_serve_its_apis() -> N
     assert [p.split(": ", 2)[2] for p in found] == [
         "API 'chat' is listed twice",
         "unknown API 'nope' (expected one of: chat, completions, responses, messages, embeddings, score, rerank, "
-        "transcriptions, translations, images, edits, speech)",
+        "transcriptions, translations, images, edits, speech, realtime)",
     ]
     assert Modality.FILE.value == "file"
 

@@ -79,6 +79,8 @@ __all__ = [
     "messages_error",
     "messages_event",
     "messages_response",
+    "realtime",
+    "realtime_event",
     "rerank",
     "responses",
     "responses_event",
@@ -394,6 +396,57 @@ def transcription(fields: Mapping[str, Any], engine: Engine | None = None) -> He
     for a uniform call and not used: the model is Whisper.
     """
     return _speech("TranscriptionRequest", fields)
+
+
+# a realtime session's client events, by type: vLLM's model of each (RealtimeConnection.handle_event)
+REALTIME_CLIENT = {
+    "session.update": "SessionUpdate",
+    "input_audio_buffer.append": "InputAudioBufferAppend",
+    "input_audio_buffer.commit": "InputAudioBufferCommit",
+}
+REALTIME_SERVER = {
+    "session.created": "SessionCreated",
+    "transcription.delta": "TranscriptionDelta",
+    "transcription.done": "TranscriptionDone",
+    "error": "ErrorEvent",
+}
+_REALTIME = "vllm.entrypoints.speech_to_text.realtime.protocol"
+
+
+def realtime(event: Any, engine: Engine | None = None) -> Found:
+    """A realtime session's client event (one WebSocket text frame, parsed), as vLLM's
+    ``RealtimeConnection.handle_event`` (``vllm/entrypoints/speech_to_text/realtime/connection.py``)
+    takes it: its type one of the three vLLM reads, validated with vLLM's model of it
+    (``.../realtime/protocol.py``); a ``session.update`` naming its model; an append's audio
+    base64 of PCM16 samples, not empty. What vLLM answers with an ``error`` event is
+    :class:`Refused` with its message. ``engine`` is accepted for a uniform call and not used."""
+    import base64
+    import binascii
+
+    kind = event.get("type") if isinstance(event, dict) else None
+    name = REALTIME_CLIENT.get(kind) if isinstance(kind, str) else None
+    if name is None:
+        raise Refused(f"Unknown event type: {kind}", stage="request")
+    if kind == "session.update" and event.get("model") is None:
+        raise Refused("Missing required field: model", stage="request")
+    with _checking(), _stage("request"):
+        validated = getattr(_vllm(_REALTIME), name).model_validate(event)
+    if kind == "input_audio_buffer.append":
+        try:
+            audio = base64.b64decode(validated.audio)
+        except (binascii.Error, ValueError):
+            raise Refused("Invalid audio data", stage="audio") from None
+        if not audio or len(audio) % 2:
+            raise Refused("Invalid audio data", stage="audio")
+    return Found({"audio": 1} if kind == "input_audio_buffer.append" else {}, request=validated)
+
+
+def realtime_event(obj: Mapping[str, Any]) -> BaseModel:
+    """An event the engine sends a realtime client, as vLLM's model of its type."""
+    name = REALTIME_SERVER.get(str(obj.get("type")))
+    if name is None:
+        raise Refused(f"vLLM sends no realtime event of type {obj.get('type')!r}", stage="reply")
+    return _reply(_REALTIME, name, obj)
 
 
 def translation(fields: Mapping[str, Any], engine: Engine | None = None) -> Heard:
