@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         for arm in arms:
             cpu = statistics.median(c for c, _ in results[arm.name])
             rate = statistics.median(a for _, a in results[arm.name])
-            print(f"| {arm.name} | {cpu:,.0f} | {rate:,.0f} | {cpu / ref:.2f} |")
+            ratio = f"{cpu / ref:.2f}" if ref else "-"  # a run too short for /proc's ticks
+            print(f"| {arm.name} | {cpu:,.0f} | {rate:,.0f} | {ratio} |")
     finally:
         for server in reversed(servers):
             stop(server)

@@ -350,8 +350,7 @@ class GatewayMetrics:
             "gateway_realtime_events_refused",
             "Client events of realtime sessions answered with an error event and not passed on, by model and "
             "reason: model (session.update naming another model), output (an output the model does not produce), "
-            "too_large (realtime.max_append_bytes), too_fast (audio_speed), invalid (not a JSON event, a binary "
-            "frame).",
+            "too_large (realtime.max_append_bytes), too_fast (audio_speed), invalid (a binary frame).",
             ["model", "reason"],
             registry=registry,
         )

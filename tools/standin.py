@@ -89,6 +89,7 @@ class StandIn:
     sessions: int = 0  # realtime sessions opened (GET /v1/realtime)
     # >= 0: a realtime session's connection is cut (no close frame) after this many client events
     realtime_break_after: int = -1
+    flooded: int = 0  # transcription.delta events sent for a `standin.flood` event (a test's slow client)
     hold: asyncio.Event | None = None  # each request, once recorded, waits for it (a test's saturated engine)
     # the engine's own check of a JSON body, (path, body) -> its refusal's message or None (see above)
     check: Callable[[str, Any], str | None] | None = None
@@ -525,6 +526,14 @@ class StandIn:
                 await error(refused, "processing_error")
                 continue
             kind = event.get("type") if isinstance(event, dict) else None
+            if kind == "standin.close":  # not vLLM's: the engine ends the session with this code and reason
+                await ws.close(code=int(event.get("code", 1000)), message=str(event.get("reason", "")).encode())
+                break
+            if kind == "standin.flood":  # not vLLM's: `count` deltas of `size` characters, sent as fast as taken
+                for _ in range(int(event.get("count", 0))):
+                    await send({"type": "transcription.delta", "delta": "x" * int(event.get("size", 1))})
+                    self.flooded += 1
+                continue
             if kind == "session.update":
                 if event.get("model") is None:
                     await error("Missing required field: model", "invalid_event")

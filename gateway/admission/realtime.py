@@ -26,6 +26,7 @@ answer it.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,12 +34,12 @@ from typing import Any
 import orjson
 
 from ..config import GatewayConfig, ModelConfig
+from ..config.keys import AUDIO_BYTES_PER_S
 from ..errors import InvalidRequestError, Rejection, UnsupportedModalityError, clip
 from ..modalities import Modality
 from .plan import lookup
 from .route import Visible
 
-AUDIO_BYTES_PER_S = 32_000  # PCM16 at 16 kHz, mono: what vLLM's realtime takes
 MODEL_FIELDS = (("model",), ("session", "model"), ("session", "audio", "input", "transcription", "model"))
 OUTPUT_FIELDS = ("output_modalities", "modalities")  # OpenAI's GA name, and its beta one
 
@@ -69,7 +70,8 @@ class Refusal(Exception):
     def __init__(self, message: str, code: str, param: str, reason: str) -> None:
         super().__init__(message)
         self.reason = reason
-        self.event = orjson.dumps({"type": "error", "error": message, "code": code, "param": param}).decode()
+        # json, not orjson: a name the client sent may hold a lone surrogate (escaped here)
+        self.event = json.dumps({"type": "error", "error": message, "code": code, "param": param})
 
 
 class Session:
@@ -87,7 +89,10 @@ class Session:
         try:
             event = orjson.loads(text)
         except orjson.JSONDecodeError:
-            return text, 0.0  # the engine says it is not JSON
+            try:  # what vLLM reads (json.loads) takes NaN, Infinity and lone surrogates, which orjson does not
+                event = json.loads(text)
+            except ValueError:
+                return text, 0.0  # not JSON to the engine either: it says so
         if not isinstance(event, dict):
             return text, 0.0
         kind = event.get("type")
@@ -100,7 +105,7 @@ class Session:
     def _append(self, audio: Any) -> float:
         if not isinstance(audio, str):
             return 0.0  # the engine's own check refuses it
-        size = len(audio) * 3 // 4 - (audio.endswith("=") + audio.endswith("=="))
+        size = max(0, len(audio) * 3 // 4 - (audio.endswith("=") + audio.endswith("==")))
         bounds = self.model.realtime
         if size > bounds.max_append_bytes:
             raise Refusal(
@@ -155,5 +160,5 @@ class Session:
                         "output",
                     )
         if event.get("model") == model.name and model.upstream_name != model.name:
-            return orjson.dumps({**event, "model": model.upstream_name}).decode()
+            return json.dumps({**event, "model": model.upstream_name})  # as vLLM's json reads it
         return text

@@ -102,6 +102,7 @@ MODEL_KEYS = (
 )
 # realtime: a WebSocket session's bounds (GET /v1/realtime, gateway.server.realtime)
 REALTIME_KEYS = ("max_session_s", "idle_s", "max_append_bytes", "audio_speed", "audio_burst_s")
+AUDIO_BYTES_PER_S = 32_000  # PCM16 at 16 kHz, mono: the audio of vLLM's realtime sessions
 # What a model may be said to produce (routing.yaml `produces:`), and what becomes of an output a
 # request asks of a model that does not produce it (`on_unsupported_output:`)
 OUTPUT_MODALITIES = ("text", "audio", "image")

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..modalities import Modality
 from ..tracing import available as tracing_available
 from .environment import env_secret
-from .keys import BUILTIN_TOWERS, ENCODABLE, OUTPUT_MODALITIES, PRODUCING_APIS
+from .keys import AUDIO_BYTES_PER_S, BUILTIN_TOWERS, ENCODABLE, OUTPUT_MODALITIES, PRODUCING_APIS
 from .loader import MarkedDocument
 from .types import GatewayConfig, ModelConfig
 
@@ -105,6 +105,13 @@ def validate(config: GatewayConfig, p: MarkedDocument) -> None:
             p.problem(f"{path}.produces", f"must include 'text': the model serves {', '.join(serving)}")
         if "realtime" in model.apis and Modality.AUDIO not in model.accepts:
             p.problem(f"{path}.apis", "the realtime API takes audio: the model must accept it (accepts:)")
+        bounds = model.realtime
+        if bounds.max_append_bytes / AUDIO_BYTES_PER_S > bounds.audio_burst_s:
+            p.problem(
+                f"{path}.realtime.audio_burst_s",
+                f"an append of max_append_bytes ({bounds.max_append_bytes}) is "
+                f"{bounds.max_append_bytes / AUDIO_BYTES_PER_S:g}s of audio, over the burst: it could never be sent",
+            )
         for api, made in PRODUCING_APIS.items():
             if api in model.apis and Modality(made) not in model.produces:
                 p.problem(f"{path}.apis", f"the {api} API answers with {made}: the model must produce it (produces:)")

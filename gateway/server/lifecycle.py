@@ -43,7 +43,7 @@ from .state import SERVICES_KEY
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PARENT_CHECK_S = 1.0
-CLOSE_WAIT_S = 5.0  # what a realtime session closed at the drain waits for its client's answer
+CLOSE_WAIT_S = 4.0  # what a realtime session closed at the drain waits for its client's answer
 
 
 # Young objects a collection of the youngest generation waits for (CPython's default: 700). A
@@ -203,7 +203,8 @@ async def _end_sessions(runner: web.AppRunner, app: web.Application, server: Ser
             async with asyncio.timeout(CLOSE_WAIT_S):  # their clients' answers to the close
                 await hub.idle()
     # aiohttp's runner takes its shutdown timeout once, when made: what is left of it, for the rest
-    runner._shutdown_timeout = max(0.0, server.drain_timeout_s - (loop.time() - closed))
+    # (aiohttp reads a timeout of 0 as none at all: a tenth of a second is the least)
+    runner._shutdown_timeout = max(0.1, server.drain_timeout_s - (loop.time() - closed))
 
 
 async def reload_on_sighup(app: web.Application) -> AsyncIterator[None]:

@@ -82,7 +82,7 @@ def front(handler: Handler) -> Handler:
         rid = request[REQUEST_ID_KEY] = _request_id(request)
         metrics = services.metrics
         started = time.perf_counter()
-        code, failure, keyed = 500, None, False
+        code, failure, keyed, upgraded = 500, None, False, False
         metrics.in_flight.inc()
         tracing, traced = services.tracing, None
         if tracing is not None and (served := BY_PATH.get(request.path)) is not None:  # a model endpoint: traced
@@ -115,6 +115,7 @@ def front(handler: Handler) -> Handler:
                 )
             if not response.prepared:
                 _answer_headers(request, response, rid, keyed)
+            upgraded = isinstance(response, web.WebSocketResponse)  # a session: its length is no latency
             gone = isinstance(response, RelayResponse) and response.client_gone
             code = CLIENT_CLOSED if gone else response.status
             if gone:
@@ -133,7 +134,8 @@ def front(handler: Handler) -> Handler:
                 api = api_of(request.path)
                 label = request.get(KEY_LABEL_KEY, NO_KEY) if keyed else NO_KEY  # no lookup (a KeyError) without a key
                 metrics.child(metrics.requests, model, str(code), label, api).inc()
-                metrics.child(metrics.request_duration, model).observe(time.perf_counter() - started)
+                if not upgraded:
+                    metrics.child(metrics.request_duration, model).observe(time.perf_counter() - started)
 
     fronted.__name__ = fronted.__qualname__ = getattr(handler, "__name__", "handler")
     return fronted

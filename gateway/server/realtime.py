@@ -46,7 +46,7 @@ async def handler(request: web.Request) -> web.StreamResponse:
         headers["Authorization"] = auth
     inject(services.tracing, headers)
     hub, metrics = services.realtime, services.metrics
-    engine, lease = await connect(hub, live.pools[model.name], model, headers)
+    engine, lease = await connect(hub, live.pools[model.name], model, headers, metrics)
     with lease:
         try:
             await client.prepare(request)

@@ -11,8 +11,9 @@ A session ends (the ``reason`` of gateway_realtime_sessions_total) when the clie
 (``client``: the engine's side closed with 1000), the engine closes it (``engine``: its close code
 and reason passed to the client), the engine's connection fails (``engine_lost``: 1011), it is
 idle for ``realtime.idle_s`` (``idle``: 1000) or longer than ``realtime.max_session_s``
-(``too_long``: 1008), or the gateway stops (``draining``: 1001, a second before
-``server.drain_timeout_s`` ends). Each close says its reason to the client.
+(``too_long``: 1008), or the gateway stops (``draining``: 1001, once ``server.drain_timeout_s``
+is up). Each close says its reason to the client, and waits for each side's answer
+``CLOSE_S`` at most.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ from ..config import ModelConfig
 from ..errors import NoHealthyUpstreamError, UpstreamConnectError
 from ..metrics import GatewayMetrics
 from .attempts import Attempts
+from .relay import outcome_of
 from .replicas import Lease, Pool
 from .usage import Usage, usage_of
 
 log = logging.getLogger("gateway.upstream.realtime")
 
 ENGINE_MAX_MSG = 16 << 20  # an engine's event (a transcription's text): bounded all the same
+CLOSE_S = 2.0  # what a side's close waits for its answer
 CLOSES = {  # reason -> (the client's close code, what it is told)
     "idle": (1000, "idle for {idle}s (realtime.idle_s)"),
     "too_long": (1008, "the session is over {most}s long (realtime.max_session_s)"),
@@ -89,7 +92,9 @@ class Hub:
     @property
     def http(self) -> aiohttp.ClientSession:
         if self._http is None:
-            self._http = aiohttp.ClientSession(auto_decompress=False)
+            # no bound on connections: each session holds one for its length (aiohttp's default of
+            # 100 would make the 101st wait, then count against a healthy replica)
+            self._http = aiohttp.ClientSession(auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
         return self._http
 
     def stop_all(self, reason: str = "draining") -> None:
@@ -102,13 +107,14 @@ class Hub:
 
 
 async def connect(
-    hub: Hub, pool: Pool, model: ModelConfig, headers: Mapping[str, str]
+    hub: Hub, pool: Pool, model: ModelConfig, headers: Mapping[str, str], metrics: GatewayMetrics
 ) -> tuple[aiohttp.ClientWebSocketResponse, Lease]:
     """A WebSocket to one of the model's replicas (``/v1/realtime`` under its URL), and the lease
     on it (the replica's load while the session lasts), through the attempt loop: a replica that
     refuses the upgrade or cannot be reached counts against its breaker, and the next is tried
     (each once: nothing reached an engine's generation). None opens: 502 ``upstream_unreachable``,
-    or 503 ``no_healthy_upstream`` when no replica admits a try."""
+    or 503 ``no_healthy_upstream`` when no replica admits a try. Each try is counted in
+    gateway_upstream_requests_total (``ok``: upgraded)."""
     attempts = Attempts(pool, panic=True)
     timeout = aiohttp.ClientWSTimeout(ws_receive=None, ws_close=5.0)
     failures: list[str] = []
@@ -129,12 +135,19 @@ async def connect(
             failures.append(f"{lease.replica.url}: answered {exc.status}")
             lease.failure(f"realtime upgrade refused: {exc.status}")
             lease.__exit__()
+            metrics.child(metrics.upstream_requests, model.name, lease.replica.url, outcome_of(exc.status)).inc()
             continue
         except (aiohttp.ClientError, TimeoutError) as exc:
-            failures.append(f"{lease.replica.url}: {attempts.failed(lease, exc).reason}")
+            failure = attempts.failed(lease, exc)
+            failures.append(f"{lease.replica.url}: {failure.reason}")
             lease.__exit__()
+            metrics.child(metrics.upstream_requests, model.name, lease.replica.url, failure.outcome).inc()
             continue
+        except BaseException:  # the client left while the engine's side opened: its lease given back
+            lease.__exit__()
+            raise
         lease.success()
+        metrics.child(metrics.upstream_requests, model.name, lease.replica.url, "ok").inc()
         return ws, lease
     if not failures:
         raise NoHealthyUpstreamError(f"No replica of model '{model.name}' is healthy for a realtime session")
@@ -155,6 +168,7 @@ class Relay:
         self.client, self.engine, self.session, self.metrics = client, engine, session, metrics
         self._on_usage = on_usage
         self.reason = ""  # why the session ended, once it has (the reason of gateway_realtime_sessions_total)
+        self._engine_close: tuple[int, str] = (0, "")  # the engine's close frame: its code and reason
         self._last = time.monotonic()
         self._stopped: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         name = session.model.name
@@ -217,8 +231,10 @@ class Relay:
         return reason
 
     def _engine_closed_cleanly(self) -> bool:
+        """Whether the engine closed the session with a close frame of its own (any code: its 1011
+        too, with its reason), not by losing the connection (1006, an error, no code)."""
         code = self.engine.close_code
-        return self.engine.exception() is None and code is not None and code not in (1006, 1011)
+        return self.engine.exception() is None and code is not None and code != 1006
 
     async def _close(self, reason: str) -> None:
         """Both sides closed, the client told why."""
@@ -226,16 +242,19 @@ class Relay:
         if reason == "client":
             code, message = 1000, ""
         elif reason == "engine":
-            code = self.engine.close_code or 1000
-            message = (self.engine.close_reason or "") if hasattr(self.engine, "close_reason") else ""
-            message = message or "the engine closed the session"
+            code = self._engine_close[0] or self.engine.close_code or 1000
+            message = self._engine_close[1] or "the engine closed the session"
         else:
             code, said = CLOSES[reason]
             message = said.format(idle=f"{bounds.idle_s:g}", most=f"{bounds.max_session_s:g}")
+        # each side's close waits for its answer, bounded: an engine that keeps sending without
+        # answering the close, a client gone quiet, holds the session (its lease, its key's slot) no longer
         with contextlib.suppress(Exception):
-            await self.engine.close(code=1000)
+            async with asyncio.timeout(CLOSE_S):
+                await self.client.close(code=code, message=message.encode()[:123])
         with contextlib.suppress(Exception):
-            await self.client.close(code=code, message=message.encode()[:123])
+            async with asyncio.timeout(CLOSE_S):
+                await self.engine.close(code=1000)
 
     async def _from_client(self) -> None:
         client, engine, session = self.client, self.engine, self.session
@@ -260,7 +279,13 @@ class Relay:
 
     async def _from_engine(self) -> None:
         client, engine = self.client, self.engine
-        async for message in engine:
+        while True:
+            message = await engine.receive()
+            if message.type is WSMsgType.CLOSE:  # the engine's own close: its code and reason kept
+                self._engine_close = (message.data or 0, message.extra or "")
+                return
+            if message.type in (WSMsgType.CLOSING, WSMsgType.CLOSED, WSMsgType.ERROR):
+                return
             self._last = time.monotonic()
             if message.type is WSMsgType.TEXT:
                 text = message.data

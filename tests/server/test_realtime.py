@@ -216,7 +216,7 @@ async def test_a_stopping_gateway_closes_its_sessions_saying_so(gateway_factory,
     gw: Gateway = await gateway_factory(table(upstream.url))
     async with aiohttp.ClientSession() as session, session.ws_connect(f"{gw.url}/v1/realtime?model=asr") as ws:
         await ws.receive_str()
-        gw.app[SERVICES_KEY].realtime.stop_all()  # what the drain does a second before drain_timeout_s
+        gw.app[SERVICES_KEY].realtime.stop_all()  # what the drain does once drain_timeout_s is up
         closing = await ws.receive()
     assert (closing.type, closing.data, closing.extra) == (
         aiohttp.WSMsgType.CLOSE,
@@ -248,7 +248,8 @@ async def test_sigterm_lets_a_session_run_through_the_drain_then_closes_it_sayin
 ) -> None:
     """`serve` as a process: a session open at SIGTERM goes on through the drain (events still
     relayed after the signal and after the listener closed), and gets a close with its reason
-    when drain_timeout_s is up."""
+    when drain_timeout_s is up; a request in flight longer than that is cut then too (its
+    drain_timeout_s was the same window), and the process exits."""
     import signal
 
     from tests.conftest import free_port
@@ -258,6 +259,7 @@ async def test_sigterm_lets_a_session_run_through_the_drain_then_closes_it_sayin
     config.write_text(
         routing(
             f"  - {{name: asr, upstreams: [{upstream.url}], accepts: [text, audio], apis: [realtime]}}",
+            f"  - {{name: chat, upstreams: [{upstream.url}], accepts: [text]}}",
             server="{reload_interval_s: 0, drain_grace_s: 0, drain_timeout_s: 2, access_log: false}",
         )
     )
@@ -266,8 +268,20 @@ async def test_sigterm_lets_a_session_run_through_the_drain_then_closes_it_sayin
     process = await start(config, port)
     try:
         await wait_healthy(url, process)
+
+        async def slow() -> int:  # a request that outlasts the drain
+            body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+            async with (
+                aiohttp.ClientSession() as held,
+                held.post(f"{url}/v1/chat/completions", json=body, headers={"X-Standin-Delay-Ms": "60000"}) as resp,
+            ):
+                return resp.status
+
+        long = asyncio.create_task(slow())
         async with aiohttp.ClientSession() as session, session.ws_connect(f"{url}/v1/realtime?model=asr") as ws:
             await ws.receive_str()
+            while not any(r.path.startswith("/v1/chat") for r in upstream.received):
+                await asyncio.sleep(0.01)  # (the request reached the engine: it is in flight)
             process.send_signal(signal.SIGTERM)
             await ws.send_json({"type": "session.update", "model": "asr"})
             await ws.send_json({"type": "input_audio_buffer.commit"})
@@ -281,6 +295,113 @@ async def test_sigterm_lets_a_session_run_through_the_drain_then_closes_it_sayin
             "the gateway is shutting down",
         )
         assert await asyncio.wait_for(process.wait(), timeout=15) == 0
+        with pytest.raises(aiohttp.ClientError):  # cut with the drain, not answered 60 s on
+            await long
     finally:
         output = await finish(process)
     assert "1 realtime sessions open: they have 2s to end" in output and "stopped" in output
+
+
+async def test_a_replica_that_refuses_the_session_is_passed_over_for_the_next(
+    gateway_factory, upstream: Upstream, unused_tcp_port: int
+) -> None:
+    """The engine's WebSocket is opened through the attempt loop: a replica that cannot be
+    reached counts against its breaker, and the session goes to the next one."""
+    gone = f"http://127.0.0.1:{unused_tcp_port}"
+    text = routing(
+        f"  - {{name: asr, upstreams: [{gone}, {upstream.url}], balance: round_robin, accepts: [text, audio],"
+        " apis: [realtime]}"
+    )
+    gw: Gateway = await gateway_factory(text)
+    for _ in range(2):  # whichever the round robin tries first, the session opens on the live one
+        async with aiohttp.ClientSession() as session, session.ws_connect(f"{gw.url}/v1/realtime?model=asr") as ws:
+            assert json.loads(await ws.receive_str())["type"] == "session.created"
+    assert upstream.standin.sessions == 2
+    assert gw.sample("gateway_upstream_requests_total", model="asr", upstream=gone, outcome="connect_error") >= 1
+
+
+async def test_a_session_longer_than_its_bound_is_closed_saying_so(gateway_factory, upstream: Upstream) -> None:
+    gw: Gateway = await gateway_factory(table(upstream.url, ", realtime: {max_session_s: 0.3}"))
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{gw.url}/v1/realtime?model=asr") as ws:
+        await ws.receive_str()
+        await ws.send_json({"type": "session.update", "model": "asr"})  # busy: not idle, only long
+        closing = await ws.receive()
+    assert (closing.type, closing.data, closing.extra) == (
+        aiohttp.WSMsgType.CLOSE,
+        1008,
+        "the session is over 0.3s long (realtime.max_session_s)",
+    )
+    await _closed(gw, "asr", "too_long")
+
+
+async def test_a_client_that_stops_reading_holds_the_engine_not_the_gateways_memory(
+    gateway_factory, upstream: Upstream
+) -> None:
+    """Backpressure: an engine sending 64 MiB of events to a client that reads none is held at
+    its own send once the buffers between (the kernel's sockets, the gateway's reader and writer) are full:
+    the gateway reads the next frame of one side only once the last is written to the other."""
+    gw: Gateway = await gateway_factory(table(upstream.url))
+    count, size = 1024, 64 * 1024
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{gw.url}/v1/realtime?model=asr") as ws:
+        await ws.receive_str()
+        await ws.send_json({"type": "standin.flood", "count": count, "size": size})  # passed on as any event
+
+        async def flooded() -> None:
+            while upstream.standin.flooded < count:
+                await asyncio.sleep(0.01)
+
+        with pytest.raises(TimeoutError):  # the timeout is meant to fire: the engine is held
+            await asyncio.wait_for(flooded(), 1.0)
+        held = upstream.standin.flooded
+        # what was sent before the engine was held: the kernel's socket buffers on loopback (up to
+        # some MiB a socket, four sockets between engine and client) and a frame or two in the gateway
+        assert held * size < 32 << 20
+        got = 0
+        while got < count:  # the client reads: the engine goes on, to the end
+            message = await ws.receive()
+            assert message.type is aiohttp.WSMsgType.TEXT
+            got += 1
+    assert upstream.standin.flooded == count and held < count
+
+
+async def test_an_engines_own_close_is_passed_on_with_its_code_and_reason(gateway_factory, upstream: Upstream) -> None:
+    gw: Gateway = await gateway_factory(table(upstream.url))
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{gw.url}/v1/realtime?model=asr") as ws:
+        await ws.receive_str()
+        await ws.send_json({"type": "standin.close", "code": 1011, "reason": "engine overloaded"})
+        closing = await ws.receive()
+    assert (closing.type, closing.data, closing.extra) == (aiohttp.WSMsgType.CLOSE, 1011, "engine overloaded")
+    await _closed(gw, "asr", "engine")
+
+
+def test_events_are_read_as_vllm_reads_them() -> None:
+    """What orjson refuses and Python's json takes (NaN, a lone surrogate) is checked all the
+    same; an append of padding alone is no audio, not an error."""
+    from gateway.admission.realtime import Refusal, Session
+    from gateway.config import parse_config
+
+    model = parse_config(table("http://127.0.0.1:1")).models[0]
+    session = Session(model)
+    with pytest.raises(Refusal) as refused:
+        session.client_event('{"type": "session.update", "model": "chatty", "x": NaN}')
+    assert refused.value.reason == "model"
+    with pytest.raises(Refusal):
+        session.client_event('{"type": "session.update", "model": "\\ud800"}')
+    audio = base64.b64encode(TENTH).decode()
+    tagged = '{"type": "input_audio_buffer.append", "audio": "' + audio + '", "x": NaN}'
+    assert session.client_event(tagged)[1] == 0.1
+    assert session.client_event('{"type": "input_audio_buffer.append", "audio": "="}')[1] == 0.0
+    renamed, _ = session.client_event('{"type": "session.update", "model": "asr"}')
+    assert json.loads(renamed) == {"type": "session.update", "model": "voxtral-rt"}
+    assert session.client_event("not json") == ("not json", 0.0)  # the engine's to refuse
+
+
+def test_a_burst_shorter_than_one_append_is_refused_by_check() -> None:
+    from gateway.config import parse_config
+    from gateway.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        parse_config(table("http://127.0.0.1:1", ", realtime: {max_append_bytes: 64000, audio_burst_s: 1}"))
+    assert "realtime.audio_burst_s: an append of max_append_bytes (64000) is 2s of audio, over the burst" in str(
+        refused.value
+    )
