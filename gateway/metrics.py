@@ -354,6 +354,13 @@ class GatewayMetrics:
             ["model", "reason"],
             registry=registry,
         )
+        self.spoken = Counter(
+            "gateway_outputs_spoken",
+            "Chat answers (each choice) of a model that answers in text, spoken by the model its "
+            "on_unsupported_output: {audio: {speak: M}} names, by model and speaker.",
+            ["model", "speaker"],
+            registry=registry,
+        )
         self.audio_seconds = Counter(
             "gateway_audio_seconds",
             "Seconds of audio the clients sent, by serving model and API (realtime: each append's PCM16 at 16 kHz).",

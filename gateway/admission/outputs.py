@@ -88,22 +88,43 @@ def check(model: ModelConfig, asked: Asked, redirects: Sequence[Any]) -> None:
 
 
 def decide(
-    config: GatewayConfig, model: ModelConfig, asked: Asked, may_use: Callable[[str], bool]
-) -> tuple[ModelConfig, Moved | None]:
-    """The model that serves a request asking for ``asked``, and the redirect that led there (None:
-    the model asked); or :class:`UnsupportedOutputModalityError` for the first output it does not
-    produce and may not be sent for. A redirect's target produces every output asked, so one is
-    the most a request takes. ``may_use``: whether the caller may send this request to a model
-    (its key's list, and the API)."""
+    config: GatewayConfig,
+    model: ModelConfig,
+    asked: Asked,
+    may_use: Callable[[str], bool],
+    *,
+    may_speak: Callable[[str], bool] = lambda name: False,
+    streams: bool = False,
+) -> tuple[ModelConfig, Moved | None, str | None]:
+    """The model that serves a request asking for ``asked``, the redirect that led there (None:
+    the model asked), and the model that speaks its answer (``speak``; None: none); or
+    :class:`UnsupportedOutputModalityError` for the first output it does not produce and may not
+    be sent for. A redirect's target produces every output asked, so one is the most a request
+    takes. ``may_use``: whether the caller may send the request to a model (its key's list, and
+    the API); ``may_speak``: whether it may have a model speak the answer (its key's list).
+    ``streams``: the request asks for a stream, which a spoken answer is not (400)."""
     for m, param in asked:
         if m in model.produces:
             continue
         policy = model.output_policy(m)
+        if policy.action == "speak" and policy.target is not None and may_speak(policy.target):
+            if any(o not in model.produces and o is not Modality.AUDIO for o, _ in asked):
+                continue  # another output it does not make: that one decides
+            if streams:
+                raise InvalidRequestError(
+                    f"Model '{model.name}' answers in text, spoken by '{policy.target}' once whole: a spoken answer "
+                    "does not stream (ask without stream, or for text alone)",
+                    param="stream",
+                )
+            return model, None, policy.target
         target = config.model(policy.target or "") if policy.action == "redirect" else None
         if target is None or not may_use(target.name) or any(o not in target.produces for o, _ in asked):
             raise unproduced(model, m, param)
-        return target, (model.name, m, target.name)
-    return model, None
+        return target, (model.name, m, target.name), None
+    for m, param in asked:
+        if m not in model.produces and m is not Modality.AUDIO:
+            raise unproduced(model, m, param)
+    return model, None, None
 
 
 def serving(config: GatewayConfig, model: ModelConfig, api: str, may_use: Callable[[str], bool]) -> ModelConfig:
@@ -119,6 +140,46 @@ def serving(config: GatewayConfig, model: ModelConfig, api: str, may_use: Callab
     if target is None or made not in target.produces or api not in target.apis or not may_use(target.name):
         raise unproduced(model, made, "model")
     return target
+
+
+def spoken(
+    model: ModelConfig, decided: str, audio: Any, asked: Asked, redirects: Sequence[Any], speaker: str | None
+) -> str | None:
+    """The model that speaks the answer of ``model`` (the one the request ends at): the speaker
+    :func:`decide` chose for ``decided``, or, where an input redirect moved the request on, the
+    model's own (none where it makes audio itself; 400 where it neither makes nor speaks it); and
+    the request's ``audio`` (its voice and format) one a speech API takes: 400 at ``audio.*``."""
+    if speaker is not None and model.name != decided:
+        policy = model.output_policy(Modality.AUDIO)
+        if Modality.AUDIO in model.produces:
+            return None
+        if policy.action != "speak" or policy.target is None:
+            param = next(p for m, p in asked if m is Modality.AUDIO)
+            via = " (redirected " + ", then ".join(f"from '{r.source}'" for r in redirects) + ")"
+            raise unproduced(model, Modality.AUDIO, param, via)
+        speaker = policy.target
+    if speaker is None:
+        return None
+    if audio is not None and not isinstance(audio, dict):
+        raise InvalidRequestError("'audio' must be an object: {voice, format}", param="audio")
+    settings = audio or {}
+    voice, fmt = settings.get("voice"), settings.get("format")
+    if voice is not None and not isinstance(voice, str):
+        raise InvalidRequestError(
+            f"Model '{model.name}' has its answer spoken by '{speaker}', whose voices are named: 'audio.voice' must "
+            "be a string",
+            param="audio.voice",
+        )
+    if fmt is not None and fmt not in SPOKEN_FORMATS:
+        shown = clip(fmt) if isinstance(fmt, str) else type(fmt).__name__
+        raise InvalidRequestError(
+            f"unknown audio format '{shown}' (expected one of: {', '.join(SPOKEN_FORMATS)})", param="audio.format"
+        )
+    return speaker
+
+
+# chat's audio.format -> the speech API's response_format (pcm16: raw PCM, at the speaking model's rate)
+SPOKEN_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "opus": "opus", "aac": "aac", "pcm16": "pcm"}
 
 
 Values = Callable[[str], Any]  # a request's field by name: a JSON body's value, or a form's text (None: absent)

@@ -101,12 +101,19 @@ def admit(
     model = requested
     redirects: list[Redirect] = []
     asked = api.outputs(body) if api.outputs is not None else None
+    speaker = None
     if asked:  # audio or images out, not text alone
-        model, moved = outputs.decide(
-            config, model, asked, lambda name: _may_use(visible, name) and _serves(config, name, api.name)
+        model, moved, speaker = outputs.decide(
+            config,
+            model,
+            asked,
+            lambda name: _may_use(visible, name) and _serves(config, name, api.name),
+            may_speak=lambda name: _may_use(visible, name),
+            streams=body.get("stream") is True,
         )
         if moved is not None:
             redirects.append(Redirect(*moved, output=True))
+    decided = model.name
     bounds = config.server.content_bounds
     contents = api.contents(body, bounds)  # the API's view: classified, and its images sized
     classification = api.classify(body, model=requested.name, bounds=bounds, contents=contents)
@@ -118,10 +125,18 @@ def admit(
             _check_shapes(model, contents)
         _enforce_limits(model, classification, frozenset())
         if asked:
+            speaker = outputs.spoken(model, decided, body.get("audio"), asked, redirects, speaker)
             outputs.tool_sizes(model, body, asked)  # the serving model's output_limits
         visual = _measure(model, classification, contents, deferred=deferred) if model.counts_images else None
         return RoutePlan(
-            requested.name, model, classification, tuple(redirects), api=api, normalized=normalized, visual=visual
+            requested.name,
+            model,
+            classification,
+            tuple(redirects),
+            api=api,
+            normalized=normalized,
+            visual=visual,
+            speaker=speaker,
         )
     configured = model.accepts  # the model's own, before its engine narrows them on this API
     model = _on_api(model, api.name)
@@ -140,8 +155,10 @@ def admit(
             raise GatewayError(f"model '{model.name}' redirects to '{redirect.target}', which does not exist")
         configured = target.accepts
         model = _on_api(target, api.name)
-    if asked:  # an input redirect may have led away from a model that produces them
-        outputs.check(model, asked, redirects)
+    if asked:  # an input redirect may have led away from a model that produces them (or speaks them)
+        speaker = outputs.spoken(model, decided, body.get("audio"), asked, redirects, speaker)
+        made = [(m, p) for m, p in asked if not (speaker is not None and m is Modality.AUDIO)]
+        outputs.check(model, made, redirects)
         outputs.tool_sizes(model, body, asked)  # the serving model's output_limits
     if api.engine_shapes:
         _check_shapes(model, contents)
@@ -187,6 +204,7 @@ def admit(
         described=described,
         extracted=extracted,
         history_stripped=history,
+        speaker=speaker,
     )
     if not normalized:
         return plan

@@ -20,7 +20,9 @@ from .visual import VisualCount
 _UNBOUNDED = ContentBounds(messages=1 << 62, parts=1 << 62, text_chars=1 << 62)
 
 
-ROUTE_ACTIONS = ("redirect", "strip", "transcribe", "describe", "extract", "transcode", "normalize", "downscale")
+ROUTE_ACTIONS = (
+    "redirect", "strip", "transcribe", "describe", "extract", "transcode", "normalize", "downscale", "speak"
+)  # fmt: skip
 # Image parts the gateway can turn into embeddings (image_embeds parts already are).
 ENCODABLE_TYPES = frozenset({"image_url", "input_image"})
 
@@ -52,6 +54,8 @@ class RoutePlan:
     extracted: frozenset[Modality] = frozenset()  # files read, sent as their text
     # (place, index) of the parts of earlier turns stripped under {history: strip} (their modality rejected)
     history_stripped: frozenset[tuple[int, int]] = frozenset()
+    # on_unsupported_output: {audio: {speak: M}}: the model's text answer spoken by M (gateway.server.spoken)
+    speaker: str | None = None
 
     @property
     def route(self) -> str:
@@ -67,6 +71,7 @@ class RoutePlan:
             or self.model.video_sample
             or self.normalized
             or self.downscale_parts
+            or self.speaker
         ):
             return "direct"
         stripped = bool(self.stripped_parts) or self.mutes_audio_in_video
@@ -79,6 +84,7 @@ class RoutePlan:
             bool(self.frame_parts or self.presample_parts),
             bool(self.normalized),
             bool(self.downscale_parts),
+            self.speaker is not None,
         )
         return ", ".join(a for a, on in zip(ROUTE_ACTIONS, done, strict=True) if on) or "direct"
 
@@ -242,6 +248,7 @@ class RoutePlan:
                 for r in self.redirects
             ],
             "counts": {m.value: n for m, n in self.classification.counts.items()},
+            **({"spoken_by": self.speaker} if self.speaker is not None else {}),
             "parts": [
                 {
                     "location": p.location,

@@ -82,8 +82,8 @@ def _policy(policy: Policy) -> str | dict[str, Any]:
     """A policy as routing.yaml spells it (what /admin/config shows parses back)."""
     if policy.history != "reject":
         return {"history": policy.history}
-    if policy.action == "redirect":
-        return {"redirect": policy.target}
+    if policy.action in ("redirect", "speak"):
+        return {policy.action: policy.target}
     if policy.action == "transcribe":
         return {"transcribe": policy.target, "on_error": policy.on_error}
     if policy.action == "describe":

@@ -57,13 +57,14 @@ class OutputReaders(Readers):
         return tuple(m for m in Modality if m in seen) or (Modality.TEXT,)
 
     def output_policy(self, value: Any, path: str) -> Policy | None:
-        """What becomes of an output a model does not produce: ``reject`` or ``{redirect: MODEL}``."""
+        """What becomes of an output a model does not produce: ``reject``, ``{redirect: MODEL}``,
+        or, for audio, ``{speak: MODEL}`` (the model's text answer spoken by a speech model)."""
         if value in OUTPUT_ACTIONS:
             return Policy("reject")
-        if isinstance(value, dict) and set(value) == {"redirect"}:
-            target = self.string(value["redirect"], f"{path}.redirect")
-            return Policy("redirect", target) if target else None
-        self.problem(path, f"unknown policy {show(value)} (expected reject or {{redirect: MODEL}})")
+        if isinstance(value, dict) and len(value) == 1 and (action := next(iter(value))) in ("redirect", "speak"):
+            target = self.string(value[action], f"{path}.{action}")
+            return Policy(action, target) if target else None
+        self.problem(path, f"unknown policy {show(value)} (expected reject, {{redirect: MODEL}} or {{speak: MODEL}})")
         return None
 
     def output_limits(self, value: Any, path: str) -> OutputLimits | None:

@@ -246,8 +246,10 @@ class AuthConfig:
 class Policy:
     """What to do with a modality a model does not accept."""
 
-    action: Literal["reject", "strip", "redirect", "transcribe", "frames", "describe", "extract"]
-    target: str | None = None  # the model to redirect to, whose upstreams transcribe (audio) or describe (image)
+    action: Literal["reject", "strip", "redirect", "transcribe", "frames", "describe", "extract", "speak"]
+    # the model to redirect to, whose upstreams transcribe (audio) or describe (image), or (speak,
+    # an output) speak the model's text answer
+    target: str | None = None
     # transcribe, describe: when it fails, 502/504, 400 as if rejected, or (describe) the image dropped
     on_error: Literal["fail", "reject", "strip"] = "fail"
     prompt: str = DEFAULT_DESCRIBE_PROMPT  # describe: what the describing model is asked, with the image

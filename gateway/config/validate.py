@@ -166,6 +166,15 @@ def _check_outputs(config: GatewayConfig, model: ModelConfig, path: str, p: Mark
         if m in model.produces:
             p.problem(where, f"the model produces '{m}', so this policy would never apply", at_key=True)
             continue
+        if policy.action == "speak":
+            if m is not Modality.AUDIO:
+                p.problem(f"{where}.speak", f"speak is for audio: a speech model cannot make '{m}'")
+            elif (target := _target(config, p, f"{where}.speak", policy.target, (m, "produce"))) is not None and (
+                "speech" not in target.apis
+            ):
+                p.problem(f"{where}.speak", f"speaking model '{target.name}' does not serve the speech API (its apis: "
+                          f"{', '.join(target.apis)})")  # fmt: skip
+            continue
         if policy.action != "redirect":
             continue
         target = _target(config, p, f"{where}.redirect", policy.target, (m, "produce"))

@@ -184,8 +184,12 @@ async def ask(
     retries: RetryBook,
     post: Post,
     judge: Callable[[int, bytes], T | Failed],
+    *,
+    again_after_timeout: bool = True,
 ) -> T:
-    """``judge``'s value for the first answer that has one, from one of ``target``'s replicas."""
+    """``judge``'s value for the first answer that has one, from one of ``target``'s replicas.
+    ``again_after_timeout``: a try that timed out is made on the next replica (a conversion is
+    idempotent and short); False for a generation, which would be made twice."""
     t = target.timeouts
     attempts = Attempts(
         live.pools[target.name],
@@ -201,6 +205,8 @@ async def ask(
             except CLIENT_ERRORS as exc:
                 failure = attempts.failed(lease, exc)
                 why, timed_out = failure.reason, failure.kind == "timeout"
+                if timed_out and not again_after_timeout:
+                    break
                 if attempts.again(failure.outcome, free=failure.kind == "connect"):
                     continue  # the next replica, after a timeout too: a conversion is idempotent
                 break

@@ -24,6 +24,7 @@ from ..media.decoders import DecoderPool
 from ..media.describe import Describer
 from ..media.documents import Documents
 from ..media.fetch import MediaFetcher
+from ..media.speak import Speaker
 from ..media.transcribe import Transcriber
 from ..meters import WorkersCollector
 from ..metrics import GatewayMetrics
@@ -101,6 +102,7 @@ def create_app(
         gates,
         transcriber=Transcriber(metrics, encoder.fetcher, upstream.retries, conversions, tracing=tracing),
         describer=Describer(metrics, encoder.fetcher, upstream.retries, conversions, tracing=tracing),
+        speaker=Speaker(metrics, encoder.fetcher, upstream.retries, tracing=tracing),
         documents=Documents(metrics, encoder.fetcher, decoders, conversions),
         conversions=conversions,
         decoders=decoders,
@@ -176,13 +178,14 @@ def _lifetimes(services: Services) -> list[Lifetime]:
     stand one in); the others are those of the app as it was made."""
     s = services
     config = s.store.current
-    tracing, transcriber, describer, documents = s.tracing, s.transcriber, s.describer, s.documents
+    tracing, transcriber, describer, documents, speaker = s.tracing, s.transcriber, s.describer, s.documents, s.speaker
     lifetimes = [
         _lifetime(None, lambda: _stop_tracing(tracing)) if tracing is not None else None,
         _lifetime(lambda: s.supervisor.start(), lambda: s.supervisor.close()),
         _shared_limits_lifetime,
         _lifetime(None, lambda: _close_decoding(s.decoders, documents)),
         _lifetime(lambda: describer.start(), lambda: describer.close()) if describer else None,
+        _lifetime(lambda: speaker.start(), lambda: speaker.close()) if speaker else None,
         _lifetime(lambda: transcriber.start(), lambda: transcriber.close()) if transcriber else None,
         _lifetime(lambda: s.encoder.start(config), lambda: s.encoder.close()),
         _lifetime(lambda: s.upstream.start(), lambda: s.upstream.close()),

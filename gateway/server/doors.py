@@ -17,7 +17,7 @@ from ..admission.apis import Api
 from ..admission.apis.catalog import APIS
 from ..admission.body import dump_body, exact
 from ..admission.plan import admit, admit_output, lookup
-from . import exchange, realtime, uploads
+from . import exchange, realtime, spoken, uploads
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -36,6 +36,8 @@ def door(api: Api) -> Handler:
         else:
             await exchange.convert(ex)
             data = await exchange.encode(ex)
+        if plan.speaker is not None:  # its answer in audio, by a model that speaks it once whole
+            return await spoken.answer(ex, data)
         affinity = api.affinity(ex.body) if plan.model.balance == "affinity" else None
         return await exchange.forward(ex, data, affinity_key=affinity)
 

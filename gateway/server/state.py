@@ -19,6 +19,7 @@ from ..media.converters import Tools
 from ..media.decoders import DecoderPool
 from ..media.describe import Describer
 from ..media.documents import Documents
+from ..media.speak import Speaker
 from ..media.transcribe import Transcriber
 from ..metrics import GatewayMetrics
 from ..tracing import Tracing
@@ -52,6 +53,7 @@ class Services:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     transcriber: Transcriber | None = None  # audio to text (on_unsupported: {audio: {transcribe: M}})
     describer: Describer | None = None  # images to text (on_unsupported: {image: {describe: M}})
+    speaker: Speaker | None = None  # a text answer spoken (on_unsupported_output: {audio: {speak: M}})
     documents: Documents | None = None  # files to text (on_unsupported: {file: {extract: ...}})
     # transcripts and video frames made before, for the next turn (media.cache_bytes)
     conversions: ConversionCache = field(default_factory=lambda: ConversionCache(0))

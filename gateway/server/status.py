@@ -103,14 +103,20 @@ def output_cell(model: ModelConfig, modality: Modality) -> dict[str, Any]:
     if modality in model.produces:
         return {"verdict": "accepted", "text": "produced", "notes": []}
     policy = model.output_policy(modality)
-    if policy.action == "redirect":  # where a request asks for it beside text; the images and speech APIs refuse
-        asked, api = ASKED_BY[modality]
-        notes = [f"asked by {asked}; on the {api} API: rejected (400)"]
+    asked, api = ASKED_BY[modality]
+    if policy.action == "redirect":  # where a request asks for it beside text, and on the API of that output
         return {
             "verdict": "converted",
             "text": f"redirected to {policy.target}",
             "target": policy.target,
-            "notes": notes,
+            "notes": [f"asked by {asked}, or on the {api} API"],
+        }
+    if policy.action == "speak":  # chat's audio only: the speech API is the speaker's own
+        return {
+            "verdict": "converted",
+            "text": f"spoken by {policy.target}",
+            "target": policy.target,
+            "notes": [f"asked by {asked}, not streamed; on the {api} API: rejected (400)"],
         }
     return {"verdict": "rejected", "text": "rejected (400)", "notes": []}
 

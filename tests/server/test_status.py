@@ -85,7 +85,7 @@ def test_each_cell_says_what_becomes_of_such_a_part() -> None:
         "verdict": "converted",
         "text": "redirected to ears",
         "target": "ears",
-        "notes": ["asked by chat's modalities or audio; on the speech API: rejected (400)"],
+        "notes": ["asked by chat's modalities or audio, or on the speech API"],
     }
     assert rows["vision"]["out"]["audio"]["text"] == rejected and rows["vision"]["out"]["text"] == produced
 
@@ -220,3 +220,25 @@ async def test_the_page_in_a_browser_shows_the_table_and_the_counts(
     keep = os.environ.get("MODALITY_GATEWAY_SCREENSHOT")
     if keep:
         shutil.copy(shot, keep)
+
+
+def test_a_spoken_output_is_drawn_as_its_speaker() -> None:
+    from gateway.config import parse_config
+    from gateway.modalities import Modality
+    from gateway.server.status import output_cell
+    from tests.conftest import routing
+
+    config = parse_config(
+        routing(
+            "  - {name: t, upstreams: ['http://h:1'], accepts: [text], on_unsupported_output: {audio: {speak: s}}}",
+            "  - {name: s, upstreams: ['http://h:1'], accepts: [text], produces: [audio], apis: [speech]}",
+        )
+    )
+    model = config.model("t")
+    assert model is not None
+    assert output_cell(model, Modality.AUDIO) == {
+        "verdict": "converted",
+        "text": "spoken by s",
+        "target": "s",
+        "notes": ["asked by chat's modalities or audio, not streamed; on the speech API: rejected (400)"],
+    }
