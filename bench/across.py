@@ -20,7 +20,6 @@ import concurrent.futures
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import time
 import urllib.request
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from bench import wrk
 from bench.common import free_port
-from bench.hop import chat_body, gateway_command, start_server, stop
+from bench.hop import chat_body, gateway_command, start_server, start_standin, stop
 from tools.redis_server import RedisServer
 
 KEY = "sk-across-0123456789"
@@ -68,14 +67,7 @@ def arm(tmp: Path, args: argparse.Namespace, shared: bool, gateways: int = 1) ->
     redis = RedisServer(tmp) if shared else None
     servers = []
     try:
-        port = free_port()
-        upstream = start_server(
-            "stand-in upstream",
-            [sys.executable, "-m", "tools.standin", "--port", str(port), "--name", "bench", "--no-record"],
-            f"http://127.0.0.1:{port}",
-            "/health",
-            tmp,
-        )
+        upstream = start_standin("stand-in upstream", tmp)
         servers.append(upstream)
         urls = []
         for n in range(gateways):

@@ -185,6 +185,13 @@ def start_server(
     raise RuntimeError(f"{name} did not come up ({' '.join(argv)}):\n{log_path.read_text()[-3000:]}")
 
 
+def start_standin(name: str, tmp: Path) -> Server:
+    """The stand-in engine (tools.standin, keeping nothing it receives) on a free port."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tools.standin", "--port", str(port), "--name", "bench", "--no-record"]
+    return start_server(name, argv, f"http://127.0.0.1:{port}", "/health", tmp)
+
+
 def stop(server: Server) -> None:
     server.process.terminate()
     try:

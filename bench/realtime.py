@@ -29,7 +29,7 @@ import aiohttp
 
 from . import procstat
 from .common import free_port
-from .hop import gateway_command, start_server, stop
+from .hop import gateway_command, start_server, start_standin, stop
 
 TENTH = base64.b64encode(b"\x01\x00" * 1600).decode()  # a tenth of a second, PCM16 at 16 kHz
 WAIT_S = 30.0
@@ -63,14 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--appends", type=int, default=1000)
     args = parser.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="bench-realtime-"))
-    port = free_port()
-    engine = start_server(
-        "engine",
-        [sys.executable, "-m", "tools.standin", "--port", str(port), "--name", "bench", "--no-record"],
-        f"http://127.0.0.1:{port}",
-        "/health",
-        tmp,
-    )
+    engine = start_standin("engine", tmp)
     servers = [engine]
     try:
         port = free_port()

@@ -87,6 +87,21 @@ async def _closed(gw: Gateway, model: str, reason: str) -> None:
     assert said[reason] == 1, said
 
 
+async def _closing(gw: Gateway, *events: dict[str, Any], then: Any = None) -> tuple[int, str]:
+    """A session opened, ``events`` sent (and ``then`` called), until the gateway closes it: the
+    close frame's code and reason (the engine's events before it read and let go)."""
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{gw.url}/v1/realtime?model=asr") as ws:
+        await ws.receive_str()  # session.created
+        for event in events:
+            await ws.send_json(event)
+        if then is not None:
+            then()
+        while (message := await ws.receive()).type is aiohttp.WSMsgType.TEXT:
+            pass
+    assert message.type is aiohttp.WSMsgType.CLOSE, message
+    return message.data, message.extra or ""
+
+
 async def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     async with aiohttp.ClientSession() as session, session.get(url, headers={**UPGRADE, **(headers or {})}) as resp:
         return resp.status, await resp.json()
@@ -187,26 +202,14 @@ async def test_events_the_table_refuses_are_error_events_and_the_session_goes_on
 async def test_an_engine_lost_mid_session_closes_the_client_with_a_reason(gateway_factory, upstream: Upstream) -> None:
     gw: Gateway = await gateway_factory(table(upstream.url))
     upstream.standin.realtime_break_after = 2  # its third event: the replica's connection cut
-    async with aiohttp.ClientSession() as session, session.ws_connect(f"{gw.url}/v1/realtime?model=asr") as ws:
-        await ws.receive_str()
-        for event in ({"type": "session.update", "model": "asr"}, {"type": "input_audio_buffer.commit"}, append(TENTH)):
-            await ws.send_json(event)
-        closing = await ws.receive()
-    assert closing.type is aiohttp.WSMsgType.CLOSE
-    assert (closing.data, closing.extra) == (1011, "the engine's connection was lost")
+    events = ({"type": "session.update", "model": "asr"}, {"type": "input_audio_buffer.commit"}, append(TENTH))
+    assert await _closing(gw, *events) == (1011, "the engine's connection was lost")
     await _closed(gw, "asr", "engine_lost")
 
 
 async def test_an_idle_session_is_closed_with_its_reason(gateway_factory, upstream: Upstream) -> None:
     gw: Gateway = await gateway_factory(table(upstream.url, ", realtime: {idle_s: 0.2}"))
-    async with aiohttp.ClientSession() as session, session.ws_connect(f"{gw.url}/v1/realtime?model=asr") as ws:
-        await ws.receive_str()  # session.created; then nothing either way: the idle bound fires
-        closing = await ws.receive()
-    assert (closing.type, closing.data, closing.extra) == (
-        aiohttp.WSMsgType.CLOSE,
-        1000,
-        "idle for 0.2s (realtime.idle_s)",
-    )
+    assert await _closing(gw) == (1000, "idle for 0.2s (realtime.idle_s)")  # nothing either way: the bound fires
     await _closed(gw, "asr", "idle")
 
 
@@ -214,15 +217,8 @@ async def test_a_stopping_gateway_closes_its_sessions_saying_so(gateway_factory,
     from gateway.server.state import SERVICES_KEY
 
     gw: Gateway = await gateway_factory(table(upstream.url))
-    async with aiohttp.ClientSession() as session, session.ws_connect(f"{gw.url}/v1/realtime?model=asr") as ws:
-        await ws.receive_str()
-        gw.app[SERVICES_KEY].realtime.stop_all()  # what the drain does once drain_timeout_s is up
-        closing = await ws.receive()
-    assert (closing.type, closing.data, closing.extra) == (
-        aiohttp.WSMsgType.CLOSE,
-        1001,
-        "the gateway is shutting down",
-    )
+    stop = gw.app[SERVICES_KEY].realtime.stop_all  # what the drain does once drain_timeout_s is up
+    assert await _closing(gw, then=stop) == (1001, "the gateway is shutting down")
     await _closed(gw, "asr", "draining")
 
 
@@ -322,15 +318,8 @@ async def test_a_replica_that_refuses_the_session_is_passed_over_for_the_next(
 
 async def test_a_session_longer_than_its_bound_is_closed_saying_so(gateway_factory, upstream: Upstream) -> None:
     gw: Gateway = await gateway_factory(table(upstream.url, ", realtime: {max_session_s: 0.3}"))
-    async with aiohttp.ClientSession() as session, session.ws_connect(f"{gw.url}/v1/realtime?model=asr") as ws:
-        await ws.receive_str()
-        await ws.send_json({"type": "session.update", "model": "asr"})  # busy: not idle, only long
-        closing = await ws.receive()
-    assert (closing.type, closing.data, closing.extra) == (
-        aiohttp.WSMsgType.CLOSE,
-        1008,
-        "the session is over 0.3s long (realtime.max_session_s)",
-    )
+    busy = {"type": "session.update", "model": "asr"}  # not idle: only long
+    assert await _closing(gw, busy) == (1008, "the session is over 0.3s long (realtime.max_session_s)")
     await _closed(gw, "asr", "too_long")
 
 
@@ -366,11 +355,8 @@ async def test_a_client_that_stops_reading_holds_the_engine_not_the_gateways_mem
 
 async def test_an_engines_own_close_is_passed_on_with_its_code_and_reason(gateway_factory, upstream: Upstream) -> None:
     gw: Gateway = await gateway_factory(table(upstream.url))
-    async with aiohttp.ClientSession() as session, session.ws_connect(f"{gw.url}/v1/realtime?model=asr") as ws:
-        await ws.receive_str()
-        await ws.send_json({"type": "standin.close", "code": 1011, "reason": "engine overloaded"})
-        closing = await ws.receive()
-    assert (closing.type, closing.data, closing.extra) == (aiohttp.WSMsgType.CLOSE, 1011, "engine overloaded")
+    closing = {"type": "standin.close", "code": 1011, "reason": "engine overloaded"}
+    assert await _closing(gw, closing) == (1011, "engine overloaded")
     await _closed(gw, "asr", "engine")
 
 
