@@ -326,6 +326,12 @@ class GatewayMetrics:
             registry=registry,
             multiprocess_mode="livesum",
         )
+        self.realtime_opened = Counter(
+            "gateway_realtime_sessions_opened",
+            "Realtime sessions opened (upgraded, their engine's side open), by model.",
+            ["model"],
+            registry=registry,
+        )
         self.realtime_closed = Counter(
             "gateway_realtime_sessions",
             "Realtime sessions relayed, counted as they end, by model and the reason they ended: client (the "

@@ -69,6 +69,7 @@ ROWS = (
         "Realtime sessions",
         (
             "gateway_realtime_sessions_open",
+            "gateway_realtime_sessions_opened_total",
             "gateway_realtime_sessions_total",
             "gateway_realtime_events_total",
             "gateway_realtime_bytes_total",

@@ -414,3 +414,39 @@ def test_otel_sdk_disabled_records_nothing_yet_passes_the_context_on(monkeypatch
     found = TRACEPARENT.fullmatch(sent["traceparent"])
     assert found is not None and found.group(1) == CLIENT_TRACE and found.group(3) == "00"
     tracing.shutdown()
+
+
+@needs_tracing
+async def test_a_realtime_session_is_one_span_that_says_how_it_went(upstream, gateway_factory, collector) -> None:
+    """The session's request span (``realtime MODEL``) lasts as the session does, and says how it
+    ended, its audio seconds and the events relayed each way; the engine's side got its traceparent."""
+    import base64
+
+    import aiohttp
+
+    found, url = collector
+    gw = await gateway_factory(
+        traced(url, f"  - {{name: asr, upstreams: [{upstream.url}], accepts: [text, audio], apis: [realtime]}}")
+    )
+    audio = base64.b64encode(b"\x01\x00" * 1600).decode()
+    async with aiohttp.ClientSession() as session, session.ws_connect(f"{gw.url}/v1/realtime?model=asr") as ws:
+        await ws.receive_str()
+        for event in (
+            {"type": "session.update", "model": "asr"},
+            {"type": "input_audio_buffer.commit"},
+            {"type": "input_audio_buffer.append", "audio": audio},
+        ):
+            await ws.send_json(event)
+        await ws.receive_str()  # the delta
+    from gateway.server.state import SERVICES_KEY
+
+    await asyncio.wait_for(gw.app[SERVICES_KEY].realtime.idle(), 30)
+    await flushed(gw)
+    (span,) = found.named("realtime asr")
+    said = attributes(span)
+    assert said["gateway.realtime.end"] == "client" and said["gateway.realtime.audio_s"] == 0.1
+    assert (said["gateway.realtime.events.client"], said["gateway.realtime.events.engine"]) == (3, 2)
+    assert said["http.response.status_code"] == 101
+    (opened,) = [r for r in upstream.received if r.method == "WS"][:1]
+    match = TRACEPARENT.fullmatch(opened.headers["traceparent"])
+    assert match is not None and match.group(1) == span.trace_id.hex()

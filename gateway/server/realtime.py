@@ -56,6 +56,7 @@ async def handler(request: web.Request) -> web.StreamResponse:
         on_usage = functools.partial(spending.reply, services, key, request, model.name, 0)
         relay = Relay(client, engine, Session(model), metrics, on_usage)
         hub.enter(relay)
+        metrics.realtime_opened.labels(model.name).inc()
         metrics.realtime_open.labels(model.name).inc()
         running = asyncio.ensure_future(relay.run())
         try:
@@ -73,6 +74,11 @@ async def handler(request: web.Request) -> web.StreamResponse:
             hub.leave(relay)
             if services.tracing is not None and services.tracing.recording():
                 services.tracing.current().set_attributes(
-                    {"gateway.realtime.end": relay.reason, "gateway.realtime.audio_s": round(relay.session.audio_s, 3)}
+                    {
+                        "gateway.realtime.end": relay.reason,
+                        "gateway.realtime.audio_s": round(relay.session.audio_s, 3),
+                        "gateway.realtime.events.client": relay.events["client"],
+                        "gateway.realtime.events.engine": relay.events["engine"],
+                    }
                 )
     return client

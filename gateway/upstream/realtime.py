@@ -178,6 +178,7 @@ class Relay:
         self._engine_events = child(metrics.realtime_events, name, "engine")
         self._engine_bytes = child(metrics.realtime_bytes, name, "engine")
         self._audio = child(metrics.audio_seconds, name, "realtime")
+        self.events = {"client": 0, "engine": 0}  # relayed, each way: the session's span says them
 
     def stop(self, reason: str) -> None:
         """End the session now (``draining``: the gateway stops)."""
@@ -270,6 +271,7 @@ class Relay:
                     continue
                 self._client_events.inc()
                 self._client_bytes.inc(len(text))
+                self.events["client"] += 1
                 if seconds:
                     self._audio.inc(seconds)
                 await engine.send_str(out)
@@ -291,12 +293,14 @@ class Relay:
                 text = message.data
                 self._engine_events.inc()
                 self._engine_bytes.inc(len(text))
+                self.events["engine"] += 1
                 if '"transcription.done"' in text:
                     self._usage(text)
                 await client.send_str(text)
             elif message.type is WSMsgType.BINARY:
                 self._engine_events.inc()
                 self._engine_bytes.inc(len(message.data))
+                self.events["engine"] += 1
                 await client.send_bytes(message.data)
 
     def _usage(self, text: str) -> None:
