@@ -195,7 +195,7 @@ def generation(model: ModelConfig, value: Values, form: bool = False) -> dict[st
     ``/v1/images/{id}/content``), which no other replica, and not the gateway, can serve."""
     setting: dict[str, str] = {}
     limits = model.output_limits
-    if limits is not None:
+    if limits is not None and limits.of_images:
         if limits.images is not None and (n := _whole(value("n"), "n", form)) is not None and n > limits.images:
             raise TooManyItemsError(
                 f"Model '{model.name}' makes at most {limits.images} image(s) per request; 'n' asks {n}",
@@ -222,6 +222,21 @@ def generation(model: ModelConfig, value: Values, form: bool = False) -> dict[st
             param="response_format",
         )
     return setting
+
+
+def speech(model: ModelConfig, value: Values) -> None:
+    """A speech request's ``input`` within the model's ``output_limits.speech_input_chars``: what
+    bounds the audio it makes (its seconds are the engine's to know, once made); 400 at ``input``."""
+    limits = model.output_limits
+    text = value("input")
+    if limits is None or limits.speech_chars is None or not isinstance(text, str) or len(text) <= limits.speech_chars:
+        return
+    raise InvalidRequestError(
+        f"Model '{model.name}' speaks at most {limits.speech_chars} characters a request; 'input' has {len(text)}"
+        " (send it in parts)",
+        param="input",
+        rejection=Rejection(model.name, "audio", "output_limit"),
+    )
 
 
 def tool_sizes(model: ModelConfig, body: Mapping[str, Any], asked: Asked) -> None:

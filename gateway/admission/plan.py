@@ -370,6 +370,8 @@ def admit_output(
     made = Modality(PRODUCING_APIS[api.name])
     moved = () if model is requested else (Redirect(requested.name, made, model.name, output=True),)
     setting = outputs.generation(model, body.get) if made is Modality.IMAGE else {}
+    if made is Modality.AUDIO:
+        outputs.speech(model, body.get)
     return RoutePlan(requested.name, model, NOTHING, moved, api=api), setting
 
 

@@ -29,7 +29,8 @@ def as_dict(config: GatewayConfig) -> dict[str, Any]:
         _visual(model, raw)
         if (made := model.output_limits) is not None:  # as routing.yaml spells them
             sizes = [f"{w}x{h}" for w, h in made.sizes]
-            spelled = {"image": made.images, "image_sizes": sizes, "image_pixels": made.pixels}
+            spelled = {"image": made.images, "image_sizes": sizes, "image_pixels": made.pixels,
+                       "speech_input_chars": made.speech_chars}  # fmt: skip
             raw["output_limits"] = {k: v for k, v in spelled.items() if v}
     return data
 

@@ -107,7 +107,8 @@ AUDIO_BYTES_PER_S = 32_000  # PCM16 at 16 kHz, mono: the audio of vLLM's realtim
 # request asks of a model that does not produce it (`on_unsupported_output:`)
 OUTPUT_MODALITIES = ("text", "audio", "image")
 OUTPUT_ACTIONS = ("reject",)  # and {redirect: MODEL}
-OUTPUT_LIMIT_KEYS = ("image", "image_sizes", "image_pixels")  # output_limits: the images a request asks for
+# output_limits: the images a request asks for; the text the speech API speaks in one request
+OUTPUT_LIMIT_KEYS = ("image", "image_sizes", "image_pixels", "speech_input_chars")
 # image_urls: how the images a model makes come back: inline (b64_json: a URL names a file on the
 # replica that made it) or as the URLs it writes (shared: storage every client reaches)
 IMAGE_URLS = ("inline", "shared")

@@ -68,8 +68,9 @@ class OutputReaders(Readers):
         return None
 
     def output_limits(self, value: Any, path: str) -> OutputLimits | None:
-        """``output_limits: {image: N, image_sizes: [WxH, ...], image_pixels: N}``: the images a
-        request may ask for (``n``), the sizes it may ask them in, the most pixels of one."""
+        """``output_limits: {image: N, image_sizes: [WxH, ...], image_pixels: N,
+        speech_input_chars: N}``: the images a request may ask for (``n``), the sizes it may ask
+        them in, the most pixels of one; the most characters the speech API speaks at once."""
         if value is MISSING:
             return None
         raw = self.mapping(value, path, OUTPUT_LIMIT_KEYS, what="output_limits")
@@ -98,4 +99,8 @@ class OutputReaders(Readers):
                     sizes.append(size)
             if isinstance(listed, list) and not listed:
                 self.problem(f"{path}.image_sizes", "must list at least one size (leave it out for any)")
-        return OutputLimits(images, tuple(sizes), most)
+        chars = raw.get("speech_input_chars", MISSING)
+        speech = None
+        if chars is not MISSING:
+            speech = self.integer(chars, f"{path}.speech_input_chars", 1, minimum=1, maximum=1 << 24)
+        return OutputLimits(images, tuple(sizes), most, speech)

@@ -394,11 +394,17 @@ class RealtimeConfig:
 @dataclass(frozen=True, slots=True)
 class OutputLimits:
     """``output_limits:``: the images a request may ask a model for (the images API's ``n``), the
-    sizes it may ask them in (none listed: any), and the most pixels of one."""
+    sizes it may ask them in (none listed: any), and the most pixels of one; the characters of
+    text the speech API speaks in one request (its ``input``: what bounds the audio's length)."""
 
     images: int | None = None
     sizes: tuple[tuple[int, int], ...] = ()
     pixels: int | None = None
+    speech_chars: int | None = None
+
+    @property
+    def of_images(self) -> bool:
+        return self.images is not None or bool(self.sizes) or self.pixels is not None
 
 
 @dataclass(frozen=True, slots=True)

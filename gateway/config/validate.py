@@ -150,14 +150,22 @@ def _target(
 def _check_outputs(config: GatewayConfig, model: ModelConfig, path: str, p: MarkedDocument) -> None:
     """``on_unsupported_output``: for outputs the model does not produce; a redirect to a model of
     the table that produces it and serves its APIs (a redirect of a redirect is not followed);
-    ``output_limits`` and ``image_urls`` for a model that makes images."""
+    ``output_limits`` of images and ``image_urls`` for a model that makes images, of speech for
+    one that makes audio."""
+    limits = model.output_limits
     if Modality.IMAGE not in model.produces:
         for key, set_ in (
-            ("output_limits", model.output_limits is not None),
+            ("output_limits", limits is not None and limits.of_images),
             ("image_urls", model.image_urls != "inline"),
         ):
             if set_:
                 p.problem(f"{path}.{key}", "is for a model that makes images (produces: [..., image])", at_key=True)
+    if Modality.AUDIO not in model.produces and limits is not None and limits.speech_chars is not None:
+        p.problem(
+            f"{path}.output_limits.speech_input_chars",
+            "is for a model that makes audio (produces: [..., audio])",
+            at_key=True,
+        )
     for m, policy in model.on_unsupported_output.items():
         where = f"{path}.on_unsupported_output.{m}"
         if m.value not in OUTPUT_MODALITIES or m is Modality.TEXT:

@@ -14,7 +14,7 @@ from gateway.admission.plan import admit
 from gateway.config import parse_config
 from gateway.errors import InvalidRequestError, UnsupportedOutputModalityError
 from gateway.modalities import Modality
-from tests.conftest import Gateway, Upstream, error_body
+from tests.conftest import Gateway, Upstream, error_body, routing
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -480,7 +480,7 @@ def test_output_limits_and_image_urls_are_checked_with_their_line() -> None:
         "r.yaml:8:61: models[1].output_limits.image_sizes[2]: 1024X1024 is over image_pixels (1000): it could never "
         "be asked",
         "r.yaml:8:93: models[1].output_limits.images: unknown key 'images' (expected one of: image, image_sizes, "
-        "image_pixels); did you mean 'image'?",
+        "image_pixels, speech_input_chars); did you mean 'image'?",
         "r.yaml:9:17: models[1].image_urls: unknown value 'sharde' (expected one of: inline, shared); did you mean "
         "'shared'?",
     ]
@@ -567,3 +567,33 @@ def test_a_responses_image_tool_is_held_to_the_limits_of_the_model_that_serves_i
     assert refused.value.param == "tools[0].size" and "Model 'painter' makes images of the sizes 512x512" in str(
         refused.value
     )
+
+
+async def test_speech_is_held_to_the_characters_its_model_speaks_at_once(gateway_factory, upstream: Upstream) -> None:
+    from gateway.errors import ConfigError
+
+    gw: Gateway = await gateway_factory(
+        routing(
+            f"  - {{name: tts, upstreams: [{upstream.url}], accepts: [text], produces: [audio], apis: [speech],"
+            " output_limits: {speech_input_chars: 20}}"
+        )
+    )
+    async with gw.client() as client:
+        spoken = await client.audio.speech.create(model="tts", input="a short line", voice="alloy")
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.audio.speech.create(model="tts", input="a line a little too long to say", voice="alloy")
+    assert spoken.content.startswith(b"RIFF")
+    body = error_body(refused.value)
+    assert (body["code"], body["param"]) == ("invalid_request", "input")
+    assert body["message"] == "Model 'tts' speaks at most 20 characters a request; 'input' has 31 (send it in parts)"
+    assert len(upstream.received) == 1
+    labels = {"model": "tts", "modality": "audio", "reason": "output_limit", "api": "speech"}
+    assert gw.sample("gateway_modality_rejections_total", **labels) == 1
+    with pytest.raises(ConfigError) as wrong:
+        parse_config(
+            routing(
+                "  - {name: t, upstreams: ['http://h:1'], accepts: [text], output_limits: {speech_input_chars: 9}}"
+            ),
+            filename="r.yaml",
+        )
+    assert "models[0].output_limits.speech_input_chars: is for a model that makes audio" in str(wrong.value)
