@@ -194,6 +194,19 @@ def generation(model: ModelConfig, value: Values, form: bool = False) -> dict[st
     URL an engine writes names a file on the replica that made it (SGLang's
     ``/v1/images/{id}/content``), which no other replica, and not the gateway, can serve."""
     setting: dict[str, str] = {}
+    asked = value("response_format")
+    if asked is not None and (not isinstance(asked, str) or asked.lower() not in ("url", "b64_json")):
+        shown = clip(asked) if isinstance(asked, str) else type(asked).__name__
+        raise InvalidRequestError(  # what SGLang (lower-cased) and vLLM-Omni both refuse
+            f"unknown response_format '{shown}' (expected b64_json or url)", param="response_format"
+        )
+    raw_size = value("size")
+    if (
+        raw_size is not None
+        and raw_size not in ("", "auto")
+        and (not isinstance(raw_size, str) or not parse_size(raw_size))
+    ):
+        raise InvalidRequestError("'size' must be WIDTHxHEIGHT (1024x1024) or auto", param="size")
     limits = model.output_limits
     if limits is not None and limits.of_images:
         if limits.images is not None and (n := _whole(value("n"), "n", form)) is not None and n > limits.images:
@@ -211,7 +224,6 @@ def generation(model: ModelConfig, value: Values, form: bool = False) -> dict[st
                 _sized(model, limits, value, form, sides=not form)
     if model.image_urls == "shared":
         return setting
-    asked = value("response_format")
     if asked is None:
         setting["response_format"] = "b64_json"
     elif isinstance(asked, str) and asked.lower() == "url":  # SGLang lower-cases it
