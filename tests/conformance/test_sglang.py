@@ -127,5 +127,11 @@ async def test_an_image_generation_is_what_sglangs_diffusion_server_takes_and_an
         sglang_side.image_response(answer.model_dump())
     assert made.data is not None and len(made.data) == 2 and made.data[0].b64_json
     assert linked.data is not None and (linked.data[0].url or "").startswith("/v1/images/")
-    status, refused = await post(f"{gw.url}/v1/images/generations", {"model": "stored", "prompt": "a", "size": "big"})
-    assert status == 400 and refused["error"]["message"] == "size must be formatted as positive WIDTHxHEIGHT"
+    # what SGLang refuses, the gateway refuses first, in its own error shape (not FastAPI's {detail})
+    sent = len(engine.checked)
+    for field in ({"size": "big"}, {"response_format": "jpeg"}):
+        with pytest.raises(sglang_side.Refused):
+            sglang_side.image_generation({"prompt": "a", **field})
+        status, refused = await post(f"{gw.url}/v1/images/generations", {"model": "stored", "prompt": "a", **field})
+        assert status == 400 and refused["error"]["param"] == next(iter(field))
+    assert len(engine.checked) == sent
