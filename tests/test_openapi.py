@@ -61,6 +61,7 @@ APIS = (
     "speech]"
 )
 PRODUCES = "[text, audio, image]"  # every output: a schema-valid request to images or speech is served
+# (with its images' URLs shared: a schema-valid response_format, url too, is served)
 
 
 # --- the description itself ---------------------------------------------------------------------
@@ -220,7 +221,7 @@ auth:
     - {{name: limited, key_sha256: {limited}, rate_limit: {{requests_per_minute: 1}}}}
 models:
   - {{name: qwen-omni, upstreams: ['{upstream}'], engine: openai, accepts: [text, image, video, audio, file],
-     apis: {APIS}, produces: {PRODUCES}}}
+     apis: {APIS}, produces: {PRODUCES}, image_urls: shared}}
   - name: kimi-k3
     upstreams: ['{upstream}']
     upstream_model: moonshotai/Kimi-K3
@@ -228,6 +229,7 @@ models:
     accepts: [text, image]
     apis: {APIS}
     produces: {PRODUCES}
+    image_urls: shared
     on_unsupported: {{video: {{redirect: qwen-omni}}, audio: {{redirect: qwen-omni}}, file: {{redirect: qwen-omni}}}}
   - name: kimi-k3-text
     upstreams: ['{upstream}']
@@ -236,6 +238,7 @@ models:
     accepts: [text]
     apis: {APIS}
     produces: {PRODUCES}
+    image_urls: shared
     # an image to edit cannot be stripped: images go where they are taken (video and files are stripped)
     on_unsupported: {{image: {{redirect: qwen-omni}}, video: strip, audio: {{redirect: qwen-omni}}, file: strip}}
 """

@@ -195,6 +195,8 @@ def generation(model: ModelConfig, value: Values, form: bool = False) -> dict[st
     ``/v1/images/{id}/content``), which no other replica, and not the gateway, can serve."""
     setting: dict[str, str] = {}
     asked = value("response_format")
+    if asked == "":  # as the engines read it (SGLang's `or`, FastAPI's empty form field): not given
+        asked = None
     if asked is not None and (not isinstance(asked, str) or asked.lower() not in ("url", "b64_json")):
         shown = clip(asked) if isinstance(asked, str) else type(asked).__name__
         raise InvalidRequestError(  # what SGLang (lower-cased) and vLLM-Omni both refuse
@@ -206,7 +208,9 @@ def generation(model: ModelConfig, value: Values, form: bool = False) -> dict[st
         and raw_size not in ("", "auto")
         and (not isinstance(raw_size, str) or not parse_size(raw_size))
     ):
-        raise InvalidRequestError("'size' must be WIDTHxHEIGHT (1024x1024) or auto", param="size")
+        raise InvalidRequestError(
+            "'size' must be WIDTHxHEIGHT (1024x1024; each side at most 6 digits) or auto", param="size"
+        )
     limits = model.output_limits
     if limits is not None and limits.of_images:
         if limits.images is not None and (n := _whole(value("n"), "n", form)) is not None and n > limits.images:

@@ -597,3 +597,17 @@ async def test_speech_is_held_to_the_characters_its_model_speaks_at_once(gateway
             filename="r.yaml",
         )
     assert "models[0].output_limits.speech_input_chars: is for a model that makes audio" in str(wrong.value)
+
+
+def test_an_empty_response_format_is_none_given_and_a_bad_one_is_said_before_the_engine() -> None:
+    from gateway.admission.outputs import generation
+
+    config = parse_config(drawing_table("http://127.0.0.1:1"))
+    atelier = config.model("atelier")
+    assert atelier is not None
+    assert generation(atelier, {"response_format": ""}.get) == {}  # as the engines read it: not given
+    assert generation(atelier, {"response_format": "", "n": "1"}.get, form=True) == {}
+    for field, value in (("response_format", "jpeg"), ("response_format", 7), ("size", "1024x10000000")):
+        with pytest.raises(InvalidRequestError) as refused:
+            generation(atelier, {field: value}.get)
+        assert refused.value.param == field
