@@ -219,7 +219,7 @@ def generation(model: ModelConfig, value: Values, form: bool = False) -> dict[st
                 param="n",
                 rejection=Rejection(model.name, "image", "output_limit"),
             )
-        if limits.sizes or limits.pixels is not None:
+        if limits.of_sizes:
             if limits.sizes and not any(value(f) is not None for f in ("size", "width", "height")):
                 w, h = limits.sizes[0]
                 setting["size"] = f"{w}x{h}"  # the engine's own default may be none the table lists
@@ -255,17 +255,15 @@ def speech(model: ModelConfig, value: Values) -> None:
     )
 
 
-def tool_sizes(model: ModelConfig, body: Mapping[str, Any], asked: Asked) -> None:
+def tool_sizes(model: ModelConfig, body: Mapping[str, Any]) -> None:
     """The ``size`` each Responses ``image_generation`` tool asks for, held to the serving
     model's ``output_limits`` (as an images request's is)."""
     limits, tools = model.output_limits, body.get("tools")
-    if limits is None or not (limits.sizes or limits.pixels is not None) or not isinstance(tools, list):
+    if limits is None or not limits.of_sizes or not isinstance(tools, list):
         return
-    for m, param in asked:
-        if m is Modality.IMAGE and param.startswith("tools["):
-            tool = tools[int(param[6:-1])]
-            if isinstance(tool, dict):
-                _sized(model, limits, tool.get, False, f"{param}.", sides=False)
+    for i, tool in enumerate(tools):
+        if isinstance(tool, dict) and tool.get("type") == "image_generation":
+            _sized(model, limits, tool.get, False, f"tools[{i}].", sides=False)
 
 
 def _whole(raw: Any, param: str, form: bool) -> int | None:

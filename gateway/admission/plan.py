@@ -126,7 +126,7 @@ def admit(
         _enforce_limits(model, classification, frozenset())
         if asked:
             speaker = outputs.spoken(model, decided, body.get("audio"), asked, redirects, speaker)
-            outputs.tool_sizes(model, body, asked)  # the serving model's output_limits
+            outputs.tool_sizes(model, body)  # the serving model's output_limits
         visual = _measure(model, classification, contents, deferred=deferred) if model.counts_images else None
         return RoutePlan(
             requested.name,
@@ -159,7 +159,7 @@ def admit(
         speaker = outputs.spoken(model, decided, body.get("audio"), asked, redirects, speaker)
         made = [(m, p) for m, p in asked if not (speaker is not None and m is Modality.AUDIO)]
         outputs.check(model, made, redirects)
-        outputs.tool_sizes(model, body, asked)  # the serving model's output_limits
+        outputs.tool_sizes(model, body)  # the serving model's output_limits
     if api.engine_shapes:
         _check_shapes(model, contents)
     unsupported = [m for m in present if m not in model.accepts]

@@ -403,8 +403,13 @@ class OutputLimits:
     speech_chars: int | None = None
 
     @property
+    def of_sizes(self) -> bool:
+        """Whether it holds the size of an image asked for (``image_sizes``, ``image_pixels``)."""
+        return bool(self.sizes) or self.pixels is not None
+
+    @property
     def of_images(self) -> bool:
-        return self.images is not None or bool(self.sizes) or self.pixels is not None
+        return self.images is not None or self.of_sizes
 
 
 @dataclass(frozen=True, slots=True)

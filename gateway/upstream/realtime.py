@@ -69,24 +69,20 @@ class Hub:
     def __init__(self) -> None:
         self._http: aiohttp.ClientSession | None = None  # made with the first session, on the loop
         self.open: set[Relay] = set()
-        self._none: asyncio.Event | None = None  # set while no session is open (made on the loop)
+        self._none = asyncio.Event()  # set while no session is open (bound to no loop until waited on)
+        self._none.set()
 
     def enter(self, relay: Relay) -> None:
         self.open.add(relay)
-        if self._none is not None:
-            self._none.clear()
+        self._none.clear()
 
     def leave(self, relay: Relay) -> None:
         self.open.discard(relay)
-        if not self.open and self._none is not None:
+        if not self.open:
             self._none.set()
 
     async def idle(self) -> None:
         """Until no session is open (one's end counted): what a test or a drain waits on."""
-        if self._none is None:
-            self._none = asyncio.Event()
-        if not self.open:
-            self._none.set()
         await self._none.wait()
 
     @property
@@ -131,21 +127,19 @@ async def connect(
                     autoping=True,
                     compress=0,
                 )
-        except aiohttp.WSServerHandshakeError as exc:  # an answer, not an upgrade: its status said
-            failures.append(f"{lease.replica.url}: answered {exc.status}")
-            lease.failure(f"realtime upgrade refused: {exc.status}")
+        except BaseException as exc:  # the lease given back, whatever ended the try (the client left too)
             lease.__exit__()
-            metrics.child(metrics.upstream_requests, model.name, lease.replica.url, outcome_of(exc.status)).inc()
+            if isinstance(exc, aiohttp.WSServerHandshakeError):  # an answer, not an upgrade: its status said
+                said, outcome = f"answered {exc.status}", outcome_of(exc.status)
+                lease.failure(f"realtime upgrade refused: {exc.status}")
+            elif isinstance(exc, aiohttp.ClientError | TimeoutError):
+                failure = attempts.failed(lease, exc)
+                said, outcome = failure.reason, failure.outcome
+            else:
+                raise
+            failures.append(f"{lease.replica.url}: {said}")
+            metrics.child(metrics.upstream_requests, model.name, lease.replica.url, outcome).inc()
             continue
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            failure = attempts.failed(lease, exc)
-            failures.append(f"{lease.replica.url}: {failure.reason}")
-            lease.__exit__()
-            metrics.child(metrics.upstream_requests, model.name, lease.replica.url, failure.outcome).inc()
-            continue
-        except BaseException:  # the client left while the engine's side opened: its lease given back
-            lease.__exit__()
-            raise
         lease.success()
         metrics.child(metrics.upstream_requests, model.name, lease.replica.url, "ok").inc()
         return ws, lease
