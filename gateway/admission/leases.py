@@ -15,11 +15,12 @@ held so, in each process:
   it was taken goes back to the store. When the store had no request to give, the key is
   refused here until its bucket would hold one again, without asking.
 - **token budgets** (``tokens_per_minute``, ``tokens_per_day``): their levels as last read, refilled
-  here at their rate, less what replies cost here since; what they cost is written back within
-  SYNC_S, and levels older than SYNC_S are read again (both with the next lease), in the
-  background; levels older than TRUSTED_S (an idle key, or a store that fails: then its
-  ``on_failure`` answers) are read before the request. A budget holds across processes to what
-  they spent in the last SYNC_S (they are spent after each reply anyway).
+  here at their rate, less what replies cost here since (each spent as it ends, as a process's
+  own buckets are); what they cost is written back within SYNC_S, and levels older than SYNC_S
+  are read again (both with the next lease), in the background; levels older than TRUSTED_S (an
+  idle key, or a store that fails: then its ``on_failure`` answers) are read before the request.
+  A budget holds across processes to what they spent in the last SYNC_S (they are spent after
+  each reply anyway).
 
 A request's visual tokens, once known, are held to those budgets here too (:meth:`Leases.budgets`),
 unless the key has a ``visual_tokens_per_minute``: that bucket is spent by one script a request
@@ -32,12 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..config import ApiKey, RateLimit
-from .auth import DAY_S, key_headers, requests_verdict, tokens_verdict
+from .auth import DAY_S, Said, requests_verdict, tokens_verdict
 from .scripts import arg
 
 HORIZON_S = 0.05  # a slice is what this process spends of a key in this long
@@ -57,17 +58,20 @@ class Lease:
     held: int = 0  # requests taken from the store, not spent yet
     held_at: float = 0.0  # when they were taken (the loop's clock)
     left: float = 0.0  # the store's requests left after the last lease
-    minute: float | None = None  # the token budgets' levels at the last lease
+    # the token budgets' levels at ``levels_at``, as this process knows them: the last lease's read,
+    # refilled since and less what replies cost here since, each when it was spent
+    minute: float | None = None
     day: float | None = None
+    levels_at: float = 0.0
     synced_at: float = -math.inf  # when the last lease answered
     unsynced: int = 0  # tokens replies cost here since, not written yet
-    sending: int = 0  # tokens being written (a lease under way): still spent here until it answers
     empty_until: float = 0.0  # the store had no request to give: none is asked for until then
     rate: float = 0.0  # requests a second here, over the last window
     window: tuple[float, int] = (0.0, 0)  # the current window: its start, its requests
     syncing: asyncio.Task[bool] | None = None  # the lease under way
     waiting: int = 0  # requests waiting for it
     flush: asyncio.TimerHandle | None = None  # what replies cost, to be written
+    said: Said = field(default_factory=Said)  # the last answer's x-ratelimit-* headers
 
     def count(self, now: float) -> None:
         """One more request of the key here."""
@@ -91,16 +95,29 @@ class Lease:
 
     def levels(self, limit: RateLimit, now: float) -> tuple[float, float]:
         """The token budgets' levels now, as this process knows them: the last read, refilled
-        since at their rates, less what replies cost here since."""
-        elapsed = max(0.0, now - self.synced_at)
+        since at their rates (to their capacity), less what replies cost here since (0 for a
+        budget the key has not, or not read yet)."""
+        elapsed = now - self.levels_at if now > self.levels_at else 0.0
         minute = day = 0.0
-        spent = self.unsynced + self.sending
-        if limit.tokens_per_minute is not None and self.minute is not None:
-            per_s = limit.tokens_per_minute / 60
-            minute = min(limit.tokens_per_minute, self.minute + elapsed * per_s) - spent
-        if limit.tokens_per_day is not None and self.day is not None:
-            day = min(limit.tokens_per_day, self.day + elapsed * limit.tokens_per_day / DAY_S) - spent
+        if (budget := limit.tokens_per_minute) is not None and self.minute is not None:
+            minute = self.minute + elapsed * budget / 60
+            minute = minute if minute < budget else budget
+        if (budget := limit.tokens_per_day) is not None and self.day is not None:
+            day = self.day + elapsed * budget / DAY_S
+            day = day if day < budget else budget
         return minute, day
+
+    def spend(self, limit: RateLimit, tokens: int, now: float) -> None:
+        """A reply's ``tokens``, spent of the levels here as it ends (as a process's own buckets
+        are: a budget refilled to its capacity between two replies is full at the second)."""
+        if self.minute is None and self.day is None:  # never read: the next read has them
+            return
+        minute, day = self.levels(limit, now)
+        if self.minute is not None:
+            self.minute = minute - tokens
+        if self.day is not None:
+            self.day = day - tokens
+        self.levels_at = now
 
     def knows(self, limit: RateLimit) -> bool:
         """Whether the key's token budgets were read (since the last settle, and as the key has
@@ -162,9 +179,12 @@ class Leases:
     def finish(self, key: ApiKey, tokens: int) -> None:
         """A reply's tokens, spent here and written within SYNC_S."""
         lease = self._lease(key)
+        loop = asyncio.get_running_loop()
+        if key.rate_limit is not None:
+            lease.spend(key.rate_limit, tokens, loop.time())
         lease.unsynced += tokens
         if lease.flush is None:
-            lease.flush = asyncio.get_running_loop().call_later(SYNC_S, self._write_spent, key, lease)
+            lease.flush = loop.call_later(SYNC_S, self._write_spent, key, lease)
 
     def _lease(self, key: ApiKey) -> Lease:
         lease = self._by_name.get(key.name)
@@ -173,7 +193,21 @@ class Leases:
         lease.key = key  # the generation's: a reload may change the key's limits
         return lease
 
-    async def admit(self, key: ApiKey, limit: RateLimit, budgets: bool) -> dict[str, str]:
+    def admit_now(self, key: ApiKey, limit: RateLimit, budgets: bool) -> Mapping[str, str] | None:
+        """A request admitted from the key's lease at once, as it is in the common case (requests
+        held here, the budgets' levels read lately); None where the store must be asked first
+        (:meth:`admit`). The front door asks this without a coroutine (gateway.server.middlewares)."""
+        lease = self._lease(key)
+        now = asyncio.get_running_loop().time()
+        if budgets and not (lease.knows(limit) and now - lease.synced_at <= TRUSTED_S):
+            return None
+        if (limit.requests_per_minute is not None and lease.held < 1 and now >= lease.empty_until
+                and not (budgets and lease.spent(limit, now))):  # fmt: skip
+            return None
+        lease.count(now)
+        return self._admitted(key, lease, limit, budgets, now)
+
+    async def admit(self, key: ApiKey, limit: RateLimit, budgets: bool) -> Mapping[str, str]:
         """A request admitted from the key's lease: the store asked only when this process has
         nothing to go on (no request left here and the store may have one; the budgets never
         read), and ahead of need otherwise, off the request's path."""
@@ -196,6 +230,12 @@ class Leases:
             if not await self._renewed(key, lease):
                 return self._store.failed()
             now = loop.time()
+        return self._admitted(key, lease, limit, budgets, now)
+
+    def _admitted(self, key: ApiKey, lease: Lease, limit: RateLimit, budgets: bool, now: float) -> Mapping[str, str]:
+        """The request, its lease asked what it needs: renewed ahead of need, off its path (its
+        budgets' levels older than SYNC_S, or half its slice spent); its headers, or its refusal."""
+        rpm = limit.requests_per_minute
         if lease.syncing is None and (
             now - lease.synced_at > SYNC_S
             or (
@@ -216,7 +256,7 @@ class Leases:
                 requests_verdict(limit, left, False)  # raises
             lease.held -= 1
             left -= 1
-        return key_headers(limit, left, minute, day)
+        return lease.said.headers(limit, left, minute, day)
 
     async def budgets(self, key: ApiKey, limit: RateLimit, need: int) -> dict[str, str]:
         """A request's visual tokens, once known, held to the key's token budgets as this process
@@ -266,13 +306,11 @@ class Leases:
         if rpm is not None and want != 0:
             wanted = max(want or 0, lease.slice(limit, self._store.members, now) - lease.held)
         spent, lease.unsynced = lease.unsynced, 0
-        lease.sending += spent
         args = [arg(rpm), arg(limit.burst), arg(limit.tokens_per_minute), arg(limit.tokens_per_day),
                 str(wanted), str(back), str(spent)]  # fmt: skip
         try:
             answer = await self._store.renew(op, key, args)
         finally:
-            lease.sending -= spent
             if lease.syncing is asyncio.current_task():
                 lease.syncing = None
         if answer is None:  # written again with the next: a reply's cost is never forgotten
@@ -283,9 +321,10 @@ class Leases:
                 loop.call_later(HOLD_S, self._idle, key, lease)
             return False
         taken, left, minute, day = answer
-        lease.minute = float(minute) if limit.tokens_per_minute is not None else None
-        lease.day = float(day) if limit.tokens_per_day is not None else None
-        lease.synced_at = loop.time()
+        # the store's levels, with what it was sent; less what replies cost here since it was
+        lease.minute = float(minute) - lease.unsynced if limit.tokens_per_minute is not None else None
+        lease.day = float(day) - lease.unsynced if limit.tokens_per_day is not None else None
+        lease.synced_at = lease.levels_at = loop.time()
         if rpm is not None:
             lease.taken(lease.synced_at, int(taken), float(left), rpm / 60)
             if lease.held:  # unspent by then: given back

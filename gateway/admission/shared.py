@@ -45,7 +45,7 @@ import itertools
 import logging
 import os
 import socket
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from ..config import ApiKey, LimitsStoreConfig, RateLimit
@@ -236,7 +236,21 @@ class SharedLimits:
             )
         return {}
 
-    async def admit(self, key: ApiKey) -> tuple[dict[str, str], str | None]:
+    def admit_now(self, key: ApiKey) -> tuple[Mapping[str, str], str | None] | None:
+        """:meth:`admit` at once, where it needs no wait (a key without limits, or one whose
+        lease holds what its request needs: the common case); None otherwise."""
+        limit = key.rate_limit
+        if key.max_concurrency is not None:
+            return None
+        if limit is None:
+            return {}, None
+        budgets = limit.tokens_per_minute is not None or limit.tokens_per_day is not None
+        if limit.requests_per_minute is None and not budgets:
+            return {}, None
+        headers = self._leases.admit_now(key, limit, budgets)
+        return None if headers is None else (headers, None)
+
+    async def admit(self, key: ApiKey) -> tuple[Mapping[str, str], str | None]:
         """A request of the key admitted: its x-ratelimit-* headers and the slot it holds (None:
         none), or the key's RateLimitedError: from this process's lease of the key's limits
         (gateway.admission.leases), or, for a key with ``max_concurrency``, in one round trip."""

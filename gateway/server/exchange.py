@@ -38,7 +38,7 @@ from ..upstream.concurrency import gated
 from ..upstream.dispatch import Dispatch, Timeouts
 from ..upstream.replicas import Pool
 from . import spending
-from .state import MODEL_LABEL_KEY, RATE_HEADERS_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services, admitted_as
+from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, TAB_KEY, Services, admitted_as
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,8 @@ class Exchange:
         if key is not None and tokens:
             spent = await self.services.limits.visual(key, tokens)  # held to its token budgets too
             if spent:
-                self.request[RATE_HEADERS_KEY] = {**self.request.get(RATE_HEADERS_KEY, {}), **spent}
+                tab = self.request[TAB_KEY]
+                tab.headers = {**tab.headers, **spent}
         if plan.model.visual_tokens is not None:
             metrics = self.services.metrics
             metrics.child(metrics.visual_tokens, plan.model.name).inc(tokens)
@@ -284,7 +285,7 @@ def forward(
         hide_usage=bool(ex.ask_usage),
         content_type=content_type,
         on_usage=functools.partial(spending.reply, ex.services, ex.key, request, model.name, spending.floor(ex.plan)),
-        answer_headers=request[RATE_HEADERS_KEY] if ex.key is not None else None,  # a reply relayed as it comes
+        answer_headers=request[TAB_KEY].headers if ex.key is not None else None,  # a reply relayed as it comes
     )
     upstream = ex.services.upstream
     if ex.services.tracing is not None and ex.services.tracing.recording():  # the request's span: who served it

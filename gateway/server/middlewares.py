@@ -28,6 +28,7 @@ from yarl import URL
 
 from ..admission.apis.catalog import BY_PATH, is_api, shape_of
 from ..admission.body import body_too_large
+from ..config import ApiKey
 from ..config.generation import Keyring
 from ..errors import (
     GatewayError,
@@ -42,16 +43,7 @@ from ..errors import (
 )
 from ..metrics import NO_KEY, UNKNOWN_MODEL
 from ..upstream.relay import RelayResponse, with_key_limits
-from .state import (
-    API_KEY_KEY,
-    KEY_LABEL_KEY,
-    MODEL_LABEL_KEY,
-    RATE_HEADERS_KEY,
-    REQUEST_ID_KEY,
-    SERVICES_KEY,
-    SPENT_KEY,
-    Services,
-)
+from .state import API_KEY_KEY, MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, TAB_KEY, Services, Tab
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +74,8 @@ def front(handler: Handler) -> Handler:
         rid = request[REQUEST_ID_KEY] = _request_id(request)
         metrics = services.metrics
         started = time.perf_counter()
-        code, failure, keyed, upgraded = 500, None, False, False
+        code, failure, upgraded = 500, None, False
+        key, tab = None, None
         metrics.in_flight.inc()
         tracing, traced = services.tracing, None
         if tracing is not None and (served := BY_PATH.get(request.path)) is not None:  # a model endpoint: traced
@@ -94,11 +87,20 @@ def front(handler: Handler) -> Handler:
                 if keyring is None or not is_api(request.path):
                     request[API_KEY_KEY] = None  # (read by every model endpoint: a miss would raise inside)
                     response = await handler(request)
-                else:
-                    keyed = True
-                    response = await _with_key(request, handler, services, keyring)
+                else:  # with auth:, a /v1/* request needs a key of the live generation, within its limits
+                    key = _key_of(request, services, keyring)
+                    limits = services.limits  # at once where no wait is needed (no coroutine): the common case
+                    headers, slot = limits.admit_now(key) or await limits.admit(key)
+                    tab = request[TAB_KEY] = Tab(headers)
+                    request[API_KEY_KEY] = key
+                    try:
+                        response = await handler(request)
+                    finally:
+                        limits.finish(key, tab.spent, slot)
             except GatewayError as exc:
                 failure = exc.code
+                if key is not None and isinstance(exc, RateLimitedError | LimitsStoreUnavailableError):
+                    _over_limits(request, services, key, exc)
                 response = await _render_error(request, services, exc)
             except web.HTTPException as exc:
                 if exc.status < 400:
@@ -114,7 +116,7 @@ def front(handler: Handler) -> Handler:
                     GatewayError(f"Internal error in the gateway (request id {rid})"), shape_of(request.path)
                 )
             if not response.prepared:
-                _answer_headers(request, response, rid, keyed)
+                _answer_headers(request, response, rid, tab)
             upgraded = isinstance(response, web.WebSocketResponse)  # a session: its length is no latency
             gone = isinstance(response, RelayResponse) and response.client_gone
             code = CLIENT_CLOSED if gone else response.status
@@ -132,7 +134,7 @@ def front(handler: Handler) -> Handler:
                 tracing.close(traced, code, failure, model if model != UNKNOWN_MODEL else None)
             if model is not None:
                 api = api_of(request.path)
-                label = request.get(KEY_LABEL_KEY, NO_KEY) if keyed else NO_KEY  # no lookup (a KeyError) without a key
+                label = key.name if key is not None else NO_KEY
                 metrics.child(metrics.requests, model, str(code), label, api).inc()
                 if not upgraded:
                     metrics.child(metrics.request_duration, model).observe(time.perf_counter() - started)
@@ -195,7 +197,7 @@ async def unmatched(allowed: Mapping[str, str], request: web.Request) -> web.Str
     )
 
 
-def _answer_headers(request: web.Request, response: web.StreamResponse, rid: str, keyed: bool) -> None:
+def _answer_headers(request: web.Request, response: web.StreamResponse, rid: str, tab: Tab | None) -> None:
     """The request id, and a key's x-ratelimit-* headers: on an answer (a reply relayed whole
     too: the client's limits are its key's, not whatever an engine's own say), or where an error
     has none of the name (one of the key's limits has its own, newer); a stream has them as it
@@ -203,8 +205,8 @@ def _answer_headers(request: web.Request, response: web.StreamResponse, rid: str
     on the Messages API, where the anthropic SDK reads it, and the model it is about (a
     rejection). A reply relayed from an engine has both already."""
     response.headers[REQUEST_ID] = rid
-    if keyed and (limits := request.get(RATE_HEADERS_KEY)):
-        with_key_limits(response.headers, limits, response.status)
+    if tab is not None and tab.headers:
+        with_key_limits(response.headers, tab.headers, response.status)
     if response.status < 400:
         return
     if shape_of(request.path) == "anthropic":
@@ -246,33 +248,27 @@ def _check_port(request: web.Request, services: Services) -> None:
         raise NotFoundError(f"Unknown endpoint: {request.method} {clip(request.path)}")
 
 
-async def _with_key(request: web.Request, handler: Handler, services: Services, keyring: Keyring) -> web.StreamResponse:
-    """With ``auth:``, a /v1/* request needs a key of the live generation, within its limits."""
+def _key_of(request: web.Request, services: Services, keyring: Keyring) -> ApiKey:
+    """The request's key, of the live generation's keyring; a missing or wrong one is counted
+    and refused (InvalidApiKeyError)."""
     header = request.headers.get(hdrs.AUTHORIZATION)
     if header is None and (x_api_key := request.headers.get("x-api-key")) is not None:
         header = f"Bearer {x_api_key}"  # Anthropic's clients send their key so (Claude Code, the SDKs)
     try:
-        key = keyring.find(header)
+        return keyring.find(header)
     except InvalidApiKeyError:
         services.metrics.auth_failures.labels("missing" if not header else "invalid").inc()
         raise
-    request[API_KEY_KEY] = key
-    request[KEY_LABEL_KEY] = key.name
-    request[SPENT_KEY] = 0  # what its reply and conversions spend (gateway.server.spending)
-    limits = services.limits
-    try:
-        request[RATE_HEADERS_KEY], slot = await limits.admit(key)
-        try:
-            return await handler(request)
-        finally:
-            limits.finish(key, request[SPENT_KEY], slot)
-    except RateLimitedError as exc:
+
+
+def _over_limits(
+    request: web.Request, services: Services, key: ApiKey, exc: RateLimitedError | LimitsStoreUnavailableError
+) -> None:
+    """A key's request refused by its limits (at the door, or its images' visual tokens later),
+    or by a limits store that fails closed: counted as the API's request, of its model if known."""
+    if isinstance(exc, RateLimitedError):
         services.metrics.rate_limited.labels(key.name, exc.limit).inc()
-        request[MODEL_LABEL_KEY] = request.get(MODEL_LABEL_KEY, UNKNOWN_MODEL)
-        raise
-    except LimitsStoreUnavailableError:  # on_failure: closed, counted as the API's request
-        request[MODEL_LABEL_KEY] = request.get(MODEL_LABEL_KEY, UNKNOWN_MODEL)
-        raise
+    request[MODEL_LABEL_KEY] = request.get(MODEL_LABEL_KEY, UNKNOWN_MODEL)
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
@@ -305,7 +301,7 @@ async def _send_and_close(request: web.Request, response: web.Response) -> None:
     trickles in (408), or one whose sender waits for a 100 Continue that was refused. aiohttp would
     linger up to 10 s for it; that stays right for a plain 413, whose client may still be sending
     and must get to read the answer."""
-    _answer_headers(request, response, request[REQUEST_ID_KEY], request.get(API_KEY_KEY) is not None)
+    _answer_headers(request, response, request[REQUEST_ID_KEY], request.get(TAB_KEY))
     try:
         await response.prepare(request)
         await response.write_eof()

@@ -1,7 +1,7 @@
 """What a request spends of its API key's token budgets, and counts in ``gateway_tokens_total``:
 its reply's usage (or, where the reply says none, what was known before it: its visual tokens),
 and what its conversions cost the models of the table that made them (an image's description).
-Spent at the request's end (gateway.server.middlewares, ``SPENT_KEY``), whatever becomes of it."""
+Spent at the request's end (gateway.server.middlewares, the request's ``Tab``), whatever becomes of it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..admission.route import RoutePlan
 from ..config import ApiKey
 from ..metrics import NO_KEY
 from ..upstream.usage import Usage
-from .state import SPENT_KEY, Services
+from .state import TAB_KEY, Services
 
 
 def floor(plan: RoutePlan | None) -> int:
@@ -39,7 +39,7 @@ def reply(
                  "gen_ai.usage.cache_read.input_tokens": usage.cached}
             )  # fmt: skip
     if key is not None:
-        request[SPENT_KEY] = request.get(SPENT_KEY, 0) + tokens
+        request[TAB_KEY].spent += tokens
 
 
 def conversion(services: Services, key: ApiKey | None, request: web.Request, model: str, usage: Usage) -> None:
@@ -48,7 +48,7 @@ def conversion(services: Services, key: ApiKey | None, request: web.Request, mod
     whatever becomes of the request."""
     _count(services, key, model, usage)
     if key is not None:
-        request[SPENT_KEY] = request.get(SPENT_KEY, 0) + usage.total
+        request[TAB_KEY].spent += usage.total
 
 
 def _count(services: Services, key: ApiKey | None, model: str, usage: Usage) -> None:

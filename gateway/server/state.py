@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -82,9 +82,20 @@ MODEL_LABEL_KEY = web.RequestKey("model_label", str)
 # The client's API key (auth on), set by the front door (middlewares.front) for /v1/* requests; its name labels
 # gateway_requests_total ("-" when auth is off).
 API_KEY_KEY: web.RequestKey[ApiKey | None] = web.RequestKey("api_key")  # None: no key asked (auth off, or not an API)
-KEY_LABEL_KEY = web.RequestKey("key_label", str)
-RATE_HEADERS_KEY = web.RequestKey("rate_headers", dict)  # x-ratelimit-* for the response
-SPENT_KEY = web.RequestKey("spent", int)  # the tokens the request's reply cost, spent of its key's budgets at its end
+
+
+@dataclass(slots=True)
+class Tab:
+    """A keyed request's account with its key, kept by the front door: the x-ratelimit-* headers
+    its answer carries, and the tokens its reply and conversions cost (gateway.server.spending),
+    spent of the key's budgets at its end. (One object in one slot of the request: each slot is
+    a call to set and two to read.)"""
+
+    headers: Mapping[str, str]  # (shared by the key's requests while its levels are the same: never changed)
+    spent: int = 0
+
+
+TAB_KEY = web.RequestKey("tab", Tab)  # a keyed request's only (set with API_KEY_KEY)
 
 
 def visible(request: web.Request) -> Visible:

@@ -113,7 +113,8 @@ class UpstreamClient:
         headers = _upstream_headers(request, dispatch.gateway_headers, dispatch.content_type)
         if dispatch.auth is not None or not dispatch.forward_client_auth:
             for name in CLIENT_CREDENTIALS:  # the client's key: the gateway's, or not the engine's
-                headers.popall(name, None)
+                if name in headers:
+                    del headers[name]
         if dispatch.auth is not None:
             headers[hdrs.AUTHORIZATION] = dispatch.auth
         # origin-form even when the client sent absolute-form (POST http://host/v1/... HTTP/1.1)

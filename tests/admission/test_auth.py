@@ -651,3 +651,31 @@ def test_a_rate_limit_needs_one_of_its_limits() -> None:
         "one of 'requests_per_minute', 'tokens_per_minute', 'tokens_per_day' or 'visual_tokens_per_minute' is required"
         in str(caught.value)
     )
+
+
+def test_a_key_below_its_limits_shares_its_headers_until_a_level_they_say_changes() -> None:
+    """A key whose buckets are full request after request (refilled to capacity) answers with
+    the headers made once; a level that changed, or a reload's new limits, makes new ones, and
+    the shared mapping is never changed under an earlier request."""
+    from gateway.admission.auth import KeyLimits
+    from gateway.config import ApiKey, RateLimit
+
+    now = [0.0]
+    limits = KeyLimits(clock=lambda: now[0])
+    limit = RateLimit(600.0, 5, tokens_per_minute=600.0)  # 10 requests and 10 tokens a second
+    key = ApiKey("k", key_sha256="0" * 64, rate_limit=limit)
+    first, _ = limits.admit_now(key)
+    now[0] = 1.0  # full again: the same levels said
+    second, _ = limits.admit_now(key)
+    assert second is first and first["x-ratelimit-remaining-requests"] == "4"
+    limits.finish(key, 300, None)
+    third, _ = limits.admit_now(key)  # 300 tokens spent: said anew, the earlier headers as they were
+    assert third is not first and third["x-ratelimit-remaining-tokens"] == "300"
+    assert first["x-ratelimit-remaining-tokens"] == "600"
+    now[0] = 2.0
+    fourth, _ = limits.admit_now(key)
+    assert fourth["x-ratelimit-remaining-tokens"] == "310"  # 10 back in 1 s of 10 a second
+    lower = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(300.0, 5, tokens_per_minute=600.0))
+    now[0] = 60.0  # full again under the reload's limits: the same levels, other limits
+    reloaded, _ = limits.admit_now(lower)
+    assert reloaded["x-ratelimit-limit-requests"] == "300"

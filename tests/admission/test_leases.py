@@ -187,12 +187,38 @@ async def test_a_store_gone_answers_as_on_failure_says_once_what_a_process_knew_
         await shared.close()
 
 
-def test_tokens_being_written_are_still_spent_here_until_the_store_answers() -> None:
-    limit = RateLimit(None, 1, tokens_per_minute=100)
-    lease = Lease(minute=50.0, synced_at=10.0, unsynced=20)
-    assert lease.levels(limit, 10.0) == (30.0, 0.0)
-    lease.unsynced, lease.sending = 0, 20  # a lease under way carries them: not yet in the store's level
-    assert lease.levels(limit, 10.0) == (30.0, 0.0)
+def test_tokens_are_spent_here_as_replies_end_and_refill_as_a_processs_own_buckets_do() -> None:
+    limit = RateLimit(None, 1, tokens_per_minute=600)  # 10 a second
+    lease = Lease(minute=500.0, levels_at=10.0, synced_at=10.0)
+    lease.spend(limit, 20, 10.0)
+    assert lease.levels(limit, 10.0) == (480.0, 0.0)
+    assert lease.levels(limit, 11.0) == (490.0, 0.0)  # refilled since
+    assert lease.levels(limit, 100.0) == (600.0, 0.0)  # to its capacity, no more
+    lease.spend(limit, 30, 100.0)  # full, then spent: a full budget less this reply
+    assert lease.levels(limit, 100.0) == (570.0, 0.0)
+    assert Lease().levels(limit, 5.0) == (0.0, 0.0)  # never read: nothing to go on
+
+
+async def test_what_replies_cost_while_a_lease_is_under_way_is_spent_of_the_levels_it_reads(
+    processes: list[SharedLimits],
+) -> None:
+    """A reply that ends while the store is asked is in neither the store's answer nor lost:
+    the levels read, less it."""
+    shared = processes[0]
+    limit = RateLimit(None, 1, tokens_per_day=1_000_000)
+    key = ApiKey("inflight", key_sha256="0" * 64, rate_limit=limit)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await shared.admit(key)
+    lease = shared._leases["inflight"]
+    shared.finish(key, 1000, None)  # written with the next lease
+    renewing = asyncio.ensure_future(shared._leases._sync(key, lease, "finish", 0))
+    await asyncio.sleep(0)  # the lease under way, the 1000 in it
+    shared.finish(key, 500, None)  # while it is: not in what it reads
+    assert await renewing
+    _, day = lease.levels(limit, loop.time())
+    refilled = (loop.time() - started) * 1_000_000 / 86_400
+    assert 1_000_000 - 1500 <= day <= 1_000_000 - 1500 + refilled + 1
 
 
 async def test_a_requests_visual_tokens_are_held_to_the_budgets_the_process_leased(
@@ -215,3 +241,27 @@ async def test_a_requests_visual_tokens_are_held_to_the_budgets_the_process_leas
         await other.visual(key, 4_000)
     assert int(short.value.headers["x-ratelimit-remaining-tokens"]) < 4_000
     other.finish(key, 0, slot)
+
+
+async def test_a_request_its_lease_covers_is_admitted_at_once_and_one_it_does_not_waits_for_the_store(
+    processes: list[SharedLimits],
+) -> None:
+    """``admit_now`` (the front door's, without a coroutine) answers from the lease, or says
+    None where the store must be asked first: nothing known yet, a lease spent (not a refusal:
+    the store may have more), a key whose requests in flight are counted in the store."""
+    shared = processes[0]
+    key = ApiKey("now", key_sha256="0" * 64, rate_limit=RateLimit(60_000_000, 1_000_000, tokens_per_day=1e9))
+    assert shared.admit_now(key) is None  # its budgets never read
+    await shared.admit(key)
+    answered = shared.admit_now(key)
+    assert answered is not None and answered[1] is None and "x-ratelimit-remaining-requests" in answered[0]
+    for _ in range(10_000):  # the slice spent, with no wait for the renewal it started
+        if shared.admit_now(key) is None:
+            break
+    else:
+        raise AssertionError("a lease that never runs out")
+    headers, _ = await shared.admit(key)  # the store asked: it has plenty
+    assert int(headers["x-ratelimit-remaining-requests"]) > 0
+    counted = ApiKey("slots", key_sha256="1" * 64, rate_limit=RateLimit(600, 10), max_concurrency=2)
+    assert shared.admit_now(counted) is None
+    assert shared.admit_now(ApiKey("free", key_sha256="2" * 64)) == ({}, None)
