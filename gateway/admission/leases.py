@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -41,13 +42,18 @@ from ..config import ApiKey, RateLimit
 from .auth import DAY_S, Said, requests_verdict, tokens_verdict
 from .scripts import arg
 
-HORIZON_S = 0.05  # a slice is what this process spends of a key in this long
+HORIZON_S = 0.1  # a slice is what this process spends of a key in this long (a renewal every half of it)
 HOLD_S = 0.25  # requests leased and unspent this long go back to the store
 SYNC_S = 0.1  # token budgets' levels are read again, and what was spent written, at least this often
 TRUSTED_S = 1.0  # levels older than this (the store failing, or a key idle) are read before a request
 ERROR = 0.025  # the slices, over all processes: at most this share of a key's burst and a second's refill
 RATE_WINDOW_S = 0.1  # a key's request rate here is counted over windows this long
 RETRY_S = 1.0  # what a failed lease did not write is written again after this long
+SLICE_EVERY = 16  # a slice's size (for when to renew) is worked out again every so many requests of a window
+# The leases' clock (their timers take delays, not times): read without asking for the loop, whose
+# asyncio.get_running_loop() is a getpid system call in CPython 3.11 (it checks the loop is this
+# process's), two a keyed request otherwise.
+clock = time.monotonic
 
 
 @dataclass(slots=True)
@@ -56,7 +62,7 @@ class Lease:
 
     key: ApiKey | None = None  # the key, as the generation of its last request has it
     held: int = 0  # requests taken from the store, not spent yet
-    held_at: float = 0.0  # when they were taken (the loop's clock)
+    held_at: float = 0.0  # when they were taken (``clock``)
     left: float = 0.0  # the store's requests left after the last lease
     # the token budgets' levels at ``levels_at``, as this process knows them: the last lease's read,
     # refilled since and less what replies cost here since, each when it was spent
@@ -68,6 +74,7 @@ class Lease:
     empty_until: float = 0.0  # the store had no request to give: none is asked for until then
     rate: float = 0.0  # requests a second here, over the last window
     window: tuple[float, int] = (0.0, 0)  # the current window: its start, its requests
+    cut: float = 0.0  # renewed ahead of need below this many held: half a slice, seen anew every SLICE_EVERY
     syncing: asyncio.Task[bool] | None = None  # the lease under way
     waiting: int = 0  # requests waiting for it
     flush: asyncio.TimerHandle | None = None  # what replies cost, to be written
@@ -110,13 +117,13 @@ class Lease:
     def spend(self, limit: RateLimit, tokens: int, now: float) -> None:
         """A reply's ``tokens``, spent of the levels here as it ends (as a process's own buckets
         are: a budget refilled to its capacity between two replies is full at the second)."""
-        if self.minute is None and self.day is None:  # never read: the next read has them
-            return
-        minute, day = self.levels(limit, now)
-        if self.minute is not None:
-            self.minute = minute - tokens
-        if self.day is not None:
-            self.day = day - tokens
+        elapsed = now - self.levels_at if now > self.levels_at else 0.0
+        if (budget := limit.tokens_per_minute) is not None and self.minute is not None:  # (as levels)
+            minute = self.minute + elapsed * budget / 60
+            self.minute = (minute if minute < budget else budget) - tokens
+        if (budget := limit.tokens_per_day) is not None and self.day is not None:
+            day = self.day + elapsed * budget / DAY_S
+            self.day = (day if day < budget else budget) - tokens
         self.levels_at = now
 
     def knows(self, limit: RateLimit) -> bool:
@@ -178,13 +185,12 @@ class Leases:
 
     def finish(self, key: ApiKey, tokens: int) -> None:
         """A reply's tokens, spent here and written within SYNC_S."""
-        lease = self._lease(key)
-        loop = asyncio.get_running_loop()
+        lease = self._by_name.get(key.name) or self._lease(key)
         if key.rate_limit is not None:
-            lease.spend(key.rate_limit, tokens, loop.time())
+            lease.spend(key.rate_limit, tokens, clock())
         lease.unsynced += tokens
         if lease.flush is None:
-            lease.flush = loop.call_later(SYNC_S, self._write_spent, key, lease)
+            lease.flush = asyncio.get_running_loop().call_later(SYNC_S, self._write_spent, key, lease)
 
     def _lease(self, key: ApiKey) -> Lease:
         lease = self._by_name.get(key.name)
@@ -197,9 +203,12 @@ class Leases:
         """A request admitted from the key's lease at once, as it is in the common case (requests
         held here, the budgets' levels read lately); None where the store must be asked first
         (:meth:`admit`). The front door asks this without a coroutine (gateway.server.middlewares)."""
-        lease = self._lease(key)
-        now = asyncio.get_running_loop().time()
-        if budgets and not (lease.knows(limit) and now - lease.synced_at <= TRUSTED_S):
+        lease = self._by_name.get(key.name)
+        if lease is None:  # the key's first request here
+            return None
+        lease.key = key  # (as _lease: straight through, a call less on every keyed request)
+        now = clock()
+        if budgets and (now - lease.synced_at > TRUSTED_S or not lease.knows(limit)):
             return None
         if (limit.requests_per_minute is not None and lease.held < 1 and now >= lease.empty_until
                 and not (budgets and lease.spent(limit, now))):  # fmt: skip
@@ -211,9 +220,8 @@ class Leases:
         """A request admitted from the key's lease: the store asked only when this process has
         nothing to go on (no request left here and the store may have one; the budgets never
         read), and ahead of need otherwise, off the request's path."""
-        loop = asyncio.get_running_loop()
         lease = self._lease(key)
-        now = loop.time()  # (read again after each wait)
+        now = clock()  # (read again after each wait)
         lease.count(now)
         rpm = limit.requests_per_minute
         for _ in range(2):  # (a lease under way for the key of an earlier generation may not read them)
@@ -221,7 +229,7 @@ class Leases:
                 break
             if not await self._renewed(key, lease):
                 return self._store.failed()
-            now = loop.time()
+            now = clock()
         # the store asked again while it has requests that others waiting took first, and the
         # key's token budgets hold (a spent one refuses below)
         while rpm is not None and lease.held < 1 and now >= lease.empty_until:
@@ -229,20 +237,19 @@ class Leases:
                 break
             if not await self._renewed(key, lease):
                 return self._store.failed()
-            now = loop.time()
+            now = clock()
         return self._admitted(key, lease, limit, budgets, now)
 
     def _admitted(self, key: ApiKey, lease: Lease, limit: RateLimit, budgets: bool, now: float) -> Mapping[str, str]:
         """The request, its lease asked what it needs: renewed ahead of need, off its path (its
         budgets' levels older than SYNC_S, or half its slice spent); its headers, or its refusal."""
         rpm = limit.requests_per_minute
+        if rpm is not None and lease.window[1] % SLICE_EVERY == 1:  # as a window begins, and every so often in it
+            lease.cut = lease.slice(limit, self._store.members, now) / 2
         if lease.syncing is None and (
             now - lease.synced_at > SYNC_S
-            or (
-                rpm is not None
-                and now >= lease.empty_until  # a key refused is not asked for until it would have one
-                and lease.held * 2 < lease.slice(limit, self._store.members, now)
-            )
+            # a key refused is not asked for until it would have one
+            or (rpm is not None and now >= lease.empty_until and lease.held < lease.cut)
         ):
             self._renew(key, lease, "admit")
         minute, day = lease.levels(limit, now) if budgets else (0.0, 0.0)
@@ -251,7 +258,10 @@ class Leases:
             tokens_verdict(limit, minute, day, 1)  # raises
         left = None
         if rpm is not None:
-            left = lease.requests_left(limit, now)
+            # Lease.requests_left, straight through (every keyed request)
+            left = lease.held + lease.left + (now - lease.synced_at if now > lease.synced_at else 0.0) * rpm / 60
+            if not left < limit.burst:
+                left = float(limit.burst)
             if lease.held < 1:
                 requests_verdict(limit, left, False)  # raises
             lease.held -= 1
@@ -262,9 +272,8 @@ class Leases:
         """A request's visual tokens, once known, held to the key's token budgets as this process
         knows them (read first where older than TRUSTED_S, as for a request): their headers, or
         TokensRateLimitedError. Nothing is spent: the reply spends what it cost."""
-        loop = asyncio.get_running_loop()
         lease = self._lease(key)
-        now = loop.time()
+        now = clock()
         for _ in range(2):
             if lease.knows(limit) and now - lease.synced_at <= TRUSTED_S:
                 break
@@ -273,7 +282,7 @@ class Leases:
             assert lease.syncing is not None
             if not await asyncio.shield(lease.syncing):
                 return self._store.failed()
-            now = loop.time()
+            now = clock()
         return tokens_verdict(limit, *lease.levels(limit, now), need)
 
     async def _renewed(self, key: ApiKey, lease: Lease) -> bool:
@@ -299,7 +308,7 @@ class Leases:
         the levels read."""
         limit = key.rate_limit or RateLimit(None, 1)
         rpm, loop = limit.requests_per_minute, asyncio.get_running_loop()
-        now = loop.time()
+        now = clock()
         back = lease.held if rpm is not None and (everything or now - lease.held_at > HOLD_S) else 0
         lease.held -= back
         wanted = 0
@@ -324,7 +333,7 @@ class Leases:
         # the store's levels, with what it was sent; less what replies cost here since it was
         lease.minute = float(minute) - lease.unsynced if limit.tokens_per_minute is not None else None
         lease.day = float(day) - lease.unsynced if limit.tokens_per_day is not None else None
-        lease.synced_at = lease.levels_at = loop.time()
+        lease.synced_at = lease.levels_at = clock()
         if rpm is not None:
             lease.taken(lease.synced_at, int(taken), float(left), rpm / 60)
             if lease.held:  # unspent by then: given back
@@ -342,13 +351,12 @@ class Leases:
 
     def _idle(self, key: ApiKey, lease: Lease) -> None:
         """Requests held HOLD_S unspent: back to the store (the others' now)."""
-        loop = asyncio.get_running_loop()
-        if not lease.held or loop.time() - lease.held_at < HOLD_S or self._store.closed:
+        if not lease.held or clock() - lease.held_at < HOLD_S or self._store.closed:
             return
         if lease.syncing is None:
             self._renew(key, lease, "finish", 0)
         else:  # the lease under way gives them back, or takes them again for requests that came
-            loop.call_later(HOLD_S, self._idle, key, lease)
+            asyncio.get_running_loop().call_later(HOLD_S, self._idle, key, lease)
 
     async def settle(self) -> None:
         """Every lease given back and what replies cost written; the levels read again at the

@@ -141,14 +141,16 @@ def test_a_slice_is_the_processs_rate_within_its_share_of_the_error() -> None:
     lease = Lease()
     assert lease.slice(limit, 1, 100.0) == 1  # no request seen yet: one
     lease.rate = 1000.0
-    assert lease.slice(limit, 1, 100.0) == 50  # 50 ms of 1,000 a second, within 2.5% of 2000
+    assert lease.slice(limit, 1, 100.0) == 50  # 100 ms of 1,000 a second, within 2.5% of 2000
+    lease.rate = 300.0
+    assert lease.slice(limit, 1, 100.0) == 30  # 100 ms of 300 a second
     lease.rate = 1e9
     assert lease.slice(limit, 1, 100.0) == 50 and lease.slice(limit, 4, 100.0) == 12  # a share of four
     assert Lease(rate=1e9).slice(RateLimit(6, 5), 2, 100.0) == 1  # a small key: one at a time
     busy = Lease()
     busy.count(100.0)
     busy.count(100.001)  # a key that turns busy: 2 requests in the window's first ms, the last window idle
-    assert busy.slice(limit, 1, 100.002) == 10  # at least 200 a second so far (2 in 10 ms): 50 ms of it
+    assert busy.slice(limit, 1, 100.002) == 20  # at least 200 a second so far (2 in 10 ms): 100 ms of it
 
 
 async def test_a_refused_key_is_refused_here_without_asking_the_store(processes: list[SharedLimits]) -> None:

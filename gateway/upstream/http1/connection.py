@@ -51,14 +51,14 @@ class _Connection(asyncio.Protocol):
     """One TCP (or TLS) connection and the one exchange on it at a time; llhttp parses what comes
     back and calls the ``on_*`` methods."""
 
-    __slots__ = ("_complete", "_due", "_fields", "_head_fed", "_head_future", "_interim", "_limit", "_loop",
+    __slots__ = ("_complete", "_due", "_fields", "_head_fed", "_head_future", "_interim", "_limit",
                  "_origin", "_parser", "_paused", "_read_at", "_read_timeout", "_reason", "_sent_at",
-                 "_since_body", "_timer", "_trailer_bytes", "closed", "last_used", "nothing_received", "reply",
-                 "transport")  # fmt: skip
+                 "_since_body", "_timer", "_trailer_bytes", "closed", "last_used", "loop", "nothing_received",
+                 "reply", "transport")  # fmt: skip
 
     def __init__(self, origin: Origin) -> None:
         self._origin = origin
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()  # (its replies' waits and timers: asked once, a system call)
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.last_used = 0.0
@@ -100,7 +100,7 @@ class _Connection(asyncio.Protocol):
             self._head_fed += len(data)
         else:
             if self._limit is not None:
-                self._read_at = self._loop.time()
+                self._read_at = self.loop.time()
             self._since_body += len(data)  # a chunk's size line or trailers, unless a body callback resets it
         try:
             self._parser.feed_data(data)
@@ -222,14 +222,14 @@ class _Connection(asyncio.Protocol):
         self._interim = 0
         self._head_fed = 0
         self._complete = False
-        future: asyncio.Future[Reply] = self._loop.create_future()
+        future: asyncio.Future[Reply] = self.loop.create_future()
         self._head_future = future
         self._read_timeout = read_timeout
         if len(body) < SPLICE_BYTES:
             transport.write(head + body)
         else:  # one writev of both, not a copy of the body behind its head
             transport.writelines((head, body))
-        self._sent_at = self._loop.time()
+        self._sent_at = self.loop.time()
         self._watch(head_timeout if head_timeout is not None else read_timeout)
         return self._await_head(future)
 
@@ -249,7 +249,7 @@ class _Connection(asyncio.Protocol):
     def closed_as_sent(self) -> bool:
         """Whether this exchange's connection ended with nothing received so soon after the
         request went that the engine closed it as it went (see STALE_WINDOW_S)."""
-        return self.nothing_received and self._loop.time() - self._sent_at <= STALE_WINDOW_S
+        return self.nothing_received and self.loop.time() - self._sent_at <= STALE_WINDOW_S
 
     async def _await_head(self, future: asyncio.Future[Reply]) -> Reply:
         try:
@@ -284,19 +284,19 @@ class _Connection(asyncio.Protocol):
         if limit is None:
             self._stop_timer()
             return
-        now = self._read_at = self._loop.time()
+        now = self._read_at = self.loop.time()
         if self._timer is not None and self._due > now + limit:  # a shorter limit than the armed one
             self._stop_timer()
         if self._timer is None:
             self._due = now + limit
-            self._timer = self._loop.call_at(self._due, self._check_silence)
+            self._timer = self.loop.call_at(self._due, self._check_silence)
 
     def _check_silence(self) -> None:
         self._timer = None
         limit = self._limit
         if limit is None or self.closed:
             return
-        now = self._loop.time()
+        now = self.loop.time()
         due = self._read_at + limit
         if self._paused:  # waiting for the client, not the replica
             self._read_at = now
@@ -311,7 +311,7 @@ class _Connection(asyncio.Protocol):
                 self.abort()
             return
         self._due = due
-        self._timer = self._loop.call_at(due, self._check_silence)
+        self._timer = self.loop.call_at(due, self._check_silence)
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -353,7 +353,7 @@ class _Connection(asyncio.Protocol):
     def resume(self) -> None:
         if self._paused:
             self._paused = False
-            self._read_at = self._loop.time()
+            self._read_at = self.loop.time()
             if self.transport is not None and not self.closed:
                 self.transport.resume_reading()
 

@@ -23,6 +23,9 @@ class Carrier(Protocol):
 
     def abort(self) -> None: ...
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...  # (asked once: get_running_loop() is a system call)
+
 
 HIGH_WATER = 256 * 1024  # bytes of a reply buffered before reading pauses
 # framing of a reply body
@@ -142,7 +145,7 @@ class Reply:
                 raise self._error
             if self._done:
                 raise StopAsyncIteration
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = self._conn.loop.create_future()
             await waiter
 
     async def read(self) -> bytes:
@@ -152,7 +155,7 @@ class Reply:
             self.paused = False
             self._conn.resume()
         while not self._done and self._error is None:
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            waiter = self._waiter = self._conn.loop.create_future()
             await waiter
         if self._error is not None:
             raise self._error
