@@ -134,6 +134,8 @@ async def test_a_keys_headers_win_over_an_engines_own(gateway_factory, upstream_
             await response.write(b"data: [DONE]\n\n")
             return response
         body = {"id": "x", "object": "chat.completion", "created": 0, "model": "m", "choices": []}
+        if asked.get("user") == "large":  # sent by aiohttp once the handler returns, not at once by the relay
+            body["padding"] = "x" * 40_000
         return web.json_response(body, headers=own)
 
     app = web.Application()
@@ -154,6 +156,10 @@ async def test_a_keys_headers_win_over_an_engines_own(gateway_factory, upstream_
             async with session.post(f"{gw.url}/v1/chat/completions", json={**body, "user": "refuse"}) as resp:
                 assert resp.status == 429 and resp.headers["x-ratelimit-remaining-requests"] == "7"
                 assert resp.headers["x-ratelimit-limit-tokens"] == "5"  # the engine's, streamed or not
+        large = {"model": "m", "messages": HI, "user": "large"}
+        async with session.post(f"{gw.url}/v1/chat/completions", json=large) as resp:
+            assert resp.status == 200 and len(await resp.read()) > 40_000
+            assert resp.headers["x-ratelimit-limit-tokens"] == "1000" and resp.headers["X-Request-Id"]
 
 
 async def test_a_budget_a_reload_took_away_is_not_spent_and_is_full_if_it_comes_back() -> None:

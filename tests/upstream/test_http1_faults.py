@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from gateway.config import ModelConfig
 from gateway.modalities import Modality
@@ -142,7 +142,7 @@ async def test_a_silence_in_a_small_body_is_a_timeout_for_the_relay() -> None:
     timeouts = Timeouts(connect=1.0, read=0.05, client_write=1.0)
     model = ModelConfig("m", ("http://127.0.0.1:9",), (Modality.TEXT,))
     dispatch = Dispatch(model, Pool("m", [Replica("http://127.0.0.1:9")]), b"", timeouts, {})
-    relayed = await _relay_whole(reply, dispatch, None, "ok")
+    relayed = await _relay_whole(reply, dispatch, None, "ok", make_mocked_request("POST", "/v1/chat/completions"))
     assert relayed.error is not None
     assert (relayed.error.status, relayed.outcome) == (504, "timeout")
 
