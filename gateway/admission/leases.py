@@ -50,9 +50,11 @@ ERROR = 0.025  # the slices, over all processes: at most this share of a key's b
 RATE_WINDOW_S = 0.1  # a key's request rate here is counted over windows this long
 RETRY_S = 1.0  # what a failed lease did not write is written again after this long
 SLICE_EVERY = 16  # a slice's size (for when to renew) is worked out again every so many requests of a window
-# The leases' clock (their timers take delays, not times): read without asking for the loop, whose
+# The leases' clock on a request's path: read without asking for the loop, whose
 # asyncio.get_running_loop() is a getpid system call in CPython 3.11 (it checks the loop is this
-# process's), two a keyed request otherwise.
+# process's), two a keyed request otherwise. What the leases' timers compare (``held_at``) is on
+# the loop's own clock, off the path: uvloop's is libuv's, cached a turn and in milliseconds, and
+# a timer set for HOLD_S may fire a little before HOLD_S of this one has passed.
 clock = time.monotonic
 
 
@@ -62,7 +64,7 @@ class Lease:
 
     key: ApiKey | None = None  # the key, as the generation of its last request has it
     held: int = 0  # requests taken from the store, not spent yet
-    held_at: float = 0.0  # when they were taken (``clock``)
+    held_at: float = 0.0  # when they were taken: the loop's clock, its timers' (off the request's path)
     left: float = 0.0  # the store's requests left after the last lease
     # the token budgets' levels at ``levels_at``, as this process knows them: the last lease's read,
     # refilled since and less what replies cost here since, each when it was spent
@@ -75,6 +77,7 @@ class Lease:
     rate: float = 0.0  # requests a second here, over the last window
     window: tuple[float, int] = (0.0, 0)  # the current window: its start, its requests
     cut: float = 0.0  # renewed ahead of need below this many held: half a slice, seen anew every SLICE_EVERY
+    cut_next: int = 0  # the window's count at which it is (0 at a window's start: its first request)
     syncing: asyncio.Task[bool] | None = None  # the lease under way
     waiting: int = 0  # requests waiting for it
     flush: asyncio.TimerHandle | None = None  # what replies cost, to be written
@@ -86,6 +89,7 @@ class Lease:
         if now - start >= RATE_WINDOW_S:
             self.rate = seen / (now - start) if seen else 0.0
             self.window = (now, 1)
+            self.cut_next = 0
         else:
             self.window = (start, seen + 1)
 
@@ -147,11 +151,12 @@ class Lease:
         refilled = self.left + max(0.0, now - self.synced_at) * limit.requests_per_minute / 60
         return min(float(limit.burst), self.held + refilled)
 
-    def taken(self, now: float, taken: int, left: float, per_s: float) -> None:
-        """A lease's requests: held from now; none given, none asked for until one would be."""
+    def taken(self, now: float, taken: int, left: float, per_s: float, held_at: float) -> None:
+        """A lease's requests: held from now (``held_at`` on the loop's clock); none given, none
+        asked for until one would be."""
         if taken:
             self.held += taken
-            self.held_at = now
+            self.held_at = held_at
         self.left = left
         if self.held < 1:
             self.empty_until = now + max(0.0, 1 - left) / per_s
@@ -186,8 +191,11 @@ class Leases:
     def finish(self, key: ApiKey, tokens: int) -> None:
         """A reply's tokens, spent here and written within SYNC_S."""
         lease = self._by_name.get(key.name) or self._lease(key)
-        if key.rate_limit is not None:
-            lease.spend(key.rate_limit, tokens, clock())
+        # under the newest limits (its last request's generation): a request admitted before a
+        # reload that raised a budget must not cap the level read since at the older one
+        limit = (lease.key or key).rate_limit
+        if limit is not None:
+            lease.spend(limit, tokens, clock())
         lease.unsynced += tokens
         if lease.flush is None:
             lease.flush = asyncio.get_running_loop().call_later(SYNC_S, self._write_spent, key, lease)
@@ -244,8 +252,9 @@ class Leases:
         """The request, its lease asked what it needs: renewed ahead of need, off its path (its
         budgets' levels older than SYNC_S, or half its slice spent); its headers, or its refusal."""
         rpm = limit.requests_per_minute
-        if rpm is not None and lease.window[1] % SLICE_EVERY == 1:  # as a window begins, and every so often in it
+        if rpm is not None and (seen := lease.window[1]) >= lease.cut_next:  # as a window begins, then every so often
             lease.cut = lease.slice(limit, self._store.members, now) / 2
+            lease.cut_next = seen + SLICE_EVERY
         if lease.syncing is None and (
             now - lease.synced_at > SYNC_S
             # a key refused is not asked for until it would have one
@@ -309,7 +318,7 @@ class Leases:
         limit = key.rate_limit or RateLimit(None, 1)
         rpm, loop = limit.requests_per_minute, asyncio.get_running_loop()
         now = clock()
-        back = lease.held if rpm is not None and (everything or now - lease.held_at > HOLD_S) else 0
+        back = lease.held if rpm is not None and (everything or loop.time() - lease.held_at > HOLD_S) else 0
         lease.held -= back
         wanted = 0
         if rpm is not None and want != 0:
@@ -335,7 +344,7 @@ class Leases:
         lease.day = float(day) - lease.unsynced if limit.tokens_per_day is not None else None
         lease.synced_at = lease.levels_at = clock()
         if rpm is not None:
-            lease.taken(lease.synced_at, int(taken), float(left), rpm / 60)
+            lease.taken(lease.synced_at, int(taken), float(left), rpm / 60, loop.time())
             if lease.held:  # unspent by then: given back
                 loop.call_later(HOLD_S, self._idle, key, lease)
         return True
@@ -351,7 +360,7 @@ class Leases:
 
     def _idle(self, key: ApiKey, lease: Lease) -> None:
         """Requests held HOLD_S unspent: back to the store (the others' now)."""
-        if not lease.held or clock() - lease.held_at < HOLD_S or self._store.closed:
+        if not lease.held or asyncio.get_running_loop().time() - lease.held_at < HOLD_S or self._store.closed:
             return
         if lease.syncing is None:
             self._renew(key, lease, "finish", 0)

@@ -48,8 +48,10 @@ HOP_BY_HOP = frozenset(
 SMALL_BODY_BYTES = 256 * 1024
 # A whole reply this small is sent as soon as it is read, before the attempt's and the request's
 # bookkeeping (metrics, usage, spans): off the client's wait (one request at a time, ~15 µs of its
-# latency). Under the transport's high-water mark (64 KiB), its write never waits for a client
-# that does not read, so nothing the request holds (a model's slot, a replica's lease) waits on it.
+# latency). It is, only when the client's connection has nothing left to write: then it lies
+# under the transport's high-water mark (64 KiB) once written, its write never waits (no
+# suspension, so no cancellation either) for a client that does not read, and nothing the request
+# holds (a model's slot, a replica's lease, a key's) waits on that client.
 SENT_AT_ONCE_BYTES = 32 * 1024
 # Response headers the gateway's own server sets.
 _NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length", "server", "date"}
@@ -262,7 +264,9 @@ async def _relay_whole(
         if missed is not None:
             return Relayed(None, outcome, False, missed)
     headers = _client_headers(upstream, gateway_headers)
-    if len(body) > SENT_AT_ONCE_BYTES or dispatch.api.stores:
+    transport = request.transport
+    if (len(body) > SENT_AT_ONCE_BYTES or dispatch.api.stores or transport is None
+            or transport.get_write_buffer_size()):  # fmt: skip
         response: web.Response = web.Response(
             status=upstream.status, reason=upstream.reason, headers=headers, body=body
         )
@@ -273,7 +277,7 @@ async def _relay_whole(
         try:
             await sent.prepare(request)
             await sent.write_eof()
-        except ConnectionResetError:  # the client left: counted as such (its reply was whole)
+        except ConnectionError:  # the client left: counted as such (its reply was whole, its usage spent)
             sent.client_gone = True
             outcome = "aborted"
     usage = usage_in_body(body) if upstream.status < 300 else None

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.admission.leases import ERROR, HOLD_S, Lease
+from gateway.admission.leases import ERROR, HOLD_S, Lease, clock
 from gateway.admission.shared import SharedLimits
 from gateway.config import ApiKey, LimitsStoreConfig, RateLimit
 from gateway.errors import RateLimitedError, TokensRateLimitedError
@@ -209,17 +209,27 @@ async def test_what_replies_cost_while_a_lease_is_under_way_is_spent_of_the_leve
     shared = processes[0]
     limit = RateLimit(None, 1, tokens_per_day=1_000_000)
     key = ApiKey("inflight", key_sha256="0" * 64, rate_limit=limit)
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+    started = clock()
     await shared.admit(key)
-    lease = shared._leases["inflight"]
+    leases = shared._leases
+    lease = leases["inflight"]
+
+    def no_flush() -> None:  # the test starts the lease itself: no timer of its own starts another
+        if lease.flush is not None:
+            lease.flush.cancel()
+            lease.flush = None
+
     shared.finish(key, 1000, None)  # written with the next lease
-    renewing = asyncio.ensure_future(shared._leases._sync(key, lease, "finish", 0))
+    no_flush()
+    leases._renew(key, lease, "finish", 0)
+    renewing = lease.syncing
+    assert renewing is not None
     await asyncio.sleep(0)  # the lease under way, the 1000 in it
     shared.finish(key, 500, None)  # while it is: not in what it reads
+    no_flush()
     assert await renewing
-    _, day = lease.levels(limit, loop.time())
-    refilled = (loop.time() - started) * 1_000_000 / 86_400
+    _, day = lease.levels(limit, clock())
+    refilled = (clock() - started) * 1_000_000 / 86_400
     assert 1_000_000 - 1500 <= day <= 1_000_000 - 1500 + refilled + 1
 
 
@@ -267,3 +277,52 @@ async def test_a_request_its_lease_covers_is_admitted_at_once_and_one_it_does_no
     counted = ApiKey("slots", key_sha256="1" * 64, rate_limit=RateLimit(600, 10), max_concurrency=2)
     assert shared.admit_now(counted) is None
     assert shared.admit_now(ApiKey("free", key_sha256="2" * 64)) == ({}, None)
+
+
+def test_what_a_process_holds_unspent_goes_back_on_uvloop_too(redis_server: RedisServer) -> None:
+    """uvloop's timers run on libuv's clock (cached a turn, in milliseconds), not the monotonic
+    one the request path reads: a lease's hold is timed on the loop's own, so that a timer set
+    for HOLD_S never finds it a little short and drops it (the requests stuck here, unspent)."""
+    import uvloop
+
+    async def scenario() -> list[int]:
+        spec = LimitsStoreConfig(redis_server.url, 5000.0)
+        shared = SharedLimits(spec, GatewayMetrics(CollectorRegistry()))
+        try:
+            await shared.heartbeat()
+            keys = [ApiKey(f"idle-{i}", key_sha256=f"{i:064x}", rate_limit=RateLimit(600, 100)) for i in range(12)]
+            for key in keys:
+                await shared.admit(key)
+            leases = [shared._leases[key.name] for key in keys]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + HOLD_S * 40  # a bound against a hang, not a bet on speed
+            while any(lease.held or lease.syncing is not None for lease in leases) and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            return [lease.held for lease in leases]
+        finally:
+            await shared.close()
+
+    assert uvloop.run(scenario()) == [0] * 12
+
+
+async def test_a_reply_admitted_before_a_reload_is_spent_under_the_newest_limits() -> None:
+    """A request admitted before a reload that raised a key's budget, ending after the lease read
+    the level under the new one: spent of that level, not capped first at the old budget."""
+    from gateway.admission.leases import Leases
+
+    class Store:  # what a finish asks of the store: nothing on its path
+        members, closed = 1, False
+
+        def track(self, task: asyncio.Task[object]) -> None: ...
+
+    leases = Leases(Store())
+    old = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(None, 1, tokens_per_minute=100))
+    new = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(None, 1, tokens_per_minute=10_000))
+    lease = leases._lease(new)  # the reload's key, its level read under the new budget
+    read_at = clock()
+    lease.minute, lease.levels_at, lease.synced_at = 9000.0, read_at, read_at
+    leases.finish(old, 150)
+    refilled = (clock() - read_at) * 10_000 / 60
+    assert lease.flush is not None
+    lease.flush.cancel()
+    assert 8850 <= lease.minute <= 8850 + refilled + 1e-6  # (was -50: capped at 100 first)

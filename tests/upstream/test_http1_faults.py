@@ -21,7 +21,7 @@ from gateway.modalities import Modality
 from gateway.upstream import http1
 from gateway.upstream.dispatch import Dispatch, Timeouts
 from gateway.upstream.http1 import Http1Client
-from gateway.upstream.relay import _relay_whole
+from gateway.upstream.relay import Relayed, _relay_whole
 from gateway.upstream.replicas import Pool, Replica
 from tests.upstream.test_http1 import CHAT, connection, ok, script
 
@@ -577,3 +577,43 @@ async def test_what_llhttp_let_through_is_refused(data: bytes) -> None:
     with pytest.raises(http1.ProtocolError):
         await waiting
     assert sink.closed
+
+
+async def test_a_small_reply_is_sent_at_once_only_to_a_client_with_nothing_left_to_write() -> None:
+    """A whole reply under SENT_AT_ONCE_BYTES is written by the relay itself (before the
+    request's bookkeeping) only where the client's connection has nothing buffered: its write then
+    never waits on a client that does not read. A client that left as it was written is told as
+    gone (the reply was whole: its usage is still read, and spent)."""
+    from unittest import mock
+
+    from gateway.upstream.relay import SentResponse
+
+    async def relayed(buffered: int, writer: mock.Mock | None = None) -> Relayed:
+        client = Http1Client()
+        conn, _ = connection(client)
+        waiting = exchange(conn, client, read_timeout=5.0)
+        body = b'{"id": "x", "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}'
+        conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        reply = await waiting
+        transport = mock.Mock()
+        transport.get_write_buffer_size.return_value = buffered
+        more = {} if writer is None else {"writer": writer}
+        request = make_mocked_request("POST", "/v1/chat/completions", transport=transport, **more)
+        model = ModelConfig("m", ("http://127.0.0.1:9",), (Modality.TEXT,))
+        timeouts = Timeouts(connect=1.0, read=5.0, client_write=1.0)
+        dispatch = Dispatch(model, Pool("m", [Replica("http://127.0.0.1:9")]), b"", timeouts, {"X-Request-Id": "r"})
+        return await _relay_whole(reply, dispatch, None, "ok", request)
+
+    sent = await relayed(0)
+    assert isinstance(sent.response, SentResponse) and sent.response.prepared and sent.outcome == "ok"
+    waiting = await relayed(1)  # bytes of an earlier answer still buffered: aiohttp sends it, later
+    assert waiting.response is not None and not isinstance(waiting.response, SentResponse)
+    assert not waiting.response.prepared
+    assert waiting.usage is not None and waiting.usage.total == 7
+    broken = mock.Mock()
+    broken.write_headers = mock.AsyncMock()
+    broken.write_eof = mock.AsyncMock(side_effect=ConnectionError("Connection lost"))
+    broken.write = broken.drain = mock.AsyncMock()
+    gone = await relayed(0, broken)
+    assert isinstance(gone.response, SentResponse) and gone.response.client_gone and gone.outcome == "aborted"
+    assert gone.usage is not None and gone.usage.total == 7

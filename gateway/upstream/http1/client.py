@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 from collections import deque
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -14,10 +13,6 @@ from ..wire import KEEPALIVE_S
 from .connection import _Connection
 from .errors import ConnectError, ConnectTimeout, Disconnected, PoolFull, UnsendableHeader
 from .reply import Reply
-
-# When a connection was last used, and how old an idle one may be: read without asking for the loop
-# (asyncio.get_running_loop() is a getpid system call in CPython 3.11; two a request otherwise).
-clock = time.monotonic
 
 MAX_CONNECTIONS = 1024  # open to one replica (a request holds one while it is relayed)
 
@@ -85,7 +80,7 @@ class Http1Client:
 
     def _let_go(self) -> None:
         self._sweep = None
-        now = clock()
+        now = asyncio.get_running_loop().time()  # (a timer's: off the requests' path)
         left = False
         for origin in self._origins.values():
             left = origin.let_go(now - self._keepalive_s) or left
@@ -146,7 +141,9 @@ class _Origin:
         idle = self.idle
         if not idle:
             return None
-        oldest = clock() - self._client.keepalive_s
+        # the connections' loop, asked once each (get_running_loop() is a getpid system call in
+        # CPython 3.11): its clock is the one the sweep's timer runs on
+        oldest = idle[-1].loop.time() - self._client.keepalive_s
         while idle:
             conn = idle.pop()
             if not conn.closed and conn.last_used > oldest and conn.quiet():
@@ -223,7 +220,7 @@ class _Origin:
                 return conn
 
     def release(self, conn: _Connection) -> None:
-        conn.last_used = clock()
+        conn.last_used = conn.loop.time()
         while self.waiting:  # a request waiting for room takes it at once
             waiter = self.waiting.popleft()
             if not waiter.done():
