@@ -185,16 +185,19 @@ class KeyLimits:
 
     def finish(self, key: ApiKey, tokens: int, slot: str | None) -> None:
         """The request's end: the tokens its reply cost spent, its slot given back."""
+        held = self._keys.get(key.name)
+        # under the newest limits the key was admitted or reloaded under: a request admitted
+        # before a reload ends after it, and must not bring the older rates back (nor leave a
+        # budget the reload gave the key unspent)
         limit = key.rate_limit
+        if limit is not None and held is not None and held.limit is not None:
+            limit = held.limit
         if (
             tokens > 0
             and limit is not None
             and (limit.tokens_per_minute is not None or limit.tokens_per_day is not None)
         ):
-            held, now = self._key(key.name), self.clock()
-            # under the newest limits the key was admitted or reloaded under: a request admitted
-            # before a reload ends after it, and must not bring the older rates back
-            limit = held.limit or limit
+            held, now = held or self._key(key.name), self.clock()
             held.budgets(limit, now)
             # a budget may go below 0 (a reply costs what it costs): the key's next requests wait
             # until it refills past 0. Only those the key has now (a budget a reload took away

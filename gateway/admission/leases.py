@@ -53,9 +53,11 @@ SLICE_EVERY = 16  # a slice's size (for when to renew) is worked out again every
 # The leases' clock on a request's path: read without asking for the loop, whose
 # asyncio.get_running_loop() is a getpid system call in CPython 3.11 (it checks the loop is this
 # process's), two a keyed request otherwise. What the leases' timers compare (``held_at``) is on
-# the loop's own clock, off the path: uvloop's is libuv's, cached a turn and in milliseconds, and
-# a timer set for HOLD_S may fire a little before HOLD_S of this one has passed.
+# the loop's own clock, off the path: uvloop's is libuv's, in whole milliseconds, and a timer set
+# for HOLD_S may fire a little before HOLD_S of this one has passed; a hold within CLOCK_SLACK_S
+# of HOLD_S has lapsed.
 clock = time.monotonic
+CLOCK_SLACK_S = 0.002
 
 
 @dataclass(slots=True)
@@ -189,13 +191,17 @@ class Leases:
         return self._by_name[name]
 
     def finish(self, key: ApiKey, tokens: int) -> None:
-        """A reply's tokens, spent here and written within SYNC_S."""
-        lease = self._by_name.get(key.name) or self._lease(key)
-        # under the newest limits (its last request's generation): a request admitted before a
-        # reload that raised a budget must not cap the level read since at the older one
+        """A reply's tokens, spent here and written within SYNC_S, of the budgets the key has now:
+        under the newest limits (its last request's generation), so that a request admitted
+        before a reload that raised a budget does not cap the level read since at the older one,
+        nor one admitted before a reload that gave the key its budget go uncounted."""
+        lease = self._by_name.get(key.name)
+        if lease is None:  # a key never leased here (no limits when it came): nothing to spend of
+            return
         limit = (lease.key or key).rate_limit
-        if limit is not None:
-            lease.spend(limit, tokens, clock())
+        if limit is None or (limit.tokens_per_minute is None and limit.tokens_per_day is None):
+            return
+        lease.spend(limit, tokens, clock())
         lease.unsynced += tokens
         if lease.flush is None:
             lease.flush = asyncio.get_running_loop().call_later(SYNC_S, self._write_spent, key, lease)
@@ -314,11 +320,14 @@ class Leases:
     async def _sync(self, key: ApiKey, lease: Lease, op: str, want: int | None, everything: bool = False) -> bool:
         """One LEASE script: what replies cost written, requests held HOLD_S (or, with
         ``everything``, all) given back, a slice taken (``want``: at least so many; 0: none),
-        the levels read."""
+        the levels read. Under the key's newest limits (a timer's ``key`` may be of an older
+        generation: the store's buckets are capped at what is sent)."""
+        key = lease.key or key
         limit = key.rate_limit or RateLimit(None, 1)
         rpm, loop = limit.requests_per_minute, asyncio.get_running_loop()
         now = clock()
-        back = lease.held if rpm is not None and (everything or loop.time() - lease.held_at > HOLD_S) else 0
+        lapsed = loop.time() - lease.held_at >= HOLD_S - CLOCK_SLACK_S
+        back = lease.held if rpm is not None and (everything or lapsed) else 0
         lease.held -= back
         wanted = 0
         if rpm is not None and want != 0:
@@ -360,8 +369,10 @@ class Leases:
 
     def _idle(self, key: ApiKey, lease: Lease) -> None:
         """Requests held HOLD_S unspent: back to the store (the others' now)."""
-        if not lease.held or asyncio.get_running_loop().time() - lease.held_at < HOLD_S or self._store.closed:
+        if not lease.held or self._store.closed:
             return
+        if asyncio.get_running_loop().time() - lease.held_at < HOLD_S - CLOCK_SLACK_S:
+            return  # taken again since: that take's own timer gives it back
         if lease.syncing is None:
             self._renew(key, lease, "finish", 0)
         else:  # the lease under way gives them back, or takes them again for requests that came

@@ -306,12 +306,13 @@ class SharedLimits:
     def finish(self, key: ApiKey, tokens: int, member: str | None) -> None:
         """The request's end: its tokens spent, its slot given back; sent off its path (a key
         without ``max_concurrency``: written with its lease within SYNC_S)."""
+        if key.max_concurrency is None:  # leased: spent there, of the budgets the key has now
+            if tokens > 0:
+                self._leases.finish(key, tokens)
+            return
         limit = key.rate_limit
         budgets = limit is not None and (limit.tokens_per_minute is not None or limit.tokens_per_day is not None)
         if member is None and not (budgets and tokens > 0):
-            return
-        if key.max_concurrency is None:
-            self._leases.finish(key, tokens)
             return
         keys = self._keys(key, "tokens_minute", "tokens_day", "slots")
         args = [arg(limit.tokens_per_minute if limit else None), arg(limit.tokens_per_day if limit else None),

@@ -46,12 +46,13 @@ HOP_BY_HOP = frozenset(
 # A non-streamed reply up to this size is read whole and sent in one write with its headers
 # (a chat completion is a few KB); larger ones, and every stream, are relayed chunk by chunk.
 SMALL_BODY_BYTES = 256 * 1024
-# A whole reply this small is sent as soon as it is read, before the attempt's and the request's
-# bookkeeping (metrics, usage, spans): off the client's wait (one request at a time, ~15 µs of its
-# latency). It is, only when the client's connection has nothing left to write: then it lies
-# under the transport's high-water mark (64 KiB) once written, its write never waits (no
-# suspension, so no cancellation either) for a client that does not read, and nothing the request
-# holds (a model's slot, a replica's lease, a key's) waits on that client.
+# A whole reply this small (its head and body as the engine sent them) is sent as soon as it is
+# read, before the attempt's and the request's bookkeeping (metrics, usage, spans): off the
+# client's wait (one request at a time, ~15 µs of its latency). It is, only when the client's
+# connection has nothing left to write: then it lies under the transport's high-water mark
+# (64 KiB) once written, the gateway's own headers with it, its write never waits (no
+# suspension, so no cancellation either) for a client that does not read, and nothing the
+# request holds (a model's slot, a replica's lease, a key's) waits on that client.
 SENT_AT_ONCE_BYTES = 32 * 1024
 # Response headers the gateway's own server sets.
 _NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length", "server", "date"}
@@ -78,6 +79,9 @@ class UpstreamReply(Protocol):
 
     @property
     def content_length(self) -> int | None: ...
+
+    @property
+    def head_bytes(self) -> int: ...  # the status line's and headers' size, at most
 
     @property
     def content_type(self) -> str: ...
@@ -265,7 +269,7 @@ async def _relay_whole(
             return Relayed(None, outcome, False, missed)
     headers = _client_headers(upstream, gateway_headers)
     transport = request.transport
-    if (len(body) > SENT_AT_ONCE_BYTES or dispatch.api.stores or transport is None
+    if (len(body) + upstream.head_bytes > SENT_AT_ONCE_BYTES or dispatch.api.stores or transport is None
             or transport.get_write_buffer_size()):  # fmt: skip
         response: web.Response = web.Response(
             status=upstream.status, reason=upstream.reason, headers=headers, body=body

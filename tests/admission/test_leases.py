@@ -305,17 +305,33 @@ def test_what_a_process_holds_unspent_goes_back_on_uvloop_too(redis_server: Redi
     assert uvloop.run(scenario()) == [0] * 12
 
 
-async def test_a_reply_admitted_before_a_reload_is_spent_under_the_newest_limits() -> None:
+class _Store:
+    """A store that answers every lease with what it is given, and keeps what it was sent."""
+
+    members, closed = 1, False
+
+    def __init__(self, minute: str = "9000") -> None:
+        self.sent: list[tuple[ApiKey, list[str]]] = []
+        self.minute = minute
+
+    async def renew(self, op: str, key: ApiKey, args: list[str]) -> list[str]:
+        self.sent.append((key, args))
+        return ["0", "0", self.minute, ""]
+
+    def track(self, task: asyncio.Task[object]) -> None: ...
+
+    def failed(self) -> dict[str, str]:
+        return {}
+
+
+async def test_a_reply_admitted_before_a_reload_is_spent_and_written_under_the_newest_limits() -> None:
     """A request admitted before a reload that raised a key's budget, ending after the lease read
-    the level under the new one: spent of that level, not capped first at the old budget."""
+    the level under the new one: spent of that level, not capped first at the old budget, and
+    written to the store with the new budget (the store's bucket is capped at what it is sent)."""
     from gateway.admission.leases import Leases
 
-    class Store:  # what a finish asks of the store: nothing on its path
-        members, closed = 1, False
-
-        def track(self, task: asyncio.Task[object]) -> None: ...
-
-    leases = Leases(Store())
+    store = _Store()
+    leases = Leases(store)
     old = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(None, 1, tokens_per_minute=100))
     new = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(None, 1, tokens_per_minute=10_000))
     lease = leases._lease(new)  # the reload's key, its level read under the new budget
@@ -324,5 +340,24 @@ async def test_a_reply_admitted_before_a_reload_is_spent_under_the_newest_limits
     leases.finish(old, 150)
     refilled = (clock() - read_at) * 10_000 / 60
     assert lease.flush is not None
-    lease.flush.cancel()
     assert 8850 <= lease.minute <= 8850 + refilled + 1e-6  # (was -50: capped at 100 first)
+    lease.flush.cancel()
+    assert await leases._sync(old, lease, "finish", 0)  # as the flush's timer, made with the old key, asks
+    (sent_for, args), *_ = store.sent
+    assert sent_for is new and args[2] == "10000" and args[6] == "150"  # the new budget, what was spent
+
+
+async def test_a_hold_that_lapsed_by_the_loops_clock_goes_back_whatever_its_milliseconds() -> None:
+    """uvloop's clock is in whole milliseconds: a timer set for HOLD_S finds the hold lapsed, and
+    the lease it starts gives the requests back (within the clock's slack), not a lease that
+    gives back none and holds them a cycle more."""
+    from gateway.admission.leases import Leases
+
+    store = _Store()
+    leases = Leases(store)
+    key = ApiKey("k", key_sha256="0" * 64, rate_limit=RateLimit(600, 100))
+    lease = leases._lease(key)
+    lease.held, lease.held_at = 5, asyncio.get_running_loop().time() - HOLD_S + 0.0005
+    assert await leases._sync(key, lease, "finish", 0)
+    (_, args), *_ = store.sent
+    assert args[5] == "5" and lease.held == 0  # all given back

@@ -580,20 +580,20 @@ async def test_what_llhttp_let_through_is_refused(data: bytes) -> None:
 
 
 async def test_a_small_reply_is_sent_at_once_only_to_a_client_with_nothing_left_to_write() -> None:
-    """A whole reply under SENT_AT_ONCE_BYTES is written by the relay itself (before the
-    request's bookkeeping) only where the client's connection has nothing buffered: its write then
-    never waits on a client that does not read. A client that left as it was written is told as
+    """A whole reply under SENT_AT_ONCE_BYTES (its head and body) is written by the relay itself
+    (before the request's bookkeeping) only where the client's connection has nothing buffered: its
+    write then never waits on a client that does not read. A client that left as it was written is told as
     gone (the reply was whole: its usage is still read, and spent)."""
     from unittest import mock
 
     from gateway.upstream.relay import SentResponse
 
-    async def relayed(buffered: int, writer: mock.Mock | None = None) -> Relayed:
+    async def relayed(buffered: int, writer: mock.Mock | None = None, head: bytes = b"") -> Relayed:
         client = Http1Client()
         conn, _ = connection(client)
         waiting = exchange(conn, client, read_timeout=5.0)
         body = b'{"id": "x", "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}'
-        conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        conn.data_received(b"HTTP/1.1 200 OK\r\n%sContent-Length: %d\r\n\r\n" % (head, len(body)) + body)
         reply = await waiting
         transport = mock.Mock()
         transport.get_write_buffer_size.return_value = buffered
@@ -602,7 +602,10 @@ async def test_a_small_reply_is_sent_at_once_only_to_a_client_with_nothing_left_
         model = ModelConfig("m", ("http://127.0.0.1:9",), (Modality.TEXT,))
         timeouts = Timeouts(connect=1.0, read=5.0, client_write=1.0)
         dispatch = Dispatch(model, Pool("m", [Replica("http://127.0.0.1:9")]), b"", timeouts, {"X-Request-Id": "r"})
-        return await _relay_whole(reply, dispatch, None, "ok", request)
+        try:
+            return await _relay_whole(reply, dispatch, None, "ok", request)
+        finally:
+            await client.close()  # (no keep-alive timer of it left behind)
 
     sent = await relayed(0)
     assert isinstance(sent.response, SentResponse) and sent.response.prepared and sent.outcome == "ok"
@@ -614,6 +617,8 @@ async def test_a_small_reply_is_sent_at_once_only_to_a_client_with_nothing_left_
     broken.write_headers = mock.AsyncMock()
     broken.write_eof = mock.AsyncMock(side_effect=ConnectionError("Connection lost"))
     broken.write = broken.drain = mock.AsyncMock()
+    large = await relayed(0, head=b"X-Engine-Note: " + b"n" * 40_000 + b"\r\n")  # a head of 40 KB: later too
+    assert large.response is not None and not isinstance(large.response, SentResponse)
     gone = await relayed(0, broken)
     assert isinstance(gone.response, SentResponse) and gone.response.client_gone and gone.outcome == "aborted"
     assert gone.usage is not None and gone.usage.total == 7

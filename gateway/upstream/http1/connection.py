@@ -184,7 +184,7 @@ class _Connection(asyncio.Protocol):
             if self._interim > MAX_INTERIM:
                 raise ProtocolError(f"over {MAX_INTERIM} interim answers")
             return
-        reply = _reply(self, status, self._reason, self._fields, parser.should_keep_alive())
+        reply = _reply(self, status, self._reason, self._fields, parser.should_keep_alive(), self._head_fed)
         future = self._head_future
         self._head_future = None
         if future is None or future.done():  # the caller gave up (cancelled) as the reply came
@@ -362,10 +362,13 @@ def _head_size(reason: bytes, fields: list[tuple[bytes, bytes]]) -> int:
     return 17 + len(reason) + sum(len(name) + len(value) + 4 for name, value in fields)
 
 
-def _reply(conn: _Connection, status: int, reason: bytes, fields: list[tuple[bytes, bytes]], keep_alive: bool) -> Reply:
+def _reply(
+    conn: _Connection, status: int, reason: bytes, fields: list[tuple[bytes, bytes]], keep_alive: bool, fed: int
+) -> Reply:
     """The reply a head begins, its framing as llhttp read it: Content-Length, chunked, or the
     end of the connection. Any Transfer-Encoding but a single chunked is refused: relayed, gzip
-    bytes would reach the client as if they were the body, a second chunked its framing."""
+    bytes would reach the client as if they were the body, a second chunked its framing. ``fed``:
+    the bytes read until the head ended (its size at most)."""
     headers = CIMultiDict([(name.decode("latin-1"), value.decode("utf-8", "replace")) for name, value in fields])
     codings = headers.getall("Transfer-Encoding", None)
     length: int | None = None
@@ -381,4 +384,4 @@ def _reply(conn: _Connection, status: int, reason: bytes, fields: list[tuple[byt
     else:
         framing, keep_alive = _UNTIL_CLOSE, False
     text = reason.decode("utf-8", "replace")
-    return Reply(conn, Head(status, text, CIMultiDictProxy(headers)), framing, length, keep_alive)
+    return Reply(conn, Head(status, text, CIMultiDictProxy(headers), fed), framing, length, keep_alive)

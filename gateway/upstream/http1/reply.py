@@ -33,11 +33,13 @@ _LENGTH, _CHUNKED, _UNTIL_CLOSE, _NONE = 0, 1, 2, 3
 
 
 class Head(NamedTuple):
-    """A reply's status line and headers."""
+    """A reply's status line and headers, and how large they were at most (the bytes read until
+    they ended: a body's bytes of the same read too)."""
 
     status: int
     reason: str
     headers: CIMultiDictProxy[str]
+    size: int
 
 
 class Reply:
@@ -47,11 +49,11 @@ class Reply:
     names (``content`` is the reply itself), so that one relay serves both clients."""
 
     __slots__ = ("_buffered", "_chunks", "_conn", "_done", "_error", "_keep_alive", "_waiter", "_whole",
-                 "content_length", "framing", "headers", "paused", "reason", "status")  # fmt: skip
+                 "content_length", "framing", "head_bytes", "headers", "paused", "reason", "status")  # fmt: skip
 
     def __init__(self, conn: Carrier, head: Head, framing: int, length: int | None, keep_alive: bool) -> None:
         self._conn = conn
-        self.status, self.reason, self.headers = head
+        self.status, self.reason, self.headers, self.head_bytes = head
         self.framing = framing  # _LENGTH, _CHUNKED, _UNTIL_CLOSE or _NONE
         self.content_length = length
         self._keep_alive = keep_alive
