@@ -84,6 +84,9 @@ class UpstreamReply(Protocol):
     def head_bytes(self) -> int: ...  # the status line's and headers' size, at most
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...  # its connection's (get_running_loop() is a getpid)
+
+    @property
     def content_type(self) -> str: ...
 
     @property
@@ -176,7 +179,7 @@ async def _relay_stream(
     if length is not None:
         response.content_length = length
     await response.prepare(request)
-    loop = asyncio.get_running_loop()
+    loop = upstream.loop
     deadlines = _Deadlines(loop, request, upstream, timeouts, deadline)
     failed = False
     # a Responses stream: the id of the response it stores, from its response.created event

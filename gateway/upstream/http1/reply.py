@@ -70,6 +70,11 @@ class Reply:
         return self
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """Its connection's loop (asked once by the connection: get_running_loop() is a system call)."""
+        return self._conn.loop
+
+    @property
     def content_type(self) -> str:
         """The media type, lower-cased, without parameters (as aiohttp's)."""
         value = self.headers.get("Content-Type")
