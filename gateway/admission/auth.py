@@ -192,11 +192,7 @@ class KeyLimits:
         limit = key.rate_limit
         if limit is not None and held is not None and held.limit is not None:
             limit = held.limit
-        if (
-            tokens > 0
-            and limit is not None
-            and (limit.tokens_per_minute is not None or limit.tokens_per_day is not None)
-        ):
+        if tokens > 0 and limit is not None and limit.budgets_tokens:
             held, now = held or self._key(key.name), self.clock()
             held.budgets(limit, now)
             # a budget may go below 0 (a reply costs what it costs): the key's next requests wait

@@ -123,13 +123,11 @@ class Lease:
     def spend(self, limit: RateLimit, tokens: int, now: float) -> None:
         """A reply's ``tokens``, spent of the levels here as it ends (as a process's own buckets
         are: a budget refilled to its capacity between two replies is full at the second)."""
-        elapsed = now - self.levels_at if now > self.levels_at else 0.0
-        if (budget := limit.tokens_per_minute) is not None and self.minute is not None:  # (as levels)
-            minute = self.minute + elapsed * budget / 60
-            self.minute = (minute if minute < budget else budget) - tokens
-        if (budget := limit.tokens_per_day) is not None and self.day is not None:
-            day = self.day + elapsed * budget / DAY_S
-            self.day = (day if day < budget else budget) - tokens
+        minute, day = self.levels(limit, now)
+        if limit.tokens_per_minute is not None and self.minute is not None:
+            self.minute = minute - tokens
+        if limit.tokens_per_day is not None and self.day is not None:
+            self.day = day - tokens
         self.levels_at = now
 
     def knows(self, limit: RateLimit) -> bool:
@@ -145,13 +143,6 @@ class Lease:
         """Whether one of the key's token budgets is spent, as this process knows them."""
         minute, day = self.levels(limit, now)
         return (limit.tokens_per_minute is not None and minute < 1) or (limit.tokens_per_day is not None and day < 1)
-
-    def requests_left(self, limit: RateLimit, now: float) -> float:
-        """The key's requests left as this process knows them: its own, and the store's at the
-        last lease, refilled since (for the headers, and a refusal's wait)."""
-        assert limit.requests_per_minute is not None
-        refilled = self.left + max(0.0, now - self.synced_at) * limit.requests_per_minute / 60
-        return min(float(limit.burst), self.held + refilled)
 
     def taken(self, now: float, taken: int, left: float, per_s: float, held_at: float) -> None:
         """A lease's requests: held from now (``held_at`` on the loop's clock); none given, none
@@ -199,7 +190,7 @@ class Leases:
         if lease is None:  # a key never leased here (no limits when it came): nothing to spend of
             return
         limit = (lease.key or key).rate_limit
-        if limit is None or (limit.tokens_per_minute is None and limit.tokens_per_day is None):
+        if limit is None or not limit.budgets_tokens:
             return
         lease.spend(limit, tokens, clock())
         lease.unsynced += tokens
@@ -273,7 +264,8 @@ class Leases:
             tokens_verdict(limit, minute, day, 1)  # raises
         left = None
         if rpm is not None:
-            # Lease.requests_left, straight through (every keyed request)
+            # the key's requests left as this process knows them (for the headers, and a refusal's
+            # wait): its own, and the store's at the last lease, refilled since
             left = lease.held + lease.left + (now - lease.synced_at if now > lease.synced_at else 0.0) * rpm / 60
             if not left < limit.burst:
                 left = float(limit.burst)
@@ -371,12 +363,13 @@ class Leases:
         """Requests held HOLD_S unspent: back to the store (the others' now)."""
         if not lease.held or self._store.closed:
             return
-        if asyncio.get_running_loop().time() - lease.held_at < HOLD_S - CLOCK_SLACK_S:
+        loop = asyncio.get_running_loop()
+        if loop.time() - lease.held_at < HOLD_S - CLOCK_SLACK_S:
             return  # taken again since: that take's own timer gives it back
         if lease.syncing is None:
             self._renew(key, lease, "finish", 0)
         else:  # the lease under way gives them back, or takes them again for requests that came
-            asyncio.get_running_loop().call_later(HOLD_S, self._idle, key, lease)
+            loop.call_later(HOLD_S, self._idle, key, lease)
 
     async def settle(self) -> None:
         """Every lease given back and what replies cost written; the levels read again at the

@@ -239,15 +239,12 @@ class SharedLimits:
     def admit_now(self, key: ApiKey) -> tuple[Mapping[str, str], str | None] | None:
         """:meth:`admit` at once, where it needs no wait (a key without limits, or one whose
         lease holds what its request needs: the common case); None otherwise."""
-        limit = key.rate_limit
         if key.max_concurrency is not None:
             return None
-        if limit is None:
+        limit = key.rate_limit
+        if limit is None or (limit.requests_per_minute is None and not limit.budgets_tokens):
             return {}, None
-        budgets = limit.tokens_per_minute is not None or limit.tokens_per_day is not None
-        if limit.requests_per_minute is None and not budgets:
-            return {}, None
-        headers = self._leases.admit_now(key, limit, budgets)
+        headers = self._leases.admit_now(key, limit, limit.budgets_tokens)
         return None if headers is None else (headers, None)
 
     async def admit(self, key: ApiKey) -> tuple[Mapping[str, str], str | None]:

@@ -129,14 +129,22 @@ class Asker:
         return dict(await gather_all(*(one(p) for p in parts)))
 
     def headers(self, target: ModelConfig, live: Generation[Pool], request_id: str, **more: str) -> dict[str, str]:
-        """A request's headers to ``target``: the client request's id, the trace context, and
-        the model's API key (``api_key_env``) where it has one."""
-        headers = {"X-Request-Id": request_id, **more}
-        inject(self._tracing, headers)
-        auth = live.upstream_auth.get(target.name)
-        if auth is not None:
-            headers["Authorization"] = auth
-        return headers
+        """:func:`engine_headers` of a request this asker makes."""
+        return engine_headers(self._tracing, target, live, request_id, **more)
+
+
+def engine_headers(
+    tracing: Tracing | None, target: ModelConfig, live: Generation[Pool], request_id: str, **more: str
+) -> dict[str, str]:
+    """The headers of a request the gateway makes of ``target``'s replicas for a client's (a
+    conversion's question, a realtime session's upgrade): the client request's id, the trace
+    context, and the model's API key (``api_key_env``) where it has one."""
+    headers = {"X-Request-Id": request_id, **more}
+    inject(tracing, headers)
+    auth = live.upstream_auth.get(target.name)
+    if auth is not None:
+        headers["Authorization"] = auth
+    return headers
 
 
 @dataclass(frozen=True, slots=True)

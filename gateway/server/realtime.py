@@ -21,8 +21,8 @@ from aiohttp import web
 
 from ..admission.realtime import Session, admit_session
 from ..errors import InvalidRequestError
+from ..media.asking import engine_headers
 from ..metrics import UNKNOWN_MODEL
-from ..tracing import inject
 from ..upstream.realtime import Relay, client_max_msg, connect
 from . import spending
 from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, admitted_as
@@ -41,10 +41,7 @@ async def handler(request: web.Request) -> web.StreamResponse:
             "A realtime session is a WebSocket: GET /v1/realtime with Upgrade: websocket (the openai SDK's "
             "client.realtime.connect)"
         )
-    headers = {"X-Request-Id": request[REQUEST_ID_KEY]}
-    if (auth := live.upstream_auth.get(model.name)) is not None:
-        headers["Authorization"] = auth
-    inject(services.tracing, headers)
+    headers = engine_headers(services.tracing, model, live, request[REQUEST_ID_KEY])
     hub, metrics = services.realtime, services.metrics
     engine, lease = await connect(hub, live.pools[model.name], model, headers, metrics)
     with lease:

@@ -65,8 +65,9 @@ class ReplyBody(Protocol):
 
 
 class UpstreamReply(Protocol):
-    """What the relay reads of an upstream reply: aiohttp's ``ClientResponse``, or the gateway's own
-    client's :class:`gateway.upstream.http1.Reply`."""
+    """What the relay reads of an upstream reply: the gateway's own client's
+    :class:`gateway.upstream.http1.Reply` (aiohttp's ``ClientResponse`` names, and its head's size
+    and its connection's loop besides)."""
 
     @property
     def status(self) -> int: ...
@@ -254,17 +255,17 @@ async def _relay_whole(
     except CLIENT_ERRORS as exc:
         log.warning("upstream of %s broke off mid-response: %r", model, exc)
         expired = deadline is not None and asyncio.get_running_loop().time() >= deadline
-        said = dict(gateway_headers)
+        error_headers = dict(gateway_headers)
         if expired:
             error: GatewayError = UpstreamTimeoutError(
-                f"Upstream of model '{model}' did not finish within {timeouts.total:g}s", headers=said
+                f"Upstream of model '{model}' did not finish within {timeouts.total:g}s", headers=error_headers
             )
         elif isinstance(exc, TimeoutError):
             error = UpstreamTimeoutError(
-                f"Upstream of model '{model}' sent no response within {timeouts.read:g}s", headers=said
+                f"Upstream of model '{model}' sent no response within {timeouts.read:g}s", headers=error_headers
             )
         else:
-            error = UpstreamError(f"Upstream of model '{model}' broke off its response", headers=said)
+            error = UpstreamError(f"Upstream of model '{model}' broke off its response", headers=error_headers)
         return Relayed(None, "timeout" if isinstance(error, UpstreamTimeoutError) else "aborted", not expired, error)
     if dispatch.reprime is not None:
         missed = consumer.missed(model, upstream.status, body)

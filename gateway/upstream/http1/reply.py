@@ -45,8 +45,8 @@ class Head(NamedTuple):
 class Reply:
     """An upstream reply, its head read; the body comes through ``iter_any()`` or ``read()``.
 
-    The attributes and methods the relay uses of aiohttp's ``ClientResponse``, under the same
-    names (``content`` is the reply itself), so that one relay serves both clients."""
+    The attributes and methods the relay uses, under aiohttp's ``ClientResponse``'s names where
+    it has them (``content`` is the reply itself), and the head's size and the connection's loop."""
 
     __slots__ = ("_buffered", "_chunks", "_conn", "_done", "_error", "_keep_alive", "_waiter", "_whole",
                  "content_length", "framing", "head_bytes", "headers", "paused", "reason", "status")  # fmt: skip
