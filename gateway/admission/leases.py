@@ -36,13 +36,16 @@ import math
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from ..config import ApiKey, RateLimit
 from .auth import DAY_S, Said, requests_verdict, tokens_verdict
 from .scripts import arg
 
-HORIZON_S = 0.1  # a slice is what this process spends of a key in this long (a renewal every half of it)
+# a slice is what this process spends of a key in this long: a busy key renewed every half of it,
+# in step with its levels' SYNC_S (one script a SYNC_S does both: each is ~120 µs of redis-py)
+HORIZON_S = 0.2
 HOLD_S = 0.25  # requests leased and unspent this long go back to the store
 SYNC_S = 0.1  # token budgets' levels are read again, and what was spent written, at least this often
 TRUSTED_S = 1.0  # levels older than this (the store failing, or a key idle) are read before a request
@@ -58,6 +61,7 @@ SLICE_EVERY = 16  # a slice's size (for when to renew) is worked out again every
 # of HOLD_S has lapsed.
 clock = time.monotonic
 CLOCK_SLACK_S = 0.002
+NOTHING: tuple[Mapping[str, str], None] = (MappingProxyType({}), None)  # a key with nothing to lease: no headers
 
 
 @dataclass(slots=True)
@@ -74,7 +78,9 @@ class Lease:
     day: float | None = None
     levels_at: float = 0.0
     synced_at: float = -math.inf  # when the last lease answered
+    read: RateLimit | None = None  # the limits it read the budgets' levels under (:meth:`knows` at a glance)
     unsynced: int = 0  # tokens replies cost here since, not written yet
+    sent_at: float = -math.inf  # when the last lease went, with what was spent until then (the loop's clock)
     empty_until: float = 0.0  # the store had no request to give: none is asked for until then
     rate: float = 0.0  # requests a second here, over the last window
     window: tuple[float, int] = (0.0, 0)  # the current window: its start, its requests
@@ -133,10 +139,12 @@ class Lease:
     def knows(self, limit: RateLimit) -> bool:
         """Whether the key's token budgets were read (since the last settle, and as the key has
         them now: a reload may have given it one)."""
-        return (
-            self.synced_at > -math.inf
-            and (limit.tokens_per_minute is None or self.minute is not None)
-            and (limit.tokens_per_day is None or self.day is not None)
+        return self.synced_at > -math.inf and (
+            self.read is limit
+            or (
+                (limit.tokens_per_minute is None or self.minute is not None)
+                and (limit.tokens_per_day is None or self.day is not None)
+            )
         )
 
     def spent(self, limit: RateLimit, now: float) -> bool:
@@ -190,7 +198,7 @@ class Leases:
         if lease is None:  # a key never leased here (no limits when it came): nothing to spend of
             return
         limit = (lease.key or key).rate_limit
-        if limit is None or not limit.budgets_tokens:
+        if limit is None or (limit.tokens_per_minute is None and limit.tokens_per_day is None):
             return
         lease.spend(limit, tokens, clock())
         lease.unsynced += tokens
@@ -204,22 +212,32 @@ class Leases:
         lease.key = key  # the generation's: a reload may change the key's limits
         return lease
 
-    def admit_now(self, key: ApiKey, limit: RateLimit, budgets: bool) -> Mapping[str, str] | None:
-        """A request admitted from the key's lease at once, as it is in the common case (requests
-        held here, the budgets' levels read lately); None where the store must be asked first
-        (:meth:`admit`). The front door asks this without a coroutine (gateway.server.middlewares)."""
+    def admit_now(self, key: ApiKey) -> tuple[Mapping[str, str], None] | None:
+        """A request of the key admitted at once (gateway.admission.shared's ``admit_now``, this
+        itself: no call between): from its lease, as in the common case (requests held here, the
+        budgets' levels read lately), or with nothing to hold it to (no requests rate, no token
+        budget); its x-ratelimit-* headers, or its refusal. None where the store must be asked
+        first (:meth:`admit`), as for a key with ``max_concurrency`` (one script a request).
+        The front door asks this without a coroutine (gateway.server.middlewares)."""
+        if key.max_concurrency is not None:
+            return None
+        if (limit := key.rate_limit) is None:
+            return NOTHING
+        budgets = limit.tokens_per_minute is not None or limit.tokens_per_day is not None
+        if limit.requests_per_minute is None and not budgets:
+            return NOTHING
         lease = self._by_name.get(key.name)
         if lease is None:  # the key's first request here
             return None
         lease.key = key  # (as _lease: straight through, a call less on every keyed request)
         now = clock()
-        if budgets and (now - lease.synced_at > TRUSTED_S or not lease.knows(limit)):
+        if budgets and (now - lease.synced_at > TRUSTED_S or (lease.read is not limit and not lease.knows(limit))):
             return None
         if (limit.requests_per_minute is not None and lease.held < 1 and now >= lease.empty_until
                 and not (budgets and lease.spent(limit, now))):  # fmt: skip
             return None
         lease.count(now)
-        return self._admitted(key, lease, limit, budgets, now)
+        return self._admitted(key, lease, limit, budgets, now), None
 
     async def admit(self, key: ApiKey, limit: RateLimit, budgets: bool) -> Mapping[str, str]:
         """A request admitted from the key's lease: the store asked only when this process has
@@ -324,7 +342,7 @@ class Leases:
         wanted = 0
         if rpm is not None and want != 0:
             wanted = max(want or 0, lease.slice(limit, self._store.members, now) - lease.held)
-        spent, lease.unsynced = lease.unsynced, 0
+        spent, lease.unsynced, lease.sent_at = lease.unsynced, 0, loop.time()
         args = [arg(rpm), arg(limit.burst), arg(limit.tokens_per_minute), arg(limit.tokens_per_day),
                 str(wanted), str(back), str(spent)]  # fmt: skip
         try:
@@ -344,6 +362,7 @@ class Leases:
         lease.minute = float(minute) - lease.unsynced if limit.tokens_per_minute is not None else None
         lease.day = float(day) - lease.unsynced if limit.tokens_per_day is not None else None
         lease.synced_at = lease.levels_at = clock()
+        lease.read = limit
         if rpm is not None:
             lease.taken(lease.synced_at, int(taken), float(left), rpm / 60, loop.time())
             if lease.held:  # unspent by then: given back
@@ -351,13 +370,18 @@ class Leases:
         return True
 
     def _write_spent(self, key: ApiKey, lease: Lease) -> None:
+        """What replies cost here, written SYNC_S after the first of it at the latest: by a lease
+        of its own only where none went since (a busy key's renewals write it; none is added)."""
         lease.flush = None
         if not lease.unsynced or self._store.closed:
             return
-        if lease.syncing is None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if lease.syncing is None and now >= lease.sent_at + SYNC_S - CLOCK_SLACK_S:
             self._renew(key, lease, "finish", 0)
-        else:  # a lease under way took what was spent before it: the rest with the next
-            lease.flush = asyncio.get_running_loop().call_later(SYNC_S, self._write_spent, key, lease)
+        else:  # a lease went (or is under way) since: it took what was spent before it; the rest, with
+            # the next, or SYNC_S after it (all of it was spent after it went)
+            lease.flush = loop.call_at(max(lease.sent_at + SYNC_S, now + CLOCK_SLACK_S), self._write_spent, key, lease)
 
     def _idle(self, key: ApiKey, lease: Lease) -> None:
         """Requests held HOLD_S unspent: back to the store (the others' now)."""
@@ -387,4 +411,4 @@ class Leases:
                 ending.append(self._sync(lease.key, lease, "finish", 0, everything=True))
         await asyncio.gather(*ending)
         for lease in leases:
-            lease.synced_at, lease.empty_until = -math.inf, 0.0
+            lease.synced_at, lease.empty_until, lease.read = -math.inf, 0.0, None

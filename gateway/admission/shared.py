@@ -45,7 +45,7 @@ import itertools
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ..config import ApiKey, LimitsStoreConfig, RateLimit
@@ -113,6 +113,9 @@ class SharedLimits:
         self._members_script = self._redis.register_script(MEMBERS)
         self._lease_script = self._redis.register_script(LEASE)
         self._leases = Leases(self)  # each key's lease in this process (a key without max_concurrency)
+        # :meth:`admit` at once, where it needs no wait (a key with nothing to lease, or whose lease
+        # holds what its request needs: the common case); None otherwise. The leases' own: no call between
+        self.admit_now: Callable[[ApiKey], tuple[Mapping[str, str], str | None] | None] = self._leases.admit_now
         # this process among the live ones: a model's max_concurrency is divided among them
         self.member = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
         self.rank, self.members = 0, 1  # until the store first answers: the whole limit here
@@ -235,17 +238,6 @@ class SharedLimits:
                 headers={"Retry-After": "1"},
             )
         return {}
-
-    def admit_now(self, key: ApiKey) -> tuple[Mapping[str, str], str | None] | None:
-        """:meth:`admit` at once, where it needs no wait (a key without limits, or one whose
-        lease holds what its request needs: the common case); None otherwise."""
-        if key.max_concurrency is not None:
-            return None
-        limit = key.rate_limit
-        if limit is None or (limit.requests_per_minute is None and not limit.budgets_tokens):
-            return {}, None
-        headers = self._leases.admit_now(key, limit, limit.budgets_tokens)
-        return None if headers is None else (headers, None)
 
     async def admit(self, key: ApiKey) -> tuple[Mapping[str, str], str | None]:
         """A request of the key admitted: its x-ratelimit-* headers and the slot it holds (None:

@@ -21,6 +21,7 @@ import os
 import random
 import time
 from collections.abc import Mapping
+from types import MappingProxyType
 
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
@@ -55,6 +56,7 @@ GATEWAY_MODEL = "X-Gateway-Model"
 # request in logs; it guards nothing, so it needs to be unique, not unpredictable.
 _ids = random.Random(os.urandom(32))
 CLIENT_CLOSED = 499  # nginx's code for "the client went away first"
+UNLIMITED: tuple[Mapping[str, str], None] = (MappingProxyType({}), None)  # a key without limits: no headers, no slot
 
 
 def _request_id(request: web.Request) -> str:
@@ -89,14 +91,18 @@ def front(handler: Handler) -> Handler:
                     response = await handler(request)
                 else:  # with auth:, a /v1/* request needs a key of the live generation, within its limits
                     key = _key_of(request, services, keyring)
-                    limits = services.limits  # at once where no wait is needed (no coroutine): the common case
-                    headers, slot = limits.admit_now(key) or await limits.admit(key)
+                    # a key with limits is admitted at once where no wait is needed (no coroutine):
+                    # the common case; one without, not asked (nothing to count of it)
+                    limited = key.rate_limit is not None or key.max_concurrency is not None
+                    limits = services.limits
+                    headers, slot = (limits.admit_now(key) or await limits.admit(key)) if limited else UNLIMITED
                     tab = request[TAB_KEY] = Tab(headers)
                     request[API_KEY_KEY] = key
                     try:
                         response = await handler(request)
                     finally:
-                        limits.finish(key, tab.spent, slot)
+                        if limited:
+                            limits.finish(key, tab.spent, slot)
             except GatewayError as exc:
                 failure = exc.code
                 if key is not None and isinstance(exc, RateLimitedError | LimitsStoreUnavailableError):

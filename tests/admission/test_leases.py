@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.admission.leases import ERROR, HOLD_S, Lease, clock
+from gateway.admission.leases import CLOCK_SLACK_S, ERROR, HOLD_S, SYNC_S, Lease, clock
 from gateway.admission.shared import SharedLimits
 from gateway.config import ApiKey, LimitsStoreConfig, RateLimit
 from gateway.errors import RateLimitedError, TokensRateLimitedError
@@ -141,16 +141,16 @@ def test_a_slice_is_the_processs_rate_within_its_share_of_the_error() -> None:
     lease = Lease()
     assert lease.slice(limit, 1, 100.0) == 1  # no request seen yet: one
     lease.rate = 1000.0
-    assert lease.slice(limit, 1, 100.0) == 50  # 100 ms of 1,000 a second, within 2.5% of 2000
-    lease.rate = 300.0
-    assert lease.slice(limit, 1, 100.0) == 30  # 100 ms of 300 a second
+    assert lease.slice(limit, 1, 100.0) == 50  # 200 ms of 1,000 a second, within 2.5% of 2000
+    lease.rate = 150.0
+    assert lease.slice(limit, 1, 100.0) == 30  # 200 ms of 150 a second
     lease.rate = 1e9
     assert lease.slice(limit, 1, 100.0) == 50 and lease.slice(limit, 4, 100.0) == 12  # a share of four
     assert Lease(rate=1e9).slice(RateLimit(6, 5), 2, 100.0) == 1  # a small key: one at a time
     busy = Lease()
     busy.count(100.0)
     busy.count(100.001)  # a key that turns busy: 2 requests in the window's first ms, the last window idle
-    assert busy.slice(limit, 1, 100.002) == 20  # at least 200 a second so far (2 in 10 ms): 100 ms of it
+    assert busy.slice(limit, 1, 100.002) == 40  # at least 200 a second so far (2 in 10 ms): 200 ms of it
 
 
 async def test_a_refused_key_is_refused_here_without_asking_the_store(processes: list[SharedLimits]) -> None:
@@ -231,6 +231,46 @@ async def test_what_replies_cost_while_a_lease_is_under_way_is_spent_of_the_leve
     _, day = lease.levels(limit, clock())
     refilled = (clock() - started) * 1_000_000 / 86_400
     assert 1_000_000 - 1500 <= day <= 1_000_000 - 1500 + refilled + 1
+
+
+async def test_what_replies_cost_is_written_by_the_leases_that_go_and_alone_only_where_none_went(
+    processes: list[SharedLimits], redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy key's renewals write what its replies cost; the write of its own waits for SYNC_S
+    after the last lease went (everything unwritten was spent after it), and goes then: no
+    script a SYNC_S more for a key renewed anyway, and no reply's cost older than SYNC_S unwritten."""
+    shared = processes[0]
+    limit = RateLimit(None, 1, tokens_per_day=1_000_000)
+    key = ApiKey("written", key_sha256="9" * 64, rate_limit=limit)
+    await shared.admit(key)
+    leases, loop = shared._leases, asyncio.get_running_loop()
+    lease = leases["written"]
+    sent: list[tuple[float, str]] = []  # when each lease went, and what it wrote
+    real = shared.renew
+
+    async def renew(op: str, key: ApiKey, args: list[str]) -> list[str] | None:
+        sent.append((loop.time(), args[-1]))
+        return await real(op, key, args)
+
+    def timer_now() -> None:  # the write's timer, fired by the test (none of its own)
+        assert lease.flush is not None
+        lease.flush.cancel()
+        leases._write_spent(key, lease)
+
+    monkeypatch.setattr(shared, "renew", renew)
+    shared.finish(key, 100, None)
+    leases._renew(key, lease, "admit")  # a renewal goes first (a busy key's): it takes the 100
+    assert lease.syncing is not None and await lease.syncing
+    went = lease.sent_at
+    shared.finish(key, 50, None)  # after it went
+    timer_now()  # its write, due: none goes (all of it was spent after the renewal went)...
+    assert len(sent) == 1 and lease.unsynced == 50 and lease.flush is not None
+    while lease.unsynced:  # ...until SYNC_S after it (its own timer: waited for, not raced)
+        await asyncio.sleep(SYNC_S / 4)
+    assert [written for _, written in sent] == ["100", "50"]  # one write of its own, after the renewal
+    assert sent[1][0] >= went + SYNC_S - CLOCK_SLACK_S  # deferred to SYNC_S after the lease that went
+    await shared.settle()
+    assert store_level(redis_server, "tokens_day") <= 1_000_000 - 150 + 5  # both written (a few refilled since)
 
 
 async def test_a_requests_visual_tokens_are_held_to_the_budgets_the_process_leased(

@@ -41,7 +41,11 @@ def test_a_generation_holds_the_keys_the_upstream_keys_and_the_pools_it_was_give
     assert generation.keyring is not None
     assert generation.keyring.find("Bearer team-secret").name == "team"
     assert generation.keyring.find("bearer other-secret").name == "hashed"  # the scheme in any case
-    for header in (None, "Bearer", "Basic team-secret", "Bearer wrong"):
+    # the header as clients send it is read without bearer_token: the same answers as through it
+    assert generation.keyring.find("Bearer  team-secret \t").name == "team"
+    assert generation.keyring.find("BEARER team-secret").name == "team"
+    for header in (None, "", "Bearer", "Bearer ", "Bearer   ", "Basic team-secret", "Bearer wrong", "Bearerteam-secret",
+                   "Bearer \udcff"):  # fmt: skip
         with pytest.raises(InvalidApiKeyError):
             generation.keyring.find(header)
 

@@ -201,3 +201,21 @@ async def test_a_stream_that_asks_no_usage_still_spends_its_keys_token_budget(
         )
         chunks = [chunk async for chunk in stream]
     assert chunks[-1].usage is not None  # asked by the client: relayed as ever
+
+
+async def test_a_key_without_limits_is_counted_and_never_asked_of_the_limits(
+    gateway_factory, upstream: Upstream, monkeypatch
+) -> None:
+    """Nothing to hold it to: the front door neither admits it through the key limits nor ends
+    it there (two calls a request it would pay for nothing), and its answers say no limits."""
+    monkeypatch.setenv(KEY_ENV, "sk-usage")
+    model = f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text, image], apis: {APIS}}}"
+    gw = await gateway_factory(routing(model, extra=f"auth:\n  keys:\n    - {{name: team-a, key_env: {KEY_ENV}}}\n"))
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-usage", max_retries=0) as client:
+        for _ in range(3):
+            raw = await client.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": "hello"}]
+            )
+            assert not [name for name in raw.headers if name.startswith("x-ratelimit-")]
+    assert tokens(gw, "prompt", "team-a") > 0  # counted, as the key's
+    assert gw.app[SERVICES_KEY].key_limits._keys == {}  # never admitted there, nor ended
