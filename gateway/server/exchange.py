@@ -38,7 +38,7 @@ from ..upstream.concurrency import gated
 from ..upstream.dispatch import Dispatch, Timeouts
 from ..upstream.replicas import Pool
 from . import spending
-from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, TAB_KEY, Services, admitted_as
+from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, TAB_KEY, Services, Tab, admitted_as
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class Exchange:
     stream: bool  # the client asked for a stream ("stream": true)
     priority: int  # its class, as a rank in PRIORITIES (x-priority, capped by its key)
     key: ApiKey | None = None  # its API key (None: auth off); read once, as the request's other stages ask
+    tab: Tab | None = None  # its key's account (gateway.server.state.Tab): what it spends, the headers it answers with
     model: ModelConfig | None = None  # the model that serves it, once known
     plan: RoutePlan | None = None  # for an API whose parts are admitted (every one but completions)
     converted: Replacements = field(default_factory=dict)
@@ -137,8 +138,8 @@ class Exchange:
         if key is not None and tokens:
             spent = await self.services.limits.visual(key, tokens)  # held to its token budgets too
             if spent:
-                tab = self.request[TAB_KEY]
-                tab.headers = {**tab.headers, **spent}
+                assert self.tab is not None  # (a keyed request's)
+                self.tab.headers = {**self.tab.headers, **spent}
         if plan.model.visual_tokens is not None:
             metrics = self.services.metrics
             metrics.child(metrics.visual_tokens, plan.model.name).inc(tokens)
@@ -168,6 +169,7 @@ async def begin(request: web.Request) -> Exchange:
         streamed,
         priority,
         key,
+        request[TAB_KEY] if key is not None else None,
         ask_usage=usage_fields(key, body, request.path, streamed),
     )
 
@@ -187,7 +189,7 @@ async def convert(ex: Exchange) -> None:
         await ex.counted(plan)
     if converters.wanted(plan):  # the body whole only then: a request that needs none keeps it held back
         TENANT.set(ex.key.name if ex.key is not None else f"client {ex.request.remote}")  # the decoders' fair share
-        spend = functools.partial(spending.conversion, services, ex.key, ex.request)
+        spend = functools.partial(spending.conversion, services, ex.key, ex.tab)
         job = converters.Job(plan, ex.body, ex.live, ex.request[REQUEST_ID_KEY], services.tools, spend)
         await converters.convert(job, services.tracing)
         ex.plan = plan = job.plan
@@ -284,8 +286,8 @@ def forward(
         owner=ex.key.name if ex.key is not None else None,
         hide_usage=bool(ex.ask_usage),
         content_type=content_type,
-        on_usage=functools.partial(spending.reply, ex.services, ex.key, request, model.name, spending.floor(ex.plan)),
-        answer_headers=request[TAB_KEY].headers if ex.key is not None else None,  # a reply relayed as it comes
+        on_usage=functools.partial(spending.reply, ex.services, ex.key, ex.tab, model.name, spending.floor(ex.plan)),
+        answer_headers=ex.tab.headers if ex.tab is not None else None,  # a reply relayed as it comes
     )
     upstream = ex.services.upstream
     if ex.services.tracing is not None and ex.services.tracing.recording():  # the request's span: who served it

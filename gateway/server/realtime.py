@@ -25,7 +25,7 @@ from ..media.asking import engine_headers
 from ..metrics import UNKNOWN_MODEL
 from ..upstream.realtime import Relay, client_max_msg, connect
 from . import spending
-from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, admitted_as
+from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, TAB_KEY, admitted_as
 
 
 async def handler(request: web.Request) -> web.StreamResponse:
@@ -50,7 +50,8 @@ async def handler(request: web.Request) -> web.StreamResponse:
         except BaseException:
             await engine.close()
             raise
-        on_usage = functools.partial(spending.reply, services, key, request, model.name, 0)
+        on_usage = functools.partial(spending.reply, services, key, request[TAB_KEY] if key is not None else None,
+                                     model.name, 0)  # fmt: skip
         relay = Relay(client, engine, Session(model), metrics, on_usage)
         hub.enter(relay)
         metrics.realtime_opened.labels(model.name).inc()

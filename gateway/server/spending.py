@@ -5,13 +5,11 @@ Spent at the request's end (gateway.server.middlewares, the request's ``Tab``), 
 
 from __future__ import annotations
 
-from aiohttp import web
-
 from ..admission.route import RoutePlan
 from ..config import ApiKey
 from ..metrics import NO_KEY
 from ..upstream.usage import Usage
-from .state import TAB_KEY, Services
+from .state import Services, Tab
 
 
 def floor(plan: RoutePlan | None) -> int:
@@ -22,9 +20,7 @@ def floor(plan: RoutePlan | None) -> int:
     return plan.visual.tokens
 
 
-def reply(
-    services: Services, key: ApiKey | None, request: web.Request, model: str, known: int, usage: Usage | None
-) -> None:
+def reply(services: Services, key: ApiKey | None, tab: Tab | None, model: str, known: int, usage: Usage | None) -> None:
     """A successful reply's usage: counted, and left to be spent of the key's token budgets at
     the request's end (with what its conversions spent already); without one, the tokens known
     before it (``known``). (Functions, not a class: bound with functools.partial for each
@@ -38,17 +34,17 @@ def reply(
                 {"gen_ai.usage.input_tokens": usage.prompt, "gen_ai.usage.output_tokens": usage.completion,
                  "gen_ai.usage.cache_read.input_tokens": usage.cached}
             )  # fmt: skip
-    if key is not None:
-        request[TAB_KEY].spent += tokens
+    if tab is not None:  # (a keyed request's)
+        tab.spent += tokens
 
 
-def conversion(services: Services, key: ApiKey | None, request: web.Request, model: str, usage: Usage) -> None:
+def conversion(services: Services, key: ApiKey | None, tab: Tab | None, model: str, usage: Usage) -> None:
     """What a conversion cost a model of the table (an image's description): counted as that
     model's tokens for the request's key, and spent of the key's budgets at the request's end
     whatever becomes of the request."""
     _count(services, key, model, usage)
-    if key is not None:
-        request[TAB_KEY].spent += usage.total
+    if tab is not None:
+        tab.spent += usage.total
 
 
 def _count(services: Services, key: ApiKey | None, model: str, usage: Usage) -> None:

@@ -56,9 +56,7 @@ async def answer(ex: Exchange, data: bytes) -> web.StreamResponse:
         raise UpstreamError(f"Model '{model.name}' answered no chat completion to speak")
     usage = parsed.get("usage")
     known = spending.floor(plan)
-    spending.reply(
-        services, ex.key, ex.request, model.name, known, usage_of(usage) if isinstance(usage, dict) else None
-    )
+    spending.reply(services, ex.key, ex.tab, model.name, known, usage_of(usage) if isinstance(usage, dict) else None)
     said = [
         (i, c["message"])
         for i, c in enumerate(choices)
