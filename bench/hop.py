@@ -290,6 +290,12 @@ class Stack:
             self._servers[name] = self._start(name)
         return self._servers[name]
 
+    def restart(self, name: str) -> Server:
+        """The server of this name stopped and started again: a new process (on a new port)."""
+        if name in self._servers:
+            stop(self._servers.pop(name))
+        return self.get(name)
+
     def _start(self, name: str) -> Server:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -355,6 +361,10 @@ class Plan:
     reference: str
     direct: str | None = DIRECT
     warmup: list[Arm] = field(default_factory=list)
+    # each round's arms on fresh processes (None: the same ones throughout): a process's own speed,
+    # which its memory's layout sets, differs from another's of the same code by up to ~3%, as
+    # much as the features a plan weighs; the median of rounds over fresh ones is the code's
+    fresh: Callable[[], list[Arm]] | None = None
 
 
 class Scripts:
@@ -476,18 +486,23 @@ def _tenants_plan(stack: Stack, scripts: Scripts) -> Plan:
         with urllib.request.urlopen(collector.url + "/count", timeout=10) as response:
             return {"spans received": float(orjson.loads(response.read())["spans"])}
 
-    gw = stack.get(GATEWAY)
-    arms = [Arm(GATEWAY, gw, gw, text)]
-    for variant, script, counters in (
+    variants = (
+        (GATEWAY, text, None),
         (GATEWAY_KEYS, keyed, None),
         (GATEWAY_REDIS, keyed, commands),
         (GATEWAY_TRACED, text, spans),
         (GATEWAY_SAMPLED, text, spans),
         (GATEWAY_UNSAMPLED, text, spans),
-    ):
-        server = stack.get(variant)
-        arms.append(Arm(variant, server, server, script, counters=counters))
-    return Plan("tenants: text chat", CONNECTIONS, arms, reference=GATEWAY, direct=None)
+    )
+
+    def arms(start: Callable[[str], Server]) -> list[Arm]:
+        return [Arm(name, server, server, script, counters=counters)
+                for name, script, counters in variants for server in (start(name),)]  # fmt: skip
+
+    # fresh gateways each round: the features weighed here cost a few µs of ~100, within what one
+    # process differs from another of the same code
+    return Plan("tenants: text chat", CONNECTIONS, arms(stack.get), reference=GATEWAY, direct=None,
+                fresh=lambda: arms(stack.restart))  # fmt: skip
 
 
 def _scripts_run(url: str) -> int:
@@ -570,6 +585,10 @@ def run_plan(plan: Plan, *, rounds: int, duration: int, warm: Callable[[Server],
     for arm in plan.warmup:
         measure(arm, plan.connections, max(2, duration))
     for r in range(rounds):
+        if plan.fresh is not None and r:
+            plan.arms = plan.fresh()
+            for arm in plan.arms:
+                warm(arm.target)
         shift = r % len(plan.arms)  # a different path goes first each round
         for i in [*range(shift, len(plan.arms)), *range(shift)]:
             run = measure(plan.arms[i], plan.connections, duration)
@@ -588,8 +607,8 @@ def warmer(scripts: Scripts, seconds: int) -> Callable[[Server], None]:
     text = scripts.static("text", lambda: [chat_body("bench")])
 
     def warm(server: Server) -> None:
-        if seconds and server.name not in warmed:
-            warmed.add(server.name)
+        if seconds and server.url not in warmed:  # (a server started again is warmed again)
+            warmed.add(server.url)
             wrk.run(server.url + "/v1/chat/completions", text(), connections=8, duration_s=seconds)
 
     return warm

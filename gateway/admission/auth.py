@@ -168,7 +168,11 @@ class KeyLimits:
                     held.requests = left
                     requests_verdict(limit, left, False)  # raises
                 held.requests = left = left - 1
-            headers = held.said.headers(limit, left, minute, day)
+            said = held.said  # (Said.headers's own check, first: no call while the levels say the same)
+            if said.limit is limit and said.levels == (left, minute, day):
+                headers = said.said
+            else:
+                headers = said.headers(limit, left, minute, day)
         elif most is not None and held.active >= most:
             raise concurrency_refusal(most)
         if most is None:
@@ -192,7 +196,11 @@ class KeyLimits:
         limit = key.rate_limit
         if limit is not None and held is not None and held.limit is not None:
             limit = held.limit
-        if tokens > 0 and limit is not None and limit.budgets_tokens:
+        if (
+            tokens > 0
+            and limit is not None
+            and (limit.tokens_per_minute is not None or limit.tokens_per_day is not None)
+        ):
             held, now = held or self._key(key.name), self.clock()
             held.budgets(limit, now)
             # a budget may go below 0 (a reply costs what it costs): the key's next requests wait

@@ -291,7 +291,10 @@ class Leases:
                 requests_verdict(limit, left, False)  # raises
             lease.held -= 1
             left -= 1
-        return lease.said.headers(limit, left, minute, day)
+        said = lease.said  # (Said.headers's own check, first: no call while the levels say the same)
+        if said.limit is limit and said.levels == (left, minute, day):
+            return said.said
+        return said.headers(limit, left, minute, day)
 
     async def budgets(self, key: ApiKey, limit: RateLimit, need: int) -> dict[str, str]:
         """A request's visual tokens, once known, held to the key's token budgets as this process

@@ -73,17 +73,24 @@ class Keyring:
 
     def find(self, authorization: str | None) -> ApiKey:
         """The key an ``Authorization`` header carries; InvalidApiKeyError when none matches."""
+        found = self.key_of(authorization)
+        if found is not None:
+            return found
+        if not bearer_token(authorization):
+            raise InvalidApiKeyError("Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
+        raise InvalidApiKeyError("Invalid API key")
+
+    def key_of(self, authorization: str | None) -> ApiKey | None:
+        """The key an ``Authorization`` header carries, or None (the front door's, for a request
+        that has one: :meth:`find` says why not)."""
         # (bearer_token and digest_of, inline for the header as clients send it: every keyed request)
         if authorization is not None and authorization.startswith("Bearer "):
             token: str | None = authorization[7:].strip()
         else:
             token = bearer_token(authorization)
         if not token:
-            raise InvalidApiKeyError("Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
-        found = self.by_digest.get(hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest())
-        if found is None:
-            raise InvalidApiKeyError("Invalid API key")
-        return found
+            return None
+        return self.by_digest.get(hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest())
 
 
 def upstream_auth(config: GatewayConfig) -> Mapping[str, str]:

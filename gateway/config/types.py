@@ -13,6 +13,7 @@ from .engines import DEFAULT_ENGINE, DIALECTS, Dialect
 from .keys import (
     DEFAULT_APIS,
     DEFAULT_DESCRIBE_PROMPT,
+    PRIORITIES,
     SUPPORTED_VERSION,
 )
 
@@ -218,6 +219,11 @@ class PriorityCap:
 
     default: str = "default"  # one of PRIORITIES
     max: str = "default"
+    # ``default``'s rank in PRIORITIES (0 the highest): a request without the header's, known once
+    rank: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rank", PRIORITIES.index(self.default) if self.default in PRIORITIES else -1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -156,7 +156,7 @@ async def begin(request: web.Request) -> Exchange:
     raw, body, deferred = await read_json(request, live.config.server, max_bytes=services.max_body_bytes)
     check_engine_priority(body, key)
     streamed = body.get("stream") is True
-    allowed = key.allows if key is not None else None
+    allowed = key.allows if key is not None and key.models else None  # (a key of every model: none asked)
     return Exchange(
         request,
         services,

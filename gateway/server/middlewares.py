@@ -66,10 +66,12 @@ def _request_id(request: web.Request) -> str:
     return f"{_ids.getrandbits(128):032x}"
 
 
-def front(handler: Handler) -> Handler:
+def front(handler: Handler, of_api: bool | None = None) -> Handler:
     """``handler`` behind the front door: request id, in-flight gauge, errors rendered, and the
     request counted with the status sent (499 when the client left first). Only requests to a
-    model endpoint (those whose handler set a model label) are counted in gateway_requests_total."""
+    model endpoint (those whose handler set a model label) are counted in gateway_requests_total.
+    ``of_api``: whether the route's path is an API's (a key needed, with ``auth:``), known where the
+    route is added; None: asked of each request's path (the catch-all's)."""
 
     async def fronted(request: web.Request) -> web.StreamResponse:
         services = request.app[SERVICES_KEY]
@@ -86,11 +88,13 @@ def front(handler: Handler) -> Handler:
             try:
                 _check_port(request, services)
                 keyring = services.store.live.keyring
-                if keyring is None or not is_api(request.path):
+                if keyring is None or not (of_api if of_api is not None else is_api(request.path)):
                     request[API_KEY_KEY] = None  # (read by every model endpoint: a miss would raise inside)
                     response = await handler(request)
                 else:  # with auth:, a /v1/* request needs a key of the live generation, within its limits
-                    key = _key_of(request, services, keyring)
+                    # the key as clients send it, found at once; anything else (x-api-key, or none
+                    # found: refused and counted) by _key_of
+                    key = keyring.key_of(request.headers.get(hdrs.AUTHORIZATION)) or _key_of(request, services, keyring)
                     # a key with limits is admitted at once where no wait is needed (no coroutine):
                     # the common case; one without, not asked (nothing to count of it)
                     limited = key.rate_limit is not None or key.max_concurrency is not None
@@ -154,9 +158,9 @@ def add_routes(app: web.Application, gets: Mapping[str, Handler], posts: Mapping
     gateway's way (aiohttp's own 417 is plain text), a GET answering HEAD too; then, last, every
     other path and method to :func:`unmatched`."""
     for path, handler in gets.items():
-        app.router.add_get(path, front(handler), expect_handler=expect_continue)
+        app.router.add_get(path, front(handler, is_api(path)), expect_handler=expect_continue)
     for path, handler in posts.items():
-        app.router.add_post(path, front(handler), expect_handler=expect_continue)
+        app.router.add_post(path, front(handler, is_api(path)), expect_handler=expect_continue)
     methods: dict[str, list[str]] = {}
     for route in app.router.routes():
         methods.setdefault(route.resource.canonical if route.resource is not None else "", []).append(route.method)

@@ -69,10 +69,11 @@ class Services:
         return Tools(self.encoder.fetcher, self.decoders, self.conversions, self.metrics, self.transcriber,
                      self.describer, self.documents)  # fmt: skip
 
-    @property
-    def limits(self) -> KeyLimits | SharedLimits:
-        """Where the key limits are held: the shared store, or this process."""
-        return self.shared_limits if self.shared_limits is not None else self.key_limits
+    # where the key limits are held: the shared store, or this process (an attribute: every keyed request asks)
+    limits: KeyLimits | SharedLimits = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "limits", self.shared_limits if self.shared_limits is not None else self.key_limits)
 
 
 SERVICES_KEY = web.AppKey("services", Services)
@@ -112,4 +113,6 @@ def admitted_as(request: web.Request) -> tuple[ApiKey | None, int]:
     header = request.headers.get(HEADER)
     if key is None:
         return None, DEFAULT_RANK if header is None else priority_of(header, ANONYMOUS)
+    if header is None and key.priority.rank >= 0:  # its key's default class (priority_of's, known at once)
+        return key, key.priority.rank
     return key, priority_of(header, key.priority)

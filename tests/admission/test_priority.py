@@ -283,3 +283,12 @@ async def test_the_engines_own_priority_in_the_body_is_only_the_top_class_keys_t
     async with open_gw.client() as c:
         await c.chat.completions.create(model="m", messages=HI, extra_body={"priority": -7})
     assert upstream.received[-1].json()["priority"] == -7
+
+
+def test_a_caps_default_rank_is_known_once_as_priority_of_reads_it() -> None:
+    """A keyed request without the header is given its key's ``PriorityCap.rank`` at once
+    (gateway.server.state.admitted_as): the class priority_of would say."""
+    for default in PRIORITIES:
+        cap = PriorityCap(default, "system")
+        assert cap.rank == priority_of(None, cap) == PRIORITIES.index(default)
+    assert PriorityCap("urgent").rank == -1  # (a cap built in code, unchecked: priority_of says what it says)
