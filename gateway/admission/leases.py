@@ -83,7 +83,8 @@ class Lease:
     sent_at: float = -math.inf  # when the last lease went, with what was spent until then (the loop's clock)
     empty_until: float = 0.0  # the store had no request to give: none is asked for until then
     rate: float = 0.0  # requests a second here, over the last window
-    window: tuple[float, int] = (0.0, 0)  # the current window: its start, its requests
+    window_at: float = 0.0  # the current window's start
+    seen: int = 0  # its requests (counted as each is admitted)
     cut: float = 0.0  # renewed ahead of need below this many held: half a slice, seen anew every SLICE_EVERY
     cut_next: int = 0  # the window's count at which it is (0 at a window's start: its first request)
     syncing: asyncio.Task[bool] | None = None  # the lease under way
@@ -92,14 +93,12 @@ class Lease:
     said: Said = field(default_factory=Said)  # the last answer's x-ratelimit-* headers
 
     def count(self, now: float) -> None:
-        """One more request of the key here."""
-        start, seen = self.window
-        if now - start >= RATE_WINDOW_S:
-            self.rate = seen / (now - start) if seen else 0.0
-            self.window = (now, 1)
-            self.cut_next = 0
+        """One more request of the key here: in its window, or the first of a new one."""
+        if now - self.window_at >= RATE_WINDOW_S:
+            self.rate = self.seen / (now - self.window_at) if self.seen > 0 else 0.0
+            self.window_at, self.seen, self.cut_next = now, 1, 0
         else:
-            self.window = (start, seen + 1)
+            self.seen += 1
 
     def slice(self, limit: RateLimit, members: int, now: float) -> int:
         """How many requests a lease takes: HORIZON_S of this process's rate (the last window's,
@@ -108,8 +107,7 @@ class Lease:
         assert limit.requests_per_minute is not None
         allowance = limit.burst + limit.requests_per_minute / 60
         most = max(1, int(ERROR * allowance / max(1, members)))
-        start, seen = self.window
-        rate = max(self.rate, seen / max(now - start, RATE_WINDOW_S / 10))
+        rate = max(self.rate, self.seen / max(now - self.window_at, RATE_WINDOW_S / 10))
         return max(1, min(most, math.ceil(rate * HORIZON_S)))
 
     def levels(self, limit: RateLimit, now: float) -> tuple[float, float]:
@@ -177,6 +175,8 @@ class Store(Protocol):
 
     def failed(self) -> dict[str, str]: ...
 
+    def end(self, key: ApiKey, tokens: int, member: str | None) -> None: ...
+
 
 class Leases:
     """Every key's lease in this process (the module's docstring), renewed through ``store``."""
@@ -189,11 +189,18 @@ class Leases:
         """The lease of the key of this name (KeyError: none yet)."""
         return self._by_name[name]
 
-    def finish(self, key: ApiKey, tokens: int) -> None:
-        """A reply's tokens, spent here and written within SYNC_S, of the budgets the key has now:
+    def finish(self, key: ApiKey, tokens: int, member: str | None = None) -> None:
+        """A request's end (gateway.admission.shared's ``finish``, this itself: no call between):
+        its reply's tokens, spent here and written within SYNC_S, of the budgets the key has now:
         under the newest limits (its last request's generation), so that a request admitted
         before a reload that raised a budget does not cap the level read since at the older one,
-        nor one admitted before a reload that gave the key its budget go uncounted."""
+        nor one admitted before a reload that gave the key its budget go uncounted. A key with
+        ``max_concurrency`` ends in the store (``member``: its slot)."""
+        if key.max_concurrency is not None:
+            self._store.end(key, tokens, member)
+            return
+        if tokens <= 0:
+            return
         lease = self._by_name.get(key.name)
         if lease is None:  # a key never leased here (no limits when it came): nothing to spend of
             return
@@ -236,7 +243,6 @@ class Leases:
         if (limit.requests_per_minute is not None and lease.held < 1 and now >= lease.empty_until
                 and not (budgets and lease.spent(limit, now))):  # fmt: skip
             return None
-        lease.count(now)
         return self._admitted(key, lease, limit, budgets, now), None
 
     async def admit(self, key: ApiKey, limit: RateLimit, budgets: bool) -> Mapping[str, str]:
@@ -245,29 +251,33 @@ class Leases:
         read), and ahead of need otherwise, off the request's path."""
         lease = self._lease(key)
         now = clock()  # (read again after each wait)
-        lease.count(now)
         rpm = limit.requests_per_minute
-        for _ in range(2):  # (a lease under way for the key of an earlier generation may not read them)
-            if not budgets or (lease.knows(limit) and now - lease.synced_at <= TRUSTED_S):
-                break
-            if not await self._renewed(key, lease):
-                return self._store.failed()
-            now = clock()
-        # the store asked again while it has requests that others waiting took first, and the
-        # key's token budgets hold (a spent one refuses below)
-        while rpm is not None and lease.held < 1 and now >= lease.empty_until:
-            if budgets and lease.spent(limit, now):
-                break
-            if not await self._renewed(key, lease):
-                return self._store.failed()
-            now = clock()
+        lease.count(now)  # seen while it waits (a lease it starts is sized for it); counted again as admitted
+        try:
+            for _ in range(2):  # (a lease under way for the key of an earlier generation may not read them)
+                if not budgets or (lease.knows(limit) and now - lease.synced_at <= TRUSTED_S):
+                    break
+                if not await self._renewed(key, lease):
+                    return self._store.failed()
+                now = clock()
+            # the store asked again while it has requests that others waiting took first, and the
+            # key's token budgets hold (a spent one refuses below)
+            while rpm is not None and lease.held < 1 and now >= lease.empty_until:
+                if budgets and lease.spent(limit, now):
+                    break
+                if not await self._renewed(key, lease):
+                    return self._store.failed()
+                now = clock()
+        finally:
+            lease.seen = max(0, lease.seen - 1)  # (a window begun meanwhile counts from 1)
         return self._admitted(key, lease, limit, budgets, now)
 
     def _admitted(self, key: ApiKey, lease: Lease, limit: RateLimit, budgets: bool, now: float) -> Mapping[str, str]:
         """The request, its lease asked what it needs: renewed ahead of need, off its path (its
         budgets' levels older than SYNC_S, or half its slice spent); its headers, or its refusal."""
         rpm = limit.requests_per_minute
-        if rpm is not None and (seen := lease.window[1]) >= lease.cut_next:  # as a window begins, then every so often
+        lease.count(now)
+        if rpm is not None and (seen := lease.seen) >= lease.cut_next:  # as a window begins, then every so often
             lease.cut = lease.slice(limit, self._store.members, now) / 2
             lease.cut_next = seen + SLICE_EVERY
         if lease.syncing is None and (

@@ -116,6 +116,9 @@ class SharedLimits:
         # :meth:`admit` at once, where it needs no wait (a key with nothing to lease, or whose lease
         # holds what its request needs: the common case); None otherwise. The leases' own: no call between
         self.admit_now: Callable[[ApiKey], tuple[Mapping[str, str], str | None] | None] = self._leases.admit_now
+        # the request's end: its tokens spent, its slot given back, off its path (a key without
+        # max_concurrency: spent of its lease, written within SYNC_S; with: :meth:`end`). The leases' own
+        self.finish: Callable[[ApiKey, int, str | None], None] = self._leases.finish
         # this process among the live ones: a model's max_concurrency is divided among them
         self.member = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
         self.rank, self.members = 0, 1  # until the store first answers: the whole limit here
@@ -292,13 +295,10 @@ class SharedLimits:
             headers |= visual_verdict(limit, float(visual), tokens, short == "0")
         return headers
 
-    def finish(self, key: ApiKey, tokens: int, member: str | None) -> None:
-        """The request's end: its tokens spent, its slot given back; sent off its path (a key
-        without ``max_concurrency``: written with its lease within SYNC_S)."""
-        if key.max_concurrency is None:  # leased: spent there, of the budgets the key has now
-            if tokens > 0:
-                self._leases.finish(key, tokens)
-            return
+    def end(self, key: ApiKey, tokens: int, member: str | None) -> None:
+        """The end of a request of a key with ``max_concurrency`` (its ``finish``, which the
+        leases answer: gateway.admission.leases): its tokens spent, its slot given back, in this
+        turn's pipeline, off its path."""
         limit = key.rate_limit
         budgets = limit is not None and (limit.tokens_per_minute is not None or limit.tokens_per_day is not None)
         if member is None and not (budgets and tokens > 0):
