@@ -669,6 +669,12 @@ def notes(rows: Sequence[Summary]) -> list[str]:
     for r in rows:
         if (r.non_2xx and r.path not in (REJECTED, FLOOR)) or r.socket_errors:
             out.append(f"{r.scenario}, {r.path}: {r.non_2xx} non-2xx answers, {r.socket_errors} socket errors")
+        if r.counters.get("limits scripts") and r.requests:  # the store's work: scripts a request, a second
+            scripts = r.counters["limits scripts"]
+            out.append(
+                f"{r.path}: {scripts:.0f} limits scripts over {r.requests} requests ({scripts / r.requests:.4f} a "
+                f"request, {scripts / r.requests * r.rps:.0f} a second)"
+            )
         if r.counters.get("images encoded") or r.counters.get("encoder cache hits"):
             encoded, hits = r.counters["images encoded"], r.counters["encoder cache hits"]
             cpu_ms = r.counters["encoder CPU s"] / r.requests * 1000 if r.requests else float("nan")

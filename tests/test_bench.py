@@ -158,6 +158,14 @@ def test_goals_check_the_gateways_rows_against_the_issues_targets() -> None:
     ]
 
 
+def test_the_notes_say_what_the_limits_store_ran_a_request_and_a_second() -> None:
+    keyed = report.Summary("tenants: text chat", 32, hop.GATEWAY_REDIS, "x", 7, 9000.0, 3.0, 6.0, 110.0, 60.0, 0.9,
+                           hop.GATEWAY, None, 126_000, 0, 0, {"limits scripts": 140.0})  # fmt: skip
+    assert hop.notes([keyed]) == [
+        f"{hop.GATEWAY_REDIS}: 140 limits scripts over 126000 requests (0.0011 a request, 10 a second)"
+    ]
+
+
 def test_the_profile_summary_ranks_own_and_total_time_by_function_and_package() -> None:
     raw = "\n".join(
         [
