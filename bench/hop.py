@@ -351,6 +351,7 @@ class Arm:
     expect_ok: bool = True  # False: every answer is a 4xx
     counters: Callable[[], dict[str, float]] | None = None
     route: str = "/v1/chat/completions"  # the API it posts to
+    warm_with: Callable[[], Path] | None = None  # what warms its server first (None: the plain text request)
 
 
 @dataclass
@@ -496,7 +497,7 @@ def _tenants_plan(stack: Stack, scripts: Scripts) -> Plan:
     )
 
     def arms(start: Callable[[str], Server]) -> list[Arm]:
-        return [Arm(name, server, server, script, counters=counters)
+        return [Arm(name, server, server, script, counters=counters, warm_with=script)
                 for name, script, counters in variants for server in (start(name),)]  # fmt: skip
 
     # fresh gateways each round: the features weighed here cost a few µs of ~100, within what one
@@ -576,19 +577,19 @@ def measure(arm: Arm, connections: int, duration: int) -> Run:
     return Run(result, usage.cpu_s, usage.peak_rss, counters)
 
 
-def run_plan(plan: Plan, *, rounds: int, duration: int, warm: Callable[[Server], None]) -> list[Series]:
+def run_plan(plan: Plan, *, rounds: int, duration: int, warm: Callable[[Arm], None]) -> list[Series]:
     series = [
         Series(plan.scenario, plan.connections, a.path, a.measured.name if a.measured else "-") for a in plan.arms
     ]
     for arm in plan.arms:
-        warm(arm.target)
+        warm(arm)
     for arm in plan.warmup:
         measure(arm, plan.connections, max(2, duration))
     for r in range(rounds):
         if plan.fresh is not None and r:
             plan.arms = plan.fresh()
             for arm in plan.arms:
-                warm(arm.target)
+                warm(arm)
         shift = r % len(plan.arms)  # a different path goes first each round
         for i in [*range(shift, len(plan.arms)), *range(shift)]:
             run = measure(plan.arms[i], plan.connections, duration)
@@ -600,16 +601,19 @@ def run_plan(plan: Plan, *, rounds: int, duration: int, warm: Callable[[Server],
     return series
 
 
-def warmer(scripts: Scripts, seconds: int) -> Callable[[Server], None]:
-    """Text through each server for ``seconds`` before its first measured run: connection pools,
-    caches and lazy imports warm."""
+def warmer(scripts: Scripts, seconds: int) -> Callable[[Arm], None]:
+    """Text through each arm's server for ``seconds`` before its first measured run (or the arm's
+    ``warm_with``: a key's requests, which plain text would not warm): connection pools, caches
+    and lazy imports warm."""
     warmed: set[str] = set()
     text = scripts.static("text", lambda: [chat_body("bench")])
 
-    def warm(server: Server) -> None:
+    def warm(arm: Arm) -> None:
+        server = arm.target
         if seconds and server.url not in warmed:  # (a server started again is warmed again)
             warmed.add(server.url)
-            wrk.run(server.url + "/v1/chat/completions", text(), connections=8, duration_s=seconds)
+            script = (arm.warm_with or text)()
+            wrk.run(server.url + "/v1/chat/completions", script, connections=8, duration_s=seconds)
 
     return warm
 

@@ -194,8 +194,10 @@ class Leases:
         its reply's tokens, spent here and written within SYNC_S, of the budgets the key has now:
         under the newest limits (its last request's generation), so that a request admitted
         before a reload that raised a budget does not cap the level read since at the older one,
-        nor one admitted before a reload that gave the key its budget go uncounted. A key with
-        ``max_concurrency`` ends in the store (``member``: its slot)."""
+        nor one admitted before a reload that gave the key its budget go uncounted (a key with
+        limits when it came: one with none then is not asked of them at all, as in a process's
+        own, gateway.server.middlewares). A key with ``max_concurrency`` ends in the store
+        (``member``: its slot)."""
         if key.max_concurrency is not None:
             self._store.end(key, tokens, member)
             return
@@ -383,18 +385,21 @@ class Leases:
         return True
 
     def _write_spent(self, key: ApiKey, lease: Lease) -> None:
-        """What replies cost here, written SYNC_S after the first of it at the latest: by a lease
-        of its own only where none went since (a busy key's renewals write it; none is added)."""
+        """What replies cost here, written SYNC_S after the first of it (a lease under way then: SYNC_S
+        later again): by a lease of its own only where none went since (a busy key's renewals
+        write it; none is added)."""
         lease.flush = None
         if not lease.unsynced or self._store.closed:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
-        if lease.syncing is None and now >= lease.sent_at + SYNC_S - CLOCK_SLACK_S:
+        if lease.syncing is not None:  # it took what was spent before it went; the rest after it, not
+            # before it is answered (a store slower than SYNC_S: no timer a few ms meanwhile)
+            lease.flush = loop.call_later(SYNC_S, self._write_spent, key, lease)
+        elif now >= lease.sent_at + SYNC_S - CLOCK_SLACK_S:
             self._renew(key, lease, "finish", 0)
-        else:  # a lease went (or is under way) since: it took what was spent before it; the rest, with
-            # the next, or SYNC_S after it (all of it was spent after it went)
-            lease.flush = loop.call_at(max(lease.sent_at + SYNC_S, now + CLOCK_SLACK_S), self._write_spent, key, lease)
+        else:  # a lease went since: the rest with the next, or SYNC_S after it (all of it spent after it went)
+            lease.flush = loop.call_at(lease.sent_at + SYNC_S, self._write_spent, key, lease)
 
     def _idle(self, key: ApiKey, lease: Lease) -> None:
         """Requests held HOLD_S unspent: back to the store (the others' now)."""

@@ -169,7 +169,7 @@ async def begin(request: web.Request) -> Exchange:
         streamed,
         priority,
         key,
-        request[TAB_KEY] if key is not None else None,
+        request[TAB_KEY] if key is not None else None,  # (as gateway.server.uploads._begin)
         ask_usage=usage_fields(key, body, request.path, streamed),
     )
 

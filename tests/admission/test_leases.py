@@ -401,3 +401,37 @@ async def test_a_hold_that_lapsed_by_the_loops_clock_goes_back_whatever_its_mill
     assert await leases._sync(key, lease, "finish", 0)
     (_, args), *_ = store.sent
     assert args[5] == "5" and lease.held == 0  # all given back
+
+
+async def test_what_replies_cost_waits_a_whole_sync_for_a_slow_lease_under_way() -> None:
+    """A lease the store is slow to answer (slower than SYNC_S) holds the write of what was spent
+    after it went until SYNC_S later again: one timer, not one every few milliseconds while it
+    is under way."""
+    from gateway.admission.leases import Leases
+
+    answer = asyncio.Event()
+
+    class Slow(_Store):
+        async def renew(self, op: str, key: ApiKey, args: list[str]) -> list[str]:
+            self.sent.append((key, args))
+            await answer.wait()
+            return ["0", "0", "9000", "1000000"]
+
+    store = Slow()
+    leases, loop = Leases(store), asyncio.get_running_loop()
+    key = ApiKey("slow", key_sha256="0" * 64, rate_limit=RateLimit(None, 1, tokens_per_day=1_000_000))
+    lease = leases._lease(key)
+    lease.day, lease.levels_at, lease.synced_at = 1e6, clock(), clock()
+    leases._renew(key, lease, "admit")  # under way, and slow
+    await asyncio.sleep(0)
+    assert lease.syncing is not None and len(store.sent) == 1
+    leases.finish(key, 50)  # after it went
+    assert lease.flush is not None
+    lease.flush.cancel()
+    lease.sent_at = loop.time() - 1  # its write long due...
+    leases._write_spent(key, lease)  # ...as its timer fires: the lease still under way
+    assert lease.flush is not None and lease.flush.when() >= loop.time() + SYNC_S - CLOCK_SLACK_S
+    answer.set()
+    assert await lease.syncing
+    lease.flush.cancel()
+    assert len(store.sent) == 1 and lease.unsynced == 50  # nothing more sent meanwhile; the 50 still to write

@@ -133,3 +133,21 @@ async def test_a_second_file_is_refused_and_array_fields_may_repeat(gateway_fact
             timestamp_granularities=["word", "segment"],
         )
     assert len(whisper.received) == 1
+
+
+async def test_a_keyed_upload_is_answered_with_its_keys_limits(gateway_factory, both, monkeypatch) -> None:
+    """An upload's exchange holds its key's account as a JSON request's does: its answer carries
+    the key's x-ratelimit-* headers, and what it costs is spent of the key's budgets."""
+    whisper, _ = both
+    monkeypatch.setenv("MODALITY_GATEWAY_TEST_UPLOAD_KEY", "sk-upload")
+    keyed = routing(
+        f"  - {{name: whisper, upstream_model: openai/whisper-large-v3, upstreams: [{whisper.url}], "
+        f"accepts: [text, audio], {APIS}}}",
+        extra="media: {max_audio_bytes: 100000}\nauth:\n  keys:\n    - {name: team-a, "
+        "key_env: MODALITY_GATEWAY_TEST_UPLOAD_KEY, rate_limit: {requests_per_minute: 60, tokens_per_minute: 1000}}\n",
+    )
+    gw = await gateway_factory(keyed)
+    async with openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="sk-upload", max_retries=0) as client:
+        raw = await client.audio.transcriptions.with_raw_response.create(model="whisper", file=("a.wav", wav(0.3)))
+    assert raw.headers["x-ratelimit-limit-requests"] == "60"
+    assert raw.headers["x-ratelimit-limit-tokens"] == "1000"
