@@ -173,7 +173,6 @@ class Tracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import ReadableSpan, SpanLimits
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -188,7 +187,9 @@ class Tracing:
         self._resource = Resource.create({"service.name": service, "service.version": version})
         self._scope = InstrumentationScope("modality-gateway", version)
         self._limits = SpanLimits()  # OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT, ..._VALUE_LENGTH_LIMIT
-        self._ids = RandomIdGenerator()
+        # trace and span ids: random bits, never 0 (the invalid id), as the SDK's RandomIdGenerator
+        # draws them, without its two calls an id
+        self._bits = random.Random().getrandbits
         self._sampled = trace.TraceFlags(trace.TraceFlags.SAMPLED)
         self._kinds = {
             "server": trace.SpanKind.SERVER,
@@ -218,8 +219,8 @@ class Tracing:
                 remote = None
         sampled = remote.trace_flags.sampled if self._trust and remote is not None else self._draw() < self._ratio
         if not sampled:
-            trace_id = remote.trace_id if remote is not None else self._ids.generate_trace_id()
-            context = {"traceparent": f"00-{trace_id:032x}-{self._ids.generate_span_id():016x}-00"}
+            trace_id = remote.trace_id if remote is not None else self._bits(128) or 1
+            context = {"traceparent": f"00-{trace_id:032x}-{self._bits(64) or 1:016x}-00"}
             if remote is not None and remote.trace_state:
                 context["tracestate"] = remote.trace_state.to_header()
             return Traced(None, UNSAMPLED.set(context), operation)
@@ -296,11 +297,10 @@ class Tracing:
 
     def _span(self, name: str, parent: SpanContext | None, kind: str, start_ns: int | None) -> Span:
         """A new span under ``parent`` (its trace, its tracestate), or the root of a new trace."""
-        ids = self._ids
-        trace_id = parent.trace_id if parent is not None else ids.generate_trace_id()
+        trace_id = parent.trace_id if parent is not None else self._bits(128) or 1
         context = self._trace.SpanContext(
             trace_id,
-            ids.generate_span_id(),
+            self._bits(64) or 1,
             False,
             self._sampled,
             parent.trace_state if parent is not None else None,

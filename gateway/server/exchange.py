@@ -67,6 +67,7 @@ class Exchange:
     priority: int  # its class, as a rank in PRIORITIES (x-priority, capped by its key)
     key: ApiKey | None = None  # its API key (None: auth off); read once, as the request's other stages ask
     tab: Tab | None = None  # its key's account (gateway.server.state.Tab): what it spends, the headers it answers with
+    recording: bool = False  # whether it is traced (sampled): decided at its front door, asked once
     model: ModelConfig | None = None  # the model that serves it, once known
     plan: RoutePlan | None = None  # for an API whose parts are admitted (every one but completions)
     converted: Replacements = field(default_factory=dict)
@@ -94,14 +95,13 @@ class Exchange:
     def _sent_as_it_came(self, plan: RoutePlan) -> bool:
         """Whether the plan sends the client's bytes upstream and no stage reads its images whole
         (converted, encoded, fetched, rewritten, hashed for affinity or a trace)."""
-        tracing = self.services.tracing
         return (
             plan.route == "direct"
             and not plan.needs_rewrite(self.parsed)
             and not (plan.encode_parts or plan.encodes_frames or plan.encodes_pages or plan.page_images)
             and not (plan.visual is not None and plan.visual.waits)
             and plan.model.balance != "affinity"
-            and not (tracing is not None and tracing.recording())
+            and not self.recording
         )
 
     def serve_with(self, model: ModelConfig) -> None:
@@ -125,8 +125,8 @@ class Exchange:
         if plan.stripped or plan.history_stripped:
             for part in plan.stripped_parts:
                 metrics.stripped_parts.labels(plan.model.name, part.modality.value).inc()
-        if self.services.tracing is not None and self.services.tracing.recording():  # on the request's span
-            self.services.tracing.current().set_attributes(admission_attributes(plan, self.body))
+        if self.recording and (tracing := self.services.tracing) is not None:  # on the request's span
+            tracing.current().set_attributes(admission_attributes(plan, self.body))
 
     async def counted(self, plan: RoutePlan) -> None:
         """The request's visual tokens, known: held to its key's token budgets, spent of its
@@ -170,6 +170,7 @@ async def begin(request: web.Request) -> Exchange:
         priority,
         key,
         request[TAB_KEY] if key is not None else None,  # (as gateway.server.uploads._begin)
+        recording=services.tracing is not None and services.tracing.recording(),
         ask_usage=usage_fields(key, body, request.path, streamed),
     )
 
@@ -290,8 +291,8 @@ def forward(
         answer_headers=ex.tab.headers if ex.tab is not None else None,  # a reply relayed as it comes
     )
     upstream = ex.services.upstream
-    if ex.services.tracing is not None and ex.services.tracing.recording():  # the request's span: who served it
-        ex.services.tracing.current().set_attributes(
+    if ex.recording and (tracing := ex.services.tracing) is not None:  # the request's span: who served it
+        tracing.current().set_attributes(
             {"gen_ai.response.model": model.name, "gateway.route": headers["X-Gateway-Route"],
              "gateway.priority": PRIORITIES[ex.priority]}
         )  # fmt: skip

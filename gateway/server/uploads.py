@@ -56,5 +56,8 @@ async def _begin(request: web.Request) -> tuple[Exchange, Form]:
     form = parse_form(raw, request.headers.get("Content-Type", ""))
     streamed = (form.value("stream") or "").lower() == "true"
     tab = request[TAB_KEY] if key is not None else None  # its key's account (as gateway.server.exchange.begin)
-    begun = Exchange(request, services, live, live.config, allowed, raw, {}, None, streamed, priority, key, tab)
+    recording = services.tracing is not None and services.tracing.recording()
+    begun = Exchange(
+        request, services, live, live.config, allowed, raw, {}, None, streamed, priority, key, tab, recording
+    )
     return begun, form
