@@ -605,15 +605,17 @@ def warmer(scripts: Scripts, seconds: int) -> Callable[[Arm], None]:
     """Text through each arm's server for ``seconds`` before its first measured run (or the arm's
     ``warm_with``: a key's requests, which plain text would not warm): connection pools, caches
     and lazy imports warm."""
-    warmed: set[str] = set()
+    warmed: set[int] = set()
     text = scripts.static("text", lambda: [chat_body("bench")])
 
     def warm(arm: Arm) -> None:
         server = arm.target
-        if seconds and server.url not in warmed:  # (a server started again is warmed again)
-            warmed.add(server.url)
-            script = (arm.warm_with or text)()
-            wrk.run(server.url + "/v1/chat/completions", script, connections=8, duration_s=seconds)
+        if seconds and server.process.pid not in warmed:  # (a server started again is warmed again)
+            warmed.add(server.process.pid)
+            if arm.warm_with is not None:
+                wrk.run(server.url + arm.route, arm.warm_with(), connections=8, duration_s=seconds)
+            else:
+                wrk.run(server.url + "/v1/chat/completions", text(), connections=8, duration_s=seconds)
 
     return warm
 

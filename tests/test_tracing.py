@@ -196,6 +196,26 @@ async def test_a_request_without_a_traceparent_starts_a_trace_and_errors_say_the
 
 
 @needs_tracing
+async def test_an_upload_is_traced_as_a_json_request_is(upstream_factory, gateway_factory, collector) -> None:
+    """A transcription's exchange knows it is traced (gateway.server.uploads): its span says who
+    served it and how, as a chat request's does."""
+    from tests.media.test_transcribe import wav
+
+    found, url = collector
+    whisper = await upstream_factory("whisper")
+    model = (
+        f"  - {{name: whisper, upstream_model: openai/whisper-large-v3, upstreams: [{whisper.url}], "
+        "accepts: [text, audio], apis: [chat, transcriptions]}"
+    )
+    gw = await gateway_factory(traced(url, model, extra="media: {max_audio_bytes: 100000}\n"))
+    async with gw.client() as client:
+        await client.audio.transcriptions.create(model="whisper", file=("a.wav", wav(0.3)))
+    await flushed(gw)
+    (span,) = [s for s in found.spans if s.name.startswith("transcri")]
+    assert attributes(span)["gen_ai.response.model"] == "whisper" and attributes(span)["gateway.route"] == "direct"
+
+
+@needs_tracing
 async def test_a_streams_relay_is_a_span_under_the_attempt_that_answered(upstream, gateway_factory, collector) -> None:
     found, url = collector
     gw = await gateway_factory(traced(url, f"  - {{name: m, upstreams: [{upstream.url}], accepts: [text]}}"))

@@ -16,7 +16,8 @@ held so, in each process:
   refused here until its bucket would hold one again, without asking.
 - **token budgets** (``tokens_per_minute``, ``tokens_per_day``): their levels as last read, refilled
   here at their rate, less what replies cost here since (each spent as it ends, as a process's
-  own buckets are); what they cost is written back within SYNC_S, and levels older than SYNC_S
+  own buckets are); what they cost is written back within SYNC_S (with the next renewal, or by a
+  lease of its own; SYNC_S after a lease the store is slow to answer), and levels older than SYNC_S
   are read again (both with the next lease), in the background; levels older than TRUSTED_S (an
   idle key, or a store that fails: then its ``on_failure`` answers) are read before the request.
   A budget holds across processes to what they spent in the last SYNC_S (they are spent after
@@ -191,10 +192,11 @@ class Leases:
 
     def finish(self, key: ApiKey, tokens: int, member: str | None = None) -> None:
         """A request's end (gateway.admission.shared's ``finish``, this itself: no call between):
-        its reply's tokens, spent here and written within SYNC_S, of the budgets the key has now:
-        under the newest limits (its last request's generation), so that a request admitted
-        before a reload that raised a budget does not cap the level read since at the older one,
-        nor one admitted before a reload that gave the key its budget go uncounted (a key with
+        its reply's tokens, spent here and written within SYNC_S (:meth:`_write_spent` says when),
+        of the budgets the key has now: under the newest limits (its last request's generation),
+        so that a request admitted before a reload that raised a budget does not cap the level
+        read since at the older one, nor one admitted before a reload that gave the key its
+        budget go uncounted (a key with
         limits when it came: one with none then is not asked of them at all, as in a process's
         own, gateway.server.middlewares). A key with ``max_concurrency`` ends in the store
         (``member``: its slot)."""

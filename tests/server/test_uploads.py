@@ -136,8 +136,8 @@ async def test_a_second_file_is_refused_and_array_fields_may_repeat(gateway_fact
 
 
 async def test_a_keyed_upload_is_answered_with_its_keys_limits(gateway_factory, both, monkeypatch) -> None:
-    """An upload's exchange holds its key's account as a JSON request's does: its answer carries
-    the key's x-ratelimit-* headers, and what it costs is spent of the key's budgets."""
+    """An upload's exchange holds its key's account as a JSON request's does (what it costs is
+    spent of it): its answer carries the key's x-ratelimit-* headers."""
     whisper, _ = both
     monkeypatch.setenv("MODALITY_GATEWAY_TEST_UPLOAD_KEY", "sk-upload")
     keyed = routing(
