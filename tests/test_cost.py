@@ -44,8 +44,8 @@ from gateway import tracing
 # 734 (1.31).
 # 2026-12-05 (session 23): a keyed request admitted without a coroutine, its account one slot of the
 # request, its headers made once while its levels stay: keyed 657 -> 625 (1.11).
-# 2026-12-05 (session 24): a key's lookup, priority, models and account read once each, its limits'
-# headers answered without a call where they say the same: keyed 625 -> 617 (1.10). Whether a request
+# 2026-12-05 (session 24): a key's lookup, priority, models and account read once each: keyed 625 ->
+# 620 (1.11). Whether a request
 # is traced asked once an exchange, its ids drawn without the SDK's generator: unsampled 621 -> 617
 # (22 over text), traced 734 -> 719 (1.28).
 CEILINGS = {

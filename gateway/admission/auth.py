@@ -27,6 +27,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from ..config import ApiKey, GatewayConfig, RateLimit
 from ..errors import (
@@ -38,6 +39,8 @@ from ..errors import (
 
 DAY_S = 86_400.0
 NOTHING_SAID = (math.nan, math.nan, math.nan)  # (nan equals nothing: the first headers are made)
+# a request of a key with nothing to hold it to (the front door's, and the leases'): no headers, no slot
+NO_LIMITS: tuple[Mapping[str, str], None] = (MappingProxyType({}), None)
 
 
 @dataclass(slots=True)
@@ -168,11 +171,7 @@ class KeyLimits:
                     held.requests = left
                     requests_verdict(limit, left, False)  # raises
                 held.requests = left = left - 1
-            said = held.said  # (Said.headers's own check, first: no call while the levels say the same)
-            if said.limit is limit and said.levels == (left, minute, day):
-                headers = said.said
-            else:
-                headers = said.headers(limit, left, minute, day)
+            headers = held.said.headers(limit, left, minute, day)
         elif most is not None and held.active >= most:
             raise concurrency_refusal(most)
         if most is None:

@@ -37,11 +37,10 @@ import math
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any, Protocol
 
 from ..config import ApiKey, RateLimit
-from .auth import DAY_S, Said, requests_verdict, tokens_verdict
+from .auth import DAY_S, NO_LIMITS, Said, requests_verdict, tokens_verdict
 from .scripts import arg
 
 # a slice is what this process spends of a key in this long: a busy key renewed every half of it,
@@ -62,7 +61,6 @@ SLICE_EVERY = 16  # a slice's size (for when to renew) is worked out again every
 # of HOLD_S has lapsed.
 clock = time.monotonic
 CLOCK_SLACK_S = 0.002
-NOTHING: tuple[Mapping[str, str], None] = (MappingProxyType({}), None)  # a key with nothing to lease: no headers
 
 
 @dataclass(slots=True)
@@ -79,7 +77,6 @@ class Lease:
     day: float | None = None
     levels_at: float = 0.0
     synced_at: float = -math.inf  # when the last lease answered
-    read: RateLimit | None = None  # the limits it read the budgets' levels under (:meth:`knows` at a glance)
     unsynced: int = 0  # tokens replies cost here since, not written yet
     sent_at: float = -math.inf  # when the last lease went, with what was spent until then (the loop's clock)
     empty_until: float = 0.0  # the store had no request to give: none is asked for until then
@@ -138,12 +135,10 @@ class Lease:
     def knows(self, limit: RateLimit) -> bool:
         """Whether the key's token budgets were read (since the last settle, and as the key has
         them now: a reload may have given it one)."""
-        return self.synced_at > -math.inf and (
-            self.read is limit
-            or (
-                (limit.tokens_per_minute is None or self.minute is not None)
-                and (limit.tokens_per_day is None or self.day is not None)
-            )
+        return (
+            self.synced_at > -math.inf
+            and (limit.tokens_per_minute is None or self.minute is not None)
+            and (limit.tokens_per_day is None or self.day is not None)
         )
 
     def spent(self, limit: RateLimit, now: float) -> bool:
@@ -196,10 +191,9 @@ class Leases:
         of the budgets the key has now: under the newest limits (its last request's generation),
         so that a request admitted before a reload that raised a budget does not cap the level
         read since at the older one, nor one admitted before a reload that gave the key its
-        budget go uncounted (a key with
-        limits when it came: one with none then is not asked of them at all, as in a process's
-        own, gateway.server.middlewares). A key with ``max_concurrency`` ends in the store
-        (``member``: its slot)."""
+        budget go uncounted (a key with limits when it came: one with none then is not asked of
+        them at all, as in a process's own, gateway.server.middlewares). A key with
+        ``max_concurrency`` ends in the store (``member``: its slot)."""
         if key.max_concurrency is not None:
             self._store.end(key, tokens, member)
             return
@@ -233,16 +227,16 @@ class Leases:
         if key.max_concurrency is not None:
             return None
         if (limit := key.rate_limit) is None:
-            return NOTHING
+            return NO_LIMITS
         budgets = limit.tokens_per_minute is not None or limit.tokens_per_day is not None
         if limit.requests_per_minute is None and not budgets:
-            return NOTHING
+            return NO_LIMITS
         lease = self._by_name.get(key.name)
         if lease is None:  # the key's first request here
             return None
         lease.key = key  # (as _lease: straight through, a call less on every keyed request)
         now = clock()
-        if budgets and (now - lease.synced_at > TRUSTED_S or (lease.read is not limit and not lease.knows(limit))):
+        if budgets and (now - lease.synced_at > TRUSTED_S or not lease.knows(limit)):
             return None
         if (limit.requests_per_minute is not None and lease.held < 1 and now >= lease.empty_until
                 and not (budgets and lease.spent(limit, now))):  # fmt: skip
@@ -305,10 +299,7 @@ class Leases:
                 requests_verdict(limit, left, False)  # raises
             lease.held -= 1
             left -= 1
-        said = lease.said  # (Said.headers's own check, first: no call while the levels say the same)
-        if said.limit is limit and said.levels == (left, minute, day):
-            return said.said
-        return said.headers(limit, left, minute, day)
+        return lease.said.headers(limit, left, minute, day)
 
     async def budgets(self, key: ApiKey, limit: RateLimit, need: int) -> dict[str, str]:
         """A request's visual tokens, once known, held to the key's token budgets as this process
@@ -379,7 +370,6 @@ class Leases:
         lease.minute = float(minute) - lease.unsynced if limit.tokens_per_minute is not None else None
         lease.day = float(day) - lease.unsynced if limit.tokens_per_day is not None else None
         lease.synced_at = lease.levels_at = clock()
-        lease.read = limit
         if rpm is not None:
             lease.taken(lease.synced_at, int(taken), float(left), rpm / 60, loop.time())
             if lease.held:  # unspent by then: given back
@@ -431,4 +421,4 @@ class Leases:
                 ending.append(self._sync(lease.key, lease, "finish", 0, everything=True))
         await asyncio.gather(*ending)
         for lease in leases:
-            lease.synced_at, lease.empty_until, lease.read = -math.inf, 0.0, None
+            lease.synced_at, lease.empty_until = -math.inf, 0.0

@@ -38,7 +38,7 @@ from ..upstream.concurrency import gated
 from ..upstream.dispatch import Dispatch, Timeouts
 from ..upstream.replicas import Pool
 from . import spending
-from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, TAB_KEY, Services, Tab, admitted_as
+from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, Services, Tab, admitted_as, left_by_the_door
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ async def begin(request: web.Request) -> Exchange:
     raw, body, deferred = await read_json(request, live.config.server, max_bytes=services.max_body_bytes)
     check_engine_priority(body, key)
     streamed = body.get("stream") is True
-    allowed = key.allows if key is not None and key.models else None  # (a key of every model: none asked)
+    allowed, tab = left_by_the_door(request, key)
     return Exchange(
         request,
         services,
@@ -169,7 +169,7 @@ async def begin(request: web.Request) -> Exchange:
         streamed,
         priority,
         key,
-        request[TAB_KEY] if key is not None else None,  # (as gateway.server.uploads._begin)
+        tab,
         recording=services.tracing is not None and services.tracing.recording(),
         ask_usage=usage_fields(key, body, request.path, streamed),
     )

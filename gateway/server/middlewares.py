@@ -21,13 +21,13 @@ import os
 import random
 import time
 from collections.abc import Mapping
-from types import MappingProxyType
 
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Handler
 from yarl import URL
 
 from ..admission.apis.catalog import BY_PATH, is_api, shape_of
+from ..admission.auth import NO_LIMITS
 from ..admission.body import body_too_large
 from ..config import ApiKey
 from ..config.generation import Keyring
@@ -56,7 +56,6 @@ GATEWAY_MODEL = "X-Gateway-Model"
 # request in logs; it guards nothing, so it needs to be unique, not unpredictable.
 _ids = random.Random(os.urandom(32))
 CLIENT_CLOSED = 499  # nginx's code for "the client went away first"
-UNLIMITED: tuple[Mapping[str, str], None] = (MappingProxyType({}), None)  # a key without limits: no headers, no slot
 
 
 def _request_id(request: web.Request) -> str:
@@ -99,7 +98,7 @@ def front(handler: Handler, of_api: bool | None = None) -> Handler:
                     # the common case; one without, not asked (nothing to count of it)
                     limited = key.rate_limit is not None or key.max_concurrency is not None
                     limits = services.limits
-                    headers, slot = (limits.admit_now(key) or await limits.admit(key)) if limited else UNLIMITED
+                    headers, slot = (limits.admit_now(key) or await limits.admit(key)) if limited else NO_LIMITS
                     tab = request[TAB_KEY] = Tab(headers)
                     request[API_KEY_KEY] = key
                     try:

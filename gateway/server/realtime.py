@@ -25,7 +25,7 @@ from ..media.asking import engine_headers
 from ..metrics import UNKNOWN_MODEL
 from ..upstream.realtime import Relay, client_max_msg, connect
 from . import spending
-from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, TAB_KEY, admitted_as
+from .state import MODEL_LABEL_KEY, REQUEST_ID_KEY, SERVICES_KEY, admitted_as, left_by_the_door
 
 
 async def handler(request: web.Request) -> web.StreamResponse:
@@ -33,7 +33,8 @@ async def handler(request: web.Request) -> web.StreamResponse:
     live = services.store.live
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
     key, _ = admitted_as(request)  # (its x-priority is checked: a session has no queue to wait in)
-    model = admit_session(live.config, request.query, key.allows if key is not None else None)
+    allowed, tab = left_by_the_door(request, key)
+    model = admit_session(live.config, request.query, allowed)
     request[MODEL_LABEL_KEY] = model.name
     client = web.WebSocketResponse(max_msg_size=client_max_msg(model), autoping=True, compress=False)
     if not client.can_prepare(request).ok:
@@ -50,8 +51,7 @@ async def handler(request: web.Request) -> web.StreamResponse:
         except BaseException:
             await engine.close()
             raise
-        on_usage = functools.partial(spending.reply, services, key, request[TAB_KEY] if key is not None else None,
-                                     model.name, 0)  # fmt: skip
+        on_usage = functools.partial(spending.reply, services, key, tab, model.name, 0)
         relay = Relay(client, engine, Session(model), metrics, on_usage)
         hub.enter(relay)
         metrics.realtime_opened.labels(model.name).inc()

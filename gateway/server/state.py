@@ -105,6 +105,15 @@ def visible(request: web.Request) -> Visible:
     return key.allows if key is not None else None
 
 
+def left_by_the_door(request: web.Request, key: ApiKey | None) -> tuple[Visible, Tab | None]:
+    """What the front door left a request of ``key`` (:func:`admitted_as`'s): the model names the
+    key may use (None: every one, auth off or a key of every model, none asked), and the key's
+    account (None: no key)."""
+    if key is None:
+        return None, None
+    return (key.allows if key.models else None), request[TAB_KEY]
+
+
 def admitted_as(request: web.Request) -> tuple[ApiKey | None, int]:
     """The request's key (the one the front middleware found: a reload since, auth taken off,
     does not unkey a request it let in), and its class: ``x-priority`` within the key's cap (400

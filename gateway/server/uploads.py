@@ -18,7 +18,7 @@ from ..metrics import UNKNOWN_MODEL
 from ..modalities import Modality
 from . import exchange
 from .exchange import Exchange
-from .state import MODEL_LABEL_KEY, SERVICES_KEY, TAB_KEY, admitted_as
+from .state import MODEL_LABEL_KEY, SERVICES_KEY, admitted_as, left_by_the_door
 
 
 async def _upload(request: web.Request, api: Api) -> web.StreamResponse:
@@ -50,12 +50,11 @@ async def _begin(request: web.Request) -> tuple[Exchange, Form]:
     live = services.store.live
     request[MODEL_LABEL_KEY] = UNKNOWN_MODEL
     key, priority = admitted_as(request)
-    allowed = key.allows if key is not None else None
+    allowed, tab = left_by_the_door(request, key)
     server = live.config.server
     raw = await read_body(request, timeout_s=server.client_body_timeout_s, max_bytes=services.max_body_bytes)
     form = parse_form(raw, request.headers.get("Content-Type", ""))
     streamed = (form.value("stream") or "").lower() == "true"
-    tab = request[TAB_KEY] if key is not None else None  # its key's account (as gateway.server.exchange.begin)
     recording = services.tracing is not None and services.tracing.recording()
     begun = Exchange(
         request, services, live, live.config, allowed, raw, {}, None, streamed, priority, key, tab, recording

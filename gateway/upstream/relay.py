@@ -279,10 +279,8 @@ async def _relay_whole(
             status=upstream.status, reason=upstream.reason, headers=headers, body=body
         )
     else:
-        if (answer_headers := dispatch.answer_headers) and upstream.status < 400:  # (with_key_limits's, at once)
-            headers.update(answer_headers)
-        elif answer_headers:
-            with_key_limits(headers, answer_headers, upstream.status)
+        if dispatch.answer_headers:
+            with_key_limits(headers, dispatch.answer_headers, upstream.status)
         sent = response = SentResponse(status=upstream.status, reason=upstream.reason, headers=headers, body=body)
         try:
             await sent.prepare(request)
